@@ -1,0 +1,33 @@
+"""lightning_sparse: sparse gradient communication for PyTorch Lightning.
+
+Importing the package registers the strategy names ``sparse_ddp``, ``sparse_ddp_spawn``,
+``sparse_ddp_find_unused_parameters_true`` (and fork/notebook variants) with Lightning::
+
+    import lightning_sparse
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")
+"""
+
+from lightning_sparse.compressors import COMPRESSORS, Compressor, RandomK, TopK, register_compressor
+from lightning_sparse.hook import sparse_comm_hook
+from lightning_sparse.schedules import ConstantDensity, DensitySchedule
+from lightning_sparse.state import SparseState
+from lightning_sparse.strategy import SparseDDPStrategy, register_strategies
+
+__version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = [
+    "COMPRESSORS",
+    "Compressor",
+    "ConstantDensity",
+    "DensitySchedule",
+    "RandomK",
+    "SparseDDPStrategy",
+    "SparseState",
+    "TopK",
+    "__version__",
+    "register_compressor",
+    "register_strategies",
+    "sparse_comm_hook",
+]

@@ -1,0 +1,95 @@
+"""Small helpers shared by the package: argument checks and deterministic seeding."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from typing import Any
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def bad_argument(name: str, value: Any, allowed: str) -> ValueError:
+    """Build the package's standard error for a rejected argument."""
+    return ValueError(f"{name}={value!r} is not allowed: {allowed}.")
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Return ``value`` if it is an int (not a bool) within the bounds, else raise ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_argument(name, value, "expected an integer")
+    if minimum is not None and value < minimum:
+        raise bad_argument(name, value, f"expected an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise bad_argument(name, value, f"expected an integer <= {maximum}")
+    return value
+
+
+def check_density(name: str, value: Any) -> float:
+    """Return ``value`` as a float if it lies in (0, 1], else raise ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_argument(name, value, "expected a number in (0, 1]")
+    value = float(value)
+    if not (0.0 < value <= 1.0):
+        raise bad_argument(name, value, "expected a number in (0, 1]")
+    return value
+
+
+def stable_key(name: str) -> int:
+    """A 32-bit key for a parameter name that is the same in every process (unlike ``hash``)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def mix_seed(*parts: int) -> int:
+    """Combine integers into one 63-bit seed (splitmix64 finaliser), identical on every rank."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (int(part) & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h & ((1 << 63) - 1)
+
+
+def make_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A dedicated generator on ``device`` (never the global RNG), seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_value_dtype(value: Any) -> torch.dtype | None:
+    """Map ``value_dtype`` (None, a name or a torch dtype) to a torch dtype, else raise ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+    elif isinstance(value, str):
+        key = value.removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise bad_argument("value_dtype", value, f"expected None or one of {sorted(_DTYPES)}")
+
+
+# Reused scratch buffers. Fresh multi-MB allocations cost page faults on every step (on CPU a
+# new 100 MB tensor costs more than the pass that fills it), so hot paths borrow these instead.
+# Keyed by thread too: DDP runs the hook on the autograd thread while completion callbacks run on
+# the process group's threads.
+_SCRATCH: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D buffer of ``numel`` elements, reused across calls with the same tag (contents undefined)."""
+    key = (tag, dtype, device, threading.get_ident())
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf[:numel]

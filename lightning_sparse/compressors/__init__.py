@@ -1,0 +1,29 @@
+"""Compressors and their name registry.
+
+``COMPRESSORS`` maps each name accepted by ``SparseDDPStrategy(compressor=...)`` to its class.
+A new compressor subclasses :class:`Compressor` and joins with ``@register_compressor``.
+"""
+
+from lightning_sparse.compressors.base import (
+    COMPRESSORS,
+    CompressContext,
+    Compressor,
+    Pattern,
+    get_compressor,
+    register_compressor,
+)
+from lightning_sparse.compressors.randomk import RandomK, random_subset
+from lightning_sparse.compressors.topk import TopK, exact_topk_indices
+
+__all__ = [
+    "COMPRESSORS",
+    "CompressContext",
+    "Compressor",
+    "Pattern",
+    "RandomK",
+    "TopK",
+    "exact_topk_indices",
+    "get_compressor",
+    "random_subset",
+    "register_compressor",
+]

@@ -1,0 +1,121 @@
+"""The compressor interface and the name registry.
+
+A compressor decides *which* coordinates of a flat tensor ``p`` (gradient plus error-feedback
+residual of one parameter) are sent. What crosses the wire is fixed by its ``pattern``:
+
+- ``"gather"``: each rank picks its own ``k`` coordinates; values and int32 indices are
+  all-gathered (the same ``k`` on every rank) and summed into the dense result.
+- ``"shared"``: every rank picks the *same* coordinates (drawn only from ``ctx.shared_generator``)
+  so only the values are all-reduced; no indices cross the wire.
+
+The hook (:mod:`lightning_sparse.hook`) does the rest: error feedback, value quantization,
+packing a whole bucket into one message, and writing the averaged gradient back.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import make_generator, mix_seed
+
+Pattern = Literal["gather", "shared"]
+
+#: name -> compressor class; a compressor joins with ``@register_compressor``.
+COMPRESSORS: dict[str, type[Compressor]] = {}
+
+
+@dataclass(frozen=True)
+class CompressContext:
+    """What a compressor may know about the tensor it compresses.
+
+    Args:
+        step: the optimizer step (counts synchronised steps only; identical on all ranks).
+        key: a stable 32-bit key of the parameter name (identical on all ranks).
+        rank: this process's rank.
+        world_size: number of processes exchanging.
+        seed: the strategy's seed.
+    """
+
+    step: int = 0
+    key: int = 0
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """A generator seeded from (seed, step, key): the same stream on every rank."""
+        return make_generator(device, mix_seed(self.seed, 0x5EED, self.step, self.key))
+
+    def local_generator(self, device: torch.device) -> torch.Generator:
+        """A generator seeded from (seed, rank, step, key): different on each rank, reproducible."""
+        return make_generator(device, mix_seed(self.seed, 0x10CA1, self.rank, self.step, self.key))
+
+
+class Compressor(ABC):
+    """Base class of all compressors.
+
+    Subclasses implement :meth:`select` and set ``pattern``. They hold configuration only:
+    every per-step random choice comes from the generators of the :class:`CompressContext`,
+    so a compressor is stateless, picklable and resumes exactly.
+
+    Example:
+        >>> import torch
+        >>> from lightning_sparse.compressors import TopK, CompressContext
+        >>> TopK().select(torch.tensor([0.1, -3.0, 2.0, 0.5]), 2, CompressContext()).sort().values
+        tensor([1, 2])
+    """
+
+    name: ClassVar[str] = ""
+    pattern: ClassVar[Pattern] = "gather"
+
+    @abstractmethod
+    def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
+        """Return the int64 indices of the coordinates of the 1-D tensor ``p`` to send.
+
+        ``"gather"`` compressors return exactly ``k`` unique indices in ``[0, p.numel())``.
+        ``"shared"`` compressors must return the same indices on every rank (use only
+        ``ctx.shared_generator`` and the sizes, never the values of ``p``).
+        """
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments, for checkpoints, logs and cross-rank consistency checks."""
+        params = inspect.signature(type(self).__init__).parameters
+        return {n: getattr(self, n) for n in params if n != "self" and hasattr(self, n)}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.config() == other.config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self.config().items()))))
+
+
+def register_compressor(cls: type[Compressor]) -> type[Compressor]:
+    """Class decorator: make ``cls`` selectable by its ``name`` (``compressor="name"``)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute `name` to be registered.")
+    existing = COMPRESSORS.get(cls.name)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"compressor name {cls.name!r} is already taken by {existing.__qualname__}.")
+    COMPRESSORS[cls.name] = cls
+    return cls
+
+
+def get_compressor(spec: str | Compressor) -> Compressor:
+    """Resolve a compressor name or instance; unknown names raise ValueError listing the known ones."""
+    if isinstance(spec, Compressor):
+        return spec
+    if isinstance(spec, str) and spec.lower() in COMPRESSORS:
+        return COMPRESSORS[spec.lower()]()
+    raise ValueError(
+        f"compressor={spec!r} is not allowed: expected a Compressor instance or one of {sorted(COMPRESSORS)}."
+    )

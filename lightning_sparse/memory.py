@@ -1,0 +1,118 @@
+"""Error-feedback residuals, one flat fp32 tensor per parameter name.
+
+Keyed by parameter name, not by bucket: DDP rebuilds its buckets after the first step and
+resumed runs start from the initial layout again, while names stay put.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class ErrorFeedback:
+    """What each parameter has not sent yet: ``e <- (g + e) - sent``, exactly.
+
+    Residuals are kept in float32 whatever the gradient dtype, so that bf16/fp16 gradients and
+    quantized values lose nothing to rounding in the residual itself.
+
+    Example:
+        >>> import torch
+        >>> ef = ErrorFeedback()
+        >>> p = ef.accumulate("w", torch.tensor([1.0, 2.0, 3.0]))   # p = g + e (e starts at 0)
+        >>> ef.keep_unsent("w", torch.tensor([2]))  # p[2] was sent exactly
+        >>> ef.get("w")
+        tensor([1., 2., 0.])
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, Tensor] = {}
+        # Names whose buffer is known to hold zeros without having been zeroed (saves a pass).
+        self._zero: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        """Whether ``name`` has a residual that may be non-zero."""
+        return name in self._residuals and name not in self._zero
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def names(self) -> list[str]:
+        """Names that have a residual buffer."""
+        return list(self._residuals)
+
+    def get(self, name: str) -> Tensor | None:
+        """The residual of ``name`` (None if it never had one)."""
+        e = self._residuals.get(name)
+        if e is not None and name in self._zero:
+            e.zero_()
+            self._zero.discard(name)
+        return e
+
+    def accumulate(self, name: str, grad: Tensor) -> Tensor:
+        """Add the flat gradient into the residual in place and return it: ``p = g + e`` (fp32)."""
+        e = self._residuals.get(name)
+        if e is None or e.numel() != grad.numel() or e.device != grad.device:
+            e = grad.to(torch.float32, copy=True)
+            self._residuals[name] = e
+        elif name in self._zero:
+            e.copy_(grad)
+        else:
+            e.add_(grad)
+        self._zero.discard(name)
+        return e
+
+    def keep_unsent(self, name: str, indices: Tensor, remainder: Tensor | None = None) -> None:
+        """After :meth:`accumulate` and a send of ``p[indices]``: what stays at those coordinates.
+
+        ``remainder=None`` means the values were sent exactly (the residual becomes 0 there); with
+        quantized values pass ``p[indices] - sent``, the rounding error, so that
+        ``sent + e_new == p`` holds exactly.
+        """
+        e = self._residuals[name]
+        if remainder is None:
+            e.index_fill_(0, indices, 0.0)
+        else:
+            e.index_copy_(0, indices, remainder.to(torch.float32))
+
+    def flush(self, name: str, sent_as: torch.dtype) -> Tensor | None:
+        """Hand the whole residual (``p = g + e``, already accumulated) over for a dense send.
+
+        Returns it cast to ``sent_as`` (None if ``name`` has no residual). In float32 the residual
+        is sent whole and becomes zero: the returned tensor is the residual's own buffer, valid
+        until the next :meth:`accumulate` of ``name``. In a lower precision only the rounding
+        error stays behind.
+        """
+        e = self._residuals.get(name)
+        if e is None or name in self._zero:
+            return None
+        if sent_as == torch.float32:
+            self._zero.add(name)
+            return e
+        sent = e.to(sent_as)
+        e.sub_(sent.to(torch.float32))
+        return sent
+
+    def clear(self) -> None:
+        self._residuals.clear()
+        self._zero.clear()
+
+    def norm_sq(self) -> float:
+        """Sum of squared residual entries over all parameters (one read of every residual)."""
+        total = 0.0
+        for name, e in self._residuals.items():
+            if name not in self._zero:
+                total += float(torch.dot(e, e))
+        return total
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {
+            name: torch.zeros(e.numel()) if name in self._zero else e.detach().cpu().clone()
+            for name, e in self._residuals.items()
+        }
+
+    def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
+        self._zero.clear()
+        self._residuals = {
+            name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
+        }

@@ -1,0 +1,221 @@
+"""SparseState: everything the communication hook keeps between steps."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparse._utils import check_int, resolve_value_dtype, stable_key
+from lightning_sparse.compressors import Compressor, get_compressor
+from lightning_sparse.memory import ErrorFeedback
+from lightning_sparse.schedules import DensitySchedule, as_schedule
+from lightning_sparse.stats import Telemetry
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter's place in a bucket."""
+
+    name: str
+    key: int
+    offset: int
+    numel: int
+    sparse: bool
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The layout of one bucket: its members in buffer order, and a label for telemetry."""
+
+    members: tuple[Member, ...]
+    numel: int
+    label: str
+
+    @property
+    def sparse_members(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.members if m.sparse)
+
+    @property
+    def dense_members(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.members if not m.sparse)
+
+
+class SparseState:
+    """The state of the sparse communication hook on one rank.
+
+    Holds the configuration, the error-feedback residuals (by parameter name), the step
+    counter and the telemetry. It contains no process group, so it pickles (``ddp_spawn``);
+    :meth:`bind` attaches it to a DDP model's parameters and process group.
+
+    Args:
+        compressor: a registered name (``"topk"``, ``"randomk"``, ...) or a Compressor.
+        density: a fraction in (0, 1] or a :class:`~lightning_sparse.schedules.DensitySchedule`.
+        error_feedback: keep what was not sent and add it to the next gradient.
+        min_numel: tensors with fewer elements are sent dense.
+        warmup_steps: number of first optimizer steps sent dense (at least 1).
+        value_dtype: dtype of the values sent (None: the gradient's dtype).
+        seed: seed of every random choice (shared indices, samples).
+        fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
+            many bytes over the wire as a dense all-reduce of it.
+
+    Example:
+        >>> state = SparseState(compressor="topk", density=0.01)
+        >>> state.step
+        0
+    """
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "topk",
+        density: float | DensitySchedule = 0.01,
+        error_feedback: bool = True,
+        min_numel: int = 1024,
+        warmup_steps: int = 1,
+        value_dtype: str | torch.dtype | None = None,
+        seed: int = 0,
+        fallback_to_dense: bool = True,
+    ) -> None:
+        self.compressor = get_compressor(compressor)
+        self.schedule = as_schedule(density)
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback={error_feedback!r} is not allowed: expected True or False.")
+        self.error_feedback = error_feedback
+        self.min_numel = check_int("min_numel", min_numel, minimum=0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=1)
+        self.value_dtype = resolve_value_dtype(value_dtype)
+        self.seed = check_int("seed", seed, minimum=0)
+        if not isinstance(fallback_to_dense, bool):
+            raise ValueError(f"fallback_to_dense={fallback_to_dense!r} is not allowed: expected True or False.")
+        self.fallback_to_dense = fallback_to_dense
+
+        self.memory = ErrorFeedback()
+        self.step = 0
+        self.telemetry = Telemetry()
+        self.residual_norm_interval = 50
+        self.rank = 0
+        self.world_size = 1
+        self.process_group: dist.ProcessGroup | None = None
+        self._names: dict[int, str] = {}
+        self._plans: dict[tuple[int, ...], BucketPlan] = {}
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["process_group"] = None
+        state["_names"] = {}
+        state["_plans"] = {}
+        return state
+
+    # ------------------------------------------------------------------ binding
+    def bind(
+        self,
+        named_parameters: Iterable[tuple[str, Tensor]],
+        process_group: dist.ProcessGroup | None = None,
+        check_consistency: bool = True,
+    ) -> None:
+        """Attach to the parameters (names for residuals) and the process group used to exchange.
+
+        With ``check_consistency`` every rank's configuration is compared (one small collective)
+        and a mismatch raises ValueError naming the ranks, instead of hanging in a collective later.
+        """
+        self._names = {id(p): name for name, p in named_parameters if p.requires_grad}
+        self._plans = {}
+        self.process_group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        else:
+            self.rank, self.world_size = 0, 1
+        if check_consistency and self.world_size > 1:
+            self._check_consistency()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that must agree on every rank."""
+        return {
+            "compressor": type(self.compressor).__name__,
+            "compressor_config": self.compressor.config(),
+            "schedule": repr(self.schedule),
+            "error_feedback": self.error_feedback,
+            "min_numel": self.min_numel,
+            "warmup_steps": self.warmup_steps,
+            "value_dtype": str(self.value_dtype),
+            "seed": self.seed,
+            "fallback_to_dense": self.fallback_to_dense,
+            "step": self.step,
+            "parameters": sorted(self._names.values()),
+        }
+
+    def _check_consistency(self) -> None:
+        mine = json.dumps(self.fingerprint(), sort_keys=True, default=str)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.process_group)
+        if any(g != gathered[0] for g in gathered):
+            first = json.loads(gathered[0])
+            diffs = []
+            for rank, g in enumerate(gathered):
+                other = json.loads(g)
+                for key in first:
+                    if other.get(key) != first[key]:
+                        diffs.append(f"{key}: rank 0 has {first[key]!r}, rank {rank} has {other.get(key)!r}")
+            raise ValueError(
+                "SparseDDPStrategy is configured differently across ranks; every rank must use the same "
+                "settings or the collectives would hang or mix mismatched data. Differences: " + "; ".join(diffs)
+            )
+
+    def plan(self, buffer: Tensor, params: list[Tensor]) -> BucketPlan:
+        """The (cached) layout of a bucket, from its parameters in buffer order."""
+        ids = tuple(id(p) for p in params)
+        plan = self._plans.get(ids)
+        if plan is None:
+            members = []
+            offset = 0
+            for p in params:
+                name = self._names.get(id(p))
+                if name is None:
+                    raise RuntimeError(
+                        "the communication hook got a parameter it was not bound to; "
+                        "call SparseState.bind() with the model's named_parameters()"
+                    )
+                n = p.numel()
+                members.append(Member(name, stable_key(name), offset, n, n >= self.min_numel and n > 0))
+                offset += n
+            if offset != buffer.numel():
+                raise RuntimeError(f"bucket buffer has {buffer.numel()} elements but its parameters have {offset}")
+            names = [m.name for m in members]
+            label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} tensors)"
+            plan = BucketPlan(tuple(members), offset, label)
+            self._plans[ids] = plan
+        return plan
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: residuals by parameter name, step, schedule and telemetry totals."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "compressor": type(self.compressor).__name__,
+            "compressor_config": self.compressor.config(),
+            "schedule": self.schedule.state_dict(),
+            "residuals": self.memory.state_dict(),
+            "telemetry": self.telemetry.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore what :meth:`state_dict` returned (residuals move to ``device``)."""
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"cannot load sparse hook state of version {version!r}; expected {STATE_VERSION}")
+        self.step = int(state["step"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.memory.load_state_dict(state["residuals"], device=device)
+        self.telemetry.load_state_dict(state["telemetry"])

@@ -1,0 +1,84 @@
+"""Compression telemetry counted by the hook: what each rank actually puts into its collectives."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Counters:
+    """Additive compression figures of one rank (one step, one bucket, or a whole run).
+
+    ``dense_bytes`` is what plain DDP would put into its all-reduce for the same gradients;
+    ``sent_bytes`` is what the strategy put into its collectives (values, indices, dense parts,
+    padding), counted from the tensors handed to ``torch.distributed``, not estimated.
+    """
+
+    dense_bytes: int = 0
+    sent_bytes: int = 0
+    numel: int = 0
+    sent_numel: int = 0
+    buckets: int = 0
+    dense_buckets: int = 0
+    fallback_buckets: int = 0
+    compress_seconds: float = 0.0
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def compression_ratio(self) -> float:
+        """dense bytes / bytes sent (1.0 when nothing was sent)."""
+        return self.dense_bytes / self.sent_bytes if self.sent_bytes else 1.0
+
+    @property
+    def density(self) -> float:
+        """Fraction of gradient coordinates sent (dense parts count in full)."""
+        return self.sent_numel / self.numel if self.numel else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Telemetry:
+    """The hook's running figures: the step in progress, the last finished step, and totals.
+
+    ``groups`` holds per-group totals, a group being the set of parameter names of a bucket.
+    ``residual_norm`` is the L2 norm of all residuals, measured every ``residual_norm_interval``
+    steps (it costs one read of every residual).
+    """
+
+    current: Counters = field(default_factory=Counters)
+    last: Counters = field(default_factory=Counters)
+    total: Counters = field(default_factory=Counters)
+    groups: dict[str, Counters] = field(default_factory=dict)
+    steps: int = 0
+    residual_norm: float | None = None
+    residual_norm_step: int | None = None
+
+    def record(self, group: str, counters: Counters) -> None:
+        self.current.add(counters)
+        self.groups.setdefault(group, Counters()).add(counters)
+
+    def end_step(self) -> None:
+        self.total.add(self.current)
+        self.last = self.current
+        self.current = Counters()
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total.as_dict(),
+            "groups": {k: v.as_dict() for k, v in self.groups.items()},
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total = Counters(**state["total"])
+        self.groups = {k: Counters(**v) for k, v in state["groups"].items()}
+        self.steps = int(state["steps"])
+        self.current = Counters()
+        self.last = Counters()

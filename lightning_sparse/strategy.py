@@ -1,0 +1,248 @@
+"""SparseDDPStrategy: Lightning's DDP with sparse gradient communication."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_sparse.compressors import Compressor
+from lightning_sparse.hook import sparse_comm_hook
+from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.state import SparseState
+
+#: key of the hook state inside Lightning checkpoints
+CHECKPOINT_KEY = "lightning_sparse"
+
+# DDP arguments that would install a second communication hook or average models behind ours.
+_CONFLICTING_DDP_ARGS = {
+    "mixed_precision": "DDP's mixed_precision installs its own communication hook, which would replace the "
+    "sparse one; use Trainer(precision='bf16-mixed') or 'bf16-true' instead",
+    "ddp_comm_hook": "SparseDDPStrategy installs its own communication hook",
+    "ddp_comm_state": "SparseDDPStrategy installs its own communication hook and state",
+    "ddp_comm_wrapper": "SparseDDPStrategy installs its own communication hook",
+    "model_averaging_period": "post-local-SGD model averaging does not combine with sparse gradients",
+}
+
+
+class SparseDDPStrategy(DDPStrategy):
+    """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
+
+    Every optimizer step each parameter sends ``k = density * numel`` coordinates of its
+    gradient plus residual (chosen by ``compressor``); what is not sent is kept and added to the
+    next step's gradient, so nothing is lost, only delayed. Tensors below ``min_numel`` and the
+    first ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
+    launchers, NCCL/gloo, the buckets and the overlap of communication with backward.
+
+    Args:
+        compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
+        density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
+        error_feedback: keep what was not sent and add it to the next gradient.
+        min_numel: tensors with fewer elements (biases, norms) are sent dense.
+        warmup_steps: the first optimizer steps sent dense (>= 1: DDP learns its bucket order
+            in the first step).
+        value_dtype: dtype of the values sent ("float16", "bfloat16", "float32"); None sends
+            the gradient's dtype. Rounding errors go into the residual.
+        seed: seed of every random choice (shared coordinates, samples).
+        fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
+            many bytes as a dense all-reduce (all-gather traffic grows with world size).
+        find_unused_parameters: as in DDP.
+        static_graph: as in DDP.
+        gradient_as_bucket_view: as in DDP.
+        bucket_cap_mb: as in DDP (None: DDP's default).
+        **kwargs: further arguments of ``DistributedDataParallel``.
+
+    Example:
+        >>> import lightning_sparse
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")  # doctest: +SKIP
+        >>> strategy = SparseDDPStrategy(compressor="randomk", density=0.001)
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
+    """
+
+    strategy_name = "sparse_ddp"
+
+    def __init__(
+        self,
+        compressor: Union[str, Compressor] = "topk",
+        density: Union[float, DensitySchedule] = 0.01,
+        error_feedback: bool = True,
+        min_numel: int = 1024,
+        warmup_steps: int = 1,
+        value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
+        seed: int = 0,
+        fallback_to_dense: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: Optional[float] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for name, why in _CONFLICTING_DDP_ARGS.items():
+            if name in kwargs:
+                raise ValueError(f"{name}={kwargs[name]!r} is not allowed with SparseDDPStrategy: {why}.")
+        for name, value in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("static_graph", static_graph),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is not allowed: expected True or False.")
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected None or a number > 0.")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"start_method={start_method!r} is not allowed: expected 'popen', 'spawn', 'fork' or 'forkserver'."
+            )
+        self._sparse_state = SparseState(
+            compressor=compressor,
+            density=density,
+            error_feedback=error_feedback,
+            min_numel=min_numel,
+            warmup_steps=warmup_steps,
+            value_dtype=value_dtype,
+            seed=seed,
+            fallback_to_dense=fallback_to_dense,
+        )
+        ddp_kwargs: dict[str, Any] = dict(kwargs)
+        ddp_kwargs.update(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self._pending_hook_state: Optional[dict[str, Any]] = None
+
+    @property
+    def sparse_state(self) -> SparseState:
+        """The hook's state on this rank: residuals, step, telemetry."""
+        return self._sparse_state
+
+    # ------------------------------------------------------------------ the hook
+    def _register_ddp_hooks(self) -> None:
+        # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
+        model = self.model
+        if not isinstance(model, DistributedDataParallel):
+            raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
+        if self._pending_hook_state is not None:
+            self._apply_hook_state(self._pending_hook_state)
+            self._pending_hook_state = None
+        self._sparse_state.bind(model.module.named_parameters(), process_group=model.process_group)
+        model.register_comm_hook(self._sparse_state, sparse_comm_hook)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        # Runs on every rank, so the residuals of all ranks can be gathered to rank 0 here.
+        mine = self._sparse_state.state_dict()
+        if _distributed_is_initialized() and dist.get_world_size() > 1:
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+        else:
+            gathered = [mine]
+        if self.is_global_zero:
+            assert gathered is not None
+            checkpoint[CHECKPOINT_KEY] = {"world_size": len(gathered), "ranks": gathered}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        payload = checkpoint.get(CHECKPOINT_KEY)
+        if payload is not None:
+            # Restored before DDP wraps the model; applied when the hook is registered.
+            self._pending_hook_state = payload
+            if isinstance(self.model, DistributedDataParallel):
+                self._apply_hook_state(payload)
+                self._pending_hook_state = None
+        return checkpoint
+
+    def _apply_hook_state(self, payload: dict[str, Any]) -> None:
+        ranks: list[dict[str, Any]] = payload["ranks"]
+        saved_world = int(payload["world_size"])
+        state = self._sparse_state
+        if saved_world == self.world_size:
+            mine = ranks[self.global_rank]
+        else:
+            # Every new rank takes the mean of the old residuals: the total delayed gradient,
+            # sum(e_r) / world_size, is then the same as before the change.
+            rank_zero_warn(
+                f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
+                f"{self.world_size}; each rank starts from the mean of the saved error-feedback residuals, "
+                "which keeps the total delayed gradient but not each rank's share of it."
+            )
+            mine = dict(ranks[0])
+            names = {n for r in ranks for n in r["residuals"]}
+            mine["residuals"] = {
+                n: sum(r["residuals"][n] for r in ranks if n in r["residuals"]) / saved_world for n in sorted(names)
+            }
+        saved_compressor = mine.get("compressor")
+        current = type(state.compressor).__name__
+        if saved_compressor != current or mine.get("compressor_config") != state.compressor.config():
+            rank_zero_warn(
+                f"lightning_sparse: the checkpoint was written with compressor {saved_compressor} "
+                f"{mine.get('compressor_config')} and is resumed with {current} {state.compressor.config()}; "
+                "the error-feedback residuals (the gradient not sent yet) are kept and sent by the new compressor."
+            )
+        state.load_state_dict(mine, device=self.root_device)
+
+    # ------------------------------------------------------------------ names
+    @classmethod
+    def register_strategies(cls, strategy_registry: dict) -> None:
+        """Register ``sparse_ddp`` and its variants (idempotent)."""
+        entries: list[tuple[str, str, dict[str, Any]]] = [
+            ("sparse_ddp", "sparse DDP (top-k 1% + error feedback), start_method 'popen'", {"start_method": "popen"}),
+            ("sparse_ddp_spawn", "sparse DDP, start_method 'spawn'", {"start_method": "spawn"}),
+            ("sparse_ddp_fork", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
+            ("sparse_ddp_notebook", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
+            (
+                "sparse_ddp_find_unused_parameters_true",
+                "sparse DDP with find_unused_parameters=True, start_method 'popen'",
+                {"start_method": "popen", "find_unused_parameters": True},
+            ),
+            (
+                "sparse_ddp_spawn_find_unused_parameters_true",
+                "sparse DDP with find_unused_parameters=True, start_method 'spawn'",
+                {"start_method": "spawn", "find_unused_parameters": True},
+            ),
+        ]
+        for name, description, params in entries:
+            if name in strategy_registry and strategy_registry[name].get("strategy") is cls:
+                continue
+            strategy_registry.register(name, cls, description=description, override=True, **params)
+
+
+def register_strategies() -> None:
+    """Make ``Trainer(strategy="sparse_ddp")`` and its variants resolve (idempotent)."""
+    SparseDDPStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,104 @@
+"""Run test functions on real gloo process groups: a pool of worker processes kept for the session.
+
+Starting a process and importing Lightning costs seconds, so the workers are started once and
+reused; a test that fails or hangs (a collective that never completes) restarts them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, kwargs = job
+        try:
+            outbox.put((rank, True, fn(rank, world_size, **kwargs)))
+        except BaseException:  # report everything, including assertion failures
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` processes joined in one gloo process group, running submitted functions."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.world_size = world_size
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, port, self._inboxes[r], self._outbox), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def stop(self) -> None:
+        for inbox in getattr(self, "_inboxes", []):
+            try:
+                inbox.put(None)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+
+    def run(self, fn: Callable[..., Any], timeout: float = 180, **kwargs: Any) -> list[Any]:
+        """Call ``fn(rank, world_size, **kwargs)`` on every rank; return the results by rank."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.stop()
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        try:
+            for _ in range(self.world_size):
+                rank, ok, value = self._outbox.get(timeout=timeout)
+                (results if ok else errors)[rank] = value
+        except queue.Empty:
+            self.stop()
+            msg = f"{fn.__name__} did not finish on all ranks within {timeout}s (hung collective?)"
+            raise TimeoutError(msg) from None
+        if errors:
+            self.stop()  # a failed rank may have left the group out of step
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise AssertionError(f"{fn.__name__} failed:\n{detail}")
+        return [results[r] for r in range(self.world_size)]

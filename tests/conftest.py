@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _dist import DistPool  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def dist2():
+    """Two processes in a gloo process group; ``dist2.run(fn, **kwargs)`` returns per-rank results."""
+    pool = DistPool(world_size=2)
+    yield pool
+    pool.stop()
+
+
+def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> list[dict[str, Any]]:
+    """Launch tests/trainer_worker.py (Lightning's popen launcher starts the other ranks).
+
+    Returns the per-rank results the worker saved. A hung rank fails the test via ``timeout``.
+    """
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = out_dir / "config.json"
+    cfg_path.write_text(json.dumps(config))
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env.pop("LOCAL_RANK", None)
+    env.pop("MASTER_PORT", None)
+    from _dist import free_port
+
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(free_port())
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "trainer_worker.py"), str(cfg_path)],
+        cwd=out_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"trainer_worker failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-5000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    world = config.get("devices", 2)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

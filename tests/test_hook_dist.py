@@ -1,0 +1,212 @@
+"""The hook on 2 real gloo processes, with the messages read off the wire.
+
+Every collective's input is captured; the test decodes what this rank actually sent and checks:
+- conservation, bit for bit: sent + new residual == gradient + old residual, every parameter;
+- the output is the average over ranks of what each rank sent, and identical on all ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+SHAPES = {"a.weight": (40, 50), "a.bias": (40,), "b.weight": (3000,), "c.weight": (64, 64), "c.bias": (7,)}
+
+
+def _params(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.zeros(s, dtype=dtype, requires_grad=True)) for n, s in SHAPES.items()]
+
+
+def _decode(
+    captured: list[tuple[str, torch.Tensor]],
+    state: Any,
+    step: int,
+    plan: Any,
+    ks: list[int],
+    numel: int,
+    captured_dtype: torch.dtype,
+) -> torch.Tensor:
+    """What this rank sent, as a dense float32 vector in bucket layout, read from the messages."""
+    from lightning_sparse.compressors import CompressContext
+
+    sent = torch.zeros(numel, dtype=torch.float32)
+    kind, first = captured[0]
+    if len(captured) == 1 and kind == "reduce" and first.numel() == numel:  # dense bucket
+        return first.float()
+    sparse, dense = plan.sparse_members, plan.dense_members
+    total_k = sum(ks)
+    vdtype = state.value_dtype or captured_dtype
+    if kind == "gather":
+        vb = torch.empty((), dtype=vdtype).element_size()
+        idx = first[: 4 * total_k].view(torch.int32).long()
+        vals = first[4 * total_k : total_k * (4 + vb)].view(vdtype).float()
+        assert idx.unique().numel() == total_k, "indices must be unique"
+        assert int(idx.min()) >= 0 and int(idx.max()) < numel
+        sent[idx] = vals
+    else:  # shared: the indices are never sent; every rank derives them from the shared seed
+        vals = first.float()
+        pos = 0
+        for m, k in zip(sparse, ks, strict=True):
+            ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
+            idx = state.compressor.select(torch.zeros(m.numel), k, ctx)
+            sent[m.offset + idx] = vals[pos : pos + k]
+            pos += k
+    if dense:
+        assert captured[1][0] == "reduce"
+        dvals = captured[1][1].float()
+        pos = 0
+        for m in dense:
+            sent[m.offset : m.offset + m.numel] = dvals[pos : pos + m.numel]
+            pos += m.numel
+    return sent
+
+
+def _conservation_worker(
+    rank: int,
+    world: int,
+    compressor: str,
+    value_dtype: str | None,
+    grad_dtype: str,
+    error_feedback: bool,
+    steps: int = 4,
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_sparse import comm
+    from lightning_sparse.hook import communicate, k_for
+    from lightning_sparse.state import SparseState
+
+    dtype = getattr(torch, grad_dtype)
+    named = _params(dtype)
+    params = [p for _, p in named]
+    numel = sum(p.numel() for p in params)
+    state = SparseState(
+        compressor=compressor,
+        density=0.02,
+        min_numel=1000,
+        warmup_steps=1,
+        value_dtype=value_dtype,
+        error_feedback=error_feedback,
+        fallback_to_dense=False,
+        seed=5,
+    )
+    state.bind(named)
+
+    captured: list[tuple[str, torch.Tensor]] = []
+    real_gather, real_reduce = comm.all_gather, comm.all_reduce
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+        captured.append(("gather", inp.clone()))
+        return real_gather(out, inp, group)
+
+    def reduce(t: torch.Tensor, group: Any = None) -> Any:
+        captured.append(("reduce", t.clone()))
+        return real_reduce(t, group)
+
+    comm.all_gather, comm.all_reduce = gather, reduce
+    gen = torch.Generator().manual_seed(100 + rank)
+    checked_sparse_steps = 0
+    try:
+        for step in range(steps):
+            g = (torch.randn(numel, generator=gen) * (1 + step)).to(dtype)
+            plan = state.plan(g, params)
+            old = {m.name: state.memory.get(m.name).clone() for m in plan.members if m.name in state.memory}
+            ks = [k_for(m.numel, 0.02) for m in plan.sparse_members]
+            captured.clear()
+            out = communicate(state, g.clone(), params, is_last=True).wait()
+            sent = _decode(captured, state, step, plan, ks, numel, dtype)
+            sparse_step = step >= state.warmup_steps
+            checked_sparse_steps += sparse_step
+            for m in plan.members:
+                seg = slice(m.offset, m.offset + m.numel)
+                p = g[seg].float() + old[m.name] if m.name in old else g[seg].float()
+                if not error_feedback:
+                    assert m.name not in state.memory
+                    if m.sparse and sparse_step:
+                        nz = sent[seg] != 0
+                        assert torch.equal(sent[seg][nz], g[seg][nz].to(state.value_dtype or dtype).float())
+                    continue
+                new = state.memory.get(m.name) if m.name in state.memory else torch.zeros(m.numel)
+                # conservation, exactly: sent + e_new == g + e_old
+                assert torch.equal(sent[seg] + new, p), f"step {step} {m.name}: conservation broken"
+                if m.sparse and sparse_step:
+                    assert int((sent[seg] != 0).sum()) <= k_for(m.numel, 0.02)
+            # the output is the mean of what the ranks sent, bit-identical on every rank
+            everyone = [torch.empty_like(sent) for _ in range(world)]
+            dist.all_gather(everyone, sent)
+            expected = torch.stack(everyone).sum(0) / world
+            got = out.float()
+            if value_dtype is None and grad_dtype == "float32":
+                assert torch.equal(got, expected)
+            else:
+                assert torch.allclose(got, expected.to(dtype).float(), rtol=2e-2, atol=1e-2)
+            outs = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(outs, got)
+            assert torch.equal(outs[0], outs[1]), "replicas received different gradients"
+    finally:
+        comm.all_gather, comm.all_reduce = real_gather, real_reduce
+    return {"sparse_steps": checked_sparse_steps, "telemetry": state.telemetry.total.as_dict()}
+
+
+@pytest.mark.parametrize(
+    "compressor,value_dtype,grad_dtype",
+    [
+        ("topk", None, "float32"),
+        ("randomk", None, "float32"),
+        ("topk", "float16", "float32"),
+        ("topk", "bfloat16", "float32"),
+        ("randomk", "float16", "float32"),
+        ("topk", None, "bfloat16"),
+        ("randomk", None, "bfloat16"),
+    ],
+)
+def test_conservation_and_average_on_the_wire(dist2, compressor, value_dtype, grad_dtype) -> None:
+    results = dist2.run(
+        _conservation_worker,
+        compressor=compressor,
+        value_dtype=value_dtype,
+        grad_dtype=grad_dtype,
+        error_feedback=True,
+    )
+    assert results[0]["sparse_steps"] == 3
+    t = results[0]["telemetry"]
+    assert t["buckets"] == 4 and t["dense_buckets"] == 1
+    assert t["sent_bytes"] < t["dense_bytes"]
+
+
+@pytest.mark.parametrize("compressor", ["topk", "randomk"])
+def test_without_error_feedback_sends_p_and_keeps_nothing(dist2, compressor) -> None:
+    results = dist2.run(
+        _conservation_worker, compressor=compressor, value_dtype=None, grad_dtype="float32", error_feedback=False
+    )
+    assert results[1]["sparse_steps"] == 3
+
+
+def _fallback_worker(rank: int, world: int, density: float) -> dict[str, Any]:
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.state import SparseState
+
+    named = _params(torch.float32)
+    params = [p for _, p in named]
+    numel = sum(p.numel() for p in params)
+    state = SparseState(compressor="topk", density=density, min_numel=1000, warmup_steps=1)
+    state.bind(named)
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        out = communicate(state, g.clone(), params).wait()
+    return {"telemetry": state.telemetry.total.as_dict(), "out": out}
+
+
+def test_dense_fallback_when_sparse_moves_more_bytes(dist2) -> None:
+    # density 0.6 with 8-byte (value, index) pairs gathered from 2 ranks moves more than dense
+    r = dist2.run(_fallback_worker, density=0.6)
+    t = r[0]["telemetry"]
+    assert t["fallback_buckets"] == 2 and t["dense_buckets"] == 3
+    assert t["sent_bytes"] == t["dense_bytes"]
+    g0 = torch.randn(r[0]["out"].numel(), generator=torch.Generator().manual_seed(0))
+    g1 = torch.randn(r[0]["out"].numel(), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(r[0]["out"], (g0 + g1) / 2) and torch.equal(r[1]["out"], r[0]["out"])
+    r = dist2.run(_fallback_worker, density=0.01)
+    assert r[0]["telemetry"]["fallback_buckets"] == 0

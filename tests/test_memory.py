@@ -1,0 +1,58 @@
+"""Error-feedback residuals on plain tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_sparse.memory import ErrorFeedback
+
+
+def test_accumulate_keep_unsent_conserves_exactly() -> None:
+    ef = ErrorFeedback()
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    old = torch.zeros(1000)
+    for step in range(5):
+        p = ef.accumulate("w", g * (step + 1))
+        expected = old + g * (step + 1)
+        assert torch.equal(p, expected)
+        idx = torch.topk(p.abs(), 10).indices
+        values = p[idx].clone()
+        sent_fp16 = values.to(torch.float16)
+        ef.keep_unsent("w", idx, values - sent_fp16.float())
+        sent = torch.zeros(1000)
+        sent[idx] = sent_fp16.float()
+        assert torch.equal(sent + ef.get("w"), expected)
+        old = ef.get("w").clone()
+
+
+def test_flush_float32_hands_everything_over() -> None:
+    ef = ErrorFeedback()
+    ef.accumulate("w", torch.ones(10))
+    sent = ef.flush("w", torch.float32)
+    assert torch.equal(sent, torch.ones(10))
+    assert "w" not in ef  # known zero without a pass over it
+    assert torch.equal(ef.accumulate("w", torch.full((10,), 2.0)), torch.full((10,), 2.0))
+    assert ef.flush("missing", torch.float32) is None
+
+
+def test_flush_bfloat16_keeps_rounding() -> None:
+    ef = ErrorFeedback()
+    p = ef.accumulate("w", torch.tensor([1.0 + 2**-12, 3.0]))
+    expected = p.clone()
+    sent = ef.flush("w", torch.bfloat16)
+    assert sent.dtype == torch.bfloat16
+    assert torch.equal(sent.float() + ef.get("w"), expected)
+    assert ef.get("w")[0].item() == 2**-12
+
+
+def test_state_dict_round_trip_and_norm() -> None:
+    ef = ErrorFeedback()
+    ef.accumulate("a", torch.tensor([3.0, 4.0]))
+    ef.accumulate("b", torch.ones(3))
+    ef.flush("b", torch.float32)
+    assert ef.norm_sq() == 25.0
+    state = ef.state_dict()
+    assert torch.equal(state["b"], torch.zeros(3))
+    other = ErrorFeedback()
+    other.load_state_dict(state)
+    assert torch.equal(other.get("a"), torch.tensor([3.0, 4.0])) and other.norm_sq() == 25.0

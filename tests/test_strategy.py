@@ -1,0 +1,88 @@
+"""Construction, validation and registration of SparseDDPStrategy (no processes needed)."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+import lightning_sparse
+from lightning_sparse import ConstantDensity, RandomK, SparseDDPStrategy, TopK
+
+
+def test_registers_names_idempotently() -> None:
+    names = {"sparse_ddp", "sparse_ddp_spawn", "sparse_ddp_find_unused_parameters_true"}
+    assert names <= set(StrategyRegistry)
+    importlib.reload(lightning_sparse)  # importing / registering twice is fine
+    lightning_sparse.register_strategies()
+    for name in names:
+        assert StrategyRegistry[name]["strategy"].__name__ == "SparseDDPStrategy"
+    assert StrategyRegistry["sparse_ddp_spawn"]["init_params"]["start_method"] == "spawn"
+    assert StrategyRegistry["sparse_ddp_find_unused_parameters_true"]["init_params"]["find_unused_parameters"]
+
+
+def test_defaults_and_ddp_kwargs() -> None:
+    s = SparseDDPStrategy()
+    assert isinstance(s, DDPStrategy)
+    st = s.sparse_state
+    assert isinstance(st.compressor, TopK) and st.schedule.density(0) == 0.01
+    assert st.error_feedback and st.warmup_steps == 1 and st.value_dtype is None
+    s = SparseDDPStrategy(compressor=RandomK(), density=ConstantDensity(0.1), static_graph=True, bucket_cap_mb=5)
+    assert isinstance(s.sparse_state.compressor, RandomK)
+    assert s._ddp_kwargs["static_graph"] is True and s._ddp_kwargs["bucket_cap_mb"] == 5
+    assert SparseDDPStrategy(value_dtype="bfloat16").sparse_state.value_dtype is torch.bfloat16
+    assert SparseDDPStrategy(value_dtype=torch.float16).sparse_state.value_dtype is torch.float16
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"density": 0.0}, r"density=0.0 is not allowed: expected a number in \(0, 1\]"),
+        ({"density": 1.5}, r"density=1.5 is not allowed"),
+        ({"density": -0.1}, r"density=-0.1 is not allowed"),
+        ({"density": "dense"}, r"density='dense' is not allowed"),
+        ({"compressor": "zip"}, r"compressor='zip' is not allowed: .*'randomk', 'topk'"),
+        ({"compressor": 3}, r"compressor=3 is not allowed"),
+        ({"min_numel": -1}, r"min_numel=-1 is not allowed: expected an integer >= 0"),
+        ({"min_numel": 1.5}, r"min_numel=1.5 is not allowed: expected an integer"),
+        ({"warmup_steps": 0}, r"warmup_steps=0 is not allowed: expected an integer >= 1"),
+        ({"seed": -3}, r"seed=-3 is not allowed"),
+        ({"value_dtype": "int8"}, r"value_dtype='int8' is not allowed: expected None or one of"),
+        ({"value_dtype": torch.float64}, r"value_dtype=torch.float64 is not allowed"),
+        ({"error_feedback": "yes"}, r"error_feedback='yes' is not allowed: expected True or False"),
+        ({"fallback_to_dense": 1}, r"fallback_to_dense=1 is not allowed"),
+        ({"static_graph": "no"}, r"static_graph='no' is not allowed"),
+        ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 is not allowed"),
+        ({"start_method": "thread"}, r"start_method='thread' is not allowed"),
+        ({"mixed_precision": object()}, r"mixed_precision=.* is not allowed with SparseDDPStrategy: DDP's mixed"),
+        ({"ddp_comm_hook": print}, r"ddp_comm_hook=.* is not allowed with SparseDDPStrategy"),
+        ({"model_averaging_period": 4}, r"model_averaging_period=4 is not allowed"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        SparseDDPStrategy(**kwargs)
+
+
+def test_state_pickles_for_spawn() -> None:
+    s = SparseDDPStrategy(compressor="randomk", density=0.05)
+    params = [("w", torch.nn.Parameter(torch.zeros(2000)))]
+    s.sparse_state.bind(params)
+    s.sparse_state.memory.accumulate("w", torch.ones(2000))
+    clone = pickle.loads(pickle.dumps(s.sparse_state))
+    assert clone.process_group is None and clone._names == {}
+    assert torch.equal(clone.memory.get("w"), torch.ones(2000))
+    assert isinstance(clone.compressor, RandomK) and clone.schedule.density(0) == 0.05
+
+
+def test_trainer_resolves_strategy_name() -> None:
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp", logger=False)
+    assert isinstance(trainer.strategy, SparseDDPStrategy)
+    assert trainer.strategy._start_method == "popen"
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp_find_unused_parameters_true", logger=False)
+    assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
