@@ -17,6 +17,8 @@ communication is per bucket. Parameters below ``min_numel`` go dense, in the sam
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,13 +97,20 @@ def _sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member,
     world = state.world_size
     if world <= 1:
         return False
-    vbytes = torch.empty((), dtype=_value_dtype(state, buffer)).element_size()
-    dense_wire = 2.0 * (world - 1) / world * sum(m.numel for m in sparse) * buffer.element_size()
-    if state.compressor.pattern == "shared":
-        sparse_wire = 2.0 * (world - 1) / world * sum(ks) * vbytes
-    else:
-        sparse_wire = (world - 1) * _gather_message_bytes(sum(ks), vbytes)
-    return sparse_wire < dense_wire
+    vbytes = _value_dtype(state, buffer).itemsize
+    dense_wire = ring_all_reduce_bytes(world, sum(m.numel for m in sparse) * buffer.element_size())
+    pattern = PATTERNS[state.compressor.pattern]
+    return pattern.wire_bytes(world, ks, vbytes, [m.numel for m in sparse]) < dense_wire
+
+
+def ring_all_reduce_bytes(world: int, nbytes: int) -> float:
+    """Bytes through each rank for a ring all-reduce of ``nbytes``."""
+    return 2.0 * (world - 1) / world * nbytes
+
+
+def ring_all_gather_bytes(world: int, nbytes: int) -> float:
+    """Bytes through each rank for a ring all-gather of ``nbytes`` per rank."""
+    return float((world - 1) * nbytes)
 
 
 def _gather_message_bytes(k: int, vbytes: int) -> int:
@@ -140,33 +149,54 @@ def _dense_exchange(state: SparseState, buffer: Tensor, plan: BucketPlan, counte
 
 
 # --------------------------------------------------------------------------- sparse
-def _sparse_exchange(
-    state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
-) -> Future[Tensor]:
-    world = state.world_size
-    vdtype = _value_dtype(state, buffer)
+@dataclass
+class Pending:
+    """A launched part of a bucket's exchange: its futures, and how to write its result back.
+
+    ``apply(buffer)`` runs once every future of the bucket has completed, on a zeroed buffer;
+    each part adds (or copies) the averaged values of its own coordinates.
+    """
+
+    futures: list[Future[Any]]
+    apply: Callable[[Tensor], None]
+
+
+class WirePattern:
+    """How the coordinates chosen by a compressor cross the wire (one class per ``pattern``)."""
+
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int]) -> float:
+        """Bytes through each rank for the sparse members of a bucket (ring model)."""
+        raise NotImplementedError
+
+    def launch(
+        self, state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
+    ) -> Pending:
+        """Compress the bucket's sparse members, update their residuals, launch the collectives."""
+        raise NotImplementedError
+
+
+def compress_members(
+    state: SparseState,
+    buffer: Tensor,
+    plan: BucketPlan,
+    ks: list[int],
+    values_out: Tensor,
+    index_out: Tensor | None,
+) -> list[Tensor] | None:
+    """Select ``ks`` coordinates of each sparse member, write their values (in ``values_out``'s
+    dtype) and bucket offsets (into ``index_out``, if given), and keep the rest in the residual.
+
+    Returns the per-member local indices when ``index_out`` is None (shared patterns keep them
+    locally rather than sending them).
+    """
     compressor = state.compressor
-    sparse = plan.sparse_members
-    total_k = sum(ks)
-    shared = compressor.pattern == "shared"
-
-    if shared:
-        message = torch.empty(total_k, dtype=vdtype, device=buffer.device)
-        index_out = torch.empty(total_k, dtype=torch.long, device=buffer.device)
-        values_out = message
-    else:
-        vbytes = torch.empty((), dtype=vdtype).element_size()
-        nbytes = _gather_message_bytes(total_k, vbytes)
-        message = torch.empty(nbytes, dtype=torch.uint8, device=buffer.device)
-        index_out = message[: total_k * _INDEX_BYTES].view(torch.int32)
-        values_out = message[total_k * _INDEX_BYTES : total_k * (_INDEX_BYTES + vbytes)].view(vdtype)
-        message[total_k * (_INDEX_BYTES + vbytes) :].zero_()
-
+    vdtype = values_out.dtype
+    kept: list[Tensor] | None = None if index_out is not None else []
     pos = 0
-    for m, k in zip(sparse, ks, strict=True):
+    for m, k in zip(plan.sparse_members, ks, strict=True):
         g = buffer[m.offset : m.offset + m.numel]
         p = state.memory.accumulate(m.name, g) if state.error_feedback else g
-        ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=world, seed=state.seed)
+        ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
         idx = compressor.select(p, k, ctx)
         if idx.numel() != k:
             raise RuntimeError(f"{type(compressor).__name__}.select returned {idx.numel()} indices for k={k}")
@@ -176,40 +206,48 @@ def _sparse_exchange(
             remainder = None if sent.dtype == values.dtype else values - sent.to(values.dtype)
             state.memory.keep_unsent(m.name, idx, remainder)
         values_out[pos : pos + k].copy_(sent)
-        index_out[pos : pos + k].copy_(idx)
-        if m.offset:
-            index_out[pos : pos + k].add_(m.offset)
-        pos += k
-
-    counters.sent_numel += total_k
-    counters.sent_bytes += message.numel() * message.element_size()
-
-    futures = []
-    if shared:
-        futures.append(comm.all_reduce(message, state.process_group))
-    elif world > 1:
-        gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=buffer.device)
-        futures.append(comm.all_gather(gathered, message, state.process_group))
-    else:
-        gathered = message
-
-    dense = plan.dense_members
-    dense_values = None
-    if dense:
-        _flush_residuals(state, buffer, dense)
-        dense_values = torch.cat([buffer[m.offset : m.offset + m.numel] for m in dense])
-        counters.sent_bytes += dense_values.numel() * dense_values.element_size()
-        counters.sent_numel += dense_values.numel()
-        futures.append(comm.all_reduce(dense_values, state.process_group))
-
-    def finish(_: Future[list[Future[list[Tensor]]]]) -> Tensor:
-        for f in futures:
-            f.value()  # re-raises a failed collective
-        buffer.zero_()
-        if shared:
-            summed = message.to(buffer.dtype).div_(world)
-            buffer.index_copy_(0, index_out, summed)
+        if index_out is not None:
+            index_out[pos : pos + k].copy_(idx)
+            if m.offset:
+                index_out[pos : pos + k].add_(m.offset)
         else:
+            assert kept is not None
+            kept.append(idx + m.offset if m.offset else idx)
+        pos += k
+    return kept
+
+
+class GatherPattern(WirePattern):
+    """Each rank sends its own ``k`` (value, int32 index) pairs; all ranks all-gather them.
+
+    Message layout per rank (one uint8 tensor, so one collective per bucket):
+    ``[K int32 bucket offsets][K values][zero padding to 8 bytes]``, ``K = sum(ks)``.
+    """
+
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int]) -> float:
+        return ring_all_gather_bytes(world, _gather_message_bytes(sum(ks), vbytes))
+
+    def launch(
+        self, state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
+    ) -> Pending:
+        world = state.world_size
+        vdtype = _value_dtype(state, buffer)
+        vbytes = vdtype.itemsize
+        total_k = sum(ks)
+        message = torch.empty(_gather_message_bytes(total_k, vbytes), dtype=torch.uint8, device=buffer.device)
+        index_out = message[: total_k * _INDEX_BYTES].view(torch.int32)
+        values_out = message[total_k * _INDEX_BYTES : total_k * (_INDEX_BYTES + vbytes)].view(vdtype)
+        message[total_k * (_INDEX_BYTES + vbytes) :].zero_()
+        compress_members(state, buffer, plan, ks, values_out, index_out)
+        counters.sent_numel += total_k
+        counters.sent_bytes += message.numel()
+        if world > 1:
+            gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=buffer.device)
+            futures = [comm.all_gather(gathered, message, state.process_group)]
+        else:
+            gathered, futures = message, []
+
+        def apply(out: Tensor) -> None:
             chunk = message.numel()
             for r in range(world):
                 part = gathered[r * chunk : (r + 1) * chunk]
@@ -217,15 +255,77 @@ def _sparse_exchange(
                 val_r = part[total_k * _INDEX_BYTES : total_k * (_INDEX_BYTES + vbytes)].view(vdtype)
                 # Each rank's indices are unique, so every add lands on its own coordinate and the
                 # sum over ranks happens in rank order: identical bits on every rank, CUDA included.
-                buffer.index_add_(0, idx_r, val_r.to(buffer.dtype), alpha=1.0 / world)
-        if dense_values is not None:
-            dense_values.div_(world)
-            pos = 0
-            for m in dense:
-                buffer[m.offset : m.offset + m.numel].copy_(dense_values[pos : pos + m.numel])
-                pos += m.numel
+                out.index_add_(0, idx_r, val_r.to(out.dtype), alpha=1.0 / world)
+
+        return Pending(futures, apply)
+
+
+class SharedPattern(WirePattern):
+    """Every rank picks the same coordinates (shared seed): only values are all-reduced."""
+
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int]) -> float:
+        return ring_all_reduce_bytes(world, sum(ks) * vbytes)
+
+    def launch(
+        self, state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
+    ) -> Pending:
+        world = state.world_size
+        message = torch.empty(sum(ks), dtype=_value_dtype(state, buffer), device=buffer.device)
+        kept = compress_members(state, buffer, plan, ks, message, None)
+        assert kept is not None
+        counters.sent_numel += message.numel()
+        counters.sent_bytes += message.numel() * message.element_size()
+        futures = [comm.all_reduce(message, state.process_group)] if world > 1 else []
+
+        def apply(out: Tensor) -> None:
+            out.index_copy_(0, torch.cat(kept), message.to(out.dtype).div_(world))
+
+        return Pending(futures, apply)
+
+
+#: communication pattern name (``Compressor.pattern``) -> how it crosses the wire
+PATTERNS: dict[str, WirePattern] = {"gather": GatherPattern(), "shared": SharedPattern()}
+
+
+def _launch_dense_members(state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters) -> Pending:
+    """All-reduce the bucket's small tensors (below ``min_numel``) as one packed message."""
+    dense = plan.dense_members
+    if not dense:
+        return Pending([], lambda out: None)
+    _flush_residuals(state, buffer, dense)
+    values = torch.cat([buffer[m.offset : m.offset + m.numel] for m in dense])
+    counters.sent_bytes += values.numel() * values.element_size()
+    counters.sent_numel += values.numel()
+    world = state.world_size
+    futures = [comm.all_reduce(values, state.process_group)] if world > 1 else []
+
+    def apply(out: Tensor) -> None:
+        values.div_(world)
+        pos = 0
+        for m in dense:
+            out[m.offset : m.offset + m.numel].copy_(values[pos : pos + m.numel])
+            pos += m.numel
+
+    return Pending(futures, apply)
+
+
+def _sparse_exchange(
+    state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
+) -> Future[Tensor]:
+    parts = [
+        PATTERNS[state.compressor.pattern].launch(state, buffer, plan, ks, counters),
+        _launch_dense_members(state, buffer, plan, counters),
+    ]
+    futures = [f for part in parts for f in part.futures]
+
+    def finish(_: Any) -> Tensor:
+        for f in futures:
+            f.value()  # re-raises a failed collective
+        buffer.zero_()
+        for part in parts:
+            part.apply(buffer)
         return buffer
 
-    if world == 1:
-        return _done(finish(_done([])))  # type: ignore[arg-type]
+    if not futures:
+        return _done(finish(None))
     return torch.futures.collect_all(futures).then(finish)

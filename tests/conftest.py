@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+# Test the package of this checkout, in this process and in every process it starts.
+sys.path[:0] = [str(ROOT), str(HERE)]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 from _dist import DistPool  # noqa: E402
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="session")

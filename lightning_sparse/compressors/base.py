@@ -17,14 +17,15 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_sparse._utils import make_generator, mix_seed
 
-Pattern = Literal["gather", "shared"]
+#: the communication patterns the hook knows (``lightning_sparse.hook.PATTERNS``)
+Pattern = str
 
 #: name -> compressor class; a compressor joins with ``@register_compressor``.
 COMPRESSORS: dict[str, type[Compressor]] = {}
