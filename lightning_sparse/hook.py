@@ -50,6 +50,8 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
     future holds ``buffer`` overwritten with the average over ranks of what each rank sent.
     """
     start = time.perf_counter()
+    if not state.in_step:
+        _begin_step(state)
     plan = state.plan(buffer, params)
     counters = Counters(dense_bytes=buffer.numel() * buffer.element_size(), numel=buffer.numel(), buckets=1)
     sparse = plan.sparse_members
@@ -74,7 +76,22 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
     return future
 
 
+def _begin_step(state: SparseState) -> None:
+    """Once per optimizer step, before its first bucket."""
+    state.in_step = True
+    if state.loss_scale is not None:
+        # With a gradient scaler the gradients (and so the residuals) carry the loss scale. When the
+        # scaler changes it (halved after an overflow, doubled after a run of good steps), bring the
+        # residuals to the new scale so they keep their weight; the ratio is a power of 2: exact.
+        scale = float(state.loss_scale())
+        last = state.last_loss_scale
+        if last is not None and scale != last and last > 0:
+            state.memory.scale_(scale / last)
+        state.last_loss_scale = scale
+
+
 def _end_step(state: SparseState) -> None:
+    state.in_step = False
     interval = state.residual_norm_interval
     if state.error_feedback and interval > 0 and state.step % interval == 0:
         state.telemetry.residual_norm = state.memory.norm_sq() ** 0.5
@@ -118,6 +135,14 @@ def _gather_message_bytes(k: int, vbytes: int) -> int:
     return (raw + 7) // 8 * 8  # every rank's chunk starts 8-byte aligned so its views are valid
 
 
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, in one read: the float32 sum is finite unless an
+    entry is NaN/Inf (or, very rarely, finite entries overflow it: confirmed element-wise then)."""
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def _done(value: Tensor) -> Future[Tensor]:
     fut: Future[Tensor] = Future()
     fut.set_result(value)
@@ -125,13 +150,18 @@ def _done(value: Tensor) -> Future[Tensor]:
 
 
 # --------------------------------------------------------------------------- dense
-def _flush_residuals(state: SparseState, buffer: Tensor, members: tuple[Member, ...]) -> None:
+def _flush_residuals(state: SparseState, buffer: Tensor, members: tuple[Member, ...], counters: Counters) -> None:
     """Add any residual into the bucket before a dense send, so nothing stays behind unsent."""
     if not state.error_feedback:
         return
     for m in members:
         if m.name in state.memory:
             segment = buffer[m.offset : m.offset + m.numel]
+            if not all_finite(segment):
+                # Send the non-finite gradient as it is (every rank then sees a non-finite average
+                # and the optimizer / gradient scaler skips the step); keep the residual unpoisoned.
+                counters.nonfinite_buckets = 1
+                continue
             state.memory.accumulate(m.name, segment)
             sent = state.memory.flush(m.name, buffer.dtype)
             assert sent is not None
@@ -139,7 +169,7 @@ def _flush_residuals(state: SparseState, buffer: Tensor, members: tuple[Member, 
 
 
 def _dense_exchange(state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters) -> Future[Tensor]:
-    _flush_residuals(state, buffer, plan.members)
+    _flush_residuals(state, buffer, plan.members, counters)
     counters.sent_bytes += buffer.numel() * buffer.element_size()
     counters.sent_numel += buffer.numel()
     world = state.world_size
@@ -182,12 +212,14 @@ def compress_members(
     ks: list[int],
     values_out: Tensor,
     index_out: Tensor | None,
+    counters: Counters,
 ) -> list[Tensor] | None:
     """Select ``ks`` coordinates of each sparse member, write their values (in ``values_out``'s
     dtype) and bucket offsets (into ``index_out``, if given), and keep the rest in the residual.
 
     Returns the per-member local indices when ``index_out`` is None (shared patterns keep them
-    locally rather than sending them).
+    locally rather than sending them). A member whose gradient is not finite sends NaN and leaves
+    its residual as it was; ``counters.nonfinite_buckets`` is then set.
     """
     compressor = state.compressor
     vdtype = values_out.dtype
@@ -195,26 +227,57 @@ def compress_members(
     pos = 0
     for m, k in zip(plan.sparse_members, ks, strict=True):
         g = buffer[m.offset : m.offset + m.numel]
-        p = state.memory.accumulate(m.name, g) if state.error_feedback else g
         ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
+        if not all_finite(g):
+            # Same message shape as always (the collectives must match on every rank), but NaN
+            # values, so that the averaged gradient is non-finite on every rank and the step is
+            # skipped everywhere alike; the residual keeps its previous value.
+            counters.nonfinite_buckets = 1
+            if compressor.pattern == "shared":
+                idx = compressor.select(g, k, ctx)
+            else:
+                idx = torch.arange(k, device=g.device)
+            values_out[pos : pos + k].fill_(float("nan"))
+            _write_indices(idx, m, pos, k, index_out, kept)
+            pos += k
+            continue
+        p = state.memory.accumulate(m.name, g) if state.error_feedback else g
         idx = compressor.select(p, k, ctx)
         if idx.numel() != k:
             raise RuntimeError(f"{type(compressor).__name__}.select returned {idx.numel()} indices for k={k}")
         values = p[idx]
-        sent = values.to(vdtype)
+        sent = _quantize(values, vdtype)
         if state.error_feedback:
             remainder = None if sent.dtype == values.dtype else values - sent.to(values.dtype)
             state.memory.keep_unsent(m.name, idx, remainder)
         values_out[pos : pos + k].copy_(sent)
-        if index_out is not None:
-            index_out[pos : pos + k].copy_(idx)
-            if m.offset:
-                index_out[pos : pos + k].add_(m.offset)
-        else:
-            assert kept is not None
-            kept.append(idx + m.offset if m.offset else idx)
+        _write_indices(idx, m, pos, k, index_out, kept)
         pos += k
     return kept
+
+
+def _quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """Cast values for the wire; float16 saturates at its largest finite value instead of
+    overflowing to inf, so the part above it stays in the residual rather than poisoning it."""
+    if dtype == values.dtype:
+        return values
+    if dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        values = values.clamp(-limit, limit)
+    return values.to(dtype)
+
+
+def _write_indices(
+    idx: Tensor, m: Member, pos: int, k: int, index_out: Tensor | None, kept: list[Tensor] | None
+) -> None:
+    """Record a member's selected coordinates as bucket offsets: into the message, or kept locally."""
+    if index_out is not None:
+        index_out[pos : pos + k].copy_(idx)
+        if m.offset:
+            index_out[pos : pos + k].add_(m.offset)
+    else:
+        assert kept is not None
+        kept.append(idx + m.offset if m.offset else idx)
 
 
 class GatherPattern(WirePattern):
@@ -238,7 +301,7 @@ class GatherPattern(WirePattern):
         index_out = message[: total_k * _INDEX_BYTES].view(torch.int32)
         values_out = message[total_k * _INDEX_BYTES : total_k * (_INDEX_BYTES + vbytes)].view(vdtype)
         message[total_k * (_INDEX_BYTES + vbytes) :].zero_()
-        compress_members(state, buffer, plan, ks, values_out, index_out)
+        compress_members(state, buffer, plan, ks, values_out, index_out, counters)
         counters.sent_numel += total_k
         counters.sent_bytes += message.numel()
         if world > 1:
@@ -271,7 +334,7 @@ class SharedPattern(WirePattern):
     ) -> Pending:
         world = state.world_size
         message = torch.empty(sum(ks), dtype=_value_dtype(state, buffer), device=buffer.device)
-        kept = compress_members(state, buffer, plan, ks, message, None)
+        kept = compress_members(state, buffer, plan, ks, message, None, counters)
         assert kept is not None
         counters.sent_numel += message.numel()
         counters.sent_bytes += message.numel() * message.element_size()
@@ -292,7 +355,7 @@ def _launch_dense_members(state: SparseState, buffer: Tensor, plan: BucketPlan, 
     dense = plan.dense_members
     if not dense:
         return Pending([], lambda out: None)
-    _flush_residuals(state, buffer, dense)
+    _flush_residuals(state, buffer, dense, counters)
     values = torch.cat([buffer[m.offset : m.offset + m.numel] for m in dense])
     counters.sent_bytes += values.numel() * values.element_size()
     counters.sent_numel += values.numel()

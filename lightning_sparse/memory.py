@@ -93,6 +93,12 @@ class ErrorFeedback:
         e.sub_(sent.to(torch.float32))
         return sent
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (e.g. when a gradient scaler changes its scale)."""
+        for name, e in self._residuals.items():
+            if name not in self._zero:
+                e.mul_(factor)
+
     def clear(self) -> None:
         self._residuals.clear()
         self._zero.clear()

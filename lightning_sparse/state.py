@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +103,10 @@ class SparseState:
         self.rank = 0
         self.world_size = 1
         self.process_group: dist.ProcessGroup | None = None
+        self.in_step = False
+        #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
+        self.loss_scale: Callable[[], float] | None = None
+        self.last_loss_scale: float | None = None
         self._names: dict[int, str] = {}
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
 
@@ -110,6 +114,7 @@ class SparseState:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["process_group"] = None
+        state["loss_scale"] = None
         state["_names"] = {}
         state["_plans"] = {}
         return state
@@ -207,6 +212,7 @@ class SparseState:
             "compressor_config": self.compressor.config(),
             "schedule": self.schedule.state_dict(),
             "residuals": self.memory.state_dict(),
+            "last_loss_scale": self.last_loss_scale,
             "telemetry": self.telemetry.state_dict(),
         }
 
@@ -218,4 +224,5 @@ class SparseState:
         self.step = int(state["step"])
         self.schedule.load_state_dict(state["schedule"])
         self.memory.load_state_dict(state["residuals"], device=device)
+        self.last_loss_scale = state.get("last_loss_scale")
         self.telemetry.load_state_dict(state["telemetry"])

@@ -13,6 +13,9 @@ class Counters:
     ``dense_bytes`` is what plain DDP would put into its all-reduce for the same gradients;
     ``sent_bytes`` is what the strategy put into its collectives (values, indices, dense parts,
     padding), counted from the tensors handed to ``torch.distributed``, not estimated.
+    ``dense_buckets`` counts buckets sent dense (warm-up, fallback, all tensors small),
+    ``fallback_buckets`` those sent dense because sparse would have moved more bytes, and
+    ``nonfinite_buckets`` those in which this rank found a non-finite gradient.
     """
 
     dense_bytes: int = 0
@@ -22,6 +25,7 @@ class Counters:
     buckets: int = 0
     dense_buckets: int = 0
     fallback_buckets: int = 0
+    nonfinite_buckets: int = 0
     compress_seconds: float = 0.0
 
     def add(self, other: Counters) -> None:

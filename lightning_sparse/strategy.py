@@ -158,6 +158,8 @@ class SparseDDPStrategy(DDPStrategy):
         if self._pending_hook_state is not None:
             self._apply_hook_state(self._pending_hook_state)
             self._pending_hook_state = None
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self._sparse_state.loss_scale = None if scaler is None else _ScaleReader(scaler)
         self._sparse_state.bind(model.module.named_parameters(), process_group=model.process_group)
         model.register_comm_hook(self._sparse_state, sparse_comm_hook)
 
@@ -241,6 +243,16 @@ class SparseDDPStrategy(DDPStrategy):
             if name in strategy_registry and strategy_registry[name].get("strategy") is cls:
                 continue
             strategy_registry.register(name, cls, description=description, override=True, **params)
+
+
+class _ScaleReader:
+    """Reads a gradient scaler's current loss scale (the hook rescales residuals when it changes)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def __call__(self) -> float:
+        return float(self.scaler.get_scale())
 
 
 def register_strategies() -> None:

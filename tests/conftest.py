@@ -26,10 +26,12 @@ def dist2():
     pool.stop()
 
 
-def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> list[dict[str, Any]]:
+def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> Any:
     """Launch tests/trainer_worker.py (Lightning's popen launcher starts the other ranks).
 
-    Returns the per-rank results the worker saved. A hung rank fails the test via ``timeout``.
+    Returns the per-rank results the worker saved, or, for a config with ``runs``, a dict of them
+    by run name. The launcher's output is kept in ``out_dir/log.txt``. A hung rank fails the test
+    via ``timeout``.
     """
     import torch
 
@@ -37,7 +39,7 @@ def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> 
     cfg_path = out_dir / "config.json"
     cfg_path.write_text(json.dumps(config))
     env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     env.pop("LOCAL_RANK", None)
     env.pop("MASTER_PORT", None)
     from _dist import free_port
@@ -52,10 +54,18 @@ def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> 
         text=True,
         timeout=timeout,
     )
+    (out_dir / "log.txt").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(
             f"trainer_worker failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-5000:]}"
             f"\n--- stderr ---\n{proc.stderr[-8000:]}"
         )
-    world = config.get("devices", 2)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+    def load(prefix: str, world: int) -> list[dict[str, Any]]:
+        return [torch.load(out_dir / f"{prefix}rank{r}.pt", weights_only=False) for r in range(world)]
+
+    if "runs" in config:
+        return {
+            run["name"]: load(f"{run['name']}_", run.get("devices", config.get("devices", 2))) for run in config["runs"]
+        }
+    return load("", config.get("devices", 2))

@@ -56,3 +56,25 @@ def test_state_dict_round_trip_and_norm() -> None:
     other = ErrorFeedback()
     other.load_state_dict(state)
     assert torch.equal(other.get("a"), torch.tensor([3.0, 4.0])) and other.norm_sq() == 25.0
+
+
+def test_residuals_follow_a_real_gradient_scaler() -> None:
+    from lightning_sparse import SparseState
+    from lightning_sparse.hook import communicate
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.tensor(1.0))  # the scaler creates its scale tensor on first use
+    named = [("w", torch.zeros(5000, requires_grad=True))]
+    state = SparseState(density=0.01, min_numel=0, fallback_to_dense=False)
+    state.loss_scale = lambda: scaler.get_scale()
+    state.bind(named)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        communicate(state, torch.randn(5000, generator=gen) * 1024, [named[0][1]]).wait()
+    before = state.memory.get("w").clone()
+    scaler.update(new_scale=256.0)  # e.g. after overflows: the gradients now carry 1/4 of the scale
+    g = torch.randn(5000, generator=gen) * 256
+    out = communicate(state, g.clone(), [named[0][1]]).wait()
+    # the old residual entered this step at the new scale (x 1/4, exact), then conservation as usual
+    assert torch.equal(out + state.memory.get("w"), before * 0.25 + g)
+    assert state.last_loss_scale == 256.0

@@ -24,11 +24,15 @@ from lightning_sparse import SparseDDPStrategy
 class Net(L.LightningModule):
     """A small MLP; variants exercise unused and frozen parameters and non-finite gradients."""
 
-    def __init__(self, variant: str = "mlp", lr: float = 0.05, nan_at_step: int = -1) -> None:
+    def __init__(self, variant: str = "mlp", lr: float = 0.05, nan_at_step: int = -1, nan_rank: int = -1) -> None:
         super().__init__()
+        self.nan_rank = nan_rank
         self.variant = variant
         self.lr = lr
         self.nan_at_step = nan_at_step
+        self.data: TensorDataset | None = None
+        self.skipped_steps = 0
+        self.residual_norms: list[float] = []
         self.body = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
         self.head = nn.Linear(64, 4)
         if variant == "unused":
@@ -42,10 +46,28 @@ class Net(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.data is not None:
+            # Data as a pure function of (step, rank): a resumed run sees exactly the batches the
+            # uninterrupted run saw, whatever Lightning's loop does with epochs and samplers on restart.
+            n, bs, world = len(self.data), x.shape[0], self.trainer.world_size
+            start = (self.global_step * world + self.global_rank) * bs
+            idx = torch.arange(start, start + bs) % n
+            x, y = self.data.tensors[0][idx], self.data.tensors[1][idx]
         loss = nn.functional.cross_entropy(self(x).float(), y)
-        if self.global_step == self.nan_at_step:
+        if self.global_step == self.nan_at_step and self.nan_rank in (-1, self.global_rank):
             loss = loss * float("nan")
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # What a gradient scaler does: skip a step whose (averaged) gradient is not finite.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in grads):
+            self.skipped_steps += 1
+            for p in self.parameters():
+                p.grad = None
+        strategy = self.trainer.strategy
+        if isinstance(strategy, SparseDDPStrategy):
+            self.residual_norms.append(strategy.sparse_state.memory.norm_sq() ** 0.5)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
@@ -73,16 +95,29 @@ def build_strategy(spec: Any) -> Any:
     return SparseDDPStrategy(**spec)
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        cfg = json.load(f)
-    torch.set_num_threads(1)
+class _SaveAtEpochEnd(L.Callback):
+    """Write a checkpoint at the end of a given epoch (end-of-epoch: the reliable resume point)."""
+
+    def __init__(self, epoch: int, path: str) -> None:
+        self.epoch, self.path = epoch, path
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+
+
+def fit_once(cfg: dict[str, Any]) -> None:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = Net(cfg.get("model", "mlp"), cfg.get("lr", 0.05), cfg.get("nan_at_step", -1))
-    data = make_data(cfg.get("seed", 0))
+    model = Net(cfg.get("model", "mlp"), cfg.get("lr", 0.05), cfg.get("nan_at_step", -1), cfg.get("nan_rank", -1))
+    data = make_data(cfg.get("seed", 0), cfg.get("n", 1024))
     initial_acc = _accuracy(model, data)
+    if cfg.get("data_by_step"):
+        model.data = data
     # shuffle=False: the data order must not depend on anything but the step (resume tests)
     loader = DataLoader(data, batch_size=cfg.get("batch_size", 16), shuffle=False)
+    callbacks: list[L.Callback] = []
+    if "ckpt_at_epoch" in cfg:
+        callbacks.append(_SaveAtEpochEnd(cfg["ckpt_at_epoch"], cfg["ckpt_out"]))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=cfg.get("devices", 2),
@@ -96,6 +131,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        callbacks=callbacks,
     )
     trainer.fit(model, loader, ckpt_path=cfg.get("ckpt_path"))
     if cfg.get("save_ckpt"):
@@ -105,6 +141,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "initial_acc": initial_acc,
         "train_acc": _accuracy(model, data),
+        "skipped_steps": model.skipped_steps,
     }
     strategy = trainer.strategy
     if isinstance(strategy, SparseDDPStrategy):
@@ -112,7 +149,18 @@ def main() -> None:
         result["hook_step"] = state.step
         result["telemetry"] = state.telemetry.total.as_dict()
         result["residuals"] = state.memory.state_dict()
-    torch.save(result, f"rank{trainer.global_rank}.pt")
+        result["residual_norms"] = model.residual_norms
+    prefix = f"{cfg['name']}_" if cfg.get("name") else ""
+    torch.save(result, f"{prefix}rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    runs = cfg.pop("runs", None)
+    for run in runs or [{}]:
+        fit_once({**cfg, **run})
     assert lightning_sparse.__version__
 
 
