@@ -119,7 +119,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
     if "ckpt_at_epoch" in cfg:
         callbacks.append(_SaveAtEpochEnd(cfg["ckpt_at_epoch"], cfg["ckpt_out"]))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.get("accelerator", "cpu"),
         devices=cfg.get("devices", 2),
         strategy=build_strategy(cfg.get("strategy", "sparse_ddp")),
         max_steps=cfg.get("max_steps", 30),
