@@ -29,7 +29,8 @@ def dist2():
 def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> list[dict[str, Any]]:
     """Launch tests/trainer_worker.py (Lightning's popen launcher starts the other ranks).
 
-    Returns the per-rank results the worker saved. A hung rank fails the test via ``timeout``.
+    Returns the per-rank results the worker saved. The launcher's output is kept in
+    ``out_dir/log.txt``. A hung rank fails the test via ``timeout``.
     """
     import torch
 
@@ -52,6 +53,7 @@ def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> 
         text=True,
         timeout=timeout,
     )
+    (out_dir / "log.txt").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(
             f"trainer_worker failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-5000:]}"
