@@ -126,6 +126,11 @@ class WireTap(L.Callback):
 
 
 def _called_from_hook() -> bool:
+    """Whether the hook launched this collective: from its own call, or from a completion callback
+    of one of its collectives (a second round), which runs on a backend thread. Lightning's own
+    collectives (metric syncs, barriers, stop decisions) come from the main thread, outside the hook."""
+    if threading.current_thread() is not threading.main_thread():
+        return True
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is sparse_comm_hook.__code__:
