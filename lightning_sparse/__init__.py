@@ -7,6 +7,7 @@ Importing the package registers the strategy names ``sparse_ddp``, ``sparse_ddp_
     trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")
 """
 
+from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import COMPRESSORS, Compressor, RandomK, TopK, register_compressor
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import ConstantDensity, DensitySchedule
@@ -19,6 +20,7 @@ register_strategies()
 
 __all__ = [
     "COMPRESSORS",
+    "CompressionMonitor",
     "Compressor",
     "ConstantDensity",
     "DensitySchedule",

@@ -57,20 +57,23 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
     sparse = plan.sparse_members
     exchange: Callable[..., Future[Tensor]] | None = None
     ks: list[int] = []
+    method = "dense (warm-up)" if sparse else "dense (small tensors)"  # how the bucket is sent, for telemetry
     if sparse and state.step >= state.warmup_steps:
         density = state.schedule.density(state.step)
         ks = [k_for(m.numel, density) for m in sparse]
         if state.fallback_to_dense and not _sparse_is_cheaper(state, buffer, sparse, ks):
             counters.fallback_buckets = 1
+            method = "dense (fallback)"
         else:
             exchange = _sparse_exchange
+            method = state.compressor.name or type(state.compressor).__name__
     if exchange is None:
         counters.dense_buckets = 1
         future = _dense_exchange(state, buffer, plan, counters)
     else:
         future = exchange(state, buffer, plan, ks, counters)
     counters.compress_seconds = time.perf_counter() - start
-    state.telemetry.record(plan.label, counters)
+    state.telemetry.record(plan.label, counters, method)
     if is_last:
         _end_step(state)
     return future

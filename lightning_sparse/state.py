@@ -99,6 +99,8 @@ class SparseState:
         self.memory = ErrorFeedback()
         self.step = 0
         self.telemetry = Telemetry()
+        #: the hook measures the residual norm every this many steps (0: never; CompressionMonitor
+        #: measures it itself when it logs)
         self.residual_norm_interval = 50
         self.rank = 0
         self.world_size = 1
@@ -199,6 +201,16 @@ class SparseState:
             plan = BucketPlan(tuple(members), offset, label)
             self._plans[ids] = plan
         return plan
+
+    def measure_residual_norm(self) -> float:
+        """The L2 norm of this rank's residuals after the last finished step (one read of each).
+
+        Records it in ``telemetry.residual_norm`` / ``residual_norm_step`` and returns it.
+        """
+        norm = self.memory.norm_sq() ** 0.5
+        self.telemetry.residual_norm = norm
+        self.telemetry.residual_norm_step = self.step - 1
+        return norm
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -32,6 +32,13 @@ class Counters:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def __sub__(self, other: Counters) -> Counters:
+        """The figures accumulated since ``other`` was a snapshot of these counters."""
+        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> Counters:
+        return Counters(**asdict(self))
+
     @property
     def compression_ratio(self) -> float:
         """dense bytes / bytes sent (1.0 when nothing was sent)."""
@@ -50,7 +57,9 @@ class Counters:
 class Telemetry:
     """The hook's running figures: the step in progress, the last finished step, and totals.
 
-    ``groups`` holds per-group totals, a group being the set of parameter names of a bucket.
+    ``groups`` holds per-group totals, a group being the set of parameter names of a bucket;
+    ``methods`` holds totals per way a bucket was sent: the compressor's name for sparse buckets,
+    ``"dense (warm-up)"``, ``"dense (fallback)"`` or ``"dense (small tensors)"`` for dense ones.
     ``residual_norm`` is the L2 norm of all residuals, measured every ``residual_norm_interval``
     steps (it costs one read of every residual).
     """
@@ -59,13 +68,16 @@ class Telemetry:
     last: Counters = field(default_factory=Counters)
     total: Counters = field(default_factory=Counters)
     groups: dict[str, Counters] = field(default_factory=dict)
+    methods: dict[str, Counters] = field(default_factory=dict)
     steps: int = 0
     residual_norm: float | None = None
     residual_norm_step: int | None = None
 
-    def record(self, group: str, counters: Counters) -> None:
+    def record(self, group: str, counters: Counters, method: str = "dense") -> None:
+        """Add one bucket's figures: to the step in progress, its group and the way it was sent."""
         self.current.add(counters)
         self.groups.setdefault(group, Counters()).add(counters)
+        self.methods.setdefault(method, Counters()).add(counters)
 
     def end_step(self) -> None:
         self.total.add(self.current)
@@ -77,12 +89,14 @@ class Telemetry:
         return {
             "total": self.total.as_dict(),
             "groups": {k: v.as_dict() for k, v in self.groups.items()},
+            "methods": {k: v.as_dict() for k, v in self.methods.items()},
             "steps": self.steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.total = Counters(**state["total"])
         self.groups = {k: Counters(**v) for k, v in state["groups"].items()}
+        self.methods = {k: Counters(**v) for k, v in state.get("methods", {}).items()}
         self.steps = int(state["steps"])
         self.current = Counters()
         self.last = Counters()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -14,9 +15,11 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import DensitySchedule
@@ -57,6 +60,10 @@ class SparseDDPStrategy(DDPStrategy):
         seed: seed of every random choice (shared coordinates, samples).
         fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
             many bytes as a dense all-reduce (all-gather traffic grows with world size).
+        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's
+            callbacks when fitting, unless it already has one, so the compression figures
+            reach the Trainer's loggers and a summary is printed at the end of fit. ``False``
+            adds nothing.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP.
@@ -83,6 +90,7 @@ class SparseDDPStrategy(DDPStrategy):
         value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
         seed: int = 0,
         fallback_to_dense: bool = True,
+        compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -101,6 +109,7 @@ class SparseDDPStrategy(DDPStrategy):
             if name in kwargs:
                 raise ValueError(f"{name}={kwargs[name]!r} is not allowed with SparseDDPStrategy: {why}.")
         for name, value in (
+            ("compression_monitor", compression_monitor),
             ("find_unused_parameters", find_unused_parameters),
             ("static_graph", static_graph),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
@@ -143,11 +152,29 @@ class SparseDDPStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self._pending_hook_state: Optional[dict[str, Any]] = None
+        self.compression_monitor = compression_monitor
 
     @property
     def sparse_state(self) -> SparseState:
         """The hook's state on this rank: residuals, step, telemetry."""
         return self._sparse_state
+
+    # ------------------------------------------------------------------ telemetry
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        # The Trainer connects the strategy at the start of every run, in every process (after the
+        # spawn launcher started the workers too), before the callbacks' setup hooks: a monitor
+        # added here runs all its hooks. A monitor returned by the model's configure_callbacks()
+        # replaces it (same type), as Lightning does for callbacks given to the Trainer.
+        trainer = model._trainer
+        if (
+            self.compression_monitor
+            and trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and not trainer.barebones
+            and not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks)
+        ):
+            trainer.callbacks.append(CompressionMonitor())
 
     # ------------------------------------------------------------------ the hook
     def _register_ddp_hooks(self) -> None:

@@ -75,7 +75,9 @@ def test_conservation_shapes_and_counts(setup: dict) -> None:
                 assert torch.isfinite(new).all()
             else:
                 nz = out[seg] != 0
-                assert torch.equal(out[seg][nz].float(), p[nz].to(state.value_dtype or dtype).float())
+                wire = state.value_dtype or dtype
+                expected = p[nz].clamp(-65504, 65504) if wire == torch.float16 else p[nz]  # fp16 saturates
+                assert torch.equal(out[seg][nz].float(), expected.to(wire).float())
 
 
 @settings(max_examples=60, deadline=None)

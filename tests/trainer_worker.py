@@ -3,22 +3,32 @@
     python trainer_worker.py config.json
 
 Lightning's popen launcher re-runs this script for the other ranks. Every rank writes
-``rank{r}.pt`` into the working directory: its final parameters, the hook's step and telemetry.
+``rank{r}.pt`` into the working directory: its final parameters, the hook's step and telemetry
+(with a spawn strategy only the main process, rank 0, writes).
+
+``"intercept_collectives": true`` wraps torch.distributed's collectives and records, per
+optimizer step, the bytes of every tensor the communication hook hands to them: a count of the
+traffic that does not rely on the package's own counters.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+from collections import defaultdict
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sparse
 from lightning_sparse import SparseDDPStrategy
+from lightning_sparse.hook import sparse_comm_hook
 
 
 class Net(L.LightningModule):
@@ -89,6 +99,68 @@ def _accuracy(model: nn.Module, data: TensorDataset) -> float:
     return (model(x.to(dtype)).argmax(1) == y).float().mean().item()
 
 
+class WireTap(L.Callback):
+    """Wraps the torch.distributed collectives; records the input bytes of those called by the hook."""
+
+    #: collective -> (position, keyword) of the tensor this rank contributes
+    INPUT = {
+        "all_reduce": (0, "tensor"),
+        "broadcast": (0, "tensor"),
+        "all_gather": (1, "tensor"),
+        "all_gather_single": (1, "input_tensor"),
+        "all_gather_into_tensor": (1, "input_tensor"),
+        "reduce_scatter_tensor": (1, "input"),
+        "all_to_all_single": (1, "input"),
+    }
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.bytes_by_step: dict[int, int] = defaultdict(int)
+        self.inside = threading.local()
+
+    def install(self) -> None:
+        for name in self.INPUT:
+            real = getattr(dist, name, None)
+            if real is not None:
+                setattr(dist, name, self._wrap(name, real))
+
+    def _wrap(self, name: str, real: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            # count the outermost call only (all_gather_into_tensor calls all_gather_single)
+            outer = not getattr(self.inside, "active", False)
+            if outer and _called_from_hook():
+                # the tensor this rank contributes: all_reduce(tensor), all_gather_single(out, input), ...
+                position, keyword = self.INPUT[name]
+                tensor = args[position] if len(args) > position else kwargs[keyword]
+                nbytes = tensor.numel() * tensor.element_size()
+                self.bytes_by_step[self.step] += nbytes
+            self.inside.active = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                if outer:
+                    self.inside.active = False
+
+        return collective
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.step = trainer.global_step
+
+
+def _called_from_hook() -> bool:
+    """Whether the hook launched this collective: from its own call, or from a completion callback
+    of one of its collectives (a second round), which runs on a backend thread. Lightning's own
+    collectives (metric syncs, barriers, stop decisions) come from the main thread, outside the hook."""
+    if threading.current_thread() is not threading.main_thread():
+        return True
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is sparse_comm_hook.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def build_strategy(spec: Any) -> Any:
     if isinstance(spec, str):
         return spec
@@ -118,6 +190,14 @@ def fit_once(cfg: dict[str, Any]) -> None:
     callbacks: list[L.Callback] = []
     if "ckpt_at_epoch" in cfg:
         callbacks.append(_SaveAtEpochEnd(cfg["ckpt_at_epoch"], cfg["ckpt_out"]))
+    tap = None
+    if cfg.get("intercept_collectives"):
+        tap = WireTap()
+        tap.install()
+        callbacks.append(tap)
+    logger: Any = False
+    if cfg.get("logger") == "csv":
+        logger = CSVLogger(save_dir=".", name="csv", version=0)
     trainer = L.Trainer(
         accelerator=cfg.get("accelerator", "cpu"),
         devices=cfg.get("devices", 2),
@@ -126,7 +206,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
         max_epochs=-1,
         accumulate_grad_batches=cfg.get("accumulate_grad_batches", 1),
         precision=cfg.get("precision", "32-true"),
-        logger=False,
+        logger=logger,
+        log_every_n_steps=cfg.get("log_every_n_steps", 50),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -142,7 +223,12 @@ def fit_once(cfg: dict[str, Any]) -> None:
         "initial_acc": initial_acc,
         "train_acc": _accuracy(model, data),
         "skipped_steps": model.skipped_steps,
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "callbacks": [type(cb).__name__ for cb in trainer.callbacks],
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
     }
+    if tap is not None:
+        result["wire_bytes_by_step"] = dict(tap.bytes_by_step)
     strategy = trainer.strategy
     if isinstance(strategy, SparseDDPStrategy):
         state = strategy.sparse_state

@@ -1,0 +1,237 @@
+"""CompressionMonitor: the sparse hook's telemetry in the Trainer's loggers, and a summary at the end of fit."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_sparse.state import SparseState
+from lightning_sparse.stats import Counters, Telemetry
+from lightning_sparse.summary import CompressionSummary
+
+#: the metric names CompressionMonitor logs
+METRIC_NAMES = (
+    "sparse/compression_ratio",
+    "sparse/compression_ratio_cumulative",
+    "sparse/density",
+    "sparse/bytes_sent",
+    "sparse/residual_norm",
+    "sparse/compress_ms",
+)
+
+
+def compression_figures(interval: Counters, steps: int, total: Counters, residual_norm: float) -> dict[str, float]:
+    """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval``.
+
+    - ``sparse/compression_ratio``: dense bytes / bytes sent over those steps;
+    - ``sparse/compression_ratio_cumulative``: the same over the whole run (``total``);
+    - ``sparse/density``: fraction of gradient coordinates sent (dense parts count in full);
+    - ``sparse/bytes_sent``: bytes this rank put into collectives, per step;
+    - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
+    - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch).
+
+    Example:
+        >>> c = Counters(dense_bytes=800, sent_bytes=20, numel=200, sent_numel=4, compress_seconds=0.002)
+        >>> compression_figures(c, 2, c, 0.5)["sparse/compression_ratio"]
+        40.0
+    """
+    steps = max(steps, 1)
+    return {
+        "sparse/compression_ratio": interval.compression_ratio,
+        "sparse/compression_ratio_cumulative": total.compression_ratio,
+        "sparse/density": interval.density,
+        "sparse/bytes_sent": interval.sent_bytes / steps,
+        "sparse/residual_norm": float(residual_norm),
+        "sparse/compress_ms": 1000.0 * interval.compress_seconds / steps,
+    }
+
+
+def find_sparse_state(trainer: pl.Trainer) -> SparseState | None:
+    """The hook state of the Trainer's strategy, or None if it is not a SparseDDPStrategy."""
+    state = getattr(trainer.strategy, "sparse_state", None)
+    return state if isinstance(state, SparseState) else None
+
+
+class CompressionMonitor(Callback):
+    """Log the sparse hook's compression figures through ``pl_module.log`` and print a summary.
+
+    Every logged point covers the optimizer steps since the previous one (with
+    ``Trainer(log_every_n_steps=1)`` that is exactly one step): ``sparse/compression_ratio``
+    (dense bytes / bytes actually sent) and ``sparse/compression_ratio_cumulative`` (over the whole
+    run, resumed runs included), ``sparse/density``, ``sparse/bytes_sent`` (per step),
+    ``sparse/residual_norm`` and ``sparse/compress_ms`` (per step). Bytes are those this rank put
+    into its collectives (values, indices, dense parts, padding), counted from the tensors handed to
+    ``torch.distributed``. Because it logs through ``pl_module.log``, every Lightning logger
+    (CSV, TensorBoard, W&B, ...) receives the figures, and ``trainer.callback_metrics`` holds the
+    latest ones (which is how they reach the main process under ``sparse_ddp_spawn``).
+
+    ``SparseDDPStrategy`` adds one by itself unless one is given or ``compression_monitor=False``.
+
+    Args:
+        logging_interval: ``"step"`` logs at the Trainer's ``log_every_n_steps`` cadence;
+            ``"epoch"`` logs once per training epoch.
+        summary: print a table of the figures of the fit (per compressor and per bucket group) on
+            rank 0 when training ends; a rich table on a terminal, plain text otherwise.
+        sync_dist: average the figures over ranks before logging (one small all-reduce per figure
+            per logged point). ``None`` (default): ``True`` with ``logging_interval="epoch"`` (once
+            per epoch, as Lightning recommends for epoch-level figures), ``False`` with ``"step"``
+            (no collective in the training loop: each rank logs its own figures and the loggers
+            write rank 0's; every rank sends the same number of bytes).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_sparse.callbacks import CompressionMonitor
+        >>> monitor = CompressionMonitor(logging_interval="step")
+        >>> trainer = Trainer(strategy="sparse_ddp", callbacks=[monitor], log_every_n_steps=10)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        logging_interval: Literal["step", "epoch"] = "step",
+        summary: bool = True,
+        sync_dist: Optional[bool] = None,
+    ) -> None:
+        if logging_interval not in ("step", "epoch"):
+            raise ValueError(f"logging_interval={logging_interval!r} is not allowed: expected 'step' or 'epoch'.")
+        if not isinstance(summary, bool):
+            raise ValueError(f"summary={summary!r} is not allowed: expected True or False.")
+        if sync_dist is not None and not isinstance(sync_dist, bool):
+            raise ValueError(f"sync_dist={sync_dist!r} is not allowed: expected None, True or False.")
+        self.logging_interval = logging_interval
+        self.summary = summary
+        self.sync_dist = sync_dist
+        self._state: SparseState | None = None
+        self._fit_start: Telemetry | None = None
+        self._logged: Counters = Counters()
+        self._logged_steps = 0
+        self._epoch_start: Counters = Counters()
+        self._epoch_start_steps = 0
+        self._step_seconds = 0.0
+        self._batch_start: float | None = None
+        self._saved_interval: int | None = None
+        self.last_summary: CompressionSummary | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._state = find_sparse_state(trainer)
+        if self._state is None:
+            rank_zero_warn(
+                f"CompressionMonitor logs the figures of SparseDDPStrategy, but the Trainer uses "
+                f"{type(trainer.strategy).__name__}; it will log nothing."
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self._state
+        if state is None:
+            return
+        telemetry = state.telemetry
+        self._fit_start = copy.deepcopy(telemetry)
+        self._logged = telemetry.total.copy()
+        self._logged_steps = telemetry.steps
+        self._epoch_start = telemetry.total.copy()
+        self._epoch_start_steps = telemetry.steps
+        self._step_seconds = 0.0
+        # The residual norm costs a read of every residual: measure it only when logging.
+        self._saved_interval = state.residual_norm_interval
+        state.residual_norm_interval = 0
+
+    # ------------------------------------------------------------------ steps
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._batch_start is not None:
+            self._step_seconds += time.perf_counter() - self._batch_start
+            self._batch_start = None
+        state = self._state
+        if state is None or self.logging_interval != "step":
+            return
+        telemetry = state.telemetry
+        if telemetry.steps <= self._logged_steps or not _should_update_logs(trainer):
+            return
+        self._log(trainer, pl_module, telemetry.total - self._logged, telemetry.steps - self._logged_steps, True)
+        self._logged = telemetry.total.copy()
+        self._logged_steps = telemetry.steps
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._state is not None:
+            self._epoch_start = self._state.telemetry.total.copy()
+            self._epoch_start_steps = self._state.telemetry.steps
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self._state
+        if state is None or self.logging_interval != "epoch":
+            return
+        steps = state.telemetry.steps - self._epoch_start_steps
+        if steps > 0:
+            self._log(trainer, pl_module, state.telemetry.total - self._epoch_start, steps, False)
+
+    def _log(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, interval: Counters, steps: int, on_step: bool
+    ) -> None:
+        state = self._state
+        assert state is not None
+        norm = state.measure_residual_norm()
+        figures = compression_figures(interval, steps, state.telemetry.total, norm)
+        for name, value in figures.items():
+            pl_module.log(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=not on_step,
+                logger=bool(trainer.loggers),
+                sync_dist=self.sync_dist if self.sync_dist is not None else not on_step,
+                batch_size=1,
+            )
+
+    # ------------------------------------------------------------------ the end
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self._state
+        if state is None:
+            return
+        if self._saved_interval is not None:
+            state.residual_norm_interval = self._saved_interval
+            self._saved_interval = None
+        if not self.summary:
+            return
+        self.last_summary = self.build_summary(trainer)
+        if trainer.is_global_zero:
+            self.last_summary.print()
+
+    def build_summary(self, trainer: pl.Trainer) -> CompressionSummary:
+        """The summary of the fit so far (figures of this rank since training started)."""
+        state = self._state
+        assert state is not None
+        start = self._fit_start
+        steps = state.telemetry.steps - (start.steps if start is not None else 0)
+        title = (
+            f"Sparse gradient communication: {state.compressor!r}, {state.schedule!r}; "
+            f"{steps} steps, rank {trainer.global_rank} of {trainer.world_size}"
+        )
+        summary = CompressionSummary.from_telemetry(
+            state.telemetry, start, step_seconds=self._step_seconds or None, title=title
+        )
+        summary.notes.append(
+            "ratio = dense bytes / bytes sent; bytes are what this rank put into its collectives; "
+            "% of step = time in the hook / training step time."
+        )
+        return summary
+
+
+def _should_update_logs(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer writes step metrics to its loggers after this batch (its own rule)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None:  # pragma: no cover - Lightning internals moved; log every step
+        return True
+    return bool(connector.should_update_logs)

@@ -1,0 +1,186 @@
+"""The end-of-fit compression summary: a table per way of sending and per bucket group.
+
+:class:`CompressionSummary` holds the rows (plain :class:`~lightning_sparse.stats.Counters`) and
+renders them as a rich table on a terminal, or as plain text otherwise (logs, CI, pipes).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from lightning_sparse.stats import Counters, Telemetry
+
+#: the table's columns, after the row name
+COLUMNS = ("buckets", "dense bytes", "bytes sent", "ratio", "mean density", "compress s", "% of step")
+
+_TWO_LINE_HEADERS = {
+    "dense bytes": "dense\nbytes",
+    "bytes sent": "bytes\nsent",
+    "mean density": "mean\ndensity",
+    "compress s": "compress\ns",
+    "% of step": "% of\nstep",
+}
+
+
+def format_bytes(n: float) -> str:
+    """Decimal byte count with two decimals: ``512 B``, ``11.50 kB``, ``441.35 MB``.
+
+    Example:
+        >>> format_bytes(441_350_000)
+        '441.35 MB'
+    """
+    if abs(n) < 1000:
+        return f"{int(n)} B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        n /= 1000.0
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[str, Counters]:
+    start = start or {}
+    out = {}
+    for name, c in now.items():
+        d = c - start[name] if name in start else c.copy()
+        if d.buckets:
+            out[name] = d
+    return out
+
+
+@dataclass
+class CompressionSummary:
+    """Compression figures of one rank over a span of steps, ready to print.
+
+    Args:
+        title: the table's title.
+        methods: totals per way buckets were sent (compressor name, ``"dense (warm-up)"``, ...).
+        groups: totals per bucket group (the parameters of a bucket, first .. last).
+        total: totals over everything.
+        step_seconds: wall time of the training steps of the span (None: unknown), for the share
+            of the step spent compressing.
+
+    Example:
+        >>> from lightning_sparse.stats import Counters
+        >>> c = Counters(dense_bytes=4_000_000, sent_bytes=100_000, numel=1_000_000, sent_numel=10_000, buckets=4)
+        >>> s = CompressionSummary("example", {"topk": c}, {"fc.weight": c}, c, step_seconds=2.0)
+        >>> "40.0x" in s.to_text()
+        True
+    """
+
+    title: str
+    methods: dict[str, Counters]
+    groups: dict[str, Counters]
+    total: Counters
+    step_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_telemetry(
+        cls,
+        telemetry: Telemetry,
+        start: Telemetry | None = None,
+        step_seconds: float | None = None,
+        title: str = "Sparse gradient communication",
+    ) -> CompressionSummary:
+        """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them)."""
+        total = telemetry.total - start.total if start is not None else telemetry.total.copy()
+        return cls(
+            title=title,
+            methods=_diff(telemetry.methods, start.methods if start is not None else None),
+            groups=_diff(telemetry.groups, start.groups if start is not None else None),
+            total=total,
+            step_seconds=step_seconds,
+        )
+
+    # ------------------------------------------------------------------ rows
+    def _cells(self, c: Counters) -> list[str]:
+        if self.step_seconds:
+            share = f"{100.0 * c.compress_seconds / self.step_seconds:.1f}%"
+        else:
+            share = "-"
+        return [
+            str(c.buckets),
+            format_bytes(c.dense_bytes),
+            format_bytes(c.sent_bytes),
+            f"{c.compression_ratio:.1f}x",
+            f"{c.density:.4f}",
+            f"{c.compress_seconds:.3f}",
+            share,
+        ]
+
+    def sections(self) -> list[tuple[str, list[tuple[str, list[str]]]]]:
+        """(heading, [(row name, cells)]) in display order: by compressor, by bucket group, total."""
+        by_method = sorted(self.methods.items(), key=lambda kv: -kv[1].sent_bytes)
+        return [
+            ("sent as", [(name, self._cells(c)) for name, c in by_method]),
+            ("bucket group", [(name, self._cells(c)) for name, c in self.groups.items()]),
+            ("total", [("all buckets", self._cells(self.total))]),
+        ]
+
+    # ------------------------------------------------------------------ rendering
+    def to_text(self) -> str:
+        """The table as aligned plain text (no colours, ASCII only)."""
+        sections = self.sections()
+        names = [name for _, rows in sections for name, _ in rows] + [h for h, _ in sections]
+        width0 = max(len(n) for n in names)
+        widths = [
+            max([len(h)] + [len(cells[i]) for _, rows in sections for _, cells in rows]) for i, h in enumerate(COLUMNS)
+        ]
+        header = " " * width0 + "".join(f"  {h:>{w}}" for h, w in zip(COLUMNS, widths, strict=True))
+        rule = "-" * len(header)
+        lines = [self.title, rule, header]
+        for heading, rows in sections:
+            lines.append(rule)
+            if heading != "total":
+                lines.append(f"{heading}:")
+            for name, cells in rows:
+                lines.append(f"{name:<{width0}}" + "".join(f"  {c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+        lines.append(rule)
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def to_rich(self) -> Any:
+        """The table as a ``rich.table.Table``."""
+        from rich import box
+        from rich.table import Table
+
+        sections = self.sections()
+        table = Table(
+            title=self.title, title_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False
+        )
+        # figures never wrap (a narrow terminal folds the long bucket-group names instead)
+        table.add_column("", overflow="fold", min_width=16)
+        for i, h in enumerate(COLUMNS):
+            header = _TWO_LINE_HEADERS.get(h, h)  # keeps the table within 80 columns
+            cells = [len(c[i]) for _, rows in sections for _, c in rows]
+            width = max([len(part) for part in header.split("\n")] + cells)
+            table.add_column(header, justify="right", no_wrap=True, min_width=width)
+        for i, (heading, rows) in enumerate(sections):
+            if i:
+                table.add_section()
+            if heading != "total":
+                table.add_row(f"[bold]{heading}[/bold]", *[""] * len(COLUMNS))
+            for name, cells in rows:
+                style = "bold" if heading == "total" else None
+                table.add_row(name if heading == "total" else f"  {name}", *cells, style=style)
+        if self.notes:
+            table.caption = "\n".join(self.notes)
+        return table
+
+    def print(self, file: IO[str] | None = None, force_terminal: bool | None = None, width: int | None = None) -> None:
+        """Print to ``file`` (default stdout): a rich table on a terminal, plain text otherwise.
+
+        ``force_terminal`` and ``width`` are passed to ``rich.console.Console``.
+        """
+        from rich.console import Console
+
+        file = file if file is not None else sys.stdout
+        console = Console(file=file, force_terminal=force_terminal, width=width)
+        if console.is_terminal:
+            console.print(self.to_rich())
+        else:
+            file.write(self.to_text() + "\n")
+            file.flush()

@@ -1,0 +1,144 @@
+"""The Lightning CLI example and every config in examples/configs/ (configs added later are covered too)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lightning_sparse import SparseDDPStrategy
+from lightning_sparse.callbacks import METRIC_NAMES
+
+pytest.importorskip("jsonargparse")
+pytest.importorskip("sklearn")
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path: Path, monkeypatch) -> None:
+    """Run each CLI in a fresh directory, with a command line of its own (not pytest's)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+
+
+def _cli_module() -> Any:
+    spec = importlib.util.spec_from_file_location("lightning_sparse_example_cli", ROOT / "examples" / "cli.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _strategy_args() -> dict[str, inspect.Parameter]:
+    params = inspect.signature(SparseDDPStrategy.__init__).parameters
+    return {n: p for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def test_there_are_configs() -> None:
+    names = {p.stem for p in CONFIGS}
+    assert {"topk", "randomk", "sparse_ddp"} <= names
+    texts = [p.read_text() for p in CONFIGS]
+    assert any("strategy: sparse_ddp" in t for t in texts)
+    assert any("class_path: lightning_sparse.SparseDDPStrategy" in t for t in texts)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_config_parses_into_the_configured_strategy(config: Path) -> None:
+    cli = _cli_module().main(["--config", str(config)], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SparseDDPStrategy)
+    assert cli.trainer.num_devices == 2
+    spec = yaml.safe_load(config.read_text())["trainer"]["strategy"]
+    if isinstance(spec, dict):  # class_path / init_args: every value given reached the strategy
+        state = strategy.sparse_state
+        args = spec.get("init_args", {})
+        compressor = args.get("compressor")
+        if isinstance(compressor, str):
+            assert type(state.compressor).name == compressor.lower()
+        elif isinstance(compressor, dict):
+            assert type(state.compressor).__name__ == compressor["class_path"].rsplit(".", 1)[-1]
+            for key, value in compressor.get("init_args", {}).items():
+                assert state.compressor.config()[key] == value
+        density = args.get("density")
+        if isinstance(density, float):
+            assert state.schedule.density(10_000) == density
+        elif isinstance(density, dict):
+            assert type(state.schedule).__name__ == density["class_path"].rsplit(".", 1)[-1]
+        for key in ("error_feedback", "min_numel", "warmup_steps", "seed", "fallback_to_dense"):
+            if key in args:
+                assert getattr(state, key) == args[key], key
+        if args.get("value_dtype") is not None:
+            assert str(state.value_dtype) == f"torch.{args['value_dtype']}"
+        if "compression_monitor" in args:
+            assert strategy.compression_monitor == args["compression_monitor"]
+
+
+def test_configs_fit_on_two_processes(tmp_path: Path) -> None:
+    """One 2-process launch fits from every config in turn (popen launcher, under a timeout)."""
+    from _dist import free_port
+
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env.pop("LOCAL_RANK", None)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cli_worker.py"), str(tmp_path), *map(str, CONFIGS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120 + 60 * len(CONFIGS),
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    for config in CONFIGS:
+        with open(tmp_path / config.stem / "csv" / "version_0" / "metrics.csv", newline="") as f:
+            rows = [row for row in csv.DictReader(f) if row.get("sparse/compression_ratio")]
+        assert rows, f"{config.stem}: no compression figures logged"
+        assert max(int(row["step"]) for row in rows) == 5, config.stem  # it ran the 6 steps
+        for row in rows:
+            for name in METRIC_NAMES:
+                assert float(row[name]) >= 0, (config.stem, name)
+        assert float(rows[-1]["sparse/compression_ratio_cumulative"]) > 1, config.stem
+    assert proc.stdout.count("Sparse gradient communication:") == len(CONFIGS)  # one summary per fit
+
+
+def test_print_config_shows_every_strategy_and_compressor_argument(capsys) -> None:
+    config = ROOT / "examples" / "configs" / "topk.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        _cli_module().main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    strategy = printed["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_sparse.SparseDDPStrategy"
+    given = yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]
+    args = strategy["init_args"]
+    for name, param in _strategy_args().items():
+        assert name in args, name
+        if name not in given and isinstance(param.default, (bool, int, float, str, type(None))):
+            assert args[name] == param.default, name
+    assert args["compressor"] == {"class_path": "lightning_sparse.compressors.TopK", "init_args": {"fast": True}}
+
+
+def test_strategy_help_shows_type_and_default_of_every_argument(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _cli_module().main(["fit", "--trainer.strategy.help", "lightning_sparse.SparseDDPStrategy"])
+    text = " ".join(capsys.readouterr().out.split())  # undo the help formatter's line wrapping
+    text = text.split("Help for --trainer.strategy.help=lightning_sparse.SparseDDPStrategy", 1)[1]  # past usage
+    option = r"--trainer\.strategy\.(\w+) \S+(?:, --trainer\.strategy\.\w+\+ \S+)? "  # name, metavar, alias
+    described = {m.group(1): m.group(2) for m in re.finditer(option + r"(.*?)(?= --trainer\.strategy\.|\Z)", text)}
+    for name in _strategy_args():
+        assert re.search(r"\(type: .+, default: ", described.get(name, "")), name
+    assert "type: Union[str, Compressor], default: topk" in text
+    assert "type: Union[float, DensitySchedule], default: 0.01" in text
+    assert "type: bool, default: True" in text

@@ -1,0 +1,394 @@
+"""Telemetry: honest byte counts, CompressionMonitor in real Trainer runs, torchmetrics, the summary."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_trainer
+
+from lightning_sparse import COMPRESSORS, CompressionMonitor, SparseDDPStrategy
+from lightning_sparse.callbacks import METRIC_NAMES
+from lightning_sparse.stats import Counters, Telemetry
+from lightning_sparse.summary import CompressionSummary, format_bytes
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --------------------------------------------------------------------------- bytes on the wire
+_TAPPED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
+_INPUT_POSITION = {"all_reduce": 0, "broadcast": 0}
+
+
+def _wire_worker(rank: int, world: int, compressor: str) -> dict[str, Any]:
+    """Run the hook on buckets of mixed sizes; count the input bytes of every collective it calls."""
+    import torch.distributed as dist
+
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.state import SparseState
+
+    shapes = {"a.weight": (60, 50), "a.bias": (60,), "b.weight": (5000,), "c.bias": (9,), "d.weight": (40, 40)}
+    named = [(n, torch.zeros(s, requires_grad=True)) for n, s in shapes.items()]
+    buckets = [[named[0][1], named[1][1], named[2][1]], [named[3][1]], [named[4][1]]]
+    state = SparseState(compressor=compressor, density=0.03, min_numel=500, warmup_steps=1, seed=3)
+    state.bind(named)
+
+    wire = {"bytes": 0, "calls": 0}
+    real = {name: getattr(dist, name) for name in _TAPPED if hasattr(dist, name)}
+    depth = {"n": 0}
+
+    def tap(name: str) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if depth["n"] == 0:  # all_gather_into_tensor calls all_gather_single: count the outer call
+                tensor = args[_INPUT_POSITION.get(name, 1)]
+                wire["bytes"] += tensor.numel() * tensor.element_size()
+                wire["calls"] += 1
+            depth["n"] += 1
+            try:
+                return real[name](*args, **kwargs)
+            finally:
+                depth["n"] -= 1
+
+        return collective
+
+    for name in real:
+        setattr(dist, name, tap(name))
+    gen = torch.Generator().manual_seed(rank)
+    per_step = []
+    try:
+        for _ in range(4):
+            before = wire["bytes"]
+            for i, params in enumerate(buckets):
+                g = torch.randn(sum(p.numel() for p in params), generator=gen)
+                communicate(state, g, params, is_last=i == len(buckets) - 1).wait()
+            per_step.append((wire["bytes"] - before, state.telemetry.last.sent_bytes))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return {"wire": wire, "per_step": per_step, "total": state.telemetry.total, "methods": state.telemetry.methods}
+
+
+@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
+def test_counted_bytes_are_the_bytes_handed_to_collectives(dist2, compressor: str) -> None:
+    """Every registered compressor: the counters equal the input bytes of the collectives, step by step."""
+    for r in dist2.run(_wire_worker, compressor=compressor):
+        for wire_bytes, counted in r["per_step"]:
+            assert counted == wire_bytes
+        total: Counters = r["total"]
+        assert total.sent_bytes == r["wire"]["bytes"]
+        assert total.dense_bytes == 4 * 4 * (60 * 50 + 60 + 5000 + 9 + 40 * 40)
+        methods = r["methods"]
+        # step 0 is warm-up; c.bias (9 elements) is always a dense bucket on its own
+        assert methods["dense (warm-up)"].buckets == 2
+        assert methods["dense (small tensors)"].buckets == 4
+        assert methods[compressor].buckets == 6
+        assert sum(c.sent_bytes for c in methods.values()) == total.sent_bytes
+
+
+def test_fit_logs_the_figures_through_the_logger(tmp_path: Path) -> None:
+    """2-process fit, no callback given: the strategy's own monitor writes the figures to CSV, and
+    they agree with the bytes the hook handed to torch.distributed (intercepted in the worker)."""
+    steps = 12
+    cfg = {
+        "max_steps": steps,
+        "strategy": {"compressor": "topk", "density": 0.05, "bucket_cap_mb": 0.02, "min_numel": 256},
+        "logger": "csv",
+        "log_every_n_steps": 1,
+        "intercept_collectives": True,
+    }
+    results = run_trainer(cfg, tmp_path)
+    r0 = results[0]
+    assert r0["callbacks"].count("CompressionMonitor") == 1
+    rows = [row for row in read_csv(tmp_path / "csv" / "version_0" / "metrics.csv") if row.get(METRIC_NAMES[0])]
+    assert [int(row["step"]) for row in rows] == list(range(steps))
+    wire = r0["wire_bytes_by_step"]
+    assert sorted(wire) == list(range(steps))
+    for row in rows:
+        s = int(row["step"])
+        figures = {name: float(row[name]) for name in METRIC_NAMES}
+        assert all(math.isfinite(v) for v in figures.values())
+        # bytes this step: exactly what the collectives were handed (float32 in the log)
+        assert figures["sparse/bytes_sent"] == pytest.approx(wire[s], rel=1e-6)
+        assert figures["sparse/compression_ratio"] == pytest.approx(r0["param_bytes"] / wire[s], rel=1e-5)
+        assert figures["sparse/compress_ms"] > 0
+        if s == 0:  # dense warm-up step
+            assert figures["sparse/compression_ratio"] == pytest.approx(1.0)
+            assert figures["sparse/density"] == pytest.approx(1.0)
+        else:
+            assert figures["sparse/compression_ratio"] > 3
+            assert 0.05 <= figures["sparse/density"] < 0.2
+            assert figures["sparse/residual_norm"] > 0
+    # the cumulative ratio against the one computed independently from the intercepted bytes
+    independent = steps * r0["param_bytes"] / sum(wire.values())
+    logged = float(rows[-1]["sparse/compression_ratio_cumulative"])
+    assert abs(logged / independent - 1) < 0.10
+    assert logged == pytest.approx(independent, rel=1e-5)
+    # the latest figures are in callback_metrics on every rank
+    for r in results:
+        assert set(METRIC_NAMES) <= set(r["callback_metrics"])
+    # the summary: once, on rank 0, in plain text (the output is a pipe), with the fit's totals
+    out = (tmp_path / "log.txt").read_text()
+    assert out.count("Sparse gradient communication: TopK(fast=True)") == 1
+    t = r0["telemetry"]
+    total_line = next(line for line in out.splitlines() if line.startswith("all buckets"))
+    assert format_bytes(t["dense_bytes"]) in total_line and format_bytes(t["sent_bytes"]) in total_line
+    assert f"{t['dense_bytes'] / t['sent_bytes']:.1f}x" in total_line
+    assert "\u2501" not in out and "\u2503" not in out  # no box drawing when not a terminal
+
+
+def _run_spawn_worker(config: dict[str, Any], out_dir: Path, timeout: float = 300) -> dict[str, Any]:
+    """tests/trainer_worker.py with a spawn strategy: only the main process (rank 0) returns from fit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    (out_dir / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
+    env.pop("LOCAL_RANK", None)
+    worker = Path(__file__).parent / "trainer_worker.py"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(out_dir / "config.json")],
+        cwd=out_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    (out_dir / "log.txt").write_text(proc.stdout + "\n" + proc.stderr)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    return torch.load(out_dir / "rank0.pt", weights_only=False)
+
+
+def test_spawn_figures_reach_the_main_process(tmp_path: Path) -> None:
+    cfg = {"max_steps": 6, "strategy": "sparse_ddp_spawn", "logger": "csv", "log_every_n_steps": 1}
+    r0 = _run_spawn_worker(cfg, tmp_path)
+    metrics = r0["callback_metrics"]
+    assert set(METRIC_NAMES) <= set(metrics)
+    assert metrics["sparse/compression_ratio"] > 3 and metrics["sparse/compression_ratio_cumulative"] > 1
+    rows = [row for row in read_csv(tmp_path / "csv" / "version_0" / "metrics.csv") if row.get(METRIC_NAMES[0])]
+    assert len(rows) == 6
+    assert "Sparse gradient communication" in (tmp_path / "log.txt").read_text()
+
+
+# --------------------------------------------------------------------------- the strategy adds a monitor
+def _connect(strategy: SparseDDPStrategy, callbacks: list, fn: str = "fit") -> list:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_sparse.tasks import DigitsClassifier
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks, logger=False)
+    model = DigitsClassifier(hidden=(8,))
+    model.trainer = trainer
+    trainer.state.fn = TrainerFn(fn)
+    trainer.strategy.connect(model)
+    trainer.strategy.connect(model)  # every run connects again: still one monitor
+    return [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
+
+
+def test_strategy_adds_a_monitor_unless_given_or_told_not_to() -> None:
+    (added,) = _connect(SparseDDPStrategy(), [])
+    assert added.logging_interval == "step" and added.summary
+    mine = CompressionMonitor(logging_interval="epoch", summary=False)
+    assert _connect(SparseDDPStrategy(), [mine]) == [mine]
+    assert _connect(SparseDDPStrategy(compression_monitor=False), []) == []
+    assert _connect(SparseDDPStrategy(), [], fn="validate") == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"logging_interval": "batch"}, r"logging_interval='batch' is not allowed: expected 'step' or 'epoch'"),
+        ({"summary": "yes"}, r"summary='yes' is not allowed: expected True or False"),
+        ({"sync_dist": 1}, r"sync_dist=1 is not allowed: expected None, True or False"),
+    ],
+)
+def test_monitor_rejects_bad_arguments(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        CompressionMonitor(**kwargs)
+
+
+def test_strategy_rejects_bad_compression_monitor() -> None:
+    with pytest.raises(ValueError, match=r"compression_monitor='no' is not allowed: expected True or False"):
+        SparseDDPStrategy(compression_monitor="no")
+
+
+def test_monitor_pickles_for_spawn() -> None:
+    monitor = pickle.loads(pickle.dumps(CompressionMonitor(logging_interval="epoch")))
+    assert monitor.logging_interval == "epoch"
+
+
+# --------------------------------------------------------------------------- counters and telemetry
+def test_telemetry_keeps_methods_through_state_dict() -> None:
+    t = Telemetry()
+    t.record(
+        "a .. b (2 tensors)",
+        Counters(dense_bytes=400, sent_bytes=400, numel=100, sent_numel=100, buckets=1),
+        "dense (warm-up)",
+    )
+    t.end_step()
+    start = t.total.copy()
+    t.record("a .. b (2 tensors)", Counters(dense_bytes=400, sent_bytes=16, numel=100, sent_numel=2, buckets=1), "topk")
+    t.end_step()
+    assert (t.total - start).as_dict() == t.last.as_dict()
+    clone = Telemetry()
+    clone.load_state_dict(t.state_dict())
+    assert clone.methods["topk"].sent_bytes == 16 and clone.methods["dense (warm-up)"].sent_bytes == 400
+    assert clone.groups["a .. b (2 tensors)"].sent_bytes == 416
+    legacy = t.state_dict()
+    del legacy["methods"]  # checkpoints written before per-method totals existed
+    clone.load_state_dict(legacy)
+    assert clone.methods == {} and clone.total.sent_bytes == 416
+
+
+# --------------------------------------------------------------------------- the summary
+def _summary() -> CompressionSummary:
+    import copy
+
+    t = Telemetry()
+    warm = Counters(
+        dense_bytes=2_000_000,
+        sent_bytes=2_000_000,
+        numel=500_000,
+        sent_numel=500_000,
+        buckets=2,
+        dense_buckets=2,
+        compress_seconds=0.001,
+    )
+    t.record("fc1.weight .. fc1.bias (2 tensors)", warm, "dense (warm-up)")
+    t.end_step()
+    start = copy.deepcopy(t)
+    for _ in range(10):
+        t.record(
+            "fc1.weight .. fc1.bias (2 tensors)",
+            Counters(
+                dense_bytes=1_600_000,
+                sent_bytes=32_000,
+                numel=400_000,
+                sent_numel=4_000,
+                buckets=1,
+                compress_seconds=0.002,
+            ),
+            "topk",
+        )
+        t.record(
+            "fc2.weight",
+            Counters(
+                dense_bytes=400_000,
+                sent_bytes=400_000,
+                numel=100_000,
+                sent_numel=100_000,
+                buckets=1,
+                dense_buckets=1,
+                fallback_buckets=1,
+                compress_seconds=0.0005,
+            ),
+            "dense (fallback)",
+        )
+        t.end_step()
+    return CompressionSummary.from_telemetry(t, start, step_seconds=0.5, title="fit summary")
+
+
+def test_summary_as_plain_text_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    _summary().print(file=out)
+    text = out.getvalue()
+    assert text.isascii() and text.startswith("fit summary")
+    lines = {line.split("  ")[0].strip(): line for line in text.splitlines()}
+    # topk over the 10 steps since the snapshot: 16 MB dense, 320 kB sent, 50x, 1% dense, 20 ms = 4% of 0.5 s
+    for figure in ("10", "16.00 MB", "320.00 kB", "50.0x", "0.0100", "0.020", "4.0%"):
+        assert figure in lines["topk"], figure
+    for figure in ("4.00 MB", "1.0x", "1.0000", "1.0%"):
+        assert figure in lines["dense (fallback)"], figure
+    # totals: 20 MB dense vs 4.32 MB sent; the warm-up step before the snapshot is not counted
+    for figure in ("20", "20.00 MB", "4.32 MB", "4.6x", "0.2080", "5.0%"):
+        assert figure in lines["all buckets"], figure
+    assert "dense (warm-up)" not in text
+    assert "fc1.weight .. fc1.bias (2 tensors)" in lines and "fc2.weight" in lines
+
+
+def test_summary_as_rich_table_on_a_terminal() -> None:
+    out = io.StringIO()
+    _summary().print(file=out, force_terminal=True, width=80)
+    text = out.getvalue()
+    assert "\u2500" in text and "\x1b[" in text  # a drawn, styled table
+    assert max(len(line) for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()) <= 80
+    for figure in ("fit summary", "16.00 MB", "320.00 kB", "50.0x", "4.32 MB", "4.6x", "5.0%", "fc2.weight", "topk"):
+        assert figure in text, figure
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(999) == "999 B"
+    assert format_bytes(1000) == "1.00 kB"
+    assert format_bytes(11_497_000) == "11.50 MB"
+    assert format_bytes(3.2e12) == "3.20 TB"
+
+
+# --------------------------------------------------------------------------- torchmetrics
+def _metrics_worker(rank: int, world: int) -> dict[str, float]:
+    from lightning_sparse.metrics import BytesSent, CompressionRatio, CompressTime, Density, ResidualNorm
+
+    ratio, density, sent, ctime, norm = CompressionRatio(), Density(), BytesSent(), CompressTime(), ResidualNorm()
+    for step in range(3):
+        c = Counters(
+            dense_bytes=1000 * (rank + 1),
+            sent_bytes=10 * (rank + 1) + step,
+            numel=250 * (rank + 1),
+            sent_numel=5 * (rank + 1),
+            compress_seconds=0.001 * (rank + 1),
+        )
+        for m in (ratio, density):
+            m.update(c)
+        sent.update(c, steps=1)
+        ctime.update(c, steps=1)
+        norm.update(3.0 + step if rank == 0 else 4.0)
+    return {
+        "ratio": float(ratio.compute()),
+        "density": float(density.compute()),
+        "sent": float(sent.compute()),
+        "ctime": float(ctime.compute()),
+        "norm": float(norm.compute()),
+    }
+
+
+def test_metrics_synchronise_across_ranks(dist2) -> None:
+    results = dist2.run(_metrics_worker)
+    assert results[0] == results[1]
+    r = results[0]
+    # rank 0: 3000 dense, 30+3 sent; rank 1: 6000 dense, 60+3 sent
+    assert r["ratio"] == pytest.approx(9000 / 96)
+    assert r["density"] == pytest.approx((15 + 30) / (750 + 1500))
+    assert r["sent"] == pytest.approx(96 / 6)
+    assert r["ctime"] == pytest.approx(1000 * 0.009 / 6)
+    assert r["norm"] == pytest.approx(math.sqrt(5.0**2 + 4.0**2))  # the latest norm of each rank
+
+
+def test_metric_arguments_are_checked() -> None:
+    from lightning_sparse.metrics import BytesSent, ResidualNorm
+
+    with pytest.raises(ValueError, match=r"steps=0 is not allowed"):
+        BytesSent().update(Counters(), steps=0)
+    with pytest.raises(ValueError, match=r"norm=nan is not allowed"):
+        ResidualNorm().update(float("nan"))
