@@ -1,0 +1,304 @@
+"""Count-sketch (Sketched SGD, Ivkin et al.): heavy hitters of the summed gradient from summed sketches.
+
+The hashes
+----------
+Row ``r`` of a ``rows x cols`` table maps coordinate ``j`` of a tensor to bucket
+``h_r(j) = (o + shift[r, b]) mod cols`` with sign ``s_r(j) = sign[r, b]``, where ``b = j // cols``
+is the block of ``j`` and ``o = j % cols`` its offset in it; ``shift`` and ``sign`` are drawn
+per (row, block) from the generator all ranks share (seed, step, parameter). Two coordinates of
+one block never share a bucket; two of different blocks share one with probability
+``1 / cols``, and their signs are independent. That is what the count-sketch estimate needs
+(pairwise-uniform collisions, unbiased signs): the estimate ``s_r(j) * table[r, h_r(j)]`` of
+``x_j`` is unbiased with variance ``||x||^2 / cols`` per row, as for fully random hashes.
+
+What it buys: nothing of size ``rows x numel`` is ever stored (the hash parameters are
+``rows x numel / cols`` numbers), and sketching a whole tensor is ``rows`` shifted slice-adds
+per block, a few memory passes, instead of computing, storing and scatter-adding ``rows``
+hashes per coordinate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import bad_argument, check_int, scratch
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+from lightning_sparse.compressors.topk import indices_at_least, sample_threshold, threshold_from_sample
+
+#: local pre-truncation used by ``p1="auto"`` on CPU (sketch only the top ``p1 * k`` of p)
+AUTO_P1_CPU = 10.0
+
+
+@dataclass(frozen=True)
+class SketchHashes:
+    """The hash parameters of one table: per (row, block) shift and sign, on the host and device."""
+
+    cols: int
+    numel: int
+    shifts: list[list[int]]
+    signs: list[list[float]]
+    shifts_t: Tensor  # (rows, blocks) int64, on the tensor's device
+    signs_t: Tensor  # (rows, blocks) float32, on the tensor's device
+    generator: torch.Generator  # the shared generator, advanced past the hash parameters
+
+    @property
+    def blocks(self) -> int:
+        return len(self.shifts[0])
+
+
+def _number(name: str, value: object, minimum: float, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_argument(name, value, allowed)
+    if value < minimum:
+        raise bad_argument(name, value, allowed)
+    return float(value)
+
+
+@register_compressor
+class CountSketch(Compressor):
+    """Count-sketch compression (Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora,
+    "Communication-efficient Distributed SGD with Sketching").
+
+    Each rank adds its ``p`` (gradient + residual) into a ``rows x cols`` count-sketch whose
+    hashes every rank shares; the tables are all-reduced (sketches are linear, so the sum is
+    the sketch of the summed ``p``). Every rank then estimates each coordinate of the sum as the
+    median over rows of ``sign * table[bucket]`` and takes the ``p2 * k`` coordinates of
+    largest estimate as candidates; a second all-reduce sums the exact ``p`` values at the
+    candidates, and the ``k`` largest sums are applied. Every rank zeroes its residual at those
+    ``k`` coordinates (their exact mass was sent); the rest stays in the residual.
+
+    Local pre-truncation (the authors' ``p1``): each rank sketches only about the ``p1 * k``
+    largest entries of its ``p`` (those at or above a sampled estimate of the ``p1 * k``-th
+    magnitude). On CPU that is the default (``p1="auto"`` means 10 on CPU, 0 elsewhere);
+    ``p1=0`` sketches everything. The second round always sums the exact, untruncated ``p``.
+
+    Args:
+        rows: rows of the sketch, an odd integer (the median is then a single row's value).
+        width: columns per selected coordinate: ``cols = ceil(width * k)`` (at most numel).
+        p2: candidates per selected coordinate in the second round (``ceil(p2 * k)``), >= 1.
+        p1: local pre-truncation: ``"auto"``, 0 (off) or a number >= 1.
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> strategy = SparseDDPStrategy(compressor=CountSketch(rows=5, width=10.0), density=0.001)
+    """
+
+    name = "countsketch"
+    pattern = "sketch"
+
+    def __init__(
+        self,
+        rows: int = 5,
+        width: float = 10.0,
+        p2: float = 4.0,
+        p1: Union[float, Literal["auto"]] = "auto",
+    ) -> None:
+        self.rows = check_int("rows", rows, minimum=1, maximum=99)
+        if self.rows % 2 == 0:
+            raise bad_argument("rows", rows, "expected an odd integer between 1 and 99")
+        self.width = _number("width", width, 1e-9, "expected a finite number > 0")
+        if self.width <= 0:
+            raise bad_argument("width", width, "expected a finite number > 0")
+        self.p2 = _number("p2", p2, 1.0, "expected a finite number >= 1")
+        if p1 != "auto":
+            allowed = "expected 'auto', 0 (no pre-truncation) or a finite number >= 1"
+            value = _number("p1", p1, 0.0, allowed)
+            if 0.0 < value < 1.0:
+                raise bad_argument("p1", p1, allowed)
+            p1 = value
+        self.p1 = p1
+
+    # ------------------------------------------------------------------ sizes
+    def table_shape(self, numel: int, k: int) -> tuple[int, int]:
+        """``(rows, cols)`` of the table for a tensor of ``numel`` elements sending ``k``."""
+        return self.rows, max(1, min(numel, math.ceil(self.width * k)))
+
+    def num_candidates(self, numel: int, k: int) -> int:
+        """How many candidates the second round sums: ``ceil(p2 * k)``, at most numel."""
+        return min(numel, max(k, math.ceil(self.p2 * k)))
+
+    def truncation(self, device: torch.device) -> float:
+        """The ``p1`` in effect on ``device`` (0: the whole of p is sketched)."""
+        if self.p1 == "auto":
+            return AUTO_P1_CPU if device.type == "cpu" else 0.0
+        return float(self.p1)
+
+    def hashes(self, ctx: CompressContext, numel: int, cols: int, device: torch.device) -> SketchHashes:
+        """The hash parameters shared by all ranks for this (seed, step, parameter)."""
+        blocks = max(1, -(-numel // cols))
+        gen = ctx.shared_generator(torch.device("cpu"))  # host draws: identical on any device
+        shifts = torch.randint(0, cols, (self.rows, blocks), generator=gen)
+        signs = torch.randint(0, 2, (self.rows, blocks), generator=gen).mul_(2).sub_(1).float()
+        return SketchHashes(
+            cols=cols,
+            numel=numel,
+            shifts=shifts.tolist(),
+            signs=signs.tolist(),
+            shifts_t=shifts.to(device),
+            signs_t=signs.to(device),
+            generator=gen,
+        )
+
+    # ------------------------------------------------------------------ round 1: sketch
+    def sketch(self, p: Tensor, k: int, ctx: CompressContext, table: Tensor) -> None:
+        """Add this rank's ``p`` (or its top ``p1 * k``) into ``table`` (``rows x cols``, float32)."""
+        d = p.numel()
+        rows, cols = table.shape
+        if rows != self.rows:
+            raise ValueError(f"table has {rows} rows, expected {self.rows}")
+        h = self.hashes(ctx, d, cols, p.device)
+        m = math.ceil(self.truncation(p.device) * k)
+        if 0 < m < d:
+            n = min(d, max(4096, math.ceil(64 * d / m)))
+            threshold = sample_threshold(p, m, n, ctx.local_generator(p.device), margin=0.0)
+            if threshold > 0:
+                idx = indices_at_least(p, threshold)
+            else:  # mostly zeros: the non-zeros are at most about m entries
+                idx = p.nonzero().squeeze(1)
+            _sketch_entries(table, h, idx, p[idx].float())
+        else:
+            _sketch_dense(table, h, p)
+
+    # ------------------------------------------------------------------ decoding
+    def estimates(self, table: Tensor, h: SketchHashes, idx: Tensor) -> Tensor:
+        """Median-over-rows estimates of the sketched vector at the coordinates ``idx``."""
+        cols = h.cols
+        block = torch.div(idx, cols, rounding_mode="floor")
+        bucket = (idx - block * cols).unsqueeze(0) + h.shifts_t[:, block]
+        bucket = torch.where(bucket >= cols, bucket - cols, bucket)
+        values = table.gather(1, bucket).mul_(h.signs_t[:, block])
+        return values[0] if self.rows == 1 else values.median(dim=0).values
+
+    def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
+        """Sorted indices of the ``num_candidates`` coordinates of largest estimated ``|x|``.
+
+        ``table`` is the summed sketch; the result depends only on it and on the shared hashes,
+        so every rank finds the same candidates. Memory is O(rows * cols + candidates): no
+        estimate of all ``numel`` coordinates is held at once.
+        """
+        rows, cols = table.shape
+        c = self.num_candidates(numel, k)
+        if c >= numel:
+            return torch.arange(numel, device=table.device)
+        h = self.hashes(ctx, numel, cols, table.device)
+        magnitude = table.abs()
+        if float(magnitude.max()) == 0.0:  # nothing was sketched: any c coordinates will do
+            return torch.arange(c, device=table.device)
+        # A threshold tau a little below the c-th largest |estimate|, from a sample of estimates.
+        n = min(numel, max(4096, math.ceil(64 * numel / c)))
+        sample = torch.randint(0, numel, (n,), generator=h.generator).to(table.device)
+        tau = threshold_from_sample(self.estimates(table, h, sample).abs_(), c, numel, margin=4.0)
+        # |median| >= tau needs |table| >= tau in at least (rows - 1) // 2 + 1 rows: a superset.
+        need = (rows - 1) // 2 + 1
+        for _ in range(4):
+            if not tau > 0:
+                break
+            shortlist = _heavy_shortlist(magnitude, h, tau, need)
+            est = self.estimates(table, h, shortlist).abs_()
+            keep = est >= tau
+            if int(keep.sum()) >= c:
+                shortlist, est = shortlist[keep], est[keep]
+                return shortlist[torch.topk(est, c, sorted=False).indices].sort().values
+            tau *= 0.25
+        return self._scan_all(table, h, c)
+
+    def _scan_all(self, table: Tensor, h: SketchHashes, c: int) -> Tensor:
+        """Exact top-``c`` estimates by a scan of every coordinate (a fallback; O(chunk + c) memory)."""
+        chunk = max(c, 1 << 16)
+        best_idx = torch.empty(0, dtype=torch.long, device=table.device)
+        best_val = torch.empty(0, dtype=torch.float32, device=table.device)
+        for start in range(0, h.numel, chunk):
+            idx = torch.arange(start, min(h.numel, start + chunk), device=table.device)
+            val = self.estimates(table, h, idx).abs_()
+            idx, val = torch.cat([best_idx, idx]), torch.cat([best_val, val])
+            top = torch.topk(val, min(c, val.numel()), sorted=False).indices
+            best_idx, best_val = idx[top], val[top]
+        return best_idx.sort().values
+
+    @staticmethod
+    def pick(sums: Tensor, k: int) -> Tensor:
+        """Positions of the ``k`` largest ``|sums|`` (the exact summed values at the candidates)."""
+        if k >= sums.numel():
+            return torch.arange(sums.numel(), device=sums.device)
+        return torch.topk(sums.float().abs(), k, sorted=False).indices
+
+    def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
+        """The exchange on one process: sketch ``p``, find candidates, keep the top-k exact values."""
+        d = p.numel()
+        if k >= d:
+            return torch.arange(d, device=p.device)
+        table = torch.zeros(self.table_shape(d, k), dtype=torch.float32, device=p.device)
+        self.sketch(p, k, ctx, table)
+        cand = self.candidates(table, d, k, ctx)
+        return cand[self.pick(p[cand], k)]
+
+
+def _sketch_dense(table: Tensor, h: SketchHashes, p: Tensor) -> None:
+    """Add all of ``p`` into ``table``: per block and row, a shifted slice-add (no index tensors)."""
+    cols = h.cols
+    for b in range(h.blocks):
+        start = b * cols
+        part = p[start : start + cols]
+        length = part.numel()
+        for r in range(table.shape[0]):
+            s, sign = h.shifts[r][b], h.signs[r][b]
+            first = min(length, cols - s)
+            table[r, s : s + first].add_(part[:first], alpha=sign)
+            if length > first:
+                table[r, : length - first].add_(part[first:], alpha=sign)
+
+
+def _sketch_entries(table: Tensor, h: SketchHashes, idx: Tensor, values: Tensor) -> None:
+    """Add the entries ``values`` at the sorted coordinates ``idx`` into ``table``."""
+    cols = h.cols
+    if idx.numel() == 0:
+        return
+    bounds = torch.searchsorted(idx, torch.arange(h.blocks + 1, device=idx.device) * cols).tolist()
+    for b in range(h.blocks):
+        lo, hi = bounds[b], bounds[b + 1]
+        if lo == hi:
+            continue
+        offsets = idx[lo:hi] - b * cols
+        part = values[lo:hi]
+        for r in range(table.shape[0]):
+            s = h.shifts[r][b]
+            bucket = offsets + s
+            wrap = int(torch.searchsorted(offsets, cols - s))  # offsets are sorted
+            if wrap < bucket.numel():
+                bucket[wrap:] -= cols
+            table[r].index_add_(0, bucket, part, alpha=h.signs[r][b])
+
+
+def _heavy_shortlist(magnitude: Tensor, h: SketchHashes, tau: float, need: int) -> Tensor:
+    """Sorted coordinates whose bucket holds ``|table| >= tau`` in at least ``need`` rows.
+
+    Counted per block with shifted slice-adds of the rows' 0/1 masks (bytes), so no per-coordinate
+    hash is computed and the memory is O(rows * cols).
+    """
+    rows, cols = magnitude.shape
+    heavy = torch.ge(magnitude, tau).to(torch.uint8)
+    count = scratch("countsketch.count", cols, torch.uint8, magnitude.device)
+    mask = scratch("countsketch.mask", cols, torch.bool, magnitude.device)
+    parts = []
+    for b in range(h.blocks):
+        start = b * cols
+        length = min(cols, h.numel - start)
+        cnt = count[:length]
+        cnt.zero_()
+        for r in range(rows):
+            s = h.shifts[r][b]
+            first = min(length, cols - s)
+            cnt[:first].add_(heavy[r, s : s + first])
+            if length > first:
+                cnt[first:].add_(heavy[r, : length - first])
+        found = torch.ge(cnt, need, out=mask[:length]).nonzero().squeeze(1)
+        if found.numel():
+            parts.append(found.add_(start) if start else found)
+    if not parts:
+        return torch.empty(0, dtype=torch.long, device=magnitude.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
