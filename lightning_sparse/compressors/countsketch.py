@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_int, scratch
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
-from lightning_sparse.compressors.topk import sample_threshold, threshold_from_sample
+from lightning_sparse.compressors.topk import sample_rank, sample_threshold
 
 #: local pre-truncation used by ``p1="auto"`` on CPU (sketch only the top ``p1 * k`` of p)
 AUTO_P1_CPU = 10.0
@@ -189,10 +189,7 @@ class CountSketch(Compressor):
         torch.abs(table, out=magnitude)
         if float(magnitude.max()) == 0.0:  # nothing was sketched: any c coordinates will do
             return torch.arange(c, device=table.device)
-        # A threshold tau a little below the c-th largest |estimate|, from a sample of estimates.
-        n = min(numel, max(4096, math.ceil(1024 * numel / c)), 1 << 20)
-        sample = torch.randint(0, numel, (n,), generator=h.generator).to(table.device)
-        tau = threshold_from_sample(self.estimates(table, h, sample).abs_(), c, numel, margin=4.0)
+        tau = self._sample_tau(table, h, c)
         for _ in range(4):
             if not tau > 0:
                 break
@@ -201,6 +198,20 @@ class CountSketch(Compressor):
                 return _largest_in_order(found, magnitudes, c)
             tau *= 0.25
         return self._scan_all(table, h, c)
+
+    def _sample_tau(self, table: Tensor, h: SketchHashes, c: int) -> float:
+        """A threshold a little below the ``c``-th largest ``|estimate|``, from a uniform sample of
+        estimates (shared generator: the same on every rank), taken in chunks of bounded memory."""
+        d = h.numel
+        n = min(d, max(4096, math.ceil(1024 * d / c)), 1 << 18)
+        j = sample_rank(n, c, d, margin=4.0)
+        best = torch.empty(0, device=table.device)
+        for start in range(0, n, 1 << 14):
+            idx = torch.randint(0, d, (min(1 << 14, n - start),), generator=h.generator).to(table.device)
+            best = torch.cat([best, self.estimates(table, h, idx).abs_()])
+            if best.numel() > j:
+                best = torch.topk(best, j, sorted=False).values
+        return float(best.min())
 
     def _scan_all(self, table: Tensor, h: SketchHashes, c: int) -> Tensor:
         """Exact top-``c`` estimates by a scan of every coordinate (a fallback; O(chunk + c) memory)."""

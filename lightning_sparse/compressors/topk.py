@@ -75,10 +75,14 @@ def threshold_from_sample(sample: Tensor, k: int, d: int, margin: float) -> floa
     ``margin`` (in standard deviations of the count of sampled entries above the true threshold)
     moves the estimate lower, so that at least ``k`` entries pass it with high probability.
     """
-    n = sample.numel()
-    expected = n * k / d
-    j = min(n, max(1, math.ceil(expected + margin * math.sqrt(expected) + (8 if margin > 0 else 0))))
+    j = sample_rank(sample.numel(), k, d, margin)
     return float(torch.topk(sample, j, sorted=False).values.min())
+
+
+def sample_rank(n: int, k: int, d: int, margin: float) -> int:
+    """Rank in a uniform sample of ``n`` out of ``d`` values that estimates the ``k``-th largest."""
+    expected = n * k / d
+    return min(n, max(1, math.ceil(expected + margin * math.sqrt(expected) + (8 if margin > 0 else 0))))
 
 
 def sample_threshold(p: Tensor, k: int, n: int, generator: torch.Generator | None, margin: float) -> float:
