@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse import comm
+from lightning_sparse._utils import scratch
 from lightning_sparse.compressors import CompressContext
 from lightning_sparse.state import BucketPlan, Member, SparseState
 from lightning_sparse.stats import Counters
@@ -315,7 +316,9 @@ class SketchPattern(WirePattern):
         vdtype = _value_dtype(state, buffer)
         members = plan.sparse_members
         shapes = [compressor.table_shape(m.numel, k) for m, k in zip(members, ks, strict=True)]
-        tables = torch.zeros(sum(r * c for r, c in shapes), dtype=torch.float32, device=buffer.device)
+        # The tables live only until round 1 completes, inside this call: a reused buffer saves
+        # the page faults of a fresh multi-MB allocation every step.
+        tables = scratch("hook.sketch_tables", sum(r * c for r, c in shapes), torch.float32, buffer.device).zero_()
         ps: list[Tensor] = []
         ctxs: list[CompressContext] = []
         views: list[Tensor] = []
