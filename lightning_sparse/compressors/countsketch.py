@@ -34,6 +34,8 @@ from lightning_sparse.compressors.topk import sample_rank, sample_threshold
 AUTO_P1_CPU = 10.0
 # On CPU the per-block work goes in chunks that stay in cache.
 _CHUNK = 1 << 17
+# Up to rows * numel = _DIRECT, candidates come from all the estimates at once (few operations).
+_DIRECT = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -161,16 +163,20 @@ class CountSketch(Compressor):
             threshold = sample_threshold(p, m, n, ctx.local_generator(p.device), margin=0.0)
             if not threshold > 0:  # mostly zeros: sketching everything adds only the non-zeros
                 threshold = None
-        _sketch(table, h, p, threshold)
+        if rows * d <= _DIRECT:  # small tensors: one scatter-add of every entry, few operations
+            x = p if threshold is None else torch.nn.functional.hardshrink(p, threshold)
+            bucket, signs = _buckets(h, torch.arange(d, device=p.device))
+            bucket.remainder_(cols).add_(torch.arange(0, rows * cols, cols, device=p.device).unsqueeze(1))
+            table.view(-1).index_add_(0, bucket.view(-1), (signs * x.float()).view(-1))
+        else:
+            _sketch(table, h, p, threshold)
 
     # ------------------------------------------------------------------ decoding
     def estimates(self, table: Tensor, h: SketchHashes, idx: Tensor) -> Tensor:
         """Median-over-rows estimates of the sketched vector at the coordinates ``idx``."""
-        cols = h.cols
-        block = torch.div(idx, cols, rounding_mode="floor")
-        bucket = (idx - block * cols).unsqueeze(0) + h.shifts_t[:, block]
-        bucket = torch.where(bucket >= cols, bucket - cols, bucket)
-        values = table.gather(1, bucket).mul_(h.signs_t[:, block])
+        bucket, signs = _buckets(h, idx)
+        # the table twice side by side: bucket offset + shift < 2 * cols needs no wrap-around
+        values = torch.cat([table, table], dim=1).gather(1, bucket).mul_(signs)
         return median_of_rows(list(values.unbind(0)))
 
     def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
@@ -185,6 +191,9 @@ class CountSketch(Compressor):
         if c >= numel:
             return torch.arange(numel, device=table.device)
         h = self.hashes(ctx, numel, cols, table.device)
+        if rows * numel <= _DIRECT:  # small tensors: every estimate at once, in bounded memory
+            est = self.estimates(table, h, torch.arange(numel, device=table.device)).abs_()
+            return torch.topk(est, c, sorted=False).indices.sort().values
         magnitude = scratch("countsketch.magnitude", table.numel(), table.dtype, table.device).view(rows, cols)
         torch.abs(table, out=magnitude)
         if float(magnitude.max()) == 0.0:  # nothing was sketched: any c coordinates will do
@@ -243,6 +252,14 @@ class CountSketch(Compressor):
         self.sketch(p, k, ctx, table)
         cand = self.candidates(table, d, k, ctx)
         return cand[self.pick(p[cand], k)]
+
+
+def _buckets(h: SketchHashes, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``(rows, n)`` buckets in ``[0, 2 * cols)`` (take them modulo cols) and signs of ``idx``."""
+    block = torch.div(idx, h.cols, rounding_mode="floor")
+    offset = idx - block * h.cols
+    bucket = h.shifts_t.index_select(1, block).add_(offset)
+    return bucket, h.signs_t.index_select(1, block)
 
 
 def _sketch(table: Tensor, h: SketchHashes, p: Tensor, threshold: float | None) -> None:
@@ -325,24 +342,27 @@ def _estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: 
     """
     rows, cols = magnitude.shape
     need = (rows - 1) // 2 + 1
+    # Counting from base = 2^bits - need, "count >= need" is the top bit: a shift, not a compare
+    # (a uint8 -> bool comparison costs several times more than the byte adds themselves).
+    bits = rows.bit_length()
+    base = (1 << bits) - need
     heavy = scratch("countsketch.heavy", magnitude.numel(), torch.bool, magnitude.device).view(rows, cols)
     torch.ge(magnitude, tau, out=heavy)
     heavy = heavy.view(torch.uint8)
     count = scratch("countsketch.count", cols, torch.uint8, magnitude.device)
-    mask = scratch("countsketch.mask", cols, torch.bool, magnitude.device)
     found_parts, magnitude_parts = [], []
     for b in range(h.blocks):
         start = b * cols
         length = min(cols, h.numel - start)
         cnt = count[:length]
-        cnt.zero_()
+        cnt.fill_(base)
         for r in range(rows):
             s = h.shifts[r][b]
             first = min(length, cols - s)
             cnt[:first].add_(heavy[r, s : s + first])
             if length > first:
                 cnt[first:].add_(heavy[r, : length - first])
-        offsets = torch.ge(cnt, need, out=mask[:length]).nonzero().squeeze(1)
+        offsets = cnt.bitwise_right_shift_(bits).view(torch.bool).nonzero().squeeze(1)
         if offsets.numel() == 0:
             continue
         values = []
