@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-SHAPES = {"a.weight": (40, 50), "a.bias": (40,), "b.weight": (3000,), "c.weight": (64, 64), "c.bias": (7,)}
+# d.weight is large enough for the count-sketch's blockwise paths (rows * numel above its direct-path limit)
+SHAPES = {
+    "a.weight": (40, 50),
+    "a.bias": (40,),
+    "b.weight": (3000,),
+    "c.weight": (64, 64),
+    "c.bias": (7,),
+    "d.weight": (320, 300),
+}
 
 
 def _params(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
