@@ -166,7 +166,7 @@ class CountSketch(Compressor):
         if rows * d <= _DIRECT:  # small tensors: one scatter-add of every entry, few operations
             x = p if threshold is None else torch.nn.functional.hardshrink(p, threshold)
             bucket, signs = _buckets(h, torch.arange(d, device=p.device))
-            bucket.remainder_(cols).add_(torch.arange(0, rows * cols, cols, device=p.device).unsqueeze(1))
+            bucket.add_(torch.arange(0, rows * cols, cols, device=p.device).unsqueeze(1))
             table.view(-1).index_add_(0, bucket.view(-1), (signs * x.float()).view(-1))
         else:
             _sketch(table, h, p, threshold)
@@ -175,8 +175,7 @@ class CountSketch(Compressor):
     def estimates(self, table: Tensor, h: SketchHashes, idx: Tensor) -> Tensor:
         """Median-over-rows estimates of the sketched vector at the coordinates ``idx``."""
         bucket, signs = _buckets(h, idx)
-        # the table twice side by side: bucket offset + shift < 2 * cols needs no wrap-around
-        values = torch.cat([table, table], dim=1).gather(1, bucket).mul_(signs)
+        values = table.gather(1, bucket).mul_(signs)
         return median_of_rows(list(values.unbind(0)))
 
     def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
@@ -255,10 +254,10 @@ class CountSketch(Compressor):
 
 
 def _buckets(h: SketchHashes, idx: Tensor) -> tuple[Tensor, Tensor]:
-    """``(rows, n)`` buckets in ``[0, 2 * cols)`` (take them modulo cols) and signs of ``idx``."""
+    """The ``(rows, n)`` buckets and signs of the coordinates ``idx``."""
     block = torch.div(idx, h.cols, rounding_mode="floor")
     offset = idx - block * h.cols
-    bucket = h.shifts_t.index_select(1, block).add_(offset)
+    bucket = h.shifts_t.index_select(1, block).add_(offset).remainder_(h.cols)
     return bucket, h.signs_t.index_select(1, block)
 
 
