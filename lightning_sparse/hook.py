@@ -303,6 +303,8 @@ class SketchPattern(WirePattern):
     """
 
     def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int], compressor: Any = None) -> float:
+        if compressor is None:
+            raise ValueError("the sketch pattern's wire size depends on the compressor's settings: pass compressor")
         shapes = [compressor.table_shape(n, k) for n, k in zip(numels, ks, strict=True)]
         table_bytes = sum(r * c for r, c in shapes) * 4
         value_bytes = sum(compressor.num_candidates(n, k) for n, k in zip(numels, ks, strict=True)) * vbytes
