@@ -373,3 +373,21 @@ def test_exact_topk_on_large_tensor_matches_torch_topk() -> None:
     x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(5))
     for k in (20_000, 2000):
         assert_is_topk(x, exact_topk_indices(x, k, torch.Generator().manual_seed(0)), k)
+
+
+def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
+    from lightning_sparse.hook import PATTERNS, _sparse_is_cheaper, ring_all_reduce_bytes
+    from lightning_sparse.state import SparseState
+
+    cs = CountSketch(rows=5, width=10.0, p2=4.0)
+    expected = ring_all_reduce_bytes(4, 5 * 1000 * 4) + ring_all_reduce_bytes(4, 400 * 2)
+    assert PATTERNS["sketch"].wire_bytes(4, [100], 2, [10_000], cs) == expected
+    with pytest.raises(ValueError, match="pass compressor"):
+        PATTERNS["sketch"].wire_bytes(4, [100], 2, [10_000])
+    named = [("w", torch.zeros(10_000, requires_grad=True))]
+    for width, cheaper in ((10.0, True), (40.0, False)):  # 5 x 40k tables exceed the 10k tensor
+        state = SparseState(compressor=CountSketch(width=width), density=0.01)
+        state.bind(named)
+        state.world_size = 2
+        plan = state.plan(torch.zeros(10_000), [p for _, p in named])
+        assert _sparse_is_cheaper(state, torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
