@@ -19,7 +19,7 @@ SHAPES = {
     "b.weight": (3000,),
     "c.weight": (64, 64),
     "c.bias": (7,),
-    "d.weight": (320, 300),
+    "d.weight": (600, 600),
 }
 
 

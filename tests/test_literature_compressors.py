@@ -214,7 +214,7 @@ def _sum_of_sketches(cs: CountSketch, ps: list[torch.Tensor], k: int, step: int 
 @pytest.mark.parametrize("p1", [0, 10, "auto"])
 def test_countsketch_recovers_exact_topk_of_the_sum_when_heavy_hitters_dominate(p1) -> None:
     g = torch.Generator().manual_seed(0)
-    d, k, world = 200_000, 200, 4
+    d, k, world = 300_000, 300, 4  # rows * d above the direct-path limit: the blockwise paths
     spikes = torch.randperm(d, generator=g)[:k]
     signs = torch.sign(torch.randn(k, generator=g))
     ps = []
@@ -276,8 +276,11 @@ def test_countsketch_hash_is_a_rotation_per_block_and_estimates_are_exact_withou
 def test_countsketch_candidates_are_the_exact_top_estimates(rows, seed) -> None:
     """The fast candidate search (sampled threshold, heavy-bucket shortlist) finds exactly the
     coordinates a brute-force scan of every median estimate would rank first."""
+    from lightning_sparse.compressors.countsketch import _DIRECT
+
+    assert 3 * 400_000 > _DIRECT >= 400_000
     g = torch.Generator().manual_seed(seed)
-    d, k = 120_000, 300
+    d, k = 400_000, 1000  # rows=1 takes the direct path, more rows the blockwise search
     x = torch.randn(d, generator=g) * torch.rand(d, generator=g) ** 4
     cs = CountSketch(rows=rows, width=6.0, p2=3.0, p1=0)
     table = _sum_of_sketches(cs, [x], k)

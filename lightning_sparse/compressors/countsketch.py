@@ -35,7 +35,7 @@ AUTO_P1_CPU = 10.0
 # On CPU the per-block work goes in chunks that stay in cache.
 _CHUNK = 1 << 17
 # Up to rows * numel = _DIRECT, candidates come from all the estimates at once (few operations).
-_DIRECT = 1 << 18
+_DIRECT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,11 @@ class CountSketch(Compressor):
                 threshold = None
         if rows * d <= _DIRECT:  # small tensors: one scatter-add of every entry, few operations
             x = p if threshold is None else torch.nn.functional.hardshrink(p, threshold)
-            bucket, signs = _buckets(h, torch.arange(d, device=p.device))
-            bucket.add_(torch.arange(0, rows * cols, cols, device=p.device).unsqueeze(1))
-            table.view(-1).index_add_(0, bucket.view(-1), (signs * x.float()).view(-1))
+            bucket, signs = _all_buckets(h)
+            wide = torch.zeros(rows, 2 * cols, dtype=table.dtype, device=table.device)
+            wide.scatter_add_(1, bucket, signs * x.float())
+            table += wide[:, :cols]
+            table += wide[:, cols:]
         else:
             _sketch(table, h, p, threshold)
 
@@ -191,7 +193,9 @@ class CountSketch(Compressor):
             return torch.arange(numel, device=table.device)
         h = self.hashes(ctx, numel, cols, table.device)
         if rows * numel <= _DIRECT:  # small tensors: every estimate at once, in bounded memory
-            est = self.estimates(table, h, torch.arange(numel, device=table.device)).abs_()
+            bucket, signs = _all_buckets(h)
+            values = torch.cat([table, table], dim=1).gather(1, bucket).mul_(signs)
+            est = median_of_rows(list(values.unbind(0))).abs_()
             return torch.topk(est, c, sorted=False).indices.sort().values
         magnitude = scratch("countsketch.magnitude", table.numel(), table.dtype, table.device).view(rows, cols)
         torch.abs(table, out=magnitude)
@@ -251,6 +255,19 @@ class CountSketch(Compressor):
         self.sketch(p, k, ctx, table)
         cand = self.candidates(table, d, k, ctx)
         return cand[self.pick(p[cand], k)]
+
+
+def _all_buckets(h: SketchHashes) -> tuple[Tensor, Tensor]:
+    """Buckets and signs of every coordinate, ``(rows, numel)`` each, built by broadcasting.
+
+    The buckets are ``offset + shift`` in ``[0, 2 * cols)``: index a table laid twice side by
+    side (or fold such a doubled table) instead of taking them modulo ``cols``.
+    """
+    rows, blocks = h.shifts_t.shape
+    offsets = torch.arange(h.cols, device=h.shifts_t.device)
+    bucket = (h.shifts_t.unsqueeze(-1) + offsets).view(rows, -1)[:, : h.numel]
+    signs = h.signs_t.unsqueeze(-1).expand(rows, blocks, h.cols).reshape(rows, -1)[:, : h.numel]
+    return bucket, signs
 
 
 def _buckets(h: SketchHashes, idx: Tensor) -> tuple[Tensor, Tensor]:
