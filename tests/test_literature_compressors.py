@@ -271,18 +271,21 @@ def test_countsketch_hash_is_a_rotation_per_block_and_estimates_are_exact_withou
     assert torch.equal(cs.estimates(table, h, torch.arange(500)), x)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 7])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_countsketch_candidates_are_the_exact_top_estimates(rows, seed) -> None:
+@pytest.mark.parametrize(
+    "rows,width,seed",
+    [(1, 6.0, 0), (3, 6.0, 0), (5, 6.0, 1), (7, 6.0, 0), (3, 20.0, 1), (5, 20.0, 0)],
+)
+def test_countsketch_candidates_are_the_exact_top_estimates(rows, width, seed) -> None:
     """The fast candidate search (sampled threshold, heavy-bucket shortlist) finds exactly the
     coordinates a brute-force scan of every median estimate would rank first."""
-    from lightning_sparse.compressors.countsketch import _DIRECT
+    from lightning_sparse.compressors.countsketch import _DIRECT, _LONG_BLOCK
 
-    assert 3 * 400_000 > _DIRECT >= 400_000
+    # rows=1 takes the direct path; width 6 the short-block (segment) search, width 20 the long-block one
+    assert 3 * 400_000 > _DIRECT >= 400_000 and 6 * 1000 < _LONG_BLOCK <= 20 * 1000
     g = torch.Generator().manual_seed(seed)
-    d, k = 400_000, 1000  # rows=1 takes the direct path, more rows the blockwise search
+    d, k = 400_000, 1000
     x = torch.randn(d, generator=g) * torch.rand(d, generator=g) ** 4
-    cs = CountSketch(rows=rows, width=6.0, p2=3.0, p1=0)
+    cs = CountSketch(rows=rows, width=width, p2=3.0, p1=0)
     table = _sum_of_sketches(cs, [x], k)
     c = ctx(step=2, key=9)
     got = cs.candidates(table, d, k, c)
