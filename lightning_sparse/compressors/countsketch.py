@@ -14,7 +14,14 @@ one block never share a bucket; two of different blocks share one with probabili
 What it buys: nothing of size ``rows x numel`` is ever stored (the hash parameters are
 ``rows x numel / cols`` numbers), and sketching a whole tensor is ``rows`` shifted slice-adds
 per block, a few memory passes, instead of computing, storing and scatter-adding ``rows``
-hashes per coordinate.
+hashes per coordinate. (Short blocks go by runs of blocks: the buckets of a run are a
+broadcast ``offset + shift`` grid, and one scatter-add per run fills a doubled table.)
+
+Finding the candidates without an estimate per coordinate in memory: ``|median| >= tau`` needs
+``|table| >= tau`` in a majority of rows, so counting, per coordinate, the rows where its bucket
+is heavy (byte adds of shifted 0/1 rows) shortlists a superset; only the shortlist gets exact
+median estimates. ``tau`` comes from a sample of estimates, a little below the
+``p2 * k``-th largest.
 """
 
 from __future__ import annotations
