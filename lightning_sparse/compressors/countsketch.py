@@ -51,7 +51,14 @@ _LONG_BLOCK = 1 << 14
 
 @dataclass(frozen=True)
 class SketchHashes:
-    """The hash parameters of one table: per (row, block) shift and sign, on the host and device."""
+    """The hash parameters of one table: per (row, block) shift and sign, on the host and device.
+
+    Example:
+        >>> from lightning_sparse.compressors import CompressContext, CountSketch
+        >>> h = CountSketch(rows=3).hashes(CompressContext(step=1), numel=1000, cols=100, device=torch.device("cpu"))
+        >>> h.shifts_t.shape, h.blocks
+        (torch.Size([3, 10]), 10)
+    """
 
     cols: int
     numel: int
