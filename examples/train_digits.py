@@ -21,7 +21,7 @@ from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule, accuracy
 
 def fit(strategy: str | L.pytorch.strategies.Strategy, args: argparse.Namespace) -> tuple[L.Trainer, float, float]:
     L.seed_everything(args.seed, verbose=False)
-    model = DigitsClassifier()
+    model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
     data = DigitsDataModule(batch_size=args.batch_size)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (both runs)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (both runs)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # 2 processes on 2 cores

@@ -8,7 +8,18 @@ Importing the package registers the strategy names ``sparse_ddp``, ``sparse_ddp_
 """
 
 from lightning_sparse.callbacks import CompressionMonitor
-from lightning_sparse.compressors import COMPRESSORS, Compressor, RandomK, TopK, register_compressor
+from lightning_sparse.compressors import (
+    COMPRESSORS,
+    DGC,
+    Compressor,
+    CountSketch,
+    GaussianK,
+    RandomBlock,
+    RandomK,
+    RTopK,
+    TopK,
+    register_compressor,
+)
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import ConstantDensity, DensitySchedule
 from lightning_sparse.state import SparseState
@@ -23,7 +34,12 @@ __all__ = [
     "CompressionMonitor",
     "Compressor",
     "ConstantDensity",
+    "CountSketch",
+    "DGC",
     "DensitySchedule",
+    "GaussianK",
+    "RTopK",
+    "RandomBlock",
     "RandomK",
     "SparseDDPStrategy",
     "SparseState",

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse import comm
+from lightning_sparse._utils import scratch
 from lightning_sparse.compressors import CompressContext
 from lightning_sparse.state import BucketPlan, Member, SparseState
 from lightning_sparse.stats import Counters
@@ -120,7 +121,7 @@ def _sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member,
     vbytes = _value_dtype(state, buffer).itemsize
     dense_wire = ring_all_reduce_bytes(world, sum(m.numel for m in sparse) * buffer.element_size())
     pattern = PATTERNS[state.compressor.pattern]
-    return pattern.wire_bytes(world, ks, vbytes, [m.numel for m in sparse]) < dense_wire
+    return pattern.wire_bytes(world, ks, vbytes, [m.numel for m in sparse], state.compressor) < dense_wire
 
 
 def ring_all_reduce_bytes(world: int, nbytes: int) -> float:
@@ -197,7 +198,7 @@ class Pending:
 class WirePattern:
     """How the coordinates chosen by a compressor cross the wire (one class per ``pattern``)."""
 
-    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int]) -> float:
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int], compressor: Any = None) -> float:
         """Bytes through each rank for the sparse members of a bucket (ring model)."""
         raise NotImplementedError
 
@@ -290,7 +291,7 @@ class GatherPattern(WirePattern):
     ``[K int32 bucket offsets][K values][zero padding to 8 bytes]``, ``K = sum(ks)``.
     """
 
-    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int]) -> float:
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int], compressor: Any = None) -> float:
         return ring_all_gather_bytes(world, _gather_message_bytes(sum(ks), vbytes))
 
     def launch(
@@ -329,7 +330,7 @@ class GatherPattern(WirePattern):
 class SharedPattern(WirePattern):
     """Every rank picks the same coordinates (shared seed): only values are all-reduced."""
 
-    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int]) -> float:
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int], compressor: Any = None) -> float:
         return ring_all_reduce_bytes(world, sum(ks) * vbytes)
 
     def launch(
@@ -349,8 +350,101 @@ class SharedPattern(WirePattern):
         return Pending(futures, apply)
 
 
+class SketchPattern(WirePattern):
+    """Count-sketch (Sketched SGD): two all-reduces per bucket, both issued from the hook.
+
+    Round 1 all-reduces the float32 ``rows x cols`` tables of all the bucket's sparse members
+    (one message). Every rank then finds the same candidates from the summed tables
+    (``compressor.candidates``), and round 2 all-reduces this rank's exact ``p`` at the
+    candidates (in ``value_dtype``, one message). When round 2 completes, every rank keeps the
+    ``k`` largest sums per member, writes their average into the bucket, and takes exactly what
+    it contributed at those ``k`` coordinates out of its residual (the rounding error of
+    ``value_dtype`` stays in).
+
+    Ordering: round 1 is waited for here, on the hook's thread, and round 2 is issued right
+    after it, before the hook returns. Every collective of every bucket is therefore issued by
+    the same thread in the same order on every rank; issuing round 2 from a completion callback
+    (a process-group thread) could interleave it differently with other buckets' collectives on
+    each rank. The cost is that backward waits for one small all-reduce per bucket.
+    """
+
+    def wire_bytes(self, world: int, ks: list[int], vbytes: int, numels: list[int], compressor: Any = None) -> float:
+        if compressor is None:
+            raise ValueError("the sketch pattern's wire size depends on the compressor's settings: pass compressor")
+        shapes = [compressor.table_shape(n, k) for n, k in zip(numels, ks, strict=True)]
+        table_bytes = sum(r * c for r, c in shapes) * 4
+        value_bytes = sum(compressor.num_candidates(n, k) for n, k in zip(numels, ks, strict=True)) * vbytes
+        return ring_all_reduce_bytes(world, table_bytes) + ring_all_reduce_bytes(world, value_bytes)
+
+    def launch(
+        self, state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
+    ) -> Pending:
+        compressor = state.compressor
+        world = state.world_size
+        vdtype = _value_dtype(state, buffer)
+        members = plan.sparse_members
+        shapes = [compressor.table_shape(m.numel, k) for m, k in zip(members, ks, strict=True)]
+        # The tables live only until round 1 completes, inside this call: a reused buffer saves
+        # the page faults of a fresh multi-MB allocation every step.
+        tables = scratch("hook.sketch_tables", sum(r * c for r, c in shapes), torch.float32, buffer.device).zero_()
+        ps: list[Tensor | None] = []
+        ctxs: list[CompressContext] = []
+        views: list[Tensor] = []
+        pos = 0
+        for m, k, (rows, cols) in zip(members, ks, shapes, strict=True):
+            g = buffer[m.offset : m.offset + m.numel]
+            ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=world, seed=state.seed)
+            view = tables[pos : pos + rows * cols].view(rows, cols)
+            p: Tensor | None = None
+            if all_finite(g):
+                p = state.memory.accumulate(m.name, g) if state.error_feedback else g
+                compressor.sketch(p, k, ctx, view)
+            else:
+                # Sketch nothing (the summed tables stay finite, so every rank still finds the same
+                # candidates), then send NaN in round 2: every rank gets a non-finite average and
+                # skips the step alike; this rank's residual keeps its previous value.
+                counters.nonfinite_buckets = 1
+            ps.append(p)
+            ctxs.append(ctx)
+            views.append(view)
+            pos += rows * cols
+        if world > 1:
+            comm.all_reduce(tables, state.process_group).wait()  # round 1, on this thread (see above)
+        cands = [
+            compressor.candidates(view, m.numel, k, ctx)
+            for view, m, k, ctx in zip(views, members, ks, ctxs, strict=True)
+        ]
+        values = torch.empty(sum(c.numel() for c in cands), dtype=vdtype, device=buffer.device)
+        pos = 0
+        for p, cand in zip(ps, cands, strict=True):
+            if p is None:
+                values[pos : pos + cand.numel()].fill_(float("nan"))
+            else:
+                values[pos : pos + cand.numel()].copy_(_quantize(p[cand], vdtype))
+            pos += cand.numel()
+        counters.sent_numel += sum(ks)
+        counters.sent_bytes += tables.numel() * tables.element_size() + values.numel() * values.element_size()
+        futures = [comm.all_reduce(values, state.process_group)] if world > 1 else []
+
+        def apply(out: Tensor) -> None:
+            start = 0
+            for m, k, p, cand in zip(members, ks, ps, cands, strict=True):
+                sums = values[start : start + cand.numel()]
+                start += cand.numel()
+                chosen = compressor.pick(sums, k)
+                idx = cand[chosen]
+                if state.error_feedback and p is not None:  # p: the residual buffer, untouched since launch
+                    exact = p[idx]
+                    sent = _quantize(exact, vdtype)
+                    remainder = None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype)
+                    state.memory.keep_unsent(m.name, idx, remainder)
+                out.index_copy_(0, idx + m.offset, sums[chosen].to(out.dtype).div_(world))
+
+        return Pending(futures, apply)
+
+
 #: communication pattern name (``Compressor.pattern``) -> how it crosses the wire
-PATTERNS: dict[str, WirePattern] = {"gather": GatherPattern(), "shared": SharedPattern()}
+PATTERNS: dict[str, WirePattern] = {"gather": GatherPattern(), "shared": SharedPattern(), "sketch": SketchPattern()}
 
 
 def _launch_dense_members(state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters) -> Pending:

@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-SHAPES = {"a.weight": (40, 50), "a.bias": (40,), "b.weight": (3000,), "c.weight": (64, 64), "c.bias": (7,)}
+# d.weight is large enough for the count-sketch's blockwise paths (rows * numel above its direct-path limit)
+SHAPES = {
+    "a.weight": (40, 50),
+    "a.bias": (40,),
+    "b.weight": (3000,),
+    "c.weight": (64, 64),
+    "c.bias": (7,),
+    "d.weight": (600, 600),
+}
 
 
 def _params(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -20,7 +28,7 @@ def _params(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
 
 
 def _decode(
-    captured: list[tuple[str, torch.Tensor]],
+    captured: list[tuple[str, torch.Tensor, torch.Tensor]],
     state: Any,
     step: int,
     plan: Any,
@@ -28,16 +36,21 @@ def _decode(
     numel: int,
     captured_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """What this rank sent, as a dense float32 vector in bucket layout, read from the messages."""
+    """What this rank sent, as a dense float32 vector in bucket layout, read from the messages.
+
+    ``captured`` holds ``(kind, input as sent, the collective's output tensor)`` per collective.
+    """
     from lightning_sparse.compressors import CompressContext
 
     sent = torch.zeros(numel, dtype=torch.float32)
-    kind, first = captured[0]
+    kind, first, _ = captured[0]
     if len(captured) == 1 and kind == "reduce" and first.numel() == numel:  # dense bucket
         return first.float()
     sparse, dense = plan.sparse_members, plan.dense_members
     total_k = sum(ks)
     vdtype = state.value_dtype or captured_dtype
+    compressor = state.compressor
+    used = 1
     if kind == "gather":
         vb = torch.empty((), dtype=vdtype).element_size()
         idx = first[: 4 * total_k].view(torch.int32).long()
@@ -45,17 +58,36 @@ def _decode(
         assert idx.unique().numel() == total_k, "indices must be unique"
         assert int(idx.min()) >= 0 and int(idx.max()) < numel
         sent[idx] = vals
+    elif compressor.pattern == "sketch":
+        # round 1: the tables (summed on the wire); round 2: exact values at the candidates
+        (_, _, tables), (kind2, mine, sums) = captured[0], captured[1]
+        assert kind2 == "reduce" and mine.dtype == vdtype
+        used = 2
+        pos_t = pos_v = 0
+        for m, k in zip(sparse, ks, strict=True):
+            rows, cols = compressor.table_shape(m.numel, k)
+            table = tables[pos_t : pos_t + rows * cols].view(rows, cols)
+            ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
+            cand = compressor.candidates(table, m.numel, k, ctx)
+            n = cand.numel()
+            assert n == compressor.num_candidates(m.numel, k) and cand.unique().numel() == n
+            chosen = torch.topk(sums[pos_v : pos_v + n].float().abs(), k).indices
+            sent[m.offset + cand[chosen]] = mine[pos_v : pos_v + n][chosen].float()
+            pos_t += rows * cols
+            pos_v += n
+        assert pos_t == tables.numel() and pos_v == mine.numel()
     else:  # shared: the indices are never sent; every rank derives them from the shared seed
         vals = first.float()
+        assert first.numel() == total_k and first.dtype == vdtype, "values only, no indices"
         pos = 0
         for m, k in zip(sparse, ks, strict=True):
             ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
-            idx = state.compressor.select(torch.zeros(m.numel), k, ctx)
+            idx = compressor.select(torch.zeros(m.numel), k, ctx)
             sent[m.offset + idx] = vals[pos : pos + k]
             pos += k
     if dense:
-        assert captured[1][0] == "reduce"
-        dvals = captured[1][1].float()
+        assert len(captured) == used + 1 and captured[used][0] == "reduce"
+        dvals = captured[used][1].float()
         pos = 0
         for m in dense:
             sent[m.offset : m.offset + m.numel] = dvals[pos : pos + m.numel]
@@ -63,10 +95,25 @@ def _decode(
     return sent
 
 
+def _check_sketch_tables(state: Any, captured: list, step: int, plan: Any, ks: list[int], ps: dict) -> None:
+    """Round 1 carries this rank's count-sketch of p, exactly as the compressor computes it."""
+    from lightning_sparse.compressors import CompressContext
+
+    mine = captured[0][1]
+    pos = 0
+    for m, k in zip(plan.sparse_members, ks, strict=True):
+        shape = state.compressor.table_shape(m.numel, k)
+        table = torch.zeros(shape)
+        ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
+        state.compressor.sketch(ps[m.name], k, ctx, table)
+        assert torch.equal(mine[pos : pos + table.numel()], table.view(-1)), f"{m.name}: round 1 is not the sketch"
+        pos += table.numel()
+
+
 def _conservation_worker(
     rank: int,
     world: int,
-    compressor: str,
+    compressor: Any,
     value_dtype: str | None,
     grad_dtype: str,
     error_feedback: bool,
@@ -94,15 +141,15 @@ def _conservation_worker(
     )
     state.bind(named)
 
-    captured: list[tuple[str, torch.Tensor]] = []
+    captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     real_gather, real_reduce = comm.all_gather, comm.all_reduce
 
     def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
-        captured.append(("gather", inp.clone()))
+        captured.append(("gather", inp.clone(), out))
         return real_gather(out, inp, group)
 
     def reduce(t: torch.Tensor, group: Any = None) -> Any:
-        captured.append(("reduce", t.clone()))
+        captured.append(("reduce", t.clone(), t))
         return real_reduce(t, group)
 
     comm.all_gather, comm.all_reduce = gather, reduce
@@ -115,9 +162,19 @@ def _conservation_worker(
             old = {m.name: state.memory.get(m.name).clone() for m in plan.members if m.name in state.memory}
             ks = [k_for(m.numel, 0.02) for m in plan.sparse_members]
             captured.clear()
+            ps = {
+                m.name: g[m.offset : m.offset + m.numel].float() + old[m.name]
+                if m.name in old
+                else g[m.offset : m.offset + m.numel].float()
+                for m in plan.sparse_members
+            }
+            if not error_feedback:  # p is the gradient itself, in its own dtype
+                ps = {m.name: g[m.offset : m.offset + m.numel] for m in plan.sparse_members}
             out = communicate(state, g.clone(), params, is_last=True).wait()
             sent = _decode(captured, state, step, plan, ks, numel, dtype)
             sparse_step = step >= state.warmup_steps
+            if sparse_step and state.compressor.pattern == "sketch":
+                _check_sketch_tables(state, captured, step, plan, ks, ps)
             checked_sparse_steps += sparse_step
             for m in plan.members:
                 seg = slice(m.offset, m.offset + m.numel)
@@ -150,22 +207,37 @@ def _conservation_worker(
     return {"sparse_steps": checked_sparse_steps, "telemetry": state.telemetry.total.as_dict()}
 
 
-@pytest.mark.parametrize(
-    "compressor,value_dtype,grad_dtype",
-    [
-        ("topk", None, "float32"),
-        ("randomk", None, "float32"),
-        ("topk", "float16", "float32"),
-        ("topk", "bfloat16", "float32"),
-        ("randomk", "float16", "float32"),
-        ("topk", None, "bfloat16"),
-        ("randomk", None, "bfloat16"),
-    ],
-)
+def _compressor(name: str) -> Any:
+    """The compressors on the wire; count-sketch narrow enough to send fewer bytes than dense."""
+    from lightning_sparse.compressors import CountSketch
+
+    if name == "countsketch":  # p1="auto": local pre-truncation on CPU
+        return CountSketch(rows=3, width=4.0)
+    if name == "countsketch_p1_0":  # the whole of p sketched
+        return CountSketch(rows=3, width=4.0, p1=0)
+    return name
+
+
+COMPRESSORS_ON_THE_WIRE = [
+    "topk",
+    "randomk",
+    "rtopk",
+    "gaussiank",
+    "dgc",
+    "randomblock",
+    "countsketch",
+    "countsketch_p1_0",
+]
+CASES = [(c, None, "float32") for c in COMPRESSORS_ON_THE_WIRE]
+CASES += [(c, v, "float32") for c in COMPRESSORS_ON_THE_WIRE for v in ("float16", "bfloat16")]
+CASES += [(c, None, "bfloat16") for c in ("topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch")]
+
+
+@pytest.mark.parametrize("compressor,value_dtype,grad_dtype", CASES)
 def test_conservation_and_average_on_the_wire(dist2, compressor, value_dtype, grad_dtype) -> None:
     results = dist2.run(
         _conservation_worker,
-        compressor=compressor,
+        compressor=_compressor(compressor),
         value_dtype=value_dtype,
         grad_dtype=grad_dtype,
         error_feedback=True,
@@ -176,10 +248,14 @@ def test_conservation_and_average_on_the_wire(dist2, compressor, value_dtype, gr
     assert t["sent_bytes"] < t["dense_bytes"]
 
 
-@pytest.mark.parametrize("compressor", ["topk", "randomk"])
+@pytest.mark.parametrize("compressor", COMPRESSORS_ON_THE_WIRE)
 def test_without_error_feedback_sends_p_and_keeps_nothing(dist2, compressor) -> None:
     results = dist2.run(
-        _conservation_worker, compressor=compressor, value_dtype=None, grad_dtype="float32", error_feedback=False
+        _conservation_worker,
+        compressor=_compressor(compressor),
+        value_dtype=None,
+        grad_dtype="float32",
+        error_feedback=False,
     )
     assert results[1]["sparse_steps"] == 3
 

@@ -48,7 +48,10 @@ def _wire_worker(rank: int, world: int, compressor: str) -> dict[str, Any]:
     shapes = {"a.weight": (60, 50), "a.bias": (60,), "b.weight": (5000,), "c.bias": (9,), "d.weight": (40, 40)}
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in shapes.items()]
     buckets = [[named[0][1], named[1][1], named[2][1]], [named[3][1]], [named[4][1]]]
-    state = SparseState(compressor=compressor, density=0.03, min_numel=500, warmup_steps=1, seed=3)
+    # no dense fallback: every compressor takes its own path (count-sketch would go dense here)
+    state = SparseState(
+        compressor=compressor, density=0.03, min_numel=500, warmup_steps=1, seed=3, fallback_to_dense=False
+    )
     state.bind(named)
 
     wire = {"bytes": 0, "calls": 0}

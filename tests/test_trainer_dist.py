@@ -28,6 +28,14 @@ CASES = {
         "strategy": {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.02}
     },
     "frozen": {"strategy": {"compressor": "randomk"}, "model": "frozen"},
+    "rtopk": {"strategy": {"compressor": "rtopk"}},
+    "gaussiank": {"strategy": {"compressor": "gaussiank", "value_dtype": "bfloat16"}},
+    "dgc": {"strategy": {"compressor": "dgc", "bucket_cap_mb": 0.02, "min_numel": 256}},
+    "randomblock": {"strategy": {"compressor": "randomblock", "density": 0.05}},
+    # narrow tables, so that the two rounds stay well below the dense bytes on this small model
+    "countsketch": {
+        "strategy": {"compressor": "countsketch", "compressor_args": {"rows": 3, "width": 4.0}, "bucket_cap_mb": 0.02}
+    },
 }
 
 

@@ -164,6 +164,10 @@ def _called_from_hook() -> bool:
 def build_strategy(spec: Any) -> Any:
     if isinstance(spec, str):
         return spec
+    spec = dict(spec)
+    args = spec.pop("compressor_args", None)
+    if args is not None:  # a compressor built from its class with typed arguments
+        spec["compressor"] = lightning_sparse.COMPRESSORS[spec.get("compressor", "topk")](**args)
     return SparseDDPStrategy(**spec)
 
 

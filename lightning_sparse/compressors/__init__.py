@@ -12,14 +12,24 @@ from lightning_sparse.compressors.base import (
     get_compressor,
     register_compressor,
 )
+from lightning_sparse.compressors.countsketch import CountSketch
+from lightning_sparse.compressors.dgc import DGC
+from lightning_sparse.compressors.gaussiank import GaussianK
+from lightning_sparse.compressors.randomblock import RandomBlock
 from lightning_sparse.compressors.randomk import RandomK, random_subset
+from lightning_sparse.compressors.rtopk import RTopK
 from lightning_sparse.compressors.topk import TopK, exact_topk_indices
 
 __all__ = [
     "COMPRESSORS",
     "CompressContext",
     "Compressor",
+    "CountSketch",
+    "DGC",
+    "GaussianK",
     "Pattern",
+    "RTopK",
+    "RandomBlock",
     "RandomK",
     "TopK",
     "exact_topk_indices",

@@ -7,6 +7,9 @@ residual of one parameter) are sent. What crosses the wire is fixed by its ``pat
   all-gathered (the same ``k`` on every rank) and summed into the dense result.
 - ``"shared"``: every rank picks the *same* coordinates (drawn only from ``ctx.shared_generator``)
   so only the values are all-reduced; no indices cross the wire.
+- ``"sketch"``: a linear sketch of each rank's tensor is all-reduced, every rank derives the same
+  candidates from the sum, and their exact values are all-reduced in a second round
+  (:class:`~lightning_sparse.compressors.CountSketch`; ``select`` is then the one-process case).
 
 The hook (:mod:`lightning_sparse.hook`) does the rest: error feedback, value quantization,
 packing a whole bucket into one message, and writing the averaged gradient back.

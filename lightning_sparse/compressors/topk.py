@@ -1,4 +1,10 @@
-"""Top-k: send the k coordinates of largest magnitude, with a fast exact selection."""
+"""Top-k: send the k coordinates of largest magnitude, with a fast exact selection.
+
+Also home of the threshold machinery the other magnitude selectors share (Gaussian-k, DGC,
+rTop-k, count-sketch's local pre-truncation): :func:`indices_at_least` shortlists the entries at
+or above a magnitude threshold in one cache-friendly pass, and :func:`top_by_magnitude` picks the
+``k`` largest of a shortlist.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,77 @@ from lightning_sparse.compressors.base import CompressContext, Compressor, regis
 # Below this size (or above this density) torch.topk is as fast as anything else.
 _SMALL = 1 << 16
 _DENSE_FRACTION = 0.125
+# On CPU, shortlisting works through the tensor in chunks that stay in cache: |p|, the mask and
+# its nonzero() then cost one read of p from memory instead of three passes over it.
+_CHUNK = 1 << 17
+
+
+def indices_at_least(p: Tensor, threshold: float) -> Tensor:
+    """Sorted int64 indices of the entries with ``|p| >= threshold`` (one pass over ``p``).
+
+    Example:
+        >>> import torch
+        >>> indices_at_least(torch.tensor([0.5, -4.0, 1.0, 3.0]), 1.0)
+        tensor([1, 2, 3])
+    """
+    d = p.numel()
+    chunk = _CHUNK if p.device.type == "cpu" else d
+    if d == 0:
+        return torch.empty(0, dtype=torch.long, device=p.device)
+    a = scratch("shortlist.abs", min(chunk, d), p.dtype, p.device)
+    mask = scratch("shortlist.mask", min(chunk, d), torch.bool, p.device)
+    parts = []
+    for start in range(0, d, chunk):
+        part = p[start : start + chunk]
+        n = part.numel()
+        torch.abs(part, out=a[:n])
+        torch.ge(a[:n], threshold, out=mask[:n])
+        idx = mask[:n].nonzero().squeeze(1)
+        if idx.numel():
+            parts.append(idx.add_(start) if start else idx)
+    if not parts:
+        return torch.empty(0, dtype=torch.long, device=p.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor | None = None) -> Tensor:
+    """The ``k`` entries of ``candidates`` (indices into ``p``) with the largest ``|p|``.
+
+    ``magnitudes`` may pass ``p[candidates].abs()`` when it is already at hand.
+
+    Example:
+        >>> import torch
+        >>> top_by_magnitude(torch.tensor([0.5, -4.0, 1.0, 3.0]), torch.tensor([0, 2, 3]), 2).sort().values
+        tensor([2, 3])
+    """
+    if candidates.numel() == k:
+        return candidates
+    if magnitudes is None:
+        magnitudes = p[candidates].abs()
+    return candidates[torch.topk(magnitudes, k, sorted=False).indices]
+
+
+def threshold_from_sample(sample: Tensor, k: int, d: int, margin: float) -> float:
+    """Estimate the ``k``-th largest of ``d`` magnitudes from ``sample``, uniform draws of them.
+
+    ``margin`` (in standard deviations of the count of sampled entries above the true threshold)
+    moves the estimate lower, so that at least ``k`` entries pass it with high probability.
+    """
+    j = sample_rank(sample.numel(), k, d, margin)
+    return float(torch.topk(sample, j, sorted=False).values.min())
+
+
+def sample_rank(n: int, k: int, d: int, margin: float) -> int:
+    """Rank in a uniform sample of ``n`` out of ``d`` values that estimates the ``k``-th largest."""
+    expected = n * k / d
+    return min(n, max(1, math.ceil(expected + margin * math.sqrt(expected) + (8 if margin > 0 else 0))))
+
+
+def sample_threshold(p: Tensor, k: int, n: int, generator: torch.Generator | None, margin: float) -> float:
+    """:func:`threshold_from_sample` on ``n`` entries of ``|p|`` drawn with ``generator``."""
+    d = p.numel()
+    sample = p[torch.randint(0, d, (n,), generator=generator, device=p.device)].abs()
+    return threshold_from_sample(sample, k, d, margin)
 
 
 def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
@@ -36,20 +113,32 @@ def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = No
         return torch.empty(0, dtype=torch.long, device=p.device)
     if d < _SMALL or k > _DENSE_FRACTION * d:
         return torch.topk(p.abs(), k, sorted=False).indices
-    a = torch.abs(p, out=scratch("topk.abs", d, p.dtype, p.device))
     # Aim for ~64 sample entries above the true threshold: the estimate's relative error is then
     # ~1/8, and a threshold 4 standard deviations low shortlists ~1.5k entries.
     n = min(d, max(4096, math.ceil(64 * d / k)))
-    sample = a[torch.randint(0, d, (n,), generator=generator, device=p.device)]
-    expected = n * k / d
-    j = min(n, math.ceil(expected + 4.0 * math.sqrt(expected) + 8))
-    threshold = torch.topk(sample, j, sorted=False).values.min()
-    if threshold.item() > 0:
-        mask = torch.ge(a, threshold, out=scratch("topk.mask", d, torch.bool, p.device))
-        candidates = mask.nonzero().squeeze(1)
+    threshold = sample_threshold(p, k, n, generator, margin=4.0)
+    if threshold > 0:
+        candidates = indices_at_least(p, threshold)
         if candidates.numel() >= k:
-            return candidates[torch.topk(a[candidates], k, sorted=False).indices]
-    return torch.topk(a, k, sorted=False).indices
+            return top_by_magnitude(p, candidates, k)
+    return torch.topk(p.abs(), k, sorted=False).indices
+
+
+def finish_exactly_k(p: Tensor, k: int, threshold: float, candidates: Tensor, lower: float, tries: int = 8) -> Tensor:
+    """Turn a threshold shortlist into exactly ``k`` indices: the top-``k`` of ``|p|``.
+
+    Too many candidates are trimmed by magnitude (the ``k`` largest of them); too few are padded
+    with the next-largest entries, by lowering the threshold (``threshold *= lower``) and
+    shortlisting again. Either way the result is the exact top-``k`` (ties aside); after ``tries``
+    lowerings (a tensor with fewer than ``k`` non-zeros) it falls back to ``torch.topk``.
+    """
+    while candidates.numel() < k and tries > 0 and threshold > 0:
+        threshold *= lower
+        candidates = indices_at_least(p, threshold)
+        tries -= 1
+    if candidates.numel() < k:
+        return torch.topk(p.abs(), k, sorted=False).indices
+    return top_by_magnitude(p, candidates, k)
 
 
 @register_compressor

@@ -1,0 +1,476 @@
+"""Count-sketch (Sketched SGD, Ivkin et al.): heavy hitters of the summed gradient from summed sketches.
+
+The hashes
+----------
+Row ``r`` of a ``rows x cols`` table maps coordinate ``j`` of a tensor to bucket
+``h_r(j) = (o + shift[r, b]) mod cols`` with sign ``s_r(j) = sign[r, b]``, where ``b = j // cols``
+is the block of ``j`` and ``o = j % cols`` its offset in it; ``shift`` and ``sign`` are drawn
+per (row, block) from the generator all ranks share (seed, step, parameter). Two coordinates of
+one block never share a bucket; two of different blocks share one with probability
+``1 / cols``, and their signs are independent. That is what the count-sketch estimate needs
+(pairwise-uniform collisions, unbiased signs): the estimate ``s_r(j) * table[r, h_r(j)]`` of
+``x_j`` is unbiased with variance ``||x||^2 / cols`` per row, as for fully random hashes.
+
+What it buys: nothing of size ``rows x numel`` is ever stored (the hash parameters are
+``rows x numel / cols`` numbers), and sketching a whole tensor is ``rows`` shifted slice-adds
+per block, a few memory passes, instead of computing, storing and scatter-adding ``rows``
+hashes per coordinate. (Short blocks go by runs of blocks: the buckets of a run are a
+broadcast ``offset + shift`` grid, and one scatter-add per run fills a doubled table.)
+
+Finding the candidates without an estimate per coordinate in memory: ``|median| >= tau`` needs
+``|table| >= tau`` in a majority of rows, so counting, per coordinate, the rows where its bucket
+is heavy (byte adds of shifted 0/1 rows) shortlists a superset; only the shortlist gets exact
+median estimates. ``tau`` comes from a sample of estimates, a little below the
+``p2 * k``-th largest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import bad_argument, check_int, scratch
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+from lightning_sparse.compressors.topk import sample_rank, sample_threshold
+
+#: local pre-truncation used by ``p1="auto"`` on CPU (sketch only the top ``p1 * k`` of p)
+AUTO_P1_CPU = 10.0
+# On CPU the per-block work goes in chunks that stay in cache.
+_CHUNK = 1 << 17
+# Up to rows * numel = _DIRECT, candidates come from all the estimates at once (few operations).
+_DIRECT = 1 << 20
+# Coordinates per segment of short blocks handled at once (rows x segment index tensors).
+_SEGMENT = 1 << 17
+# Blocks at least this long are handled one by one with slice operations; shorter ones by segments.
+_LONG_BLOCK = 1 << 14
+
+
+@dataclass(frozen=True)
+class SketchHashes:
+    """The hash parameters of one table: per (row, block) shift and sign, on the host and device.
+
+    Example:
+        >>> from lightning_sparse.compressors import CompressContext, CountSketch
+        >>> h = CountSketch(rows=3).hashes(CompressContext(step=1), numel=1000, cols=100, device=torch.device("cpu"))
+        >>> h.shifts_t.shape, h.blocks
+        (torch.Size([3, 10]), 10)
+    """
+
+    cols: int
+    numel: int
+    shifts: list[list[int]]
+    signs: list[list[float]]
+    shifts_t: Tensor  # (rows, blocks) int64, on the tensor's device
+    signs_t: Tensor  # (rows, blocks) float32, on the tensor's device
+    generator: torch.Generator  # the shared generator, advanced past the hash parameters
+
+    @property
+    def blocks(self) -> int:
+        return len(self.shifts[0])
+
+
+def _number(name: str, value: object, minimum: float, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_argument(name, value, allowed)
+    if value < minimum:
+        raise bad_argument(name, value, allowed)
+    return float(value)
+
+
+@register_compressor
+class CountSketch(Compressor):
+    """Count-sketch compression (Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora,
+    "Communication-efficient Distributed SGD with Sketching").
+
+    Each rank adds its ``p`` (gradient + residual) into a ``rows x cols`` count-sketch whose
+    hashes every rank shares; the tables are all-reduced (sketches are linear, so the sum is
+    the sketch of the summed ``p``). Every rank then estimates each coordinate of the sum as the
+    median over rows of ``sign * table[bucket]`` and takes the ``p2 * k`` coordinates of
+    largest estimate as candidates; a second all-reduce sums the exact ``p`` values at the
+    candidates, and the ``k`` largest sums are applied. Every rank zeroes its residual at those
+    ``k`` coordinates (their exact mass was sent); the rest stays in the residual.
+
+    Local pre-truncation (the authors' ``p1``): each rank sketches only about the ``p1 * k``
+    largest entries of its ``p`` (those above a sampled estimate of the ``p1 * k``-th
+    magnitude). On CPU that is the default (``p1="auto"`` means 10 on CPU, 0 elsewhere);
+    ``p1=0`` sketches everything. The second round always sums the exact, untruncated ``p``.
+
+    Args:
+        rows: rows of the sketch, an odd integer (the median is then a single row's value).
+        width: columns per selected coordinate: ``cols = ceil(width * k)`` (at most numel).
+        p2: candidates per selected coordinate in the second round (``ceil(p2 * k)``), >= 1.
+        p1: local pre-truncation: ``"auto"``, 0 (off) or a number >= 1.
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> strategy = SparseDDPStrategy(compressor=CountSketch(rows=5, width=10.0), density=0.001)
+    """
+
+    name = "countsketch"
+    pattern = "sketch"
+
+    def __init__(
+        self,
+        rows: int = 5,
+        width: float = 10.0,
+        p2: float = 4.0,
+        p1: Union[float, Literal["auto"]] = "auto",
+    ) -> None:
+        self.rows = check_int("rows", rows, minimum=1, maximum=99)
+        if self.rows % 2 == 0:
+            raise bad_argument("rows", rows, "expected an odd integer between 1 and 99")
+        self.width = _number("width", width, 1e-9, "expected a finite number > 0")
+        if self.width <= 0:
+            raise bad_argument("width", width, "expected a finite number > 0")
+        self.p2 = _number("p2", p2, 1.0, "expected a finite number >= 1")
+        if p1 != "auto":
+            allowed = "expected 'auto', 0 (no pre-truncation) or a finite number >= 1"
+            value = _number("p1", p1, 0.0, allowed)
+            if 0.0 < value < 1.0:
+                raise bad_argument("p1", p1, allowed)
+            p1 = value
+        self.p1 = p1
+
+    # ------------------------------------------------------------------ sizes
+    def table_shape(self, numel: int, k: int) -> tuple[int, int]:
+        """``(rows, cols)`` of the table for a tensor of ``numel`` elements sending ``k``."""
+        return self.rows, max(1, min(numel, math.ceil(self.width * k)))
+
+    def num_candidates(self, numel: int, k: int) -> int:
+        """How many candidates the second round sums: ``ceil(p2 * k)``, at most numel."""
+        return min(numel, max(k, math.ceil(self.p2 * k)))
+
+    def truncation(self, device: torch.device) -> float:
+        """The ``p1`` in effect on ``device`` (0: the whole of p is sketched)."""
+        if self.p1 == "auto":
+            return AUTO_P1_CPU if device.type == "cpu" else 0.0
+        return float(self.p1)
+
+    def hashes(self, ctx: CompressContext, numel: int, cols: int, device: torch.device) -> SketchHashes:
+        """The hash parameters shared by all ranks for this (seed, step, parameter)."""
+        blocks = max(1, -(-numel // cols))
+        gen = ctx.shared_generator(torch.device("cpu"))  # host draws: identical on any device
+        shifts = torch.randint(0, cols, (self.rows, blocks), generator=gen)
+        signs = torch.randint(0, 2, (self.rows, blocks), generator=gen).mul_(2).sub_(1).float()
+        return SketchHashes(
+            cols=cols,
+            numel=numel,
+            shifts=shifts.tolist(),
+            signs=signs.tolist(),
+            shifts_t=shifts.to(device),
+            signs_t=signs.to(device),
+            generator=gen,
+        )
+
+    # ------------------------------------------------------------------ round 1: sketch
+    def sketch(self, p: Tensor, k: int, ctx: CompressContext, table: Tensor) -> None:
+        """Add this rank's ``p`` (or its top ``p1 * k``) into ``table`` (``rows x cols``, float32)."""
+        d = p.numel()
+        rows, cols = table.shape
+        if rows != self.rows:
+            raise ValueError(f"table has {rows} rows, expected {self.rows}")
+        h = self.hashes(ctx, d, cols, p.device)
+        m = math.ceil(self.truncation(p.device) * k)
+        threshold = None
+        if 0 < m < d:
+            n = min(d, max(4096, math.ceil(64 * d / m)))
+            threshold = sample_threshold(p, m, n, ctx.local_generator(p.device), margin=0.0)
+            if not threshold > 0:  # mostly zeros: sketching everything adds only the non-zeros
+                threshold = None
+        if cols >= _LONG_BLOCK:  # long blocks: shifted slice-adds, no index tensors at all
+            _sketch_slices(table, h, p, threshold)
+        else:  # many short blocks: a few scatter-adds over segments of many blocks each
+            _sketch_segments(table, h, p, threshold)
+
+    # ------------------------------------------------------------------ decoding
+    def estimates(self, table: Tensor, h: SketchHashes, idx: Tensor) -> Tensor:
+        """Median-over-rows estimates of the sketched vector at the coordinates ``idx``."""
+        bucket, signs = _buckets(h, idx)
+        values = table.gather(1, bucket).mul_(signs)
+        return median_of_rows(list(values.unbind(0)))
+
+    def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
+        """Sorted indices of the ``num_candidates`` coordinates of largest estimated ``|x|``.
+
+        ``table`` is the summed sketch; the result depends only on it and on the shared hashes,
+        so every rank finds the same candidates. Memory is O(rows * cols + candidates): no
+        estimate of all ``numel`` coordinates is held at once.
+        """
+        rows, cols = table.shape
+        c = self.num_candidates(numel, k)
+        if c >= numel:
+            return torch.arange(numel, device=table.device)
+        h = self.hashes(ctx, numel, cols, table.device)
+        if rows * numel <= _DIRECT:  # small tensors: every estimate at once, in bounded memory
+            bucket, signs = _all_buckets(h)
+            values = torch.cat([table, table], dim=1).gather(1, bucket).mul_(signs)
+            est = median_of_rows(list(values.unbind(0))).abs_()
+            return torch.topk(est, c, sorted=False).indices.sort().values
+        magnitude = scratch("countsketch.magnitude", table.numel(), table.dtype, table.device).view(rows, cols)
+        torch.abs(table, out=magnitude)
+        if float(magnitude.max()) == 0.0:  # nothing was sketched: any c coordinates will do
+            return torch.arange(c, device=table.device)
+        tau = self._sample_tau(table, h, c)
+        for _ in range(4):
+            if not tau > 0:
+                break
+            search = _estimates_at_least if cols >= _LONG_BLOCK else _estimates_at_least_segments
+            found, magnitudes = search(table, magnitude, h, tau)
+            if found.numel() >= c:
+                return _largest_in_order(found, magnitudes, c)
+            tau *= 0.25
+        return self._scan_all(table, h, c)
+
+    def _sample_tau(self, table: Tensor, h: SketchHashes, c: int) -> float:
+        """A threshold a little below the ``c``-th largest ``|estimate|``, from a uniform sample of
+        estimates (shared generator: the same on every rank), taken in chunks of bounded memory."""
+        d = h.numel
+        n = min(d, max(4096, math.ceil(256 * d / c)), 1 << 16)  # ~256 expected above: +-6% on tau
+        j = sample_rank(n, c, d, margin=4.0)
+        best = torch.empty(0, device=table.device)
+        for start in range(0, n, 1 << 14):
+            idx = torch.randint(0, d, (min(1 << 14, n - start),), generator=h.generator).to(table.device)
+            best = torch.cat([best, self.estimates(table, h, idx).abs_()])
+            if best.numel() > j:
+                best = torch.topk(best, j, sorted=False).values
+        return float(best.min())
+
+    def _scan_all(self, table: Tensor, h: SketchHashes, c: int) -> Tensor:
+        """Exact top-``c`` estimates by a scan of every coordinate (a fallback; O(chunk + c) memory)."""
+        chunk = max(c, 1 << 16)
+        best_idx = torch.empty(0, dtype=torch.long, device=table.device)
+        best_val = torch.empty(0, dtype=torch.float32, device=table.device)
+        for start in range(0, h.numel, chunk):
+            idx = torch.arange(start, min(h.numel, start + chunk), device=table.device)
+            val = self.estimates(table, h, idx).abs_()
+            idx, val = torch.cat([best_idx, idx]), torch.cat([best_val, val])
+            top = torch.topk(val, min(c, val.numel()), sorted=False).indices
+            best_idx, best_val = idx[top], val[top]
+        return best_idx.sort().values
+
+    @staticmethod
+    def pick(sums: Tensor, k: int) -> Tensor:
+        """Positions of the ``k`` largest ``|sums|`` (the exact summed values at the candidates)."""
+        if k >= sums.numel():
+            return torch.arange(sums.numel(), device=sums.device)
+        return torch.topk(sums.float().abs(), k, sorted=False).indices
+
+    def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
+        """The exchange on one process: sketch ``p``, find candidates, keep the top-k exact values."""
+        d = p.numel()
+        if k >= d:
+            return torch.arange(d, device=p.device)
+        rows, cols = self.table_shape(d, k)
+        table = scratch("countsketch.table", rows * cols, torch.float32, p.device).view(rows, cols).zero_()
+        self.sketch(p, k, ctx, table)
+        cand = self.candidates(table, d, k, ctx)
+        return cand[self.pick(p[cand], k)]
+
+
+def _segments(h: SketchHashes) -> list[tuple[int, int, int, int]]:
+    """``(first block, end block, first coordinate, length)`` of runs of whole blocks holding
+    about ``_SEGMENT`` coordinates each (at least one block)."""
+    per = max(1, _SEGMENT // h.cols)
+    out = []
+    for b0 in range(0, h.blocks, per):
+        b1 = min(h.blocks, b0 + per)
+        start = b0 * h.cols
+        out.append((b0, b1, start, min(b1 * h.cols, h.numel) - start))
+    return out
+
+
+def _grid(h: SketchHashes, b0: int, b1: int, n: int) -> tuple[Tensor, Tensor]:
+    """Buckets and signs, ``(rows, n)`` each, of the ``n`` coordinates from block ``b0`` on.
+
+    The buckets are ``offset + shift`` in ``[0, 2 * cols)``: they index a table laid twice side
+    by side (or a doubled table folded afterwards) instead of being taken modulo ``cols``.
+    """
+    rows = h.shifts_t.shape[0]
+    offsets = torch.arange(h.cols, device=h.shifts_t.device)
+    bucket = (h.shifts_t[:, b0:b1].unsqueeze(-1) + offsets).view(rows, -1)[:, :n]
+    signs = h.signs_t[:, b0:b1].unsqueeze(-1).expand(rows, b1 - b0, h.cols).reshape(rows, -1)[:, :n]
+    return bucket, signs
+
+
+def _all_buckets(h: SketchHashes) -> tuple[Tensor, Tensor]:
+    """:func:`_grid` of every coordinate."""
+    return _grid(h, 0, h.blocks, h.numel)
+
+
+def _buckets(h: SketchHashes, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``(rows, n)`` buckets and signs of the coordinates ``idx``."""
+    block = torch.div(idx, h.cols, rounding_mode="floor")
+    offset = idx - block * h.cols
+    bucket = h.shifts_t.index_select(1, block).add_(offset).remainder_(h.cols)
+    return bucket, h.signs_t.index_select(1, block)
+
+
+def _sketch_segments(table: Tensor, h: SketchHashes, p: Tensor, threshold: float | None) -> None:
+    """Add ``p`` into ``table`` when blocks are short: one scatter-add per segment of blocks,
+    into a doubled table that is folded at the end (buckets need no modulo)."""
+    rows, cols = table.shape
+    wide = torch.zeros(rows, 2 * cols, dtype=table.dtype, device=table.device)
+    for b0, b1, start, n in _segments(h):
+        x = p[start : start + n]
+        if threshold is not None:
+            x = torch.nn.functional.hardshrink(x, threshold)
+        bucket, signs = _grid(h, b0, b1, n)
+        wide.scatter_add_(1, bucket, signs * x.float())
+    table += wide[:, :cols]
+    table += wide[:, cols:]
+
+
+def _sketch_slices(table: Tensor, h: SketchHashes, p: Tensor, threshold: float | None) -> None:
+    """Add ``p`` into ``table`` by shifted slice-adds, per block of ``cols`` coordinates.
+
+    With ``threshold``, only the entries with ``|p| > threshold`` are added (the others are
+    masked to zero on the way). On CPU each block is taken in cache-sized chunks, so ``p`` is
+    read from memory once for all rows; no per-coordinate index is ever built.
+    """
+    rows, cols = table.shape
+    d = p.numel()
+    chunk = min(cols, _CHUNK if p.device.type == "cpu" else cols)
+    if threshold is not None:
+        kept = scratch("countsketch.chunk_kept", chunk, p.dtype, p.device)
+    for b in range(h.blocks):
+        start = b * cols
+        length = min(cols, d - start)
+        for offset in range(0, length, chunk):
+            part = p[start + offset : start + min(length, offset + chunk)]
+            n = part.numel()
+            if threshold is not None:
+                # hardshrink zeroes |p| <= threshold in one fused pass (a compare and mask is 5x slower)
+                part = torch.ops.aten.hardshrink.out(part, threshold, out=kept[:n])
+            for r in range(rows):
+                # offset o of the block goes to bucket (o + shift) mod cols
+                pos = offset + h.shifts[r][b]
+                if pos >= cols:
+                    pos -= cols
+                first = min(n, cols - pos)
+                sign = h.signs[r][b]
+                table[r, pos : pos + first].add_(part[:first], alpha=sign)
+                if n > first:
+                    table[r, : n - first].add_(part[first:], alpha=sign)
+
+
+def _largest_in_order(found: Tensor, magnitudes: Tensor, c: int) -> Tensor:
+    """The ``c`` entries of the sorted ``found`` with the largest ``magnitudes``, still sorted."""
+    extra = found.numel() - c
+    if extra <= 0:
+        return found
+    keep = torch.ones(found.numel(), dtype=torch.bool, device=found.device)
+    keep[torch.topk(magnitudes, extra, largest=False, sorted=False).indices] = False
+    return found[keep]
+
+
+def _median3(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+
+
+def median_of_rows(values: list[Tensor]) -> Tensor:
+    """Element-wise median of an odd number of equal-size tensors.
+
+    Three and five rows use min/max networks (the median of five is the median of the fifth
+    and the two middle values of the other four), several times faster than ``torch.median``.
+
+    Example:
+        >>> import torch
+        >>> median_of_rows([torch.tensor([1.0, 9.0]), torch.tensor([5.0, 2.0]), torch.tensor([3.0, 4.0])])
+        tensor([3., 4.])
+    """
+    if len(values) == 1:
+        return values[0]
+    if len(values) == 3:
+        return _median3(*values)
+    if len(values) == 5:
+        a, b, c, d, e = values
+        low = torch.maximum(torch.minimum(a, b), torch.minimum(c, d))
+        high = torch.minimum(torch.maximum(a, b), torch.maximum(c, d))
+        return _median3(e, low, high)
+    return torch.stack(values).median(dim=0).values
+
+
+def _estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> tuple[Tensor, Tensor]:
+    """Every coordinate whose median estimate has ``|estimate| >= tau``, with that magnitude.
+
+    ``|median| >= tau`` needs ``|table| >= tau`` in at least ``(rows - 1) // 2 + 1`` rows, so the
+    rows' 0/1 masks of heavy buckets, added per block with shifted slice-adds (bytes), shortlist a
+    superset of them without computing any per-coordinate hash; estimates are then computed for
+    the shortlist only. Memory is O(rows * cols) besides the result.
+    """
+    rows, cols = magnitude.shape
+    need = (rows - 1) // 2 + 1
+    # Counting from base = 2^bits - need, "count >= need" is the top bit: a shift, not a compare
+    # (a uint8 -> bool comparison costs several times more than the byte adds themselves).
+    bits = rows.bit_length()
+    base = (1 << bits) - need
+    heavy = scratch("countsketch.heavy", magnitude.numel(), torch.bool, magnitude.device).view(rows, cols)
+    torch.ge(magnitude, tau, out=heavy)
+    heavy = heavy.view(torch.uint8)
+    count = scratch("countsketch.count", cols, torch.uint8, magnitude.device)
+    found_parts, magnitude_parts = [], []
+    for b in range(h.blocks):
+        start = b * cols
+        length = min(cols, h.numel - start)
+        cnt = count[:length]
+        cnt.fill_(base)
+        for r in range(rows):
+            s = h.shifts[r][b]
+            first = min(length, cols - s)
+            cnt[:first].add_(heavy[r, s : s + first])
+            if length > first:
+                cnt[first:].add_(heavy[r, : length - first])
+        offsets = cnt.bitwise_right_shift_(bits).view(torch.bool).nonzero().squeeze(1)
+        if offsets.numel() == 0:
+            continue
+        values = []
+        for r in range(rows):
+            s = h.shifts[r][b]
+            bucket = offsets + s
+            wrap = int(torch.searchsorted(offsets, cols - s))  # offsets are sorted
+            if wrap < bucket.numel():
+                bucket[wrap:] -= cols
+            v = table[r].index_select(0, bucket)
+            values.append(v.neg_() if h.signs[r][b] < 0 else v)
+        est = median_of_rows(values).abs_()
+        keep = est >= tau
+        found_parts.append(offsets[keep].add_(start))
+        magnitude_parts.append(est[keep])
+    if not found_parts:
+        empty = torch.empty(0, device=magnitude.device)
+        return empty.long(), empty
+    return torch.cat(found_parts), torch.cat(magnitude_parts)
+
+
+def _estimates_at_least_segments(
+    table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`_estimates_at_least` for short blocks: the heavy-bucket count of a whole segment
+    of blocks in one gather from the doubled 0/1 table, instead of a slice-add per block."""
+    rows, cols = magnitude.shape
+    need = (rows - 1) // 2 + 1
+    bits = rows.bit_length()
+    base = (1 << bits) - need
+    heavy = torch.ge(magnitude, tau).to(torch.uint8)
+    heavy2 = torch.cat([heavy, heavy], dim=1)
+    table2 = torch.cat([table, table], dim=1)
+    found_parts, magnitude_parts = [], []
+    for b0, b1, start, n in _segments(h):
+        bucket, signs = _grid(h, b0, b1, n)
+        cnt = heavy2.gather(1, bucket).sum(0, dtype=torch.uint8)
+        offsets = cnt.add_(base).bitwise_right_shift_(bits).view(torch.bool).nonzero().squeeze(1)
+        if offsets.numel() == 0:
+            continue
+        values = table2.gather(1, bucket[:, offsets]).mul_(signs[:, offsets])
+        est = median_of_rows(list(values.unbind(0))).abs_()
+        keep = est >= tau
+        found_parts.append(offsets[keep].add_(start))
+        magnitude_parts.append(est[keep])
+    if not found_parts:
+        empty = torch.empty(0, device=magnitude.device)
+        return empty.long(), empty
+    return torch.cat(found_parts), torch.cat(magnitude_parts)

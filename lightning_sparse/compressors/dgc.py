@@ -1,0 +1,64 @@
+"""DGC threshold (Lin et al., Deep Gradient Compression): a threshold from a random sample of |p|."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import bad_argument, check_int
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+from lightning_sparse.compressors.topk import finish_exactly_k, indices_at_least, sample_threshold
+
+
+@register_compressor
+class DGC(Compressor):
+    """DGC's sampled-threshold selection (Lin et al., "Deep Gradient Compression"): draw
+    ``sample_fraction`` of the entries of ``|p|`` at random (per-rank generator), take the
+    threshold at the top ``k/d`` of the sample, shortlist the entries at or above it in one
+    pass, and adjust toward ``k``.
+
+    The all-gather needs exactly ``k`` values from every rank. Too many selected entries are
+    trimmed by magnitude (DGC's own remedy for an overfull selection: the top-``k`` of those
+    selected); too few are padded with the next-largest entries by lowering the threshold
+    (``threshold *= lower``, another pass) up to ``rounds`` times. The result is therefore the
+    top-``k`` of ``|p|`` (ties aside); falls back to ``torch.topk`` after ``rounds`` lowerings
+    (a tensor with fewer than ``k`` non-zeros). DGC's momentum correction and gradient clipping
+    belong to the optimizer and are not part of this selection.
+
+    Args:
+        sample_fraction: share of the entries sampled for the threshold, in (0, 1]
+            (at least 1,024 entries, or all of a smaller tensor, are sampled).
+        lower: factor applied to the threshold when fewer than ``k`` entries pass, in (0, 1).
+        rounds: most threshold lowerings before falling back to ``torch.topk``.
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> strategy = SparseDDPStrategy(compressor=DGC(sample_fraction=0.01), density=0.001)
+    """
+
+    name = "dgc"
+    pattern = "gather"
+
+    def __init__(self, sample_fraction: float = 0.01, lower: float = 0.8, rounds: int = 10) -> None:
+        if isinstance(sample_fraction, bool) or not isinstance(sample_fraction, (int, float)):
+            raise bad_argument("sample_fraction", sample_fraction, "expected a number in (0, 1]")
+        if not 0.0 < float(sample_fraction) <= 1.0:
+            raise bad_argument("sample_fraction", sample_fraction, "expected a number in (0, 1]")
+        if isinstance(lower, bool) or not isinstance(lower, (int, float)) or not 0.0 < float(lower) < 1.0:
+            raise bad_argument("lower", lower, "expected a number in (0, 1)")
+        self.sample_fraction = float(sample_fraction)
+        self.lower = float(lower)
+        self.rounds = check_int("rounds", rounds, minimum=0, maximum=1000)
+
+    def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
+        d = p.numel()
+        if k >= d:
+            return torch.arange(d, device=p.device)
+        n = min(d, max(1024, math.ceil(self.sample_fraction * d)))
+        threshold = sample_threshold(p, k, n, ctx.local_generator(p.device), margin=0.0)
+        if not (math.isfinite(threshold) and threshold > 0):
+            return torch.topk(p.abs(), k, sorted=False).indices
+        candidates = indices_at_least(p, threshold)
+        return finish_exactly_k(p, k, threshold, candidates, lower=self.lower, tries=self.rounds)
