@@ -21,7 +21,7 @@ from lightning_sparse.compressors import (
     register_compressor,
 )
 from lightning_sparse.hook import sparse_comm_hook
-from lightning_sparse.schedules import ConstantDensity, DensitySchedule
+from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
 from lightning_sparse.state import SparseState
 from lightning_sparse.strategy import SparseDDPStrategy, register_strategies
 
@@ -31,6 +31,7 @@ register_strategies()
 
 __all__ = [
     "COMPRESSORS",
+    "AdaptiveDensity",
     "CompressionMonitor",
     "Compressor",
     "ConstantDensity",
@@ -44,6 +45,7 @@ __all__ = [
     "SparseDDPStrategy",
     "SparseState",
     "TopK",
+    "WarmupDensity",
     "__version__",
     "register_compressor",
     "register_strategies",

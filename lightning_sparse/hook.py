@@ -101,6 +101,7 @@ def _end_step(state: SparseState) -> None:
         state.telemetry.residual_norm = state.memory.norm_sq() ** 0.5
         state.telemetry.residual_norm_step = state.step
     state.telemetry.end_step()
+    state.schedule.end_step(state.step)  # on the hook's thread, after the step's collectives
     state.step += 1
 
 
@@ -174,6 +175,9 @@ def _flush_residuals(state: SparseState, buffer: Tensor, members: tuple[Member, 
 
 def _dense_exchange(state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters) -> Future[Tensor]:
     _flush_residuals(state, buffer, plan.members, counters)
+    if state.schedule.observes:  # the bucket now holds p = g + e: an adaptive density learns from dense steps too
+        for m in plan.sparse_members:
+            state.schedule.observe(state.step, plan.label, m.name, buffer[m.offset : m.offset + m.numel])
     counters.sent_bytes += buffer.numel() * buffer.element_size()
     counters.sent_numel += buffer.numel()
     world = state.world_size
@@ -243,9 +247,13 @@ def compress_members(
                 idx = torch.arange(k, device=g.device)
             values_out[pos : pos + k].fill_(float("nan"))
             _write_indices(idx, m, pos, k, index_out, kept)
+            if state.schedule.observes:  # NaN statistics, but the same layout on every rank
+                state.schedule.observe(state.step, plan.label, m.name, g)
             pos += k
             continue
         p = state.memory.accumulate(m.name, g) if state.error_feedback else g
+        if state.schedule.observes:
+            state.schedule.observe(state.step, plan.label, m.name, p)
         idx = compressor.select(p, k, ctx)
         if idx.numel() != k:
             raise RuntimeError(f"{type(compressor).__name__}.select returned {idx.numel()} indices for k={k}")

@@ -132,8 +132,11 @@ class SparseState:
 
         With ``check_consistency`` every rank's configuration is compared (one small collective)
         and a mismatch raises ValueError naming the ranks, instead of hanging in a collective later.
+        Then the density schedule is set up (on every rank; it may run collectives, e.g. to
+        measure the network for an adaptive density).
         """
-        self._names = {id(p): name for name, p in named_parameters if p.requires_grad}
+        trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
+        self._names = {id(p): name for name, p in trainable}
         self._plans = {}
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
@@ -143,6 +146,9 @@ class SparseState:
             self.rank, self.world_size = 0, 1
         if check_consistency and self.world_size > 1:
             self._check_consistency()
+        first = trainable[0][1] if trainable else None
+        device = first.device if first is not None else torch.device("cpu")
+        self.schedule.setup(self, device, first.dtype if first is not None else torch.float32)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank."""
