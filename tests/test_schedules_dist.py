@@ -211,3 +211,72 @@ def test_warmup_from_high_density_falls_back_to_dense_then_goes_sparse(dist2) ->
         assert row[3] < r0["dense_bytes"]
     for a, b in zip(rows, r1["rows"], strict=True):
         assert torch.equal(a[4], b[4])
+
+
+# --------------------------------------------------------------------------- through Lightning
+# 256 samples, batch 16, 2 ranks: 8 steps per epoch; checkpoint at the end of epoch 1 (step 16).
+TRAINER_BASE: dict[str, Any] = {"n": 256, "max_steps": 32, "data_by_step": True}
+SCHEDULES: dict[str, dict[str, Any]] = {
+    # latency-bandwidth, measured from the process group at start-up, saved in the checkpoint
+    "adaptive": {"class_path": "lightning_sparse.AdaptiveDensity", "init_args": {"min_density": 0.002}},
+    "adaptive_bits": {
+        "class_path": "lightning_sparse.AdaptiveDensity",
+        "init_args": {"cost_model": "bits", "c0": 20000, "min_density": 0.002, "max_density": 0.4},
+    },
+    "warmup": {"class_path": "lightning_sparse.WarmupDensity", "init_args": {"start": 0.6, "end": 0.01, "steps": 24}},
+}
+
+
+@pytest.fixture(scope="module")
+def schedule_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from conftest import run_trainer
+
+    root = tmp_path_factory.mktemp("schedules")
+    full = run_trainer(
+        {
+            **TRAINER_BASE,
+            "runs": [
+                {
+                    "name": f"full_{name}",
+                    "strategy": {"density": spec},
+                    "ckpt_at_epoch": 1,
+                    "ckpt_out": str(root / f"{name}.ckpt"),
+                }
+                for name, spec in SCHEDULES.items()
+            ],
+        },
+        root / "full",
+    )
+    resumed = run_trainer(
+        {
+            **TRAINER_BASE,
+            "runs": [
+                {"name": f"resumed_{name}", "strategy": {"density": spec}, "ckpt_path": str(root / f"{name}.ckpt")}
+                for name, spec in SCHEDULES.items()
+            ],
+        },
+        root / "resumed",
+    )
+    return {"full": full, "resumed": resumed, "root": root}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_trainer_resume_with_schedule_equals_uninterrupted_run(schedule_launches: dict[str, Any], name: str) -> None:
+    full, resumed = schedule_launches["full"][f"full_{name}"], schedule_launches["resumed"][f"resumed_{name}"]
+    for rank in range(2):
+        a, b = full[rank], resumed[rank]
+        assert a["global_step"] == b["global_step"] == 32 and b["hook_step"] == 32
+        assert a["sent_numel"][16:] == b["sent_numel"], "the resumed run must send the same k every step"
+        for key in a["params"]:
+            assert torch.equal(a["params"][key], b["params"][key]), f"rank {rank}: {key} differs after resume"
+        assert a["schedule_state"] == b["schedule_state"]
+        assert a["train_acc"] > a["initial_acc"] + 0.15
+    assert full[0]["sent_numel"] == full[1]["sent_numel"]  # the same k on both ranks, every step
+    for key in full[0]["params"]:
+        assert torch.equal(full[0]["params"][key], full[1]["params"][key])
+    if name == "adaptive_bits":
+        assert len(set(full[0]["sent_numel"][1:])) >= 2, "the adaptive choice should move on this task"
+    ckpt = torch.load(schedule_launches["root"] / f"{name}.ckpt", weights_only=False)
+    saved = ckpt["lightning_sparse"]["ranks"][0]["schedule"]
+    if name == "adaptive":
+        assert saved["measured"]["alpha"] > 0 and saved["measured"]["world_size"] == 2

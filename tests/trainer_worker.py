@@ -13,6 +13,7 @@ traffic that does not rely on the package's own counters.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import threading
@@ -43,6 +44,7 @@ class Net(L.LightningModule):
         self.data: TensorDataset | None = None
         self.skipped_steps = 0
         self.residual_norms: list[float] = []
+        self.sent_numel: list[int] = []
         self.body = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
         self.head = nn.Linear(64, 4)
         if variant == "unused":
@@ -78,6 +80,7 @@ class Net(L.LightningModule):
         strategy = self.trainer.strategy
         if isinstance(strategy, SparseDDPStrategy):
             self.residual_norms.append(strategy.sparse_state.memory.norm_sq() ** 0.5)
+            self.sent_numel.append(strategy.sparse_state.telemetry.last.sent_numel)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
@@ -168,6 +171,10 @@ def build_strategy(spec: Any) -> Any:
     args = spec.pop("compressor_args", None)
     if args is not None:  # a compressor built from its class with typed arguments
         spec["compressor"] = lightning_sparse.COMPRESSORS[spec.get("compressor", "topk")](**args)
+    density = spec.get("density")
+    if isinstance(density, dict):  # a schedule, written as the Lightning CLI writes it
+        module, _, name = density["class_path"].rpartition(".")
+        spec["density"] = getattr(importlib.import_module(module), name)(**density.get("init_args", {}))
     return SparseDDPStrategy(**spec)
 
 
@@ -240,6 +247,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["telemetry"] = state.telemetry.total.as_dict()
         result["residuals"] = state.memory.state_dict()
         result["residual_norms"] = model.residual_norms
+        result["sent_numel"] = model.sent_numel
+        result["schedule_state"] = state.schedule.state_dict()
     prefix = f"{cfg['name']}_" if cfg.get("name") else ""
     torch.save(result, f"{prefix}rank{trainer.global_rank}.pt")
 
