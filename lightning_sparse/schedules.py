@@ -263,7 +263,9 @@ class AdaptiveDensity(DensitySchedule):
 
     A bucket that the strategy would send dense at a candidate density (``fallback_to_dense``:
     the sparse exchange would move at least the bytes of a dense all-reduce) is costed as dense,
-    with all of its energy.
+    with all of its energy. The rule is made for top-k-like compressors; with random-k (shared
+    coordinates) the expected energy sent is ``k/d * ||p||^2``, whose ratio to any cost with
+    ``c0 > 0`` only grows with k, so it settles at ``max_density`` (or dense).
 
     Every rank chooses the same density: each estimates its energy curve
     ``||Top_k(p)||^2`` at the candidate densities (exact for tensors up to 65,536 elements, from a
@@ -501,6 +503,7 @@ class AdaptiveDensity(DensitySchedule):
         world = int(w.get("world", 1))
         vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
         pattern = PATTERNS[w.get("pattern", "gather")]
+        shared = w.get("pattern") == "shared"
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
         best, best_ratio = self._density, -math.inf
@@ -514,7 +517,8 @@ class AdaptiveDensity(DensitySchedule):
                     gain += row[-1]
                     cost += self._cost(sum(sizes), gbytes * 8, dense_bytes)
                 else:
-                    gain += row[j]
+                    # random-k (shared coordinates) sends a uniform k-subset: expected energy k/d * ||p||^2
+                    gain += row[-1] * sum(ks) / sum(sizes) if shared else row[j]
                     cost += self._cost(sum(ks), self._c1(), sparse_bytes)
             ratio = gain / cost
             if ratio > best_ratio:

@@ -312,3 +312,13 @@ def test_warmup_from_high_density_goes_dense_first_at_larger_world_sizes() -> No
     assert _fallback_steps(s, world=8, steps=4) == [True, True, False, False]
     assert _fallback_steps(s, world=16, steps=5) == [True, True, True, False, False]
     assert math.isclose(s.density(3), 0.25 * (0.004**0.3))
+
+
+def test_choose_with_random_k_uses_the_expected_energy_of_a_random_subset() -> None:
+    # random-k sends k/d of the energy in expectation: per bit that only improves with k
+    s = AdaptiveDensity(cost_model="bits", c0=1e4, min_density=1e-3, max_density=0.25)
+    _bound(s, world=2, compressor="randomk")
+    sizes = [100_000]
+    assert s.choose([("b", sizes)], [_power_law_energy(sizes, s.grid, a=0.2)]) == pytest.approx(0.25)
+    _bound(s, world=2, compressor="topk")
+    assert s.choose([("b", sizes)], [_power_law_energy(sizes, s.grid, a=0.2)]) < 0.01
