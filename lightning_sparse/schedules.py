@@ -187,7 +187,7 @@ def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     linearly between the two points around it. Inside one bin the values differ by less than
     4.4%, so the interpolation errs by less than that (low: the curve is concave), in practice
     by far less; the largest few thousand entries (whole bins) are sorted, so the curve is exact
-    for k up to there. Deterministic. Non-finite entries give NaN.
+    for k up to there. Deterministic. Non-finite entries give non-finite values.
 
     Example:
         >>> import torch
@@ -224,9 +224,9 @@ def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     curve = _interp(kt.to(torch.float64), xs, ys)
     # The top bins hold few entries each, so interpolation is coarsest at small k: sort the
     # largest few thousand entries (whole bins) and take their exact curve wherever it reaches.
-    top_bins = int(torch.searchsorted(above_c, torch.tensor([float(_SHORTLIST)], dtype=torch.float64, device=dev)))
-    shortlist = a2[bins >= nb - 1 - min(top_bins, nb - 1)]
-    if shortlist.numel():
+    top_bins = min(nb - 1, int(torch.searchsorted(above_c, torch.tensor([float(_SHORTLIST)], device=dev).double())))
+    if float(above_c[top_bins]) <= 16 * _SHORTLIST:  # (unless a top bin is crowded: then interpolate)
+        shortlist = a2[bins >= nb - 1 - top_bins]
         exact = shortlist.sort(descending=True).values.cumsum(0, dtype=torch.float64)
         curve = torch.where(kt <= exact.numel(), exact[(kt - 1).clamp(max=exact.numel() - 1)], curve)
     return torch.cat([curve, total])

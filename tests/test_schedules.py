@@ -138,6 +138,11 @@ def test_topk_energy_close_on_large_tensors(kind: str) -> None:
     assert (got <= exact * (1 + 1e-6)).all()  # float32 sums inside the bins: 1e-7-ish
 
 
+def test_topk_energy_flat_and_zero_large_tensors() -> None:
+    assert topk_energy(torch.full((200_000,), -2.0), [1, 100, 100_000]).tolist() == [4.0, 400.0, 400_000.0, 800_000.0]
+    assert topk_energy(torch.zeros(200_000), [1, 100]).tolist() == [0.0, 0.0, 0.0]
+
+
 def test_topk_energy_non_finite_gives_nan() -> None:
     p = torch.randn(100_000)
     p[7] = float("nan")
@@ -322,3 +327,26 @@ def test_choose_with_random_k_uses_the_expected_energy_of_a_random_subset() -> N
     assert s.choose([("b", sizes)], [_power_law_energy(sizes, s.grid, a=0.2)]) == pytest.approx(0.25)
     _bound(s, world=2, compressor="topk")
     assert s.choose([("b", sizes)], [_power_law_energy(sizes, s.grid, a=0.2)]) < 0.01
+
+
+# --------------------------------------------------------------------------- Lightning CLI
+def test_lightning_cli_builds_schedules_from_yaml() -> None:
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(SparseDDPStrategy, "strategy")
+    config = parser.parse_string(
+        """
+strategy:
+  density:
+    class_path: lightning_sparse.AdaptiveDensity
+    init_args: {cost_model: bits, c0: 20000, min_density: 0.0005, max_density: 0.1}
+"""
+    )
+    schedule = parser.instantiate(config).strategy.sparse_state.schedule
+    assert isinstance(schedule, AdaptiveDensity) and schedule.c0 == 20000 and schedule.max_density == 0.1
+    config = parser.parse_string("strategy:\n  density:\n    class_path: WarmupDensity\n    init_args: {steps: 50}\n")
+    schedule = parser.instantiate(config).strategy.sparse_state.schedule
+    assert isinstance(schedule, WarmupDensity) and schedule.steps == 50 and schedule.mode == "exponential"
+    bad = "strategy:\n  density:\n    class_path: AdaptiveDensity\n    init_args: {cost_model: bits, c0: 0}\n"
+    with pytest.raises(ValueError, match=r"c0=0.0 is not allowed"):
+        parser.instantiate(parser.parse_string(bad))
