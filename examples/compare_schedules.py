@@ -153,10 +153,11 @@ def summarise(runs: list[dict[str, Any]], target: float, c0s: list[float], smoot
         total = med([r["points"][-1]["bits"] for r in mine]) / 1e6
         density = med([statistics.fmean(r["densities"][1:]) for r in mine])
         at_budget = med([accuracy_at(r["points"], budget, smooth) for r in mine])
-        rows.append(
+        row = (
             f"| {name} | {density:.4f} | {steps:.0f} | {bits:.2f} | {len(reached)}/{len(mine)} | {final:.4f} "
             f"| {total:.1f} | {at_budget:.4f} |{costs}"
         )
+        rows.append(row.replace(" nan ", " - "))  # not reached
     return rows
 
 
@@ -195,7 +196,8 @@ def main() -> None:
     if runs and runs[0]["rank0"]:
         print()
         print(
-            f"digits MLP 64-512-256-10 (166,400 weights sent sparse, biases dense), top-k + error feedback, "
+            f"digits MLP 64-512-256-10 (166,400 weights sent sparse, biases dense), top-k "
+            f"{'without' if args.no_error_feedback else 'with'} error feedback, "
             f"{args.devices} processes x batch {args.batch_size}, SGD lr {args.lr} momentum 0.9, "
             f"{args.epochs} epochs ({steps_per_epoch} steps each), validation every {args.val_every} steps, "
             f"seeds {args.seeds} (medians)"

@@ -350,3 +350,12 @@ strategy:
     bad = "strategy:\n  density:\n    class_path: AdaptiveDensity\n    init_args: {cost_model: bits, c0: 0}\n"
     with pytest.raises(ValueError, match=r"c0=0.0 is not allowed"):
         parser.instantiate(parser.parse_string(bad))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_topk_energy_on_cuda_matches_cpu() -> None:
+    p = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0)) ** 3
+    ks = [1, 100, 1000, 10_000, 250_000]
+    got = topk_energy(p.cuda(), ks)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), topk_energy(p, ks), rtol=1e-5, atol=0.0)
