@@ -602,14 +602,14 @@ def _sync(device: torch.device) -> None:
 
 
 def _check_positive(name: str, value: Any) -> float | None:
+    """None, or a finite number > 0 (``c0 = 0`` passes here: the bits model explains why it fails)."""
     if value is None:
         return None
+    allowed = "expected None or a finite number > 0"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_argument(name, value, "expected None or a finite number > 0")
-    if name != "c0" and value <= 0:
-        raise bad_argument(name, value, "expected None or a finite number > 0")
-    if value < 0:
-        raise bad_argument(name, value, "expected None or a finite number > 0")
+        raise bad_argument(name, value, allowed)
+    if value < 0 or (value == 0 and name != "c0"):
+        raise bad_argument(name, value, allowed)
     return float(value)
 
 
