@@ -206,7 +206,7 @@ def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     # reused buffers: fresh multi-MB allocations every step cost page faults
     a2 = scratch("energy.sq", d, torch.float32, dev)
     torch.mul(x, x, out=a2) if x.dtype == torch.float32 else a2.copy_(x).square_()
-    total = a2.sum(dtype=torch.float64).reshape(1)
+    total = a2.sum().double().reshape(1)  # float32 (pairwise) sum: a float64 sum costs 10x more
     nb = _BINS_PER_OCTAVE * _OCTAVES
     # bin = floor(S * (log2(a2) - log2(max a2)) + nb), clamped to [0, nb - 1]: monotone in a2
     v = torch.log2(a2, out=scratch("energy.bin", d, torch.float32, dev))
