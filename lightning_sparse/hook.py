@@ -100,8 +100,11 @@ def _end_step(state: SparseState) -> None:
     if state.error_feedback and interval > 0 and state.step % interval == 0:
         state.telemetry.residual_norm = state.memory.norm_sq() ** 0.5
         state.telemetry.residual_norm_step = state.step
+    # on the hook's thread, after the step's collectives; an adaptive density gathers its statistics
+    schedule_bytes = state.schedule.end_step(state.step)
+    if schedule_bytes:
+        state.telemetry.record("density schedule", Counters(sent_bytes=schedule_bytes), "density schedule")
     state.telemetry.end_step()
-    state.schedule.end_step(state.step)  # on the hook's thread, after the step's collectives
     state.step += 1
 
 

@@ -72,9 +72,13 @@ class DensitySchedule(ABC):
         Called only if :attr:`observes` is true, before ``p`` is compressed; must not communicate.
         """
 
-    def end_step(self, step: int) -> None:  # noqa: B027
+    def end_step(self, step: int) -> int:
         """Called at the end of optimizer step ``step`` on every rank, after the step's collectives
-        were launched, on the hook's thread; may launch one small collective."""
+        were launched, on the hook's thread; may launch one small collective.
+
+        Returns the bytes this rank handed to that collective (the hook counts them in telemetry).
+        """
+        return 0
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's mutable state (empty for stateless schedules)."""
@@ -452,12 +456,13 @@ class AdaptiveDensity(DensitySchedule):
             row.add_(e)
             self._sizes[bucket].append(d)
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int) -> int:
         self._resolve()
         if not self._rows:
-            return
+            return 0
         labels = sorted(self._rows)  # the same layout on every rank, whatever order buckets came in
-        local = torch.stack([self._rows[b] for b in labels]).reshape(-1)
+        # float32 on the wire (half the bytes; the choice needs nowhere near float64's precision)
+        local = torch.stack([self._rows[b] for b in labels]).reshape(-1).float()
         layout = [(b, tuple(self._sizes[b])) for b in labels]
         self._rows, self._sizes = {}, {}
         world = int(self._wire.get("world", 1))
@@ -470,6 +475,7 @@ class AdaptiveDensity(DensitySchedule):
         else:
             gathered = local
         self._pending = (step, layout, gathered, future)
+        return local.numel() * local.element_size() if future is not None else 0
 
     # ------------------------------------------------------------------ decision
     def _resolve(self) -> None:

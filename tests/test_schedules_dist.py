@@ -50,15 +50,21 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
 
     sizes: list[int] = []
     gathered_sizes: list[int] = []
-    real_gather = comm.all_gather
+    tapped = {"bytes": 0}
+    real_gather, real_reduce = comm.all_gather, comm.all_reduce
 
     def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
-        if inp.dtype == torch.uint8:  # a bucket's message (the statistics travel as float64)
+        if inp.dtype == torch.uint8:  # a bucket's message (the statistics travel as float32)
             gathered_sizes.append(inp.numel())
+        tapped["bytes"] += inp.numel() * inp.element_size()
         return real_gather(out, inp, group)
 
-    comm.all_gather = gather
-    densities, expected, optimal_ratio, chosen_ratio = [], [], [], []
+    def reduce(t: torch.Tensor, group: Any = None) -> Any:
+        tapped["bytes"] += t.numel() * t.element_size()
+        return real_reduce(t, group)
+
+    comm.all_gather, comm.all_reduce = gather, reduce
+    densities, expected, optimal_ratio, chosen_ratio, counted = [], [], [], [], []
     try:
         for step in range(steps):
             g = _gradient(numel, rank, step)
@@ -77,7 +83,10 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
             if step > 0:
                 densities.append(state.schedule.density(step))  # what the hook will use now
             gathered_sizes.clear()
+            before = tapped["bytes"]
             communicate(state, g.clone(), params, is_last=True).wait()
+            # telemetry counts every byte handed to a collective, the statistics' all-gather included
+            counted.append((tapped["bytes"] - before, state.telemetry.last.sent_bytes))
             if step > 0:
                 ks = [k_for(m.numel, densities[-1]) for m in sparse]
                 assert gathered_sizes == [(sum(ks) * 8 + 7) // 8 * 8], "the wire must carry the chosen k"
@@ -101,8 +110,10 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
             optimal_ratio.append(max(ratios))
             chosen_ratio.append(ratios)
     finally:
-        comm.all_gather = real_gather
+        comm.all_gather, comm.all_reduce = real_gather, real_reduce
     return {
+        "counted": counted,
+        "schedule_bytes": state.telemetry.methods["density schedule"].sent_bytes,
         "densities": densities,
         "expected": expected[:-1],  # step t's statistics decide step t + 1
         "wire_sizes": sizes,
@@ -117,6 +128,10 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
 def test_adaptive_same_k_on_every_rank_every_step(dist2, big: bool) -> None:
     r0, r1 = dist2.run(_adaptive_worker, big=big, cost_model="bits")
     assert r0["densities"] == r1["densities"] and r0["wire_sizes"] == r1["wire_sizes"]
+    for wire_bytes, counted in r0["counted"]:
+        assert wire_bytes == counted
+    # one float32 per candidate density plus the total, per bucket, every step
+    assert r0["schedule_bytes"] == 10 * 4 * (24 + 1)
     assert len(set(r0["densities"])) >= 2, "the test's gradients must make the choice change"
     if not big:  # exact statistics: exactly the argmax of the exact rule
         assert r0["densities"] == r0["expected"]
