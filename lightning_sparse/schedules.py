@@ -29,12 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse._utils import (
-    bad_argument,
-    check_density,
-    check_int,
-    scratch,
-)
+from lightning_sparse._utils import bad_argument, check_density, check_int, scratch
 
 if TYPE_CHECKING:
     from torch.futures import Future
@@ -69,7 +64,11 @@ class DensitySchedule(ABC):
     def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:  # noqa: B027
         """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
 
-        Called only if :attr:`observes` is true, before ``p`` is compressed; must not communicate.
+        Called only if :attr:`observes` is true, for every sparse parameter of every bucket, before
+        ``p`` is compressed: by :func:`~lightning_sparse.hook.compress_members` and by the dense
+        path (warm-up and fallback steps); a non-finite gradient is passed as it is. A wire
+        pattern that forms ``p`` without ``compress_members`` must call it too, so that every rank
+        observes the same parameters. Must not communicate.
         """
 
     def end_step(self, step: int) -> int:
