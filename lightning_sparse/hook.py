@@ -415,6 +415,8 @@ class SketchPattern(WirePattern):
                 # candidates), then send NaN in round 2: every rank gets a non-finite average and
                 # skips the step alike; this rank's residual keeps its previous value.
                 counters.nonfinite_buckets = 1
+            if state.schedule.observes:  # as in compress_members: every rank observes every member
+                state.schedule.observe(state.step, plan.label, m.name, p if p is not None else g)
             ps.append(p)
             ctxs.append(ctx)
             views.append(view)

@@ -255,9 +255,10 @@ class AdaptiveDensity(DensitySchedule):
 
     - ``"bits"``: ``C = c0 + c1 * k``. ``c0`` is the per-message overhead in bits and must be
       > 0: without it the ratio is largest at ``k = 1`` (the first coordinate always carries the
-      most energy per bit). ``c1`` is the bits per sent coordinate; None takes what crosses the
-      wire: the value bits plus 32 index bits for all-gather compressors (top-k), the value bits
-      for shared-coordinate ones (random-k).
+      most energy per bit). ``c1`` is the bits per sent coordinate; None takes the bits this rank
+      actually hands to the collectives for the message: value bits plus 32 index bits per
+      coordinate for all-gather compressors (top-k), value bits for shared-coordinate ones
+      (random-k), the tables and candidate values for count-sketch.
     - ``"latency_bandwidth"``: ``C = alpha + beta * bytes`` with ``bytes`` what the collective
       moves through each rank (ring model), in seconds. ``alpha`` / ``beta`` left None are
       measured at start-up by timing the process group's own collectives (the compressor's
@@ -285,7 +286,7 @@ class AdaptiveDensity(DensitySchedule):
         max_density: largest candidate density, in [min_density, 1].
         candidates: number of candidate densities, log-spaced from min_density to max_density.
         c0: bits model: per-message overhead in bits (required, > 0).
-        c1: bits model: bits per sent coordinate (> 0), or None for the wire's value + index bits.
+        c1: bits model: bits per sent coordinate (> 0), or None for the bits of the actual message.
         alpha: latency-bandwidth model: seconds per message (> 0), or None to measure it.
         beta: latency-bandwidth model: seconds per byte (> 0), or None to measure it.
         initial_density: density before the first statistics (in (0, 1]).
@@ -367,6 +368,7 @@ class AdaptiveDensity(DensitySchedule):
         self._sizes: dict[str, list[int]] = {}
         self._pending: tuple[int, list[tuple[str, tuple[int, ...]]], Tensor, Future[Any] | None] | None = None
         self._ks: dict[int, list[int]] = {}
+        self._compressor: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         self._resolve()
@@ -410,10 +412,11 @@ class AdaptiveDensity(DensitySchedule):
         self._rows, self._sizes = {}, {}
 
     @property
-    def cost_parameters(self) -> dict[str, float]:
-        """The cost model's numbers in use: ``c0``/``c1`` (bits) or ``alpha``/``beta`` (seconds)."""
+    def cost_parameters(self) -> dict[str, float | None]:
+        """The cost model's numbers in use: ``c0``/``c1`` (bits; c1 None: the message's own bits)
+        or ``alpha``/``beta`` (seconds; measured ones once measured)."""
         if self.cost_model == "bits":
-            return {"c0": float(self.c0 or 0.0), "c1": float(self._c1())}
+            return {"c0": self.c0, "c1": self.c1}
         alpha, beta = self._alpha_beta()
         return {"alpha": alpha, "beta": beta}
 
@@ -430,6 +433,7 @@ class AdaptiveDensity(DensitySchedule):
             "vbytes": vdtype.itemsize,
             "gbytes": grad_dtype.itemsize,
         }
+        self._compressor = state.compressor
         self._group = state.process_group
         self._rows, self._sizes, self._pending = {}, {}, None
         needs_measure = self.cost_model == "latency_bandwidth" and (self.alpha is None or self.beta is None)
@@ -502,52 +506,61 @@ class AdaptiveDensity(DensitySchedule):
         ``layout`` lists the buckets (label, sparse tensor sizes); ``energy[b]`` holds bucket b's
         ``||Top_k(p)||^2`` at each candidate density and its ``||p||^2`` last, summed over ranks.
         """
-        from lightning_sparse.hook import PATTERNS, k_for, ring_all_reduce_bytes
+        from lightning_sparse.hook import k_for
 
-        w = self._wire
-        world = int(w.get("world", 1))
-        vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
-        pattern = PATTERNS[w.get("pattern", "gather")]
-        shared = w.get("pattern") == "shared"
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
+        shared = self._wire.get("pattern") == "shared"
         best, best_ratio = self._density, -math.inf
         for j, density in enumerate(self.grid):
             gain = cost = 0.0
             for (_, sizes), row in zip(layout, energy, strict=True):
                 ks = [k_for(d, density) for d in sizes]
-                sparse_bytes = pattern.wire_bytes(world, ks, vbytes, list(sizes))
-                dense_bytes = ring_all_reduce_bytes(world, sum(sizes) * gbytes)
-                if w.get("fallback", True) and not sparse_bytes < dense_bytes:
+                sparse_cost, dense_cost = self.message_costs(ks, sizes)
+                if dense_cost is not None:  # the strategy would send this bucket dense
                     gain += row[-1]
-                    cost += self._cost(sum(sizes), gbytes * 8, dense_bytes)
+                    cost += dense_cost
                 else:
                     # random-k (shared coordinates) sends a uniform k-subset: expected energy k/d * ||p||^2
                     gain += row[-1] * sum(ks) / sum(sizes) if shared else row[j]
-                    cost += self._cost(sum(ks), self._c1(), sparse_bytes)
+                    cost += sparse_cost
             ratio = gain / cost
             if ratio > best_ratio:
                 best, best_ratio = density, ratio
         return best
 
-    def _c1(self) -> float:
-        if self.c1 is not None:
-            return self.c1
+    def message_costs(self, ks: Sequence[int], sizes: Sequence[int]) -> tuple[float, float | None]:
+        """Cost of a bucket's sparse message sending ``ks`` of tensors of ``sizes``, and the cost of
+        its dense all-reduce if the strategy would fall back to one (else None), in the model's unit."""
+        from lightning_sparse.hook import PATTERNS, ring_all_reduce_bytes
+
         w = self._wire
-        return 8.0 * int(w.get("vbytes", 4)) + (32.0 if w.get("pattern", "gather") == "gather" else 0.0)
+        world = int(w.get("world", 1))
+        vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
+        pattern = PATTERNS[w.get("pattern", "gather")]
+        ks, sizes = list(ks), list(sizes)
+        wire = pattern.wire_bytes(world, ks, vbytes, sizes, self._compressor)
+        dense_wire = ring_all_reduce_bytes(world, sum(sizes) * gbytes)
+        if self.cost_model == "bits":
+            assert self.c0 is not None
+            # c1 None: the bits this rank hands to the collectives (a 2-rank ring moves each byte once)
+            payload = (
+                self.c1 * sum(ks)
+                if self.c1 is not None
+                else 8 * pattern.wire_bytes(2, ks, vbytes, sizes, self._compressor)
+            )
+            sparse, dense = self.c0 + payload, self.c0 + 8 * gbytes * sum(sizes)
+        else:
+            alpha, beta = self._alpha_beta()
+            sparse, dense = alpha + beta * wire, alpha + beta * dense_wire
+        falls_back = w.get("fallback", True) and not wire < dense_wire
+        return sparse, dense if falls_back else None
 
     def _alpha_beta(self) -> tuple[float, float]:
         m = self._measured or {}
         alpha = self.alpha if self.alpha is not None else m.get("alpha", _W1_ALPHA)
         beta = self.beta if self.beta is not None else m.get("beta", _W1_BETA)
         return float(alpha), float(beta)
-
-    def _cost(self, elements: int, bits_per_element: float, wire_bytes: float) -> float:
-        if self.cost_model == "bits":
-            assert self.c0 is not None
-            return self.c0 + bits_per_element * elements
-        alpha, beta = self._alpha_beta()
-        return alpha + beta * wire_bytes
 
     # ------------------------------------------------------------------ measurement
     def _measure(self, device: torch.device) -> dict[str, float]:

@@ -165,8 +165,10 @@ def _power_law_energy(sizes: list[int], grid: tuple[float, ...], a: float) -> li
 
 
 def _brute_force(s: AdaptiveDensity, sizes: list[int], row: list[float]) -> float:
-    c1 = 64.0  # float32 value + int32 index
-    ratios = [row[j] / (s.c0 + c1 * sum(k_for(d, x) for d in sizes)) for j, x in enumerate(s.grid)]
+    def bits(k: int) -> int:  # float32 value + int32 index per coordinate, the message padded to 8 bytes
+        return 8 * ((8 * k + 7) // 8 * 8)
+
+    ratios = [row[j] / (s.c0 + bits(sum(k_for(d, x) for d in sizes))) for j, x in enumerate(s.grid)]
     return s.grid[max(range(len(ratios)), key=lambda j: (ratios[j], -j))]
 
 

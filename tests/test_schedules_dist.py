@@ -34,7 +34,7 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
     import torch.distributed as dist
 
     from lightning_sparse import AdaptiveDensity, comm
-    from lightning_sparse.hook import PATTERNS, communicate, k_for
+    from lightning_sparse.hook import communicate, k_for
     from lightning_sparse.state import SparseState
 
     shapes = {**SHAPES, **(BIG if big else {})}
@@ -105,8 +105,7 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
             ratios = []
             for j, x in enumerate(schedule.grid):
                 ks = [k_for(m.numel, x) for m in sparse]
-                wire = PATTERNS["gather"].wire_bytes(world, ks, 4, [m.numel for m in sparse])
-                ratios.append(row[j] / schedule._cost(sum(ks), schedule._c1(), wire))
+                ratios.append(row[j] / schedule.message_costs(ks, [m.numel for m in sparse])[0])
             optimal_ratio.append(max(ratios))
             chosen_ratio.append(ratios)
     finally:
@@ -146,6 +145,60 @@ def test_adaptive_measured_network_agrees_across_ranks(dist2) -> None:
     assert r0["cost"]["alpha"] > 0 and r0["cost"]["beta"] > 0
     assert r0["densities"] == r1["densities"] and r0["wire_sizes"] == r1["wire_sizes"]
     assert r0["densities"] == r0["expected"]
+
+
+def _every_compressor_worker(rank: int, world: int, steps: int = 6) -> dict[str, Any]:
+    from lightning_sparse import COMPRESSORS, AdaptiveDensity, comm
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.state import SparseState
+
+    named = _params({**SHAPES, **BIG})
+    params = [p for _, p in named]
+    numel = sum(p.numel() for p in params)
+    tapped = {"bytes": 0}
+    real_gather, real_reduce = comm.all_gather, comm.all_reduce
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+        tapped["bytes"] += inp.numel() * inp.element_size()
+        return real_gather(out, inp, group)
+
+    def reduce(t: torch.Tensor, group: Any = None) -> Any:
+        tapped["bytes"] += t.numel() * t.element_size()
+        return real_reduce(t, group)
+
+    out: dict[str, Any] = {}
+    comm.all_gather, comm.all_reduce = gather, reduce
+    try:
+        for name in sorted(COMPRESSORS):
+            schedule = AdaptiveDensity(cost_model="bits", c0=3e4, min_density=1e-3, max_density=0.25)
+            state = SparseState(compressor=name, density=schedule, min_numel=1000, seed=3)
+            state.bind(named)
+            densities, counted = [], []
+            for step in range(steps):
+                before = tapped["bytes"]
+                communicate(state, _gradient(numel, rank, step), params).wait()
+                counted.append((tapped["bytes"] - before, state.telemetry.last.sent_bytes))
+                densities.append(schedule.density(step + 1))
+            out[name] = {"densities": densities, "counted": counted, "decided": schedule.state_dict()["decided_step"]}
+    finally:
+        comm.all_gather, comm.all_reduce = real_gather, real_reduce
+    return out
+
+
+def test_adaptive_with_every_compressor(dist2) -> None:
+    # all-gather, shared-coordinate and sketch patterns: every rank observes every sparse tensor,
+    # so every rank decides the same density; the statistics' bytes are counted like the rest
+    from lightning_sparse import COMPRESSORS
+
+    r0, r1 = dist2.run(_every_compressor_worker)
+    assert sorted(r0) == sorted(COMPRESSORS)
+    for name in r0:
+        assert r0[name]["densities"] == r1[name]["densities"], name
+        assert r0[name]["decided"] == 6, f"{name}: the last step's statistics did not arrive"
+        for wire_bytes, counted in r0[name]["counted"]:
+            assert wire_bytes == counted, name
+    # random-k's expected energy k/d ||p||^2 per bit only grows with k: it settles at max_density
+    assert r0["randomk"]["densities"][-1] == pytest.approx(0.25)
 
 
 def _resume_worker(rank: int, world: int, schedule_name: str) -> dict[str, Any]:
