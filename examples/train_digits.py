@@ -19,9 +19,11 @@ import lightning_sparse  # noqa: F401  (registers strategy="sparse_ddp")
 from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule, accuracy
 
 
-def fit(strategy: str | L.pytorch.strategies.Strategy, args: argparse.Namespace) -> tuple[L.Trainer, float, float]:
+def fit(
+    strategy: str | L.pytorch.strategies.Strategy, args: argparse.Namespace, momentum: float
+) -> tuple[L.Trainer, float, float]:
     L.seed_everything(args.seed, verbose=False)
-    model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
+    model = DigitsClassifier(lr=args.lr, momentum=momentum)
     data = DigitsDataModule(batch_size=args.batch_size)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -51,19 +53,27 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (both runs)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (both runs)")
+    parser.add_argument(
+        "--momentum-correction",
+        action="store_true",
+        help="sparse run: the hook applies the momentum (DGC momentum correction), the optimizer none",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # 2 processes on 2 cores
-    _, dense_acc, dense_s = fit("ddp", args)
-    sparse = lightning_sparse.SparseDDPStrategy(compressor=args.compressor, density=args.density)
-    trainer, sparse_acc, sparse_s = fit(sparse, args)
+    _, dense_acc, dense_s = fit("ddp", args, args.momentum)
+    correction = args.momentum if args.momentum_correction else 0.0
+    sparse = lightning_sparse.SparseDDPStrategy(
+        compressor=args.compressor, density=args.density, momentum_correction=correction
+    )
+    trainer, sparse_acc, sparse_s = fit(sparse, args, 0.0 if args.momentum_correction else args.momentum)
 
     if trainer.is_global_zero:
         total = trainer.strategy.sparse_state.telemetry.total
         print()
         print(f"{'run':<28}{'val accuracy':>14}{'wall s':>9}")
         print(f"{'dense DDP':<28}{dense_acc:>14.4f}{dense_s:>9.1f}")
-        label = f"sparse_ddp {args.compressor} {args.density:g}"
+        label = f"sparse_ddp {args.compressor} {args.density:g}" + (" mc" if args.momentum_correction else "")
         print(f"{label:<28}{sparse_acc:>14.4f}{sparse_s:>9.1f}")
         print(
             f"accuracy difference: {100 * (sparse_acc - dense_acc):+.2f} points; "

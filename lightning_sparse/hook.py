@@ -55,6 +55,8 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
         _begin_step(state)
     plan = state.plan(buffer, params)
     counters = Counters(dense_bytes=buffer.numel() * buffer.element_size(), numel=buffer.numel(), buckets=1)
+    if state.momentum_correction:
+        _apply_local_momentum(state, buffer, plan)
     sparse = plan.sparse_members
     exchange: Callable[..., Future[Tensor]] | None = None
     ks: list[int] = []
@@ -73,11 +75,34 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
         future = _dense_exchange(state, buffer, plan, counters)
     else:
         future = exchange(state, buffer, plan, ks, counters)
+    state.sources = {}
     counters.compress_seconds = time.perf_counter() - start
     state.telemetry.record(plan.label, counters, method)
     if is_last:
         _end_step(state)
     return future
+
+
+def _apply_local_momentum(state: SparseState, buffer: Tensor, plan: BucketPlan) -> None:
+    """Momentum correction: each member's gradient becomes its local momentum ``u = m*u + g``.
+
+    ``u`` is written into the bucket (what a dense send then sends: averaging momenta is the
+    momentum of the average) and kept in float32 in ``state.sources`` for the sparse paths, so no
+    precision is lost to the bucket's dtype there. Non-finite gradients are left as they are.
+    """
+    for m in plan.members:
+        segment = buffer[m.offset : m.offset + m.numel]
+        if not all_finite(segment):
+            continue
+        u = state.velocity.update(m.name, segment, state.momentum_correction)
+        segment.copy_(u)
+        state.sources[m.name] = u
+
+
+def gradient_of(state: SparseState, buffer: Tensor, m: Member) -> Tensor:
+    """What the hook compresses for member ``m``: its gradient, or its local momentum (float32)."""
+    source = state.sources.get(m.name)
+    return source if source is not None else buffer[m.offset : m.offset + m.numel]
 
 
 def _begin_step(state: SparseState) -> None:
@@ -91,6 +116,7 @@ def _begin_step(state: SparseState) -> None:
         last = state.last_loss_scale
         if last is not None and scale != last and last > 0:
             state.memory.scale_(scale / last)
+            state.velocity.scale_(scale / last)
         state.last_loss_scale = scale
 
 
@@ -237,7 +263,7 @@ def compress_members(
     kept: list[Tensor] | None = None if index_out is not None else []
     pos = 0
     for m, k in zip(plan.sparse_members, ks, strict=True):
-        g = buffer[m.offset : m.offset + m.numel]
+        g = gradient_of(state, buffer, m)
         ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
         if not all_finite(g):
             # Same message shape as always (the collectives must match on every rank), but NaN
@@ -265,6 +291,8 @@ def compress_members(
         if state.error_feedback:
             remainder = None if sent.dtype == values.dtype else values - sent.to(values.dtype)
             state.memory.keep_unsent(m.name, idx, remainder)
+        if state.momentum_correction:
+            state.velocity.mask(m.name, idx)
         values_out[pos : pos + k].copy_(sent)
         _write_indices(idx, m, pos, k, index_out, kept)
         pos += k
@@ -403,7 +431,7 @@ class SketchPattern(WirePattern):
         views: list[Tensor] = []
         pos = 0
         for m, k, (rows, cols) in zip(members, ks, shapes, strict=True):
-            g = buffer[m.offset : m.offset + m.numel]
+            g = gradient_of(state, buffer, m)
             ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=world, seed=state.seed)
             view = tables[pos : pos + rows * cols].view(rows, cols)
             p: Tensor | None = None
@@ -451,6 +479,8 @@ class SketchPattern(WirePattern):
                     sent = _quantize(exact, vdtype)
                     remainder = None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype)
                     state.memory.keep_unsent(m.name, idx, remainder)
+                if state.momentum_correction and p is not None:
+                    state.velocity.mask(m.name, idx)
                 out.index_copy_(0, idx + m.offset, sums[chosen].to(out.dtype).div_(world))
 
         return Pending(futures, apply)

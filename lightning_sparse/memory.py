@@ -122,3 +122,55 @@ class ErrorFeedback:
         self._residuals = {
             name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
         }
+
+
+class LocalMomentum:
+    """DGC momentum correction: each rank keeps the momentum of its own gradient, ``u <- m*u + g``
+    (float32, by parameter name), error feedback works on ``u``, and the coordinates sent are
+    zeroed in ``u`` too (momentum factor masking). The optimizer then runs without momentum.
+
+    Example:
+        >>> import torch
+        >>> mom = LocalMomentum()
+        >>> mom.update("w", torch.ones(3), 0.9)
+        tensor([1., 1., 1.])
+        >>> mom.update("w", torch.ones(3), 0.9)
+        tensor([1.9000, 1.9000, 1.9000])
+    """
+
+    def __init__(self) -> None:
+        self._velocity: dict[str, Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._velocity
+
+    def get(self, name: str) -> Tensor | None:
+        return self._velocity.get(name)
+
+    def update(self, name: str, grad: Tensor, momentum: float) -> Tensor:
+        """``u <- momentum * u + g`` in place (a copy of g the first time); returns u (float32)."""
+        u = self._velocity.get(name)
+        if u is None or u.numel() != grad.numel() or u.device != grad.device:
+            u = grad.to(torch.float32, copy=True)
+            self._velocity[name] = u
+        else:
+            u.mul_(momentum).add_(grad)
+        return u
+
+    def mask(self, name: str, indices: Tensor) -> None:
+        """Zero the momentum at the coordinates just sent."""
+        u = self._velocity.get(name)
+        if u is not None:
+            u.index_fill_(0, indices, 0.0)
+
+    def scale_(self, factor: float) -> None:
+        for u in self._velocity.values():
+            u.mul_(factor)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {name: u.detach().cpu().clone() for name, u in self._velocity.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
+        self._velocity = {
+            name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
+        }

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import check_int, resolve_value_dtype, stable_key
 from lightning_sparse.compressors import Compressor, get_compressor
-from lightning_sparse.memory import ErrorFeedback
+from lightning_sparse.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.stats import Telemetry
 
@@ -65,6 +65,9 @@ class SparseState:
         seed: seed of every random choice (shared indices, samples).
         fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
             many bytes over the wire as a dense all-reduce of it.
+        momentum_correction: DGC's momentum correction: keep the momentum ``u <- m*u + g`` of
+            each rank's own gradient in the hook, run error feedback on it and zero what was
+            sent in ``u`` too; the optimizer must then run without momentum. 0 turns it off.
 
     Example:
         >>> state = SparseState(compressor="topk", density=0.01)
@@ -82,6 +85,7 @@ class SparseState:
         value_dtype: str | torch.dtype | None = None,
         seed: int = 0,
         fallback_to_dense: bool = True,
+        momentum_correction: float = 0.0,
     ) -> None:
         self.compressor = get_compressor(compressor)
         self.schedule = as_schedule(density)
@@ -96,7 +100,20 @@ class SparseState:
             raise ValueError(f"fallback_to_dense={fallback_to_dense!r} is not allowed: expected True or False.")
         self.fallback_to_dense = fallback_to_dense
 
+        if (
+            isinstance(momentum_correction, bool)
+            or not isinstance(momentum_correction, (int, float))
+            or not 0.0 <= momentum_correction < 1.0
+        ):
+            raise ValueError(
+                f"momentum_correction={momentum_correction!r} is not allowed: expected a number in [0, 1) "
+                "(0 turns it off)."
+            )
+        self.momentum_correction = float(momentum_correction)
         self.memory = ErrorFeedback()
+        self.velocity = LocalMomentum()
+        #: per-call: the float32 tensors the hook compresses instead of the bucket's gradient
+        self.sources: dict[str, Tensor] = {}
         self.step = 0
         self.telemetry = Telemetry()
         #: the hook measures the residual norm every this many steps (0: never; CompressionMonitor
@@ -117,6 +134,7 @@ class SparseState:
         state = self.__dict__.copy()
         state["process_group"] = None
         state["loss_scale"] = None
+        state["sources"] = {}
         state["_names"] = {}
         state["_plans"] = {}
         return state
@@ -162,6 +180,7 @@ class SparseState:
             "value_dtype": str(self.value_dtype),
             "seed": self.seed,
             "fallback_to_dense": self.fallback_to_dense,
+            "momentum_correction": self.momentum_correction,
             "step": self.step,
             "parameters": sorted(self._names.values()),
         }
@@ -230,6 +249,7 @@ class SparseState:
             "compressor_config": self.compressor.config(),
             "schedule": self.schedule.state_dict(),
             "residuals": self.memory.state_dict(),
+            "velocity": self.velocity.state_dict(),
             "last_loss_scale": self.last_loss_scale,
             "telemetry": self.telemetry.state_dict(),
         }
@@ -242,5 +262,6 @@ class SparseState:
         self.step = int(state["step"])
         self.schedule.load_state_dict(state["schedule"])
         self.memory.load_state_dict(state["residuals"], device=device)
+        self.velocity.load_state_dict(state.get("velocity", {}), device=device)
         self.last_loss_scale = state.get("last_loss_scale")
         self.telemetry.load_state_dict(state["telemetry"])

@@ -60,6 +60,11 @@ class SparseDDPStrategy(DDPStrategy):
         seed: seed of every random choice (shared coordinates, samples).
         fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
             many bytes as a dense all-reduce (all-gather traffic grows with world size).
+        momentum_correction: DGC's momentum correction (e.g. 0.9): the hook keeps each rank's
+            momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u``
+            too (momentum factor masking), so coordinates that wait long do not hit an optimizer
+            momentum all at once. Use it with an optimizer without momentum (``SGD(momentum=0)``;
+            checked at setup). 0 (default) turns it off.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's
             callbacks when fitting, unless it already has one, so the compression figures
             reach the Trainer's loggers and a summary is printed at the end of fit. ``False``
@@ -90,6 +95,7 @@ class SparseDDPStrategy(DDPStrategy):
         value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
         seed: int = 0,
         fallback_to_dense: bool = True,
+        momentum_correction: float = 0.0,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -131,6 +137,7 @@ class SparseDDPStrategy(DDPStrategy):
             value_dtype=value_dtype,
             seed=seed,
             fallback_to_dense=fallback_to_dense,
+            momentum_correction=momentum_correction,
         )
         ddp_kwargs: dict[str, Any] = dict(kwargs)
         ddp_kwargs.update(
@@ -160,6 +167,11 @@ class SparseDDPStrategy(DDPStrategy):
         return self._sparse_state
 
     # ------------------------------------------------------------------ telemetry
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self._sparse_state.momentum_correction:
+            _check_no_optimizer_momentum(self.optimizers, self._sparse_state.momentum_correction)
+
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         # The Trainer connects the strategy at the start of every run, in every process (after the
@@ -232,10 +244,11 @@ class SparseDDPStrategy(DDPStrategy):
                 "which keeps the total delayed gradient but not each rank's share of it."
             )
             mine = dict(ranks[0])
-            names = {n for r in ranks for n in r["residuals"]}
-            mine["residuals"] = {
-                n: sum(r["residuals"][n] for r in ranks if n in r["residuals"]) / saved_world for n in sorted(names)
-            }
+            for key in ("residuals", "velocity"):  # local momenta, like residuals, are summed over ranks
+                names = {n for r in ranks for n in r.get(key, {})}
+                mine[key] = {
+                    n: sum(r[key][n] for r in ranks if n in r.get(key, {})) / saved_world for n in sorted(names)
+                }
         saved_compressor = mine.get("compressor")
         current = type(state.compressor).__name__
         if saved_compressor != current or mine.get("compressor_config") != state.compressor.config():
@@ -270,6 +283,21 @@ class SparseDDPStrategy(DDPStrategy):
             if name in strategy_registry and strategy_registry[name].get("strategy") is cls:
                 continue
             strategy_registry.register(name, cls, description=description, override=True, **params)
+
+
+def _check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
+    """Momentum correction moves the momentum into the hook: a second one in the optimizer would
+    apply it twice, so refuse optimizers that keep one."""
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        for group in inner.param_groups:
+            if group.get("momentum", 0) or "betas" in group:
+                found = f"momentum={group['momentum']}" if group.get("momentum", 0) else f"betas={group['betas']}"
+                raise ValueError(
+                    f"momentum_correction={momentum} is not allowed with {type(inner).__name__}({found}): the hook "
+                    "already applies the momentum, so the optimizer must have none (e.g. SGD(momentum=0)); "
+                    "or set momentum_correction=0 to keep the optimizer's momentum."
+                )
 
 
 class _ScaleReader:

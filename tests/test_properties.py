@@ -33,6 +33,7 @@ def setups(draw: st.DrawFn) -> dict:
         "error_feedback": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**16)),
         "scale": draw(st.sampled_from([1e-6, 1.0, 1e4, 1e5])),
+        "momentum_correction": draw(st.sampled_from([0.0, 0.0, 0.9])),
     }
 
 
@@ -51,7 +52,9 @@ def test_conservation_shapes_and_counts(setup: dict) -> None:
         error_feedback=setup["error_feedback"],
         fallback_to_dense=False,
         seed=setup["seed"] % 1000,
+        momentum_correction=setup["momentum_correction"],
     )
+    mc = setup["momentum_correction"]
     state.bind(named)
     gen = torch.Generator().manual_seed(setup["seed"])
     for step in range(4):
@@ -60,14 +63,25 @@ def test_conservation_shapes_and_counts(setup: dict) -> None:
             g[: numel // 3] = 0  # partly all-zero tensors must work too
         plan = state.plan(g, params)
         old = {m.name: state.memory.get(m.name).clone() for m in plan.members if m.name in state.memory}
+        # with momentum correction the hook compresses the local momentum u = m*u + g instead of g
+        source = {}
+        for m in plan.members:
+            seg = g[m.offset : m.offset + m.numel].float()
+            u = state.velocity.get(m.name)
+            source[m.name] = seg if not mc else (seg.clone() if u is None else u.clone().mul_(mc).add_(seg))
         out = communicate(state, g.clone(), params).wait()
         assert out.shape == g.shape and out.dtype == g.dtype
         for m in plan.members:
             seg = slice(m.offset, m.offset + m.numel)
-            p = g[seg].float() + old[m.name] if m.name in old else g[seg].float()
+            src = source[m.name]
+            if mc and dtype != torch.float32 and not (m.sparse and step >= state.warmup_steps):
+                src = src.to(dtype).float()  # a dense send carries u in the bucket's dtype
+            p = src + old[m.name] if m.name in old else src
             if not (m.sparse and step >= state.warmup_steps):
                 assert torch.equal(out[seg], p.to(dtype)), "dense tensors arrive as they are"
                 continue
+            if mc:  # momentum factor masking: what was sent is gone from u too
+                assert not state.velocity.get(m.name)[out[seg] != 0].any()
             assert int((out[seg] != 0).sum()) <= k_for(m.numel, setup["density"])
             if setup["error_feedback"]:
                 new = state.memory.get(m.name) if m.name in state.memory else torch.zeros(m.numel)

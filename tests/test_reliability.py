@@ -52,6 +52,13 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     "nan_rank": 1,
                 },
                 {"name": "all_small", "strategy": {"min_numel": 10**9}},
+                {
+                    "name": "full_momentum",
+                    "strategy": {**_strategy("randomk"), "momentum_correction": 0.9},
+                    "momentum": 0.0,
+                    "ckpt_at_epoch": 1,
+                    "ckpt_out": str(root / "momentum.ckpt"),
+                },
             ],
         },
         root / "first",
@@ -65,6 +72,12 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     for c in NAMES
                 ),
                 {"name": "changed", "strategy": _strategy("randomk"), "ckpt_path": str(root / "topk.ckpt")},
+                {
+                    "name": "resumed_momentum",
+                    "strategy": {**_strategy("randomk"), "momentum_correction": 0.9},
+                    "momentum": 0.0,
+                    "ckpt_path": str(root / "momentum.ckpt"),
+                },
             ],
         },
         root / "second",
@@ -98,7 +111,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "momentum"])
 def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) -> None:
     full, resumed = launches["first"][f"full_{name}"], launches["second"][f"resumed_{name}"]
     for rank in range(2):

@@ -67,3 +67,33 @@ def test_density_one_equals_ddp(tmp_path: Path) -> None:
         assert_replicas_identical(run)
         for name, ref in ddp[0]["params"].items():
             torch.testing.assert_close(run[0]["params"][name], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_momentum_correction(tmp_path: Path) -> None:
+    base = {"max_steps": 30, "lr": 0.02, "data_by_step": True}
+    runs = run_trainer(
+        {
+            **base,
+            "runs": [
+                {"name": "ddp", "strategy": "ddp", "momentum": 0.9},
+                # dense (density 1 falls back to dense): averaging local momenta == momentum of the average
+                {"name": "dense", "strategy": {"density": 1.0, "momentum_correction": 0.9}, "momentum": 0.0},
+                {
+                    "name": "randomk",
+                    "strategy": {"compressor": "randomk", "density": 0.05, "momentum_correction": 0.9},
+                    "momentum": 0.0,
+                },
+            ],
+        },
+        tmp_path / "runs",
+    )
+    for name, ref in runs["ddp"][0]["params"].items():
+        torch.testing.assert_close(runs["dense"][0]["params"][name], ref, rtol=1e-4, atol=1e-5)
+    assert runs["dense"][0]["telemetry"]["fallback_buckets"] > 0
+    assert_replicas_identical(runs["randomk"])
+    r = runs["randomk"][0]
+    assert r["train_acc"] > r["initial_acc"] + 0.15
+    assert r["velocity"] and all(torch.isfinite(v).all() for v in r["velocity"].values())
+    # an optimizer that keeps its own momentum is refused at setup
+    with pytest.raises(AssertionError, match=r"momentum_correction=0.9 is not allowed with SGD\(momentum=0.9\)"):
+        run_trainer({**base, "strategy": {"momentum_correction": 0.9}, "momentum": 0.9}, tmp_path / "refused")

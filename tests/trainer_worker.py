@@ -42,6 +42,7 @@ class Net(L.LightningModule):
         self.lr = lr
         self.nan_at_step = nan_at_step
         self.data: TensorDataset | None = None
+        self.momentum = 0.9
         self.skipped_steps = 0
         self.residual_norms: list[float] = []
         self.sent_numel: list[int] = []
@@ -84,7 +85,7 @@ class Net(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
 
 def make_data(seed: int = 0, n: int = 1024) -> TensorDataset:
@@ -192,6 +193,7 @@ class _SaveAtEpochEnd(L.Callback):
 def fit_once(cfg: dict[str, Any]) -> None:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     model = Net(cfg.get("model", "mlp"), cfg.get("lr", 0.05), cfg.get("nan_at_step", -1), cfg.get("nan_rank", -1))
+    model.momentum = cfg.get("momentum", 0.9)
     data = make_data(cfg.get("seed", 0), cfg.get("n", 1024))
     initial_acc = _accuracy(model, data)
     if cfg.get("data_by_step"):
@@ -246,6 +248,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["hook_step"] = state.step
         result["telemetry"] = state.telemetry.total.as_dict()
         result["residuals"] = state.memory.state_dict()
+        result["velocity"] = state.velocity.state_dict()
         result["residual_norms"] = model.residual_norms
         result["sent_numel"] = model.sent_numel
         result["schedule_state"] = state.schedule.state_dict()
