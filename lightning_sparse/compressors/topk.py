@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,6 +23,7 @@ _DENSE_FRACTION = 0.125
 # On CPU, shortlisting works through the tensor in chunks that stay in cache: |p|, the mask and
 # its nonzero() then cost one read of p from memory instead of three passes over it.
 _CHUNK = 1 << 17
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def indices_at_least(p: Tensor, threshold: float) -> Tensor:
@@ -33,9 +35,11 @@ def indices_at_least(p: Tensor, threshold: float) -> Tensor:
         tensor([1, 2, 3])
     """
     d = p.numel()
-    chunk = _CHUNK if p.device.type == "cpu" else d
     if d == 0:
         return torch.empty(0, dtype=torch.long, device=p.device)
+    if p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES and p.is_contiguous():
+        return _indices_at_least_numpy(p, threshold)
+    chunk = _CHUNK if p.device.type == "cpu" else d
     a = scratch("shortlist.abs", min(chunk, d), p.dtype, p.device)
     mask = scratch("shortlist.mask", min(chunk, d), torch.bool, p.device)
     parts = []
@@ -52,6 +56,28 @@ def indices_at_least(p: Tensor, threshold: float) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _indices_at_least_numpy(p: Tensor, threshold: float) -> Tensor:
+    """:func:`indices_at_least` for CPU tensors through NumPy, whose compare and nonzero run about
+    three times faster than torch's single-threaded CPU kernels (same result, same order)."""
+    x = p.detach().numpy()
+    d = x.size
+    chunk = min(_CHUNK, d)
+    a = scratch("shortlist.abs", chunk, p.dtype, p.device).numpy()
+    mask = scratch("shortlist.mask", chunk, torch.bool, p.device).numpy()
+    parts = []
+    for start in range(0, d, chunk):
+        part = x[start : start + chunk]
+        n = part.size
+        np.abs(part, out=a[:n])
+        np.greater_equal(a[:n], threshold, out=mask[:n])
+        idx = np.flatnonzero(mask[:n])
+        if idx.size:
+            parts.append(idx + start if start else idx)
+    if not parts:
+        return torch.empty(0, dtype=torch.long)
+    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+
 def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor | None = None) -> Tensor:
     """The ``k`` entries of ``candidates`` (indices into ``p``) with the largest ``|p|``.
 
@@ -66,7 +92,22 @@ def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor |
         return candidates
     if magnitudes is None:
         magnitudes = p[candidates].abs()
-    return candidates[torch.topk(magnitudes, k, sorted=False).indices]
+    return candidates[largest(magnitudes, k)]
+
+
+def largest(values: Tensor, k: int) -> Tensor:
+    """Positions of the ``k`` largest entries of a 1-D tensor, in no particular order (as
+    ``torch.topk(values, k, sorted=False).indices``; on CPU through NumPy's introselect, about 4x faster).
+
+    Example:
+        >>> import torch
+        >>> largest(torch.tensor([0.5, 4.0, 1.0, 3.0]), 2).sort().values
+        tensor([1, 3])
+    """
+    n = values.numel()
+    if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES and 0 < k < n and values.is_contiguous():
+        return torch.from_numpy(np.argpartition(values.detach().numpy(), n - k)[n - k :])
+    return torch.topk(values, k, sorted=False).indices
 
 
 def threshold_from_sample(sample: Tensor, k: int, d: int, margin: float) -> float:
