@@ -1,0 +1,385 @@
+"""Step time on a slow link: dense DDP against sparse_ddp with each compressor, in the same run.
+
+    python -m lightning_sparse.bench step --bandwidth 1gbit --world-size 2 --params 25e6
+    python -m lightning_sparse.bench step --bandwidth none            # unshaped loopback
+    python -m lightning_sparse.bench step --bandwidth 100mbit --latency 1ms --compressors topk randomk
+
+The ranks run a communication-bound model (an MLP of square layers, about ``--params``
+parameters, small batches) inside a private network namespace whose loopback is rate-limited
+with ``tc`` (tbf, plus netem for ``--latency``): one machine becomes a cluster on a shared link
+of that speed. Needs root and iproute2 (``ip``, ``tc``); without them it says so and runs on the
+unshaped loopback. ``--bandwidth none`` runs unshaped on purpose.
+
+Every rank builds one DDP model per run (dense DDP, and one per compressor with the sparse hook
+registered exactly as ``SparseDDPStrategy`` registers it, with the strategy's defaults) from
+the same initial weights, and the runs take their steps round-robin: step 1 of every run, then
+step 2 of every run, ... so a busy machine slows every run alike. A step is forward, backward
+(with DDP's overlapped communication) and the optimizer step, timed from a barrier; a step's
+time is the slowest rank's. It prints the median step time of each run and the ratio
+dense / run (above 1: faster than dense), with the bytes each rank put into its collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch"]
+DENSE = "dense DDP"
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float | None:
+    """``"1gbit"`` / ``"100mbit"`` / ``"500kbit"`` -> bits per second; ``"none"`` -> None (unshaped)."""
+    t = text.strip().lower()
+    if t in ("none", "unshaped", "0"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)", t)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--bandwidth={text!r} is not allowed: expected e.g. 100mbit, 1gbit, 10gbit or none")
+    bits = float(m.group(1)) * _UNITS[m.group(2)]
+    return bits * 8 if m.group(3) == "bps" else bits  # tc's "bps" means bytes per second
+
+
+def parse_latency(text: str) -> float:
+    """``"1ms"`` / ``"500us"`` / ``"0"`` -> seconds."""
+    t = text.strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|ms|us)?", t)
+    if not m:
+        raise ValueError(f"--latency={text!r} is not allowed: expected e.g. 0, 500us, 1ms or 20ms")
+    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, None: 1e-3}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def parse_params(text: str) -> int:
+    """``"25e6"`` / ``"25000000"`` -> 25000000 (>= 1e4)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 1e4:
+        raise ValueError(f"--params={text!r} is not allowed: expected a number of parameters >= 1e4, e.g. 25e6")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bandwidth", default="1gbit", help="link rate: 100mbit, 1gbit, 10gbit, ... or none")
+    parser.add_argument("--latency", default="0", help="added one-way delay per packet: 0, 500us, 1ms, ...")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (processes) on this machine")
+    parser.add_argument("--params", default="25e6", help="model size in parameters (default 25e6)")
+    parser.add_argument("--layers", type=int, default=6, help="square Linear layers of the MLP")
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument(
+        "--compressors",
+        nargs="+",
+        default=DEFAULT_COMPRESSORS,
+        help="names, optionally with arguments: rtopk:r_factor=2",
+    )
+    parser.add_argument("--no-dense", action="store_true", help="leave out the dense DDP run (ratios then absent)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run first (bucket rebuild, caches)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+
+
+# --------------------------------------------------------------------------- the shaped link
+class ShapedLink:
+    """A network namespace whose loopback is limited to ``rate`` bits/s (tbf) with ``delay`` s (netem).
+
+    Use as a context manager; :meth:`wrap` prefixes a command so it runs inside the namespace.
+    The namespace is deleted on exit, whatever happened.
+    """
+
+    def __init__(self, rate_bits: float, delay_s: float = 0.0) -> None:
+        self.rate_bits = rate_bits
+        self.delay_s = delay_s
+        self.name = f"lsbench{os.getpid()}"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a shaped link cannot be made here (None when it can)."""
+        if not hasattr(os, "geteuid") or os.geteuid() != 0:
+            return "shaping the link needs root (network namespaces and tc)"
+        missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+        if missing:
+            return f"shaping the link needs iproute2 ({', '.join(missing)} not found; apt-get install iproute2)"
+        return None
+
+    def _run(self, *cmd: str) -> None:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip() or done.stdout.strip()}")
+
+    def __enter__(self) -> ShapedLink:
+        self._run("ip", "netns", "add", self.name)
+        try:
+            ns = ("ip", "netns", "exec", self.name)
+            self._run(*ns, "ip", "link", "set", "lo", "up")
+            rate = f"{int(self.rate_bits)}bit"
+            # tbf needs a bucket of at least one MTU (64 KiB on loopback) and about rate/HZ.
+            burst = max(256 * 1024, int(self.rate_bits / 8 / 250))
+            tbf = ("tbf", "rate", rate, "burst", str(burst), "latency", "50ms")
+            if self.delay_s > 0:
+                delay = f"{self.delay_s * 1e6:.0f}us"
+                try:
+                    self._run(*ns, "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay", delay)
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"--latency needs the kernel's netem queueing discipline (module sch_netem), which this "
+                        f"machine does not offer ({err}); run with --latency 0"
+                    ) from err
+                self._run(*ns, "tc", "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", *tbf)
+            else:
+                self._run(*ns, "tc", "qdisc", "add", "dev", "lo", "root", *tbf)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+
+def describe_link(rate_bits: float | None, delay_s: float) -> str:
+    if rate_bits is None:
+        return "unshaped loopback"
+    rate = f"{rate_bits / 1e9:g} Gbit/s" if rate_bits >= 1e9 else f"{rate_bits / 1e6:g} Mbit/s"
+    return f"{rate} loopback (tc tbf in a network namespace)" + (f", +{delay_s * 1e3:g} ms delay" if delay_s else "")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- the parent
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return worker(args)
+    rate = parse_rate(args.bandwidth)
+    delay = parse_latency(args.latency)
+    parse_params(args.params)
+    for name in ("world_size", "steps", "layers", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: expected >= 1")
+    if args.warmup < 2:
+        raise ValueError(
+            f"--warmup={args.warmup} is not allowed: expected >= 2 (DDP rebuilds its buckets after step 1)"
+        )
+    if not 0 < args.density <= 1:
+        raise ValueError(f"--density={args.density} is not allowed: expected a number in (0, 1]")
+    link: ShapedLink | None = None
+    if rate is not None or delay > 0:
+        why = ShapedLink.unavailable()
+        if why:
+            print(f"step: {why}; running on the unshaped loopback instead.", file=sys.stderr)
+            rate, delay = None, 0.0
+        else:
+            link = ShapedLink(rate or 1e12, delay)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        if link is not None:
+            with link:
+                _launch(args, result_path, link.wrap, port=29500)
+        else:
+            _launch(args, result_path, lambda cmd: cmd, port=_free_port())
+        with open(result_path) as f:
+            result = json.load(f)
+    result["link"] = describe_link(rate, delay)
+    result["bandwidth_bits"] = rate
+    result["latency_s"] = delay
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _launch(args: argparse.Namespace, result_path: str, wrap: Any, port: int) -> None:
+    base = [sys.executable, "-m", "lightning_sparse.bench", "step", "--worker", "--port", str(port)]
+    forwarded = [
+        "--world-size", str(args.world_size), "--params", str(args.params), "--layers", str(args.layers),
+        "--batch-size", str(args.batch_size), "--density", str(args.density), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--compressors", *args.compressors,
+    ]  # fmt: skip
+    if args.threads is not None:
+        forwarded += ["--threads", str(args.threads)]
+    if args.no_dense:
+        forwarded.append("--no-dense")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = []
+    for rank in range(args.world_size):
+        cmd = wrap([*base, "--rank", str(rank), *forwarded] + (["--result", result_path] if rank == 0 else []))
+        procs.append(subprocess.Popen(cmd, env=env))
+    deadline = time.monotonic() + args.timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"the ranks did not finish within --timeout={args.timeout} s") from err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"benchmark ranks failed (rank, exit code): {failed}")
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The figures as a markdown table, with a header line saying what was measured."""
+    lines = [
+        f"step time: {result['world_size']} ranks on {result['link']}; MLP {result['layers']} x "
+        f"{result['width']}^2 = {result['params'] / 1e6:.1f}M parameters, batch {result['batch_size']} per rank, "
+        f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; median of {result['steps']} "
+        f"steps after {result['warmup']} untimed; torch {result['torch']}",
+        "",
+        "| run | median step s | dense / run | MB sent per rank per step | compression ratio | hook ms per step | "
+        "buckets sent dense |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    dense = next((r["median_s"] for r in result["runs"] if r["name"] == DENSE), None)
+    for r in result["runs"]:
+        ratio = f"{dense / r['median_s']:.2f}x" if dense else "-"
+        hook = "-" if r["hook_ms"] is None else f"{r['hook_ms']:.1f}"
+        comp = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:.1f}x"
+        fallback = "-" if r["dense_buckets"] is None else f"{r['dense_buckets']}/{r['buckets']}"
+        lines.append(
+            f"| {r['name']} | {r['median_s']:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {comp} | {hook} | "
+            f"{fallback} |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- one rank
+def model_shape(params: int, layers: int) -> int:
+    """Width of ``layers`` square Linear layers holding about ``params`` parameters."""
+    return max(8, round(math.sqrt(params / layers)))
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
+    from lightning_sparse.bench.compressors import parse_compressor
+
+    world = args.world_size
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=args.rank, world_size=world)
+    params = parse_params(args.params)
+    width = model_shape(params, args.layers)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)  # same initial weights in every run and on every rank
+        layers: list[nn.Module] = []
+        for _ in range(args.layers):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        return nn.Sequential(*layers[:-1])
+
+    runs: list[tuple[str, nn.Module, Any]] = []
+    if not args.no_dense:
+        runs.append((DENSE, DistributedDataParallel(make_model()), None))
+    for spec in args.compressors:
+        model = DistributedDataParallel(make_model())
+        # The strategy's own defaults (min_numel, warm-up, dense fallback); registered as
+        # SparseDDPStrategy._register_ddp_hooks does it.
+        state = SparseDDPStrategy(compressor=parse_compressor(spec), density=args.density).sparse_state
+        state.bind(model.module.named_parameters(), process_group=model.process_group)
+        model.register_comm_hook(state, sparse_comm_hook)
+        runs.append((f"sparse_ddp {spec}", model, state))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for _, m, _ in runs]
+    gen = torch.Generator().manual_seed(1 + args.rank)
+    times: list[list[float]] = [[] for _ in runs]
+    before: list[Any] = [None for _ in runs]
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:  # the figures of the timed steps only
+            before = [None if state is None else state.telemetry.total.copy() for _, _, state in runs]
+        x = torch.randn(args.batch_size, width, generator=gen)
+        y = torch.randn(args.batch_size, width, generator=gen)
+        for i, ((_, model, _), opt) in enumerate(zip(runs, optimizers, strict=True)):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                times[i].append(elapsed)
+    # A step lasts as long as its slowest rank.
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    summaries = []
+    for (name, _, state), ts, snapshot in zip(runs, t.tolist(), before, strict=True):
+        counters = None if state is None else state.telemetry.total - snapshot
+        summaries.append(_summary(name, counters, ts, args, width))
+    if args.rank == 0 and args.result:
+        result = {
+            "world_size": world,
+            "params": args.layers * (width * width + width),
+            "layers": args.layers,
+            "width": width,
+            "batch_size": args.batch_size,
+            "threads": threads,
+            "density": args.density,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "torch": torch.__version__,
+            "runs": summaries,
+        }
+        with open(args.result, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _summary(name: str, counters: Any, times: list[float], args: argparse.Namespace, width: int) -> dict[str, Any]:
+    """One run's figures over its timed steps (``counters``: the hook's telemetry then, None for dense)."""
+    params = args.layers * (width * width + width)
+    row: dict[str, Any] = {
+        "name": name,
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "bytes_per_step": float(params * 4),
+        "compression_ratio": None,
+        "hook_ms": None,
+        "buckets": None,
+        "dense_buckets": None,
+    }
+    if counters is not None:
+        steps = len(times)
+        row.update(
+            bytes_per_step=counters.sent_bytes / steps,
+            compression_ratio=counters.compression_ratio,
+            hook_ms=1e3 * counters.compress_seconds / steps,
+            buckets=counters.buckets,
+            dense_buckets=counters.dense_buckets,
+        )
+    return row

@@ -1,0 +1,115 @@
+"""The step benchmark's code paths on tiny sizes (figures are not asserted: machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_sparse.bench.step import (
+    DENSE,
+    ShapedLink,
+    describe_link,
+    format_table,
+    model_shape,
+    parse_latency,
+    parse_params,
+    parse_rate,
+)
+
+
+@pytest.mark.parametrize(
+    "text, bits",
+    [("1gbit", 1e9), ("100mbit", 1e8), ("10Gbit", 1e10), ("2.5gbit", 2.5e9), ("500kbit", 5e5), ("1mbps", 8e6)],
+)
+def test_parse_rate(text: str, bits: float) -> None:
+    assert parse_rate(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text", ["none", "unshaped", "0"])
+def test_parse_rate_none_is_unshaped(text: str) -> None:
+    assert parse_rate(text) is None
+
+
+@pytest.mark.parametrize("text", ["fast", "1gb", "-1gbit", "0gbit", ""])
+def test_parse_rate_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="--bandwidth"):
+        parse_rate(text)
+
+
+def test_parse_latency_and_params() -> None:
+    assert parse_latency("1ms") == pytest.approx(1e-3)
+    assert parse_latency("500us") == pytest.approx(5e-4)
+    assert parse_latency("0") == 0.0
+    assert parse_params("25e6") == 25_000_000
+    with pytest.raises(ValueError, match="--latency"):
+        parse_latency("soon")
+    with pytest.raises(ValueError, match="--params"):
+        parse_params("100")
+    with pytest.raises(ValueError, match="--params"):
+        parse_params("many")
+
+
+def test_model_shape_holds_about_the_parameters() -> None:
+    width = model_shape(25_000_000, 6)
+    assert abs(6 * width * width - 25_000_000) / 25_000_000 < 0.01
+
+
+def test_table_ratios_against_dense() -> None:
+    result = {
+        "world_size": 2, "link": describe_link(1e9, 0.0), "layers": 2, "width": 10, "params": 220, "batch_size": 4,
+        "threads": 1, "density": 0.01, "steps": 3, "warmup": 2, "torch": "x",
+        "runs": [
+            {"name": DENSE, "median_s": 2.0, "bytes_per_step": 880.0, "compression_ratio": None, "hook_ms": None,
+             "buckets": None, "dense_buckets": None},
+            {"name": "sparse_ddp topk", "median_s": 0.5, "bytes_per_step": 88.0, "compression_ratio": 10.0,
+             "hook_ms": 1.5, "buckets": 6, "dense_buckets": 0},
+        ],
+    }  # fmt: skip
+    table = format_table(result)
+    assert "1 Gbit/s" in table
+    assert "| sparse_ddp topk | 0.500 | 4.00x |" in table
+    assert "| dense DDP | 2.000 | 1.00x |" in table
+
+
+def _run_bench(tmp_path, *extra: str) -> dict:
+    out = tmp_path / "step.json"
+    cmd = [
+        sys.executable, "-m", "lightning_sparse.bench", "step", "--params", "2e4", "--layers", "2", "--steps", "2",
+        "--warmup", "2", "--batch-size", "4", "--threads", "1", "--compressors", "topk", "randomk",
+        "--timeout", "240", "--json", str(out), *extra,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| dense DDP |" in done.stdout and "| sparse_ddp topk |" in done.stdout
+    return json.loads(out.read_text())
+
+
+def _check(result: dict) -> None:
+    runs = {r["name"]: r for r in result["runs"]}
+    assert set(runs) == {DENSE, "sparse_ddp topk", "sparse_ddp randomk"}
+    dense = runs[DENSE]
+    assert dense["bytes_per_step"] == result["params"] * 4
+    for name in ("sparse_ddp topk", "sparse_ddp randomk"):
+        run = runs[name]
+        assert len(run["times_s"]) == 2 and all(t > 0 for t in run["times_s"])
+        # 1% of each 100x100 weight goes sparse, the biases dense: far fewer bytes than dense
+        assert 0 < run["bytes_per_step"] < dense["bytes_per_step"] / 5
+        assert run["compression_ratio"] == pytest.approx(dense["bytes_per_step"] / run["bytes_per_step"])
+        assert run["dense_buckets"] == 0  # the timed steps come after the dense warm-up step
+
+
+def test_step_bench_unshaped(tmp_path) -> None:
+    result = _run_bench(tmp_path, "--bandwidth", "none")
+    assert result["link"] == "unshaped loopback" and result["bandwidth_bits"] is None
+    _check(result)
+
+
+@pytest.mark.skipif(ShapedLink.unavailable() is not None, reason="needs root and iproute2 (ip, tc)")
+def test_step_bench_shaped(tmp_path) -> None:
+    result = _run_bench(tmp_path, "--bandwidth", "100mbit")
+    assert result["bandwidth_bits"] == pytest.approx(1e8) and result["latency_s"] == 0
+    assert "100 Mbit/s" in result["link"]
+    _check(result)
