@@ -16,6 +16,11 @@ class Counters:
     ``dense_buckets`` counts buckets sent dense (warm-up, fallback, all tensors small),
     ``fallback_buckets`` those sent dense because sparse would have moved more bytes, and
     ``nonfinite_buckets`` those in which this rank found a non-finite gradient.
+
+    Example:
+        >>> c = Counters(dense_bytes=4000, sent_bytes=80, numel=1000, sent_numel=10)
+        >>> c.compression_ratio, c.density
+        (50.0, 0.01)
     """
 
     dense_bytes: int = 0
@@ -62,6 +67,13 @@ class Telemetry:
     ``"dense (warm-up)"``, ``"dense (fallback)"`` or ``"dense (small tensors)"`` for dense ones.
     ``residual_norm`` is the L2 norm of all residuals, measured every ``residual_norm_interval``
     steps (it costs one read of every residual).
+
+    Example:
+        >>> t = Telemetry()
+        >>> t.record("fc.weight", Counters(dense_bytes=4000, sent_bytes=80, buckets=1), method="topk")
+        >>> t.end_step()
+        >>> t.total.compression_ratio, t.methods["topk"].sent_bytes, t.steps
+        (50.0, 80, 1)
     """
 
     current: Counters = field(default_factory=Counters)

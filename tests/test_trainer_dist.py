@@ -24,6 +24,7 @@ CASES = {
     "bf16_mixed": {"strategy": "sparse_ddp", "precision": "bf16-mixed"},
     "bf16_true": {"strategy": {"compressor": "topk", "density": 0.05}, "precision": "bf16-true"},
     "unused": {"strategy": "sparse_ddp_find_unused_parameters_true", "model": "unused"},
+    "sometimes_unused": {"strategy": "sparse_ddp_find_unused_parameters_true", "model": "sometimes_unused"},
     "static_graph_bucket_view": {
         "strategy": {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.02}
     },

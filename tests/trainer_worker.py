@@ -50,12 +50,18 @@ class Net(L.LightningModule):
         self.head = nn.Linear(64, 4)
         if variant == "unused":
             self.unused = nn.Linear(64, 64)  # never in the graph
+        if variant == "sometimes_unused":
+            # in the graph on every other step, and on each step on one rank only
+            self.sometimes = nn.Linear(64, 64)
         if variant == "frozen":
             for p in self.body[0].parameters():
                 p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+        h = self.body(x)
+        if self.variant == "sometimes_unused" and self.training and (self.global_step + self.global_rank) % 2 == 0:
+            h = h + self.sometimes(h)
+        return self.head(h)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

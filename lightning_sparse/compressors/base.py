@@ -44,6 +44,14 @@ class CompressContext:
         rank: this process's rank.
         world_size: number of processes exchanging.
         seed: the strategy's seed.
+
+    Example:
+        >>> import torch
+        >>> ctx = CompressContext(step=3, key=7, rank=0, world_size=2, seed=0)
+        >>> other = CompressContext(step=3, key=7, rank=1, world_size=2, seed=0)
+        >>> a = torch.randint(0, 100, (4,), generator=ctx.shared_generator(torch.device("cpu")))
+        >>> torch.equal(a, torch.randint(0, 100, (4,), generator=other.shared_generator(torch.device("cpu"))))
+        True
     """
 
     step: int = 0
