@@ -280,7 +280,8 @@ class NextCharClassifier(_Classifier):
     Args:
         embed_dim: width of the character embedding.
         hidden: GRU hidden size.
-        lr: learning rate.
+        lr: learning rate (0.2: the best of 0.1, 0.2 and 0.5 for dense DDP over 5 epochs on 2 processes
+            with batch 64, validation accuracy 0.516 / 0.535 / 0.522).
         momentum: SGD momentum.
         clip: gradient-norm clipping threshold (``None``: no clipping); the Trainer's
             ``gradient_clip_val`` overrides it.
@@ -296,7 +297,7 @@ class NextCharClassifier(_Classifier):
         self,
         embed_dim: int = 64,
         hidden: int = 128,
-        lr: float = 0.5,
+        lr: float = 0.2,
         momentum: float = 0.9,
         clip: float | None = 1.0,
         cosine: bool = True,

@@ -87,6 +87,11 @@ def test_convergence_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert sparse["dense_bytes"] == dense["sent_bytes"]
         assert 0 < sparse["sent_bytes"] < dense["sent_bytes"]
         assert sparse["sent_as"]["topk"] > 0 and sparse["sent_as"]["dense (warm-up)"] == dense["param_bytes"]
+    # the saved runs re-render to the same table without training again
+    again = tmp_path / "again"
+    assert main(["convergence", "--from-json", str(out / "convergence.json"), "--out", str(again)]) == 0
+    assert (again / "convergence.md").read_text() == md
+    assert json.loads((again / "convergence.json").read_text()) == payload
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -134,6 +139,10 @@ def test_table_target_and_missing_matplotlib(tmp_path: Path, monkeypatch: pytest
     check = target_check(runs)
     assert check["topk"]["met"] and check["best_other"]["compressor"] == "dgc"
     assert not check["best_other"]["met"] and not check["met"]  # dgc: 25x < 30x
+    # an equally accurate compressor that meets the target (fewer bytes) is the best other one
+    check = target_check([*runs, _run("gaussiank", 0.01, 0.91, 30), _run("countsketch", 0.01, 0.95, 500)])
+    assert check["best_other"]["compressor"] == "gaussiank" and check["met"]
+    assert abs(check["best_other"]["reduction"] - 1000 / 30) < 1e-9
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert plot("t", runs, tmp_path / "t.png") is False
     assert not (tmp_path / "t.png").exists()
