@@ -151,6 +151,35 @@ def test_gaussian_threshold_lands_near_k_on_gaussian_data() -> None:
         assert 2 * k / 3 <= count <= 4 * k / 3, count
 
 
+def test_gaussiank_pads_a_short_count_with_a_small_shortlist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count just below k (noise on Gaussian data) is padded by lowering the threshold a little:
+    the result is the exact top-k and no shortlist holds much more than k entries."""
+    import lightning_sparse.compressors.gaussiank as gk
+    import lightning_sparse.compressors.topk as tk
+
+    d, k = 400_000, 4000
+    sizes: list[int] = []
+    original = tk.indices_at_least
+
+    def recording(p: torch.Tensor, threshold: float) -> torch.Tensor:
+        out = original(p, threshold)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(gk, "indices_at_least", recording)
+    monkeypatch.setattr(tk, "indices_at_least", recording)  # finish_exactly_k's passes
+    short = 0
+    for seed in range(12):
+        x = torch.randn(d, generator=torch.Generator().manual_seed(seed))
+        sizes.clear()
+        idx = GaussianK().select(x, k, ctx())
+        assert_is_topk(x, idx, k)
+        if sizes[0] < k:
+            short += 1
+            assert len(sizes) >= 2 and sizes[-1] >= k and max(sizes) <= 3 * k, sizes
+    assert short > 0  # the seeds above include counts below k
+
+
 # --------------------------------------------------------------------------- rTop-k
 @pytest.mark.parametrize("d,k", [(1000, 10), (200_000, 2000), (300_000, 30)])
 def test_rtopk_with_r_factor_one_is_topk(d, k) -> None:
