@@ -30,12 +30,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_int, scratch
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
-from lightning_sparse.compressors.topk import sample_rank, sample_threshold
+from lightning_sparse.compressors.topk import sample_rank, sample_threshold, smallest
 
 #: local pre-truncation used by ``p1="auto"`` on CPU (sketch only the top ``p1 * k`` of p)
 AUTO_P1_CPU = 10.0
@@ -363,7 +364,7 @@ def _largest_in_order(found: Tensor, magnitudes: Tensor, c: int) -> Tensor:
     if extra <= 0:
         return found
     keep = torch.ones(found.numel(), dtype=torch.bool, device=found.device)
-    keep[torch.topk(magnitudes, extra, largest=False, sorted=False).indices] = False
+    keep[smallest(magnitudes, extra)] = False
     return found[keep]
 
 
@@ -429,21 +430,33 @@ def _estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: 
             continue
         values = []
         for r in range(rows):
+            # offset o sits in bucket o + s, or o + s - cols past the end: the sorted offsets split at
+            # cols - s, and each part is gathered from a shifted view of the row (no bucket tensor)
             s = h.shifts[r][b]
-            bucket = offsets + s
-            wrap = int(torch.searchsorted(offsets, cols - s))  # offsets are sorted
-            if wrap < bucket.numel():
-                bucket[wrap:] -= cols
-            v = table[r].index_select(0, bucket)
+            wrap = int(torch.searchsorted(offsets, cols - s))
+            v = torch.empty(offsets.numel(), dtype=table.dtype, device=table.device)
+            torch.index_select(table[r, s:], 0, offsets[:wrap], out=v[:wrap])
+            if wrap < offsets.numel():
+                torch.index_select(table[r], 0, offsets[wrap:] - (cols - s), out=v[wrap:])
             values.append(v.neg_() if h.signs[r][b] < 0 else v)
         est = median_of_rows(values).abs_()
-        keep = est >= tau
-        found_parts.append(offsets[keep].add_(start))
-        magnitude_parts.append(est[keep])
+        found, est = _keep_at_least(offsets, est, tau)
+        found_parts.append(found.add_(start))
+        magnitude_parts.append(est)
     if not found_parts:
         empty = torch.empty(0, device=magnitude.device)
         return empty.long(), empty
     return torch.cat(found_parts), torch.cat(magnitude_parts)
+
+
+def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    """The ``offsets`` whose ``est >= tau``, with those estimates (on CPU through NumPy, whose
+    compress runs several times faster than torch's boolean-mask indexing)."""
+    if est.device.type == "cpu":
+        keep = np.flatnonzero(est.numpy() >= tau)
+        return torch.from_numpy(offsets.numpy()[keep]), torch.from_numpy(est.numpy()[keep])
+    keep = est >= tau
+    return offsets[keep], est[keep]
 
 
 def _estimates_at_least_segments(
@@ -467,9 +480,9 @@ def _estimates_at_least_segments(
             continue
         values = table2.gather(1, bucket[:, offsets]).mul_(signs[:, offsets])
         est = median_of_rows(list(values.unbind(0))).abs_()
-        keep = est >= tau
-        found_parts.append(offsets[keep].add_(start))
-        magnitude_parts.append(est[keep])
+        found, est = _keep_at_least(offsets, est, tau)
+        found_parts.append(found.add_(start))
+        magnitude_parts.append(est)
     if not found_parts:
         empty = torch.empty(0, device=magnitude.device)
         return empty.long(), empty

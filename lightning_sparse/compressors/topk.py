@@ -110,6 +110,21 @@ def largest(values: Tensor, k: int) -> Tensor:
     return torch.topk(values, k, sorted=False).indices
 
 
+def smallest(values: Tensor, k: int) -> Tensor:
+    """Positions of the ``k`` smallest entries of a 1-D tensor, in no particular order (as
+    ``torch.topk(values, k, largest=False, sorted=False).indices``; on CPU through NumPy).
+
+    Example:
+        >>> import torch
+        >>> smallest(torch.tensor([0.5, 4.0, 1.0, 3.0]), 2).sort().values
+        tensor([0, 2])
+    """
+    n = values.numel()
+    if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES and 0 < k < n and values.is_contiguous():
+        return torch.from_numpy(np.argpartition(values.detach().numpy(), k - 1)[:k])
+    return torch.topk(values, k, largest=False, sorted=False).indices
+
+
 def threshold_from_sample(sample: Tensor, k: int, d: int, margin: float) -> float:
     """Estimate the ``k``-th largest of ``d`` magnitudes from ``sample``, uniform draws of them.
 
