@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_int, scratch
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
-from lightning_sparse.compressors.topk import sample_rank, sample_threshold, smallest
+from lightning_sparse.compressors.topk import largest, sample_rank, sample_threshold
 
 #: local pre-truncation used by ``p1="auto"`` on CPU (sketch only the top ``p1 * k`` of p)
 AUTO_P1_CPU = 10.0
@@ -364,7 +364,7 @@ def _largest_in_order(found: Tensor, magnitudes: Tensor, c: int) -> Tensor:
     if extra <= 0:
         return found
     keep = torch.ones(found.numel(), dtype=torch.bool, device=found.device)
-    keep[smallest(magnitudes, extra)] = False
+    keep[largest(magnitudes, extra, smallest=True)] = False
     return found[keep]
 
 
