@@ -485,9 +485,9 @@ def report(
     made with ``settings`` (the command's arguments) on tasks described by ``descriptions``."""
     md: list[str] = []
     checks: dict[str, Any] = {}
+    devices, seed = settings["devices"], settings["seed"]
     for task_name, runs in results.items():
         epochs = runs[0]["epochs"] if runs else TASKS[task_name].epochs
-        devices, seed = settings["devices"], settings["seed"]
         md += [
             f"### {task_name}",
             "",

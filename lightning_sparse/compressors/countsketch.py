@@ -453,8 +453,9 @@ def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Te
     """The ``offsets`` whose ``est >= tau``, with those estimates (on CPU through NumPy, whose
     compress runs several times faster than torch's boolean-mask indexing)."""
     if est.device.type == "cpu":
-        keep = np.flatnonzero(est.numpy() >= tau)
-        return torch.from_numpy(offsets.numpy()[keep]), torch.from_numpy(est.numpy()[keep])
+        e = est.numpy()
+        keep = np.flatnonzero(e >= tau)
+        return torch.from_numpy(offsets.numpy()[keep]), torch.from_numpy(e[keep])
     keep = est >= tau
     return offsets[keep], est[keep]
 
