@@ -20,6 +20,7 @@ from lightning_sparse.compressors import (
     TopK,
     register_compressor,
 )
+from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
 from lightning_sparse.state import SparseState
@@ -44,6 +45,7 @@ __all__ = [
     "RandomK",
     "SparseDDPStrategy",
     "SparseState",
+    "TimedFallback",
     "TopK",
     "WarmupDensity",
     "__version__",

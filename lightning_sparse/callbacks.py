@@ -226,6 +226,8 @@ class CompressionMonitor(Callback):
             "ratio = dense bytes / bytes sent; bytes are what this rank put into its collectives; "
             "% of step = time in the hook / training step time."
         )
+        if state.timed_fallback is not None and state.timed_fallback.describe():
+            summary.notes.append(str(state.timed_fallback.describe()))
         return summary
 
 

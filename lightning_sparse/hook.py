@@ -61,10 +61,17 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
     exchange: Callable[..., Future[Tensor]] | None = None
     ks: list[int] = []
     method = "dense (warm-up)" if sparse else "dense (small tensors)"  # how the bucket is sent, for telemetry
+    timed = state.timed_fallback
     if sparse and state.step >= state.warmup_steps:
         density = state.schedule.density(state.step)
         ks = [k_for(m.numel, density) for m in sparse]
-        if state.fallback_to_dense and not _sparse_is_cheaper(state, buffer, sparse, ks):
+        kind = timed.kind(state.step) if timed is not None else "sparse"
+        if kind == "trial dense":
+            method = "dense (timing trial)"
+        elif kind == "dense":
+            counters.fallback_buckets = 1
+            method = "dense (timed fallback)"
+        elif state.fallback_to_dense and not _sparse_is_cheaper(state, buffer, sparse, ks):
             counters.fallback_buckets = 1
             method = "dense (fallback)"
         else:
@@ -75,6 +82,8 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
         future = _dense_exchange(state, buffer, plan, counters)
     else:
         future = exchange(state, buffer, plan, ks, counters)
+    if timed is not None:
+        future = timed.track(future)
     state.sources = {}
     counters.compress_seconds = time.perf_counter() - start
     state.telemetry.record(plan.label, counters, method)
@@ -118,6 +127,12 @@ def _begin_step(state: SparseState) -> None:
             state.memory.scale_(scale / last)
             state.velocity.scale_(scale / last)
         state.last_loss_scale = scale
+    if state.timed_fallback is not None:
+        # may agree on a trial's outcome (one small collective, issued here, before this step's
+        # first bucket, at the same step on every rank)
+        sent = state.timed_fallback.begin_step(state.step)
+        if sent:
+            state.telemetry.record("timed fallback", Counters(sent_bytes=sent), "timed fallback")
 
 
 def _end_step(state: SparseState) -> None:

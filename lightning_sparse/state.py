@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import check_int, resolve_value_dtype, stable_key
 from lightning_sparse.compressors import Compressor, get_compressor
+from lightning_sparse.fallback import TimedFallback, as_fallback
 from lightning_sparse.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.stats import Telemetry
@@ -63,8 +64,11 @@ class SparseState:
         warmup_steps: number of first optimizer steps sent dense (at least 1).
         value_dtype: dtype of the values sent (None: the gradient's dtype).
         seed: seed of every random choice (shared indices, samples).
-        fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
-            many bytes over the wire as a dense all-reduce of it.
+        fallback_to_dense: ``True`` / ``"bytes"``: send a bucket dense when the sparse exchange
+            would move at least as many bytes over the wire as a dense all-reduce of it;
+            ``"time"`` or a :class:`~lightning_sparse.fallback.TimedFallback`: that, and send
+            every bucket dense when a short trial measures dense steps faster on this link;
+            ``False``: never.
         momentum_correction: DGC's momentum correction: keep the momentum ``u <- m*u + g`` of
             each rank's own gradient in the hook, run error feedback on it and zero what was
             sent in ``u`` too; the optimizer must then run without momentum. 0 turns it off.
@@ -84,7 +88,7 @@ class SparseState:
         warmup_steps: int = 1,
         value_dtype: str | torch.dtype | None = None,
         seed: int = 0,
-        fallback_to_dense: bool = True,
+        fallback_to_dense: bool | str | TimedFallback = True,
         momentum_correction: float = 0.0,
     ) -> None:
         self.compressor = get_compressor(compressor)
@@ -96,9 +100,8 @@ class SparseState:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=1)
         self.value_dtype = resolve_value_dtype(value_dtype)
         self.seed = check_int("seed", seed, minimum=0)
-        if not isinstance(fallback_to_dense, bool):
-            raise ValueError(f"fallback_to_dense={fallback_to_dense!r} is not allowed: expected True or False.")
-        self.fallback_to_dense = fallback_to_dense
+        #: the byte rule; ``timed_fallback``: the measured one (None: off)
+        self.fallback_to_dense, self.timed_fallback = as_fallback(fallback_to_dense)
 
         if (
             isinstance(momentum_correction, bool)
@@ -167,6 +170,8 @@ class SparseState:
         first = trainable[0][1] if trainable else None
         device = first.device if first is not None else torch.device("cpu")
         self.schedule.setup(self, device, first.dtype if first is not None else torch.float32)
+        if self.timed_fallback is not None:
+            self.timed_fallback.setup(self, device)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank."""
@@ -180,6 +185,7 @@ class SparseState:
             "value_dtype": str(self.value_dtype),
             "seed": self.seed,
             "fallback_to_dense": self.fallback_to_dense,
+            "timed_fallback": repr(self.timed_fallback),
             "momentum_correction": self.momentum_correction,
             "step": self.step,
             "parameters": sorted(self._names.values()),
@@ -252,6 +258,7 @@ class SparseState:
             "velocity": self.velocity.state_dict(),
             "last_loss_scale": self.last_loss_scale,
             "telemetry": self.telemetry.state_dict(),
+            "timed_fallback": None if self.timed_fallback is None else self.timed_fallback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -265,3 +272,6 @@ class SparseState:
         self.velocity.load_state_dict(state.get("velocity", {}), device=device)
         self.last_loss_scale = state.get("last_loss_scale")
         self.telemetry.load_state_dict(state["telemetry"])
+        timed = state.get("timed_fallback")
+        if self.timed_fallback is not None and timed is not None:
+            self.timed_fallback.load_state_dict(timed)

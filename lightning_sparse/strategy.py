@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import Compressor
+from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.state import SparseState
@@ -58,8 +59,12 @@ class SparseDDPStrategy(DDPStrategy):
         value_dtype: dtype of the values sent ("float16", "bfloat16", "float32"); None sends
             the gradient's dtype. Rounding errors go into the residual.
         seed: seed of every random choice (shared coordinates, samples).
-        fallback_to_dense: send a bucket dense when the sparse exchange would move at least as
-            many bytes as a dense all-reduce (all-gather traffic grows with world size).
+        fallback_to_dense: ``True`` (or ``"bytes"``): send a bucket dense when the sparse exchange
+            would move at least as many bytes as a dense all-reduce (all-gather traffic grows with
+            world size). ``"time"`` (or a ``TimedFallback``): that, and after warm-up time a few
+            dense and sparse steps on this link and send everything dense if dense was faster
+            (fast links, where the hook's own passes cost more than the bytes they save).
+            ``False``: always sparse after warm-up.
         momentum_correction: DGC's momentum correction (e.g. 0.9): the hook keeps each rank's
             momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u``
             too (momentum factor masking), so coordinates that wait long do not hit an optimizer
@@ -94,7 +99,7 @@ class SparseDDPStrategy(DDPStrategy):
         warmup_steps: int = 1,
         value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
         seed: int = 0,
-        fallback_to_dense: bool = True,
+        fallback_to_dense: Union[bool, Literal["bytes", "time"], TimedFallback] = True,
         momentum_correction: float = 0.0,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,

@@ -113,3 +113,26 @@ def test_step_bench_shaped(tmp_path) -> None:
     assert result["bandwidth_bits"] == pytest.approx(1e8) and result["latency_s"] == 0
     assert "100 Mbit/s" in result["link"]
     _check(result)
+
+
+def test_step_bench_timed_fallback(tmp_path) -> None:
+    result = _run_bench(tmp_path, "--bandwidth", "none", "--fallback", "time")
+    assert result["fallback"] == "time"
+    assert result["warmup"] == 12  # raised past the trial: warm-up step, 5 + 5 trial steps, the choice
+    for name in ("sparse_ddp topk", "sparse_ddp randomk"):
+        run = next(r for r in result["runs"] if r["name"] == name)
+        (decision,) = run["timed_fallback"]
+        assert decision["step"] == 11 and decision["choice"] in ("sparse", "dense")
+        # every timed step went the chosen way
+        assert run["dense_buckets"] == (run["buckets"] if decision["choice"] == "dense" else 0)
+    assert "timed fallback (median exchange window" in format_table(result)
+
+
+def test_step_bench_rejects_bad_fallback(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_sparse.bench", "step", "--fallback", "fast"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "--fallback: invalid choice: 'fast'" in done.stderr

@@ -75,9 +75,16 @@ def test_config_parses_into_the_configured_strategy(config: Path) -> None:
             assert state.schedule.density(10_000) == density
         elif isinstance(density, dict):
             assert type(state.schedule).__name__ == density["class_path"].rsplit(".", 1)[-1]
-        for key in ("error_feedback", "min_numel", "warmup_steps", "seed", "fallback_to_dense"):
+        for key in ("error_feedback", "min_numel", "warmup_steps", "seed"):
             if key in args:
                 assert getattr(state, key) == args[key], key
+        fallback = args.get("fallback_to_dense", True)
+        if isinstance(fallback, dict):
+            assert type(state.timed_fallback).__name__ == fallback["class_path"].rsplit(".", 1)[-1]
+            assert state.timed_fallback.config() == {**state.timed_fallback.config(), **fallback.get("init_args", {})}
+        else:
+            assert state.fallback_to_dense == (fallback is not False)
+            assert (state.timed_fallback is not None) == (fallback == "time")
         if args.get("value_dtype") is not None:
             assert str(state.value_dtype) == f"torch.{args['value_dtype']}"
         if "compression_monitor" in args:

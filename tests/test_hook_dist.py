@@ -286,3 +286,71 @@ def test_dense_fallback_when_sparse_moves_more_bytes(dist2) -> None:
     assert torch.equal(r[0]["out"], (g0 + g1) / 2) and torch.equal(r[1]["out"], r[0]["out"])
     r = dist2.run(_fallback_worker, density=0.01)
     assert r[0]["telemetry"]["fallback_buckets"] == 0
+
+
+def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:
+    """12 steps with a timed fallback (trial of 3 + 3 steps) while one way of sending is made slow
+    for real: a sleep in the compressor's selection (sparse) or before a dense bucket's all-reduce."""
+    import time
+
+    from lightning_sparse import comm
+    from lightning_sparse.compressors import TopK
+    from lightning_sparse.fallback import TimedFallback
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.state import SparseState
+
+    class SlowTopK(TopK):
+        def select(self, p: torch.Tensor, k: int, ctx: Any) -> torch.Tensor:
+            time.sleep(0.02)
+            return super().select(p, k, ctx)
+
+    named = _params(torch.float32)
+    params = [p for _, p in named]
+    numel = sum(p.numel() for p in params)
+    real_all_reduce = comm.all_reduce
+
+    def slow_all_reduce(t: torch.Tensor, group: Any = None) -> Any:
+        if t.numel() == numel:  # a whole bucket sent dense
+            time.sleep(0.05)
+        return real_all_reduce(t, group)
+
+    state = SparseState(
+        compressor=SlowTopK() if slow == "sparse" else TopK(),
+        density=0.05,
+        min_numel=1000,
+        fallback_to_dense=TimedFallback(trial_steps=3),
+    )
+    state.bind(named)
+    gen = torch.Generator().manual_seed(rank)
+    methods, outs = [], []
+    if slow == "dense":
+        comm.all_reduce = slow_all_reduce
+    try:
+        for _ in range(12):
+            before = {k: v.buckets for k, v in state.telemetry.methods.items()}
+            outs.append(communicate(state, torch.randn(numel, generator=gen), params).wait().clone())
+            after = {k: v.buckets for k, v in state.telemetry.methods.items()}
+            methods.append([k for k in after if after[k] != before.get(k, 0)])
+    finally:
+        comm.all_reduce = real_all_reduce
+    return {"methods": methods, "outs": outs, "fallback": state.timed_fallback.state_dict()}
+
+
+@pytest.mark.parametrize("slow", ["sparse", "dense"])
+def test_timed_fallback_keeps_the_faster_way_on_every_rank(dist2, slow: str) -> None:
+    r = dist2.run(_timed_fallback_worker, slow=slow)
+    chosen = "dense" if slow == "sparse" else "sparse"
+    sparse_name = "topk"  # SlowTopK keeps its parent's name
+    after = ["dense (timed fallback)"] if chosen == "dense" else [sparse_name]
+    # warm-up, 3 dense trial steps, 3 sparse ones; the choice from step 7 on
+    expected = [["dense (warm-up)"]] + [["dense (timing trial)"]] * 3 + [[sparse_name]] * 3 + [after] * 5
+    for rank in range(2):
+        assert r[rank]["methods"] == expected, rank
+    # the same numbers (the slowest rank's medians) and so the same choice everywhere
+    assert r[0]["fallback"] == r[1]["fallback"]
+    (decision,) = r[0]["fallback"]["decisions"]
+    assert decision["step"] == 7 and decision["choice"] == chosen
+    slower, faster = (decision["sparse_s"], decision["dense_s"])[:: 1 if slow == "sparse" else -1]
+    assert slower > faster + 0.015
+    for a, b in zip(r[0]["outs"], r[1]["outs"], strict=True):
+        assert torch.equal(a, b)

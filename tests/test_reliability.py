@@ -20,6 +20,10 @@ NAMES = sorted(COMPRESSORS)
 BASE: dict[str, Any] = {"n": 256, "max_steps": 32, "density": 0.05, "data_by_step": True}
 
 
+# the trial: dense steps 1-5, sparse steps 6-10, the choice at step 11 (the checkpoint is at step 16)
+TIMED: dict[str, Any] = {"compressor": "topk", "density": BASE["density"], "fallback_to_dense": "time"}
+
+
 def _strategy(name: str) -> dict[str, Any]:
     # no dense fallback: every step after warm-up takes the compressor's own path
     return {"compressor": name, "density": BASE["density"], "fallback_to_dense": False}
@@ -53,6 +57,13 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 },
                 {"name": "all_small", "strategy": {"min_numel": 10**9}},
                 {
+                    "name": "full_timed",
+                    "strategy": TIMED,
+                    "slow_dense_all_reduce": 0.03,  # dense made slow for real: the trial must pick sparse
+                    "ckpt_at_epoch": 1,
+                    "ckpt_out": str(root / "timed.ckpt"),
+                },
+                {
                     "name": "full_momentum",
                     "strategy": {**_strategy("randomk"), "momentum_correction": 0.9},
                     "momentum": 0.0,
@@ -71,6 +82,12 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     {"name": f"resumed_{c}", "strategy": _strategy(c), "ckpt_path": str(root / f"{c}.ckpt")}
                     for c in NAMES
                 ),
+                {
+                    "name": "resumed_timed",
+                    "strategy": TIMED,
+                    "slow_dense_all_reduce": 0.03,
+                    "ckpt_path": str(root / "timed.ckpt"),
+                },
                 {"name": "changed", "strategy": _strategy("randomk"), "ckpt_path": str(root / "topk.ckpt")},
                 {
                     "name": "resumed_momentum",
@@ -98,6 +115,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 {"name": "auto", "strategy": "auto", "max_steps": 20},
                 {"name": "sparse_default", "strategy": "sparse_ddp", "max_steps": 20},
                 {"name": "sparse_forced", "strategy": {"density": 1.0, "fallback_to_dense": False}, "max_steps": 20},
+                {"name": "sparse_timed", "strategy": {"fallback_to_dense": "time"}, "max_steps": 20},
             ],
         },
         root / "single",
@@ -111,7 +129,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("name", [*NAMES, "momentum"])
+@pytest.mark.parametrize("name", [*NAMES, "momentum", "timed"])
 def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) -> None:
     full, resumed = launches["first"][f"full_{name}"], launches["second"][f"resumed_{name}"]
     for rank in range(2):
@@ -126,6 +144,21 @@ def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) ->
         assert a["telemetry"]["sent_bytes"] == b["telemetry"]["sent_bytes"]
     # the residuals differ per rank, so the checkpoint must have carried both ranks' residuals
     assert any(not torch.equal(full[0]["residuals"][k], full[1]["residuals"][k]) for k in full[0]["residuals"])
+
+
+def test_timed_fallback_choice_is_kept_on_resume(launches: dict[str, Any]) -> None:
+    full, resumed = launches["first"]["full_timed"], launches["second"]["resumed_timed"]
+    assert full[0]["timed_fallback"] == full[1]["timed_fallback"]  # the same numbers on every rank
+    (decision,) = full[0]["timed_fallback"]["decisions"]
+    assert decision["step"] == 11 and decision["choice"] == "sparse"
+    assert decision["dense_s"] > decision["sparse_s"] + 0.02
+    assert "timed fallback at step 11: exchange window sparse" in launches["logs"]["first"]  # in the summary
+    for rank in range(2):
+        # restored from the checkpoint, not timed again; the way every step was sent is the same
+        assert resumed[rank]["timed_fallback"] == full[rank]["timed_fallback"]
+        assert resumed[rank]["methods"] == full[rank]["methods"]
+        methods = full[rank]["methods"]
+        assert methods["dense (warm-up)"] == 1 and methods["dense (timing trial)"] == 5 and methods["topk"] == 26
 
 
 def test_checkpoint_holds_every_rank_state(launches: dict[str, Any]) -> None:
@@ -179,12 +212,13 @@ def test_model_with_only_small_tensors_goes_dense(launches: dict[str, Any]) -> N
 def test_world_size_one_equals_no_strategy(launches: dict[str, Any]) -> None:
     single = launches["single"]
     ref = single["auto"][0]["params"]
-    for run in ("sparse_default", "sparse_forced"):
+    for run in ("sparse_default", "sparse_forced", "sparse_timed"):
         got = single[run][0]
         assert got["global_step"] == 20
         for key in ref:
             assert torch.equal(got["params"][key], ref[key]), f"{run}: {key} differs from the plain run"
     assert single["sparse_forced"][0]["telemetry"]["fallback_buckets"] == 0
+    assert single["sparse_timed"][0]["timed_fallback"]["decisions"] == []  # nothing to time on one process
 
 
 # --------------------------------------------------------------------------- on the process group

@@ -17,6 +17,7 @@ import importlib
 import json
 import sys
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -233,7 +234,21 @@ def fit_once(cfg: dict[str, Any]) -> None:
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
-    trainer.fit(model, loader, ckpt_path=cfg.get("ckpt_path"))
+    slow = cfg.get("slow_dense_all_reduce")  # seconds of sleep before a whole-bucket dense all-reduce
+    real_all_reduce = lightning_sparse.comm.all_reduce
+    if slow:
+        param_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+        def slow_all_reduce(t: torch.Tensor, group: Any = None) -> Any:
+            if t.numel() == param_numel:  # the model is one bucket
+                time.sleep(slow)
+            return real_all_reduce(t, group)
+
+        lightning_sparse.comm.all_reduce = slow_all_reduce
+    try:
+        trainer.fit(model, loader, ckpt_path=cfg.get("ckpt_path"))
+    finally:
+        lightning_sparse.comm.all_reduce = real_all_reduce
     if cfg.get("save_ckpt"):
         trainer.save_checkpoint(cfg["save_ckpt"])
     result: dict[str, Any] = {
@@ -258,6 +273,9 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["residual_norms"] = model.residual_norms
         result["sent_numel"] = model.sent_numel
         result["schedule_state"] = state.schedule.state_dict()
+        result["methods"] = {k: v.buckets for k, v in state.telemetry.methods.items()}
+        if state.timed_fallback is not None:
+            result["timed_fallback"] = state.timed_fallback.state_dict()
     prefix = f"{cfg['name']}_" if cfg.get("name") else ""
     torch.save(result, f"{prefix}rank{trainer.global_rank}.pt")
 

@@ -37,6 +37,7 @@ from typing import Any
 
 DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch"]
 DENSE = "dense DDP"
+_FALLBACK_NAMES = {"bytes": "True", "time": "'time'", "off": "False"}
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -86,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=DEFAULT_COMPRESSORS,
         help="names, optionally with arguments: rtopk:r_factor=2",
+    )
+    parser.add_argument(
+        "--fallback",
+        choices=["bytes", "time", "off"],
+        default="bytes",
+        help="the sparse runs' fallback_to_dense: bytes (the default, True), time, or off (False)",
     )
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense DDP run (ratios then absent)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
@@ -189,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if not 0 < args.density <= 1:
         raise ValueError(f"--density={args.density} is not allowed: expected a number in (0, 1]")
+    if args.fallback == "time":
+        # the timed steps come after the trial (warm-up step, trial, the step that decides)
+        from lightning_sparse.fallback import TimedFallback
+
+        args.warmup = max(args.warmup, TimedFallback().trial_length + 2)
     link: ShapedLink | None = None
     if rate is not None or delay > 0:
         why = ShapedLink.unavailable()
@@ -221,7 +233,7 @@ def _launch(args: argparse.Namespace, result_path: str, wrap: Any, port: int) ->
     forwarded = [
         "--world-size", str(args.world_size), "--params", str(args.params), "--layers", str(args.layers),
         "--batch-size", str(args.batch_size), "--density", str(args.density), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--compressors", *args.compressors,
+        "--warmup", str(args.warmup), "--fallback", args.fallback, "--compressors", *args.compressors,
     ]  # fmt: skip
     if args.threads is not None:
         forwarded += ["--threads", str(args.threads)]
@@ -253,7 +265,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"step time: {result['world_size']} ranks on {result['link']}; MLP {result['layers']} x "
         f"{result['width']}^2 = {result['params'] / 1e6:.1f}M parameters, batch {result['batch_size']} per rank, "
-        f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; median of {result['steps']} "
+        f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; "
+        f"fallback_to_dense {_FALLBACK_NAMES[result.get('fallback', 'bytes')]}; median of {result['steps']} "
         f"steps after {result['warmup']} untimed; torch {result['torch']}",
         "",
         "| run | median step s | dense / run | MB sent per rank per step | compression ratio | hook ms per step | "
@@ -270,6 +283,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"| {r['name']} | {r['median_s']:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {comp} | {hook} | "
             f"{fallback} |"
         )
+    timed = [(r["name"], r["timed_fallback"][-1]) for r in result["runs"] if r.get("timed_fallback")]
+    if timed:
+        lines += ["", "timed fallback (median exchange window of the trial steps, slowest rank):"]
+        lines += [
+            f"- {name}: sparse {1e3 * d['sparse_s']:.1f} ms, dense {1e3 * d['dense_s']:.1f} ms -> {d['choice']}"
+            for name, d in timed
+        ]
     return "\n".join(lines)
 
 
@@ -309,7 +329,11 @@ def worker(args: argparse.Namespace) -> int:
         model = DistributedDataParallel(make_model())
         # The strategy's own defaults (min_numel, warm-up, dense fallback); registered as
         # SparseDDPStrategy._register_ddp_hooks does it.
-        state = SparseDDPStrategy(compressor=parse_compressor(spec), density=args.density).sparse_state
+        fallback = {"bytes": True, "time": "time", "off": False}[args.fallback]
+        strategy = SparseDDPStrategy(
+            compressor=parse_compressor(spec), density=args.density, fallback_to_dense=fallback
+        )
+        state = strategy.sparse_state
         state.bind(model.module.named_parameters(), process_group=model.process_group)
         model.register_comm_hook(state, sparse_comm_hook)
         runs.append((f"sparse_ddp {spec}", model, state))
@@ -339,6 +363,8 @@ def worker(args: argparse.Namespace) -> int:
     for (name, _, state), ts, snapshot in zip(runs, t.tolist(), before, strict=True):
         counters = None if state is None else state.telemetry.total - snapshot
         summaries.append(_summary(name, counters, ts, args, width))
+        if state is not None and state.timed_fallback is not None:
+            summaries[-1]["timed_fallback"] = state.timed_fallback.decisions
     if args.rank == 0 and args.result:
         result = {
             "world_size": world,
@@ -350,6 +376,7 @@ def worker(args: argparse.Namespace) -> int:
             "density": args.density,
             "steps": args.steps,
             "warmup": args.warmup,
+            "fallback": args.fallback,
             "torch": torch.__version__,
             "runs": summaries,
         }

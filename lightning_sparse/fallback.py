@@ -1,0 +1,246 @@
+"""Time-based dense fallback: time both ways of sending on this link and keep the faster one.
+
+The byte rule (``fallback_to_dense=True``) sends a bucket dense when the sparse exchange would
+move at least as many bytes; it cannot see that on a fast link the hook's own passes over the
+gradient (selection, error feedback) may cost more than the all-reduce they save. A
+:class:`TimedFallback` measures that instead, in the run itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_sparse._utils import bad_argument, check_int
+
+if TYPE_CHECKING:
+    from lightning_sparse.state import SparseState
+
+#: the CPU clock (a module attribute so that a test can stand in its own)
+clock: Callable[[], float] = time.perf_counter
+
+SPARSE, DENSE = "sparse", "dense"
+
+
+class TimedFallback:
+    """Send every bucket dense when, on this link, dense steps finish their exchange sooner.
+
+    After the warm-up steps a short trial runs: ``trial_steps`` steps sent dense, then as many
+    sent sparse. For each step the hook times its exchange window: from the start of the first
+    bucket's hook to the completion of the step's last collective. That window holds what
+    differs between the two ways of sending (the compression, which runs on the backward thread,
+    and the communication that backward does not hide) and none of what does not (the forward
+    pass, the optimizer, data loading). The first step of each half is not counted: it carries
+    the switch (the first sparse step starts from empty residuals; a dense step after sparse ones
+    flushes them). The ranks all-reduce the maximum of their median windows, so every rank holds
+    the same two numbers and makes the same choice; it holds for the rest of the run, or until
+    the next trial when ``recheck_every > 0`` (links that others share change speed). While
+    sparse is chosen, the byte rule still applies per bucket.
+
+    Args:
+        trial_steps: steps of each kind in a trial (>= 2; the first of each is not counted).
+        recheck_every: steps from one choice to the next trial (0: decide once).
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> strategy = SparseDDPStrategy(compressor="topk", fallback_to_dense="time")
+        >>> strategy.sparse_state.timed_fallback.trial_steps
+        5
+        >>> TimedFallback(trial_steps=3, recheck_every=1000).trial_length
+        6
+    """
+
+    def __init__(self, trial_steps: int = 5, recheck_every: int = 0) -> None:
+        self.trial_steps = check_int("trial_steps", trial_steps, minimum=2)
+        self.recheck_every = check_int("recheck_every", recheck_every, minimum=0)
+        # state (saved)
+        self.choice: Literal["sparse", "dense"] | None = None
+        self.trial_start: int | None = None
+        self.samples: dict[str, list[float]] = {SPARSE: [], DENSE: []}
+        self.decisions: list[dict[str, Any]] = []
+        self.world_size: int | None = None
+        # per run (not saved)
+        self._group: dist.ProcessGroup | None = None
+        self._device = torch.device("cpu")
+        self._open: tuple[str, Any, list[Any]] | None = None
+        self._world: int | None = None
+        self._warmup = 1
+
+    def __repr__(self) -> str:
+        return f"TimedFallback(trial_steps={self.trial_steps}, recheck_every={self.recheck_every})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_group=None, _open=None)
+        return state
+
+    @property
+    def trial_length(self) -> int:
+        """Steps in one trial (both kinds)."""
+        return 2 * self.trial_steps
+
+    def config(self) -> dict[str, int]:
+        return {"trial_steps": self.trial_steps, "recheck_every": self.recheck_every}
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, state: SparseState, device: torch.device) -> None:
+        """Bind to the process group (a restored choice is kept if the world size is the same)."""
+        self._group = state.process_group
+        self._device = device
+        self._world = state.world_size
+        self._warmup = state.warmup_steps
+        self._open = None
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        if self._world is None:
+            return
+        if self.world_size is not None and self.world_size != self._world:
+            # timed with another number of processes: no longer this link's answer
+            self.choice, self.trial_start = None, None
+            self.samples = {SPARSE: [], DENSE: []}
+        self.world_size = self._world
+
+    # ------------------------------------------------------------------ per step
+    def kind(self, step: int) -> str:
+        """How step ``step`` sends its sparse buckets: ``"sparse"``, ``"dense"``, or
+        ``"trial sparse"`` / ``"trial dense"`` during a trial."""
+        if self._world is None or self._world <= 1:
+            return SPARSE  # one process: nothing to time (the byte rule sends dense, which is free)
+        start = self.trial_start
+        if start is not None and start <= step < start + self.trial_length:
+            return "trial " + (DENSE if step - start < self.trial_steps else SPARSE)
+        return self.choice or SPARSE
+
+    def begin_step(self, step: int) -> int:
+        """At the first bucket of a step: close the last step's window, choose at the end of a
+        trial, open this step's window during one. Returns bytes handed to collectives."""
+        self._close_window()
+        if self._world is None or self._world <= 1:
+            return 0
+        if self.choice is None and self.trial_start is None:  # first run, or after a world-size change
+            self.trial_start = max(step, self._warmup)
+        sent = 0
+        start = self.trial_start
+        if start is not None and step >= start + self.trial_length:
+            sent = self._decide(step)
+        kind, start = self.kind(step), self.trial_start
+        if start is not None and kind.startswith("trial ") and (step - start) % self.trial_steps:
+            self._open = (kind[len("trial ") :], self._now(), [])
+        return sent
+
+    def track(self, future: Future[Tensor]) -> Future[Tensor]:
+        """Chain ``future`` so that its completion time joins the open window (if any)."""
+        if self._open is None:
+            return future
+        ends = self._open[2]
+
+        def done(fut: Future[Tensor]) -> Tensor:
+            value = fut.value()
+            ends.append(self._now())  # list.append: safe from the process group's threads
+            return value
+
+        return future.then(done)
+
+    # ------------------------------------------------------------------ timing
+    def _now(self) -> Any:
+        if self._device.type == "cuda":
+            # callbacks of CUDA futures run when the work is enqueued: mark the stream instead
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return clock()
+
+    def _close_window(self) -> None:
+        if self._open is None:
+            return
+        kind, begin, ends = self._open
+        self._open = None
+        if not ends:
+            return
+        if isinstance(begin, torch.cuda.Event):
+            for end in ends:
+                end.synchronize()
+            window = max(begin.elapsed_time(end) for end in ends) / 1e3
+        else:
+            window = max(ends) - begin
+        self.samples[kind].append(float(window))
+
+    def _decide(self, step: int) -> int:
+        """Agree on the trial's medians (slowest rank's) and choose; returns bytes sent."""
+        medians = [statistics.median(self.samples[k]) if self.samples[k] else float("inf") for k in (SPARSE, DENSE)]
+        sent = 0
+        if self.world_size is not None and self.world_size > 1:
+            # max is exact, so every rank ends with the same bits and the same choice
+            t = torch.tensor(medians, dtype=torch.float64, device=self._device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+            medians = t.cpu().tolist()
+            sent = t.numel() * t.element_size()
+        sparse_s, dense_s = medians
+        self.choice = SPARSE if sparse_s <= dense_s else DENSE  # a tie keeps the smaller messages
+        self.decisions.append(
+            {
+                "step": step,
+                "sparse_s": sparse_s,
+                "dense_s": dense_s,
+                "choice": self.choice,
+                "trial_start": self.trial_start,
+            }
+        )
+        self.samples = {SPARSE: [], DENSE: []}
+        self.trial_start = step + self.recheck_every if self.recheck_every else None
+        return sent
+
+    def describe(self) -> str | None:
+        """One line on the last choice, for summaries (None before the first)."""
+        if not self.decisions:
+            return None
+        d = self.decisions[-1]
+        return (
+            f"timed fallback at step {d['step']}: exchange window sparse {1e3 * d['sparse_s']:.1f} ms, "
+            f"dense {1e3 * d['dense_s']:.1f} ms (trial median, slowest rank) -> {d['choice']}"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "choice": self.choice,
+            "trial_start": self.trial_start,
+            "samples": {k: list(v) for k, v in self.samples.items()},
+            "decisions": [dict(d) for d in self.decisions],
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.choice = state["choice"]
+        self.trial_start = state["trial_start"]
+        self.samples = {k: list(v) for k, v in state["samples"].items()}
+        self.decisions = [dict(d) for d in state["decisions"]]
+        self.world_size = state["world_size"]
+        self._open = None
+        self._reconcile()
+
+
+def as_fallback(value: Any) -> tuple[bool, TimedFallback | None]:
+    """``fallback_to_dense`` -> (byte rule on, timed fallback or None)."""
+    if isinstance(value, TimedFallback):
+        return True, value
+    if value is True or value == "bytes":
+        return True, None
+    if value is False:
+        return False, None
+    if value == "time":
+        return True, TimedFallback()
+    raise bad_argument(
+        "fallback_to_dense",
+        value,
+        "expected True or 'bytes' (dense when sparse moves at least as many bytes), 'time' or a TimedFallback "
+        "(also dense when sparse steps are measured slower), or False",
+    )
