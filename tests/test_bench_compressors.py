@@ -40,3 +40,28 @@ def test_compressor_specs() -> None:
         parse_compressor("countsketch:rows")
     with pytest.raises(ValueError, match="--repeats=0 is not allowed"):
         main(["compressors", "--numel", "100", "--repeats", "0"])
+
+
+def test_feedback_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from lightning_sparse.bench.compressors import feedback_tensor
+
+    # the residual keeps everything but the k largest each step: the sum of the gradients minus what was sent
+    gen = torch.Generator().manual_seed(0)
+    x = feedback_tensor(2000, 20, 5, gen, torch.device("cpu"))
+    ref_gen = torch.Generator().manual_seed(0)
+    e = torch.zeros(2000)
+    for _ in range(5):
+        e += torch.randn(2000, generator=ref_gen)
+        e[e.abs().topk(20).indices] = 0.0
+    assert torch.equal(x, e + torch.randn(2000, generator=ref_gen))
+    assert feedback_tensor(10, 1, 0, torch.Generator().manual_seed(1), torch.device("cpu")).shape == (10,)
+    out = tmp_path / "bench.json"
+    argv = ["compressors", "--numel", "5000", "--density", "0.01", "--repeats", "1", "--feedback-steps", "3"]
+    assert main([*argv, "--compressors", "topk", "gaussiank", "--json", str(out)]) == 0
+    assert "after 3 steps of top-k error feedback" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["feedback_steps"] == 3 and all(r["feedback_steps"] == 3 for r in payload["rows"])
+    with pytest.raises(ValueError, match="--feedback-steps=-1 is not allowed"):
+        main(["compressors", "--numel", "100", "--feedback-steps", "-1"])

@@ -151,13 +151,12 @@ def test_gaussian_threshold_lands_near_k_on_gaussian_data() -> None:
         assert 2 * k / 3 <= count <= 4 * k / 3, count
 
 
-def test_gaussiank_pads_a_short_count_with_a_small_shortlist(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A count just below k (noise on Gaussian data) is padded by lowering the threshold a little:
-    the result is the exact top-k and no shortlist holds much more than k entries."""
+def _record_shortlists(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the size of every shortlist (one pass over p each) the threshold selectors make."""
+    import lightning_sparse.compressors.dgc as dgc_module
     import lightning_sparse.compressors.gaussiank as gk
     import lightning_sparse.compressors.topk as tk
 
-    d, k = 400_000, 4000
     sizes: list[int] = []
     original = tk.indices_at_least
 
@@ -166,8 +165,16 @@ def test_gaussiank_pads_a_short_count_with_a_small_shortlist(monkeypatch: pytest
         sizes.append(out.numel())
         return out
 
-    monkeypatch.setattr(gk, "indices_at_least", recording)
-    monkeypatch.setattr(tk, "indices_at_least", recording)  # finish_exactly_k's passes
+    for module in (gk, dgc_module, tk):  # tk: finish_exactly_k's passes
+        monkeypatch.setattr(module, "indices_at_least", recording)
+    return sizes
+
+
+def test_gaussiank_pads_a_short_count_with_a_small_shortlist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count just below k (noise on Gaussian data) is padded by lowering the threshold a little:
+    the result is the exact top-k and no shortlist holds much more than k entries."""
+    d, k = 400_000, 4000
+    sizes = _record_shortlists(monkeypatch)
     short = 0
     for seed in range(12):
         x = torch.randn(d, generator=torch.Generator().manual_seed(seed))
@@ -178,6 +185,31 @@ def test_gaussiank_pads_a_short_count_with_a_small_shortlist(monkeypatch: pytest
             short += 1
             assert len(sizes) >= 2 and sizes[-1] >= k and max(sizes) <= 3 * k, sizes
     assert short > 0  # the seeds above include counts below k
+
+
+@pytest.mark.parametrize("name", ["gaussiank", "dgc"])
+def test_threshold_selectors_stay_cheap_under_error_feedback(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Under error feedback p = g + e piles up just below the threshold, far from normal. The
+    selection stays the exact top-k, with few passes over p and no shortlist much larger than k
+    (halving Gaussian-k's threshold shortlisted a fifth of p there, ~50k; DGC's own quantile
+    needed a lowering, a second pass, on about half of the steps)."""
+    from lightning_sparse.bench.compressors import feedback_tensor
+
+    d, k = 250_000, 2500
+    sizes = _record_shortlists(monkeypatch)
+    compressor = get_compressor(name)
+    passes = []
+    for seed in range(6):
+        x = feedback_tensor(d, k, 150, torch.Generator().manual_seed(seed), torch.device("cpu"))
+        sizes.clear()
+        idx = compressor.select(x, k, ctx(step=seed))
+        assert_is_topk(x, idx, k)
+        assert max(sizes) <= 6 * k, sizes
+        passes.append(len(sizes))
+    assert (
+        max(passes) <= (2 if name == "gaussiank" else 1) + 1
+        and sum(passes) <= 6 * (2 if name == "gaussiank" else 1) + 1
+    )
 
 
 # --------------------------------------------------------------------------- rTop-k
