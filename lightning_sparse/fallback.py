@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 clock: Callable[[], float] = time.perf_counter
 
 SPARSE, DENSE = "sparse", "dense"
+TRIAL_SPARSE, TRIAL_DENSE = "trial sparse", "trial dense"
 
 
 class TimedFallback:
@@ -114,10 +115,15 @@ class TimedFallback:
         ``"trial sparse"`` / ``"trial dense"`` during a trial."""
         if self._world is None or self._world <= 1:
             return SPARSE  # one process: nothing to time (the byte rule sends dense, which is free)
-        start = self.trial_start
-        if start is not None and start <= step < start + self.trial_length:
-            return "trial " + (DENSE if step - start < self.trial_steps else SPARSE)
+        trial = self._trial_offset(step)
+        if trial is not None:
+            return TRIAL_DENSE if trial < self.trial_steps else TRIAL_SPARSE
         return self.choice or SPARSE
+
+    def _trial_offset(self, step: int) -> int | None:
+        """``step``'s place in the trial (None outside one)."""
+        start = self.trial_start
+        return step - start if start is not None and start <= step < start + self.trial_length else None
 
     def begin_step(self, step: int) -> int:
         """At the first bucket of a step: close the last step's window, choose at the end of a
@@ -131,9 +137,9 @@ class TimedFallback:
         start = self.trial_start
         if start is not None and step >= start + self.trial_length:
             sent = self._decide(step)
-        kind, start = self.kind(step), self.trial_start
-        if start is not None and kind.startswith("trial ") and (step - start) % self.trial_steps:
-            self._open = (kind[len("trial ") :], self._now(), [])
+        trial = self._trial_offset(step)
+        if trial is not None and trial % self.trial_steps:  # the first step of each half is not timed
+            self._open = (DENSE if trial < self.trial_steps else SPARSE, self._now(), [])
         return sent
 
     def track(self, future: Future[Tensor]) -> Future[Tensor]:
@@ -177,7 +183,7 @@ class TimedFallback:
         """Agree on the trial's medians (slowest rank's) and choose; returns bytes sent."""
         medians = [statistics.median(self.samples[k]) if self.samples[k] else float("inf") for k in (SPARSE, DENSE)]
         sent = 0
-        if self.world_size is not None and self.world_size > 1:
+        if self._world is not None and self._world > 1:
             # max is exact, so every rank ends with the same bits and the same choice
             t = torch.tensor(medians, dtype=torch.float64, device=self._device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)

@@ -28,6 +28,7 @@ from torch.futures import Future
 from lightning_sparse import comm
 from lightning_sparse._utils import scratch
 from lightning_sparse.compressors import CompressContext
+from lightning_sparse.fallback import DENSE, SPARSE, TRIAL_DENSE
 from lightning_sparse.state import BucketPlan, Member, SparseState
 from lightning_sparse.stats import Counters
 
@@ -65,10 +66,10 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
     if sparse and state.step >= state.warmup_steps:
         density = state.schedule.density(state.step)
         ks = [k_for(m.numel, density) for m in sparse]
-        kind = timed.kind(state.step) if timed is not None else "sparse"
-        if kind == "trial dense":
+        kind = timed.kind(state.step) if timed is not None else SPARSE
+        if kind == TRIAL_DENSE:
             method = "dense (timing trial)"
-        elif kind == "dense":
+        elif kind == DENSE:
             counters.fallback_buckets = 1
             method = "dense (timed fallback)"
         elif state.fallback_to_dense and not _sparse_is_cheaper(state, buffer, sparse, ks):

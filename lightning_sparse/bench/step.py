@@ -37,7 +37,8 @@ from typing import Any
 
 DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch"]
 DENSE = "dense DDP"
-_FALLBACK_NAMES = {"bytes": "True", "time": "'time'", "off": "False"}
+#: ``--fallback`` -> the sparse runs' ``fallback_to_dense``
+FALLBACKS: dict[str, bool | str] = {"bytes": True, "time": "time", "off": False}
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -90,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fallback",
-        choices=["bytes", "time", "off"],
+        choices=list(FALLBACKS),
         default="bytes",
         help="the sparse runs' fallback_to_dense: bytes (the default, True), time, or off (False)",
     )
@@ -266,7 +267,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"step time: {result['world_size']} ranks on {result['link']}; MLP {result['layers']} x "
         f"{result['width']}^2 = {result['params'] / 1e6:.1f}M parameters, batch {result['batch_size']} per rank, "
         f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; "
-        f"fallback_to_dense {_FALLBACK_NAMES[result.get('fallback', 'bytes')]}; median of {result['steps']} "
+        f"fallback_to_dense {FALLBACKS[result.get('fallback', 'bytes')]!r}; median of {result['steps']} "
         f"steps after {result['warmup']} untimed; torch {result['torch']}",
         "",
         "| run | median step s | dense / run | MB sent per rank per step | compression ratio | hook ms per step | "
@@ -329,7 +330,7 @@ def worker(args: argparse.Namespace) -> int:
         model = DistributedDataParallel(make_model())
         # The strategy's own defaults (min_numel, warm-up, dense fallback); registered as
         # SparseDDPStrategy._register_ddp_hooks does it.
-        fallback = {"bytes": True, "time": "time", "off": False}[args.fallback]
+        fallback = FALLBACKS[args.fallback]
         strategy = SparseDDPStrategy(
             compressor=parse_compressor(spec), density=args.density, fallback_to_dense=fallback
         )

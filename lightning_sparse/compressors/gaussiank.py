@@ -35,6 +35,15 @@ def refit_threshold(threshold: float, count: int, target: float, d: int) -> floa
     return threshold * inv(1.0 - target / (2.0 * d)) / inv(1.0 - count / (2.0 * d))
 
 
+def _step(threshold: float, count: int, k: int, d: int, factor: float) -> float:
+    """The next threshold: refitted to the observed ``count`` (aiming at ``_AIM * k``) when that
+    moves it the way ``factor`` would, else the authors' fixed step ``threshold * factor``."""
+    refit = refit_threshold(threshold, count, _AIM * k, d)
+    if refit is not None and (refit < threshold if factor < 1 else refit > threshold):
+        return refit
+    return threshold * factor
+
+
 #: the refitted threshold aims this far above k: a few extra entries are trimmed from the
 #: shortlist at no cost, while a count short of k costs another pass over p
 _AIM = 1.25
@@ -87,15 +96,13 @@ class GaussianK(Compressor):
         for _ in range(self.rounds):
             count = candidates.numel()
             if count < 2 * k / 3:
-                refit = refit_threshold(threshold, count, _AIM * k, d)
-                threshold = refit if refit is not None and refit < threshold else threshold * 0.5
+                threshold = _step(threshold, count, k, d, 0.5)
                 candidates, magnitudes = indices_at_least(p, threshold), None
             elif count > 4 * k / 3:
                 # A higher threshold selects a subset of the shortlist: filter it, no pass over p.
                 # If the subset would fall short of k, the shortlist in hand already holds the
                 # top-k: trim that instead of going back to p.
-                refit = refit_threshold(threshold, count, _AIM * k, d)
-                higher = refit if refit is not None and refit > threshold else threshold * 1.5
+                higher = _step(threshold, count, k, d, 1.5)
                 if magnitudes is None:
                     magnitudes = p[candidates].abs()
                 keep = magnitudes >= higher
