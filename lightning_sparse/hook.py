@@ -40,6 +40,12 @@ def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tens
     return communicate(state, bucket.buffer(), bucket.parameters(), is_last=bucket.is_last())
 
 
+def local_gradient_hook(state: Any, bucket: dist.GradBucket) -> Future[Tensor]:
+    """DDP communication hook of update mode: keep this rank's own gradient, send nothing
+    (the exchange happens after the optimizer step, see :mod:`lightning_sparse.update`)."""
+    return _done(bucket.buffer())
+
+
 def k_for(numel: int, density: float) -> int:
     """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1)."""
     return max(1, min(numel, round(density * numel)))

@@ -19,6 +19,8 @@ from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.stats import Telemetry
 
 STATE_VERSION = 1
+#: the places compression can happen (``SparseState(compress=...)``)
+COMPRESS_MODES = ("update", "gradient")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,12 @@ class SparseState:
         momentum_correction: DGC's momentum correction: keep the momentum ``u <- m*u + g`` of
             each rank's own gradient in the hook, run error feedback on it and zero what was
             sent in ``u`` too; the optimizer must then run without momentum. 0 turns it off.
+            Gradient mode only.
+        compress: what is compressed: ``"update"`` (each rank's optimizer progress, exchanged
+            after its optimizer step; see :mod:`lightning_sparse.update`) or ``"gradient"``
+            (the gradient, in DDP's communication hook, before the optimizer step; the
+            default here, where the state is used with the hook alone). ``SparseDDPStrategy``
+            defaults to ``"update"``.
 
     Example:
         >>> state = SparseState(compressor="topk", density=0.01)
@@ -90,7 +98,14 @@ class SparseState:
         seed: int = 0,
         fallback_to_dense: bool | str | TimedFallback = True,
         momentum_correction: float = 0.0,
+        compress: str = "gradient",
     ) -> None:
+        if compress not in COMPRESS_MODES:
+            raise ValueError(
+                f"compress={compress!r} is not allowed: expected 'update' (compress each rank's optimizer "
+                "update, after its step) or 'gradient' (compress the gradient, before the step)."
+            )
+        self.compress = compress
         self.compressor = get_compressor(compressor)
         self.schedule = as_schedule(density)
         if not isinstance(error_feedback, bool):
@@ -113,6 +128,12 @@ class SparseState:
                 "(0 turns it off)."
             )
         self.momentum_correction = float(momentum_correction)
+        if self.momentum_correction and compress == "update":
+            raise ValueError(
+                f"momentum_correction={momentum_correction!r} is not allowed with compress='update': each rank's "
+                "optimizer keeps its own momentum there and only its update is compressed; use momentum_correction=0, "
+                "or compress='gradient' for DGC's momentum correction."
+            )
         self.memory = ErrorFeedback()
         self.velocity = LocalMomentum()
         #: per-call: the float32 tensors the hook compresses instead of the bucket's gradient
@@ -187,6 +208,7 @@ class SparseState:
             "fallback_to_dense": self.fallback_to_dense,
             "timed_fallback": repr(self.timed_fallback),
             "momentum_correction": self.momentum_correction,
+            "compress": self.compress,
             "step": self.step,
             "parameters": sorted(self._names.values()),
         }
@@ -248,6 +270,7 @@ class SparseState:
         """This rank's state: residuals by parameter name, step, schedule and telemetry totals."""
         return {
             "version": STATE_VERSION,
+            "compress": self.compress,
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,

@@ -25,6 +25,7 @@ from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.state import SparseState
+from lightning_sparse.update import UpdateExchange, local_gradient_hook
 
 #: key of the hook state inside Lightning checkpoints
 CHECKPOINT_KEY = "lightning_sparse"
@@ -43,13 +44,21 @@ _CONFLICTING_DDP_ARGS = {
 class SparseDDPStrategy(DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
 
-    Every optimizer step each parameter sends ``k = density * numel`` coordinates of its
-    gradient plus residual (chosen by ``compressor``); what is not sent is kept and added to the
-    next step's gradient, so nothing is lost, only delayed. Tensors below ``min_numel`` and the
-    first ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
-    launchers, NCCL/gloo, the buckets and the overlap of communication with backward.
+    Every optimizer step each parameter sends ``k = density * numel`` coordinates (chosen by
+    ``compressor``) of what it has to send; what is not sent is kept and sent later, so nothing
+    is lost, only delayed. With ``compress="update"`` (the default) every rank's optimizer steps
+    on its own gradient and the strategy exchanges part of each rank's accumulated progress
+    after the step; the module holds the global parameters, identical on every rank, between
+    steps. With ``compress="gradient"`` DDP's communication hook sends part of each gradient
+    plus residual, overlapping with backward. Tensors below ``min_numel`` and the first
+    ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
+    launchers, NCCL/gloo, the buckets.
 
     Args:
+        compress: ``"update"``: compress each rank's optimizer update (trains close to dense with
+            AdamW and with SGD + momentum; the exchange runs after the optimizer step);
+            ``"gradient"``: compress the gradient before the step (overlaps with backward; suits
+            plain SGD).
         compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
         density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
         error_feedback: keep what was not sent and add it to the next gradient.
@@ -92,6 +101,7 @@ class SparseDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
+        compress: Literal["update", "gradient"] = "update",
         compressor: Union[str, Compressor] = "topk",
         density: Union[float, DensitySchedule] = 0.01,
         error_feedback: bool = True,
@@ -143,7 +153,12 @@ class SparseDDPStrategy(DDPStrategy):
             seed=seed,
             fallback_to_dense=fallback_to_dense,
             momentum_correction=momentum_correction,
+            compress=compress,
         )
+        self._update: Optional[UpdateExchange] = None
+        if compress == "update":
+            cap = 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
+            self._update = UpdateExchange(self._sparse_state, bucket_bytes=int(cap * 1024 * 1024))
         ddp_kwargs: dict[str, Any] = dict(kwargs)
         ddp_kwargs.update(
             find_unused_parameters=find_unused_parameters,
@@ -164,12 +179,25 @@ class SparseDDPStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self._pending_hook_state: Optional[dict[str, Any]] = None
+        #: every rank's optimizer states from a loaded checkpoint (update mode), by rank
+        self._pending_optimizer_states: Optional[list[Any]] = None
+        self._in_optimizer_step = False
         self.compression_monitor = compression_monitor
 
     @property
     def sparse_state(self) -> SparseState:
         """The hook's state on this rank: residuals, step, telemetry."""
         return self._sparse_state
+
+    @property
+    def compress(self) -> str:
+        """``"update"`` or ``"gradient"``: what is compressed."""
+        return self._sparse_state.compress
+
+    @property
+    def update_exchange(self) -> Optional[UpdateExchange]:
+        """The update exchange (``compress="update"``), else None."""
+        return self._update
 
     # ------------------------------------------------------------------ telemetry
     def setup(self, trainer: pl.Trainer) -> None:
@@ -202,10 +230,72 @@ class SparseDDPStrategy(DDPStrategy):
         if self._pending_hook_state is not None:
             self._apply_hook_state(self._pending_hook_state)
             self._pending_hook_state = None
+        if self._update is not None:
+            # each rank keeps its own gradient; the exchange runs after the optimizer step
+            self._update.bind(model.module.named_parameters(), process_group=model.process_group)
+            model.register_comm_hook(None, local_gradient_hook)
+            return
         scaler = getattr(self.precision_plugin, "scaler", None)
         self._sparse_state.loss_scale = None if scaler is None else _ScaleReader(scaler)
         self._sparse_state.bind(model.module.named_parameters(), process_group=model.process_group)
         model.register_comm_hook(self._sparse_state, sparse_comm_hook)
+
+    # ------------------------------------------------------------------ update mode
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._update is not None:
+            self._update.enter_local()  # this rank's forward/backward run at global + its residual
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Any,
+        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._update is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._update.enter_local(params)
+        self._in_optimizer_step = True
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._in_optimizer_step = False
+        self._update.exchange(params)
+        return output
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._update is not None and not self._in_optimizer_step:
+            # A backward without a step (accumulation, manual optimization): the gradients are
+            # taken, so the module goes back to the global model until the step re-enters the
+            # rank's view; callbacks at batch ends and validation then see the global model.
+            self._update.leave_local()
+
+    def _hold_global(self) -> None:
+        if self._update is not None:
+            self._update.leave_local()
+
+    def on_validation_start(self) -> None:
+        self._hold_global()
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self._hold_global()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._hold_global()
+        super().on_predict_start()
+
+    def on_train_end(self) -> None:
+        self._hold_global()
+        super().on_train_end()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._hold_global()  # checkpoints hold the global model
+        return super().lightning_module_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -213,6 +303,9 @@ class SparseDDPStrategy(DDPStrategy):
     ) -> None:
         # Runs on every rank, so the residuals of all ranks can be gathered to rank 0 here.
         mine = self._sparse_state.state_dict()
+        if self._update is not None and "optimizer_states" in checkpoint:
+            # each rank's optimizer followed its own gradients: Lightning keeps rank 0's only
+            mine["optimizer_states"] = checkpoint["optimizer_states"]
         if _distributed_is_initialized() and dist.get_world_size() > 1:
             gathered: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == 0 else None
             dist.gather_object(mine, gathered, dst=0)
@@ -227,12 +320,27 @@ class SparseDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:
+            ranks = payload["ranks"]
+            if (
+                self._update is not None
+                and int(payload["world_size"]) == self.world_size
+                and all("optimizer_states" in r for r in ranks)
+            ):
+                self._pending_optimizer_states = [r["optimizer_states"] for r in ranks]
             # Restored before DDP wraps the model; applied when the hook is registered.
             self._pending_hook_state = payload
             if isinstance(self.model, DistributedDataParallel):
                 self._apply_hook_state(payload)
                 self._pending_hook_state = None
         return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pending = self._pending_optimizer_states
+        self._pending_optimizer_states = None
+        if pending is not None:
+            # update mode: this rank's own optimizer state, as it was in this rank when saved
+            checkpoint = {**checkpoint, "optimizer_states": pending[self.global_rank]}
+        super().load_optimizer_state_dict(checkpoint)
 
     def _apply_hook_state(self, payload: dict[str, Any]) -> None:
         ranks: list[dict[str, Any]] = payload["ranks"]
@@ -254,6 +362,13 @@ class SparseDDPStrategy(DDPStrategy):
                 mine[key] = {
                     n: sum(r[key][n] for r in ranks if n in r.get(key, {})) / saved_world for n in sorted(names)
                 }
+        saved_mode = mine.get("compress", "gradient")
+        if saved_mode != state.compress:
+            rank_zero_warn(
+                f"lightning_sparse: the checkpoint was written with compress={saved_mode!r} and is resumed with "
+                f"compress={state.compress!r}; its error-feedback residuals (unsent {saved_mode}s) are dropped."
+            )
+            mine = {**mine, "residuals": {}, "velocity": {}}
         saved_compressor = mine.get("compressor")
         current = type(state.compressor).__name__
         if saved_compressor != current or mine.get("compressor_config") != state.compressor.config():

@@ -7,6 +7,8 @@ Every collective's input is captured; the test decodes what this rank actually s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -95,6 +97,30 @@ def _decode(
     return sent
 
 
+@contextlib.contextmanager
+def capture_collectives() -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """Record ``(kind, input as sent, the collective's output tensor)`` of every collective the
+    package issues through :mod:`lightning_sparse.comm` inside the block."""
+    from lightning_sparse import comm
+
+    captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    real_gather, real_reduce = comm.all_gather, comm.all_reduce
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+        captured.append(("gather", inp.clone(), out))
+        return real_gather(out, inp, group)
+
+    def reduce(t: torch.Tensor, group: Any = None) -> Any:
+        captured.append(("reduce", t.clone(), t))
+        return real_reduce(t, group)
+
+    comm.all_gather, comm.all_reduce = gather, reduce
+    try:
+        yield captured
+    finally:
+        comm.all_gather, comm.all_reduce = real_gather, real_reduce
+
+
 def _check_sketch_tables(state: Any, captured: list, step: int, plan: Any, ks: list[int], ps: dict) -> None:
     """Round 1 carries this rank's count-sketch of p, exactly as the compressor computes it."""
     from lightning_sparse.compressors import CompressContext
@@ -121,7 +147,6 @@ def _conservation_worker(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse import comm
     from lightning_sparse.hook import communicate, k_for
     from lightning_sparse.state import SparseState
 
@@ -141,21 +166,9 @@ def _conservation_worker(
     )
     state.bind(named)
 
-    captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    real_gather, real_reduce = comm.all_gather, comm.all_reduce
-
-    def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
-        captured.append(("gather", inp.clone(), out))
-        return real_gather(out, inp, group)
-
-    def reduce(t: torch.Tensor, group: Any = None) -> Any:
-        captured.append(("reduce", t.clone(), t))
-        return real_reduce(t, group)
-
-    comm.all_gather, comm.all_reduce = gather, reduce
     gen = torch.Generator().manual_seed(100 + rank)
     checked_sparse_steps = 0
-    try:
+    with capture_collectives() as captured:
         for step in range(steps):
             g = (torch.randn(numel, generator=gen) * (1 + step)).to(dtype)
             plan = state.plan(g, params)
@@ -202,8 +215,6 @@ def _conservation_worker(
             outs = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(outs, got)
             assert torch.equal(outs[0], outs[1]), "replicas received different gradients"
-    finally:
-        comm.all_gather, comm.all_reduce = real_gather, real_reduce
     return {"sparse_steps": checked_sparse_steps, "telemetry": state.telemetry.total.as_dict()}
 
 

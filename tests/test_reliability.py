@@ -24,9 +24,13 @@ BASE: dict[str, Any] = {"n": 256, "max_steps": 32, "density": 0.05, "data_by_ste
 TIMED: dict[str, Any] = {"compressor": "topk", "density": BASE["density"], "fallback_to_dense": "time"}
 
 
-def _strategy(name: str) -> dict[str, Any]:
+def _strategy(name: str, compress: str = "gradient") -> dict[str, Any]:
     # no dense fallback: every step after warm-up takes the compressor's own path
-    return {"compressor": name, "density": BASE["density"], "fallback_to_dense": False}
+    return {"compressor": name, "density": BASE["density"], "fallback_to_dense": False, "compress": compress}
+
+
+# update mode: each rank's own AdamW (its state differs per rank and must come back on resume)
+UPDATE_RUN: dict[str, Any] = {"optimizer": "adamw", "lr": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +50,23 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     }
                     for c in NAMES
                 ),
-                {"name": "nan", "strategy": "sparse_ddp", "nan_at_step": 10, "nan_rank": 1},
+                *(
+                    {
+                        "name": f"full_update_{c}",
+                        "strategy": _strategy(c, "update"),
+                        **UPDATE_RUN,
+                        "ckpt_at_epoch": 1,
+                        "ckpt_out": str(root / f"update_{c}.ckpt"),
+                    }
+                    for c in NAMES
+                ),
+                {"name": "nan", "strategy": {"compress": "gradient"}, "nan_at_step": 10, "nan_rank": 1},
+                # update mode: rank 1 skips its own step; rank 0's optimizer steps as usual
+                {"name": "nan_update", "strategy": "sparse_ddp", "nan_at_step": 10, "nan_rank": 1},
                 # fp16 AMP: a real GradScaler halves its scale after the overflow; residuals follow it
                 {
                     "name": "fp16_scaler",
-                    "strategy": "sparse_ddp",
+                    "strategy": {"compress": "gradient"},
                     "precision": "16-mixed",
                     "nan_at_step": 10,
                     "nan_rank": 1,
@@ -80,6 +96,15 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "runs": [
                 *(
                     {"name": f"resumed_{c}", "strategy": _strategy(c), "ckpt_path": str(root / f"{c}.ckpt")}
+                    for c in NAMES
+                ),
+                *(
+                    {
+                        "name": f"resumed_update_{c}",
+                        "strategy": _strategy(c, "update"),
+                        **UPDATE_RUN,
+                        "ckpt_path": str(root / f"update_{c}.ckpt"),
+                    }
                     for c in NAMES
                 ),
                 {
@@ -114,6 +139,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 },
                 {"name": "auto", "strategy": "auto", "max_steps": 20},
                 {"name": "sparse_default", "strategy": "sparse_ddp", "max_steps": 20},
+                {"name": "sparse_gradient", "strategy": {"compress": "gradient"}, "max_steps": 20},
                 {"name": "sparse_forced", "strategy": {"density": 1.0, "fallback_to_dense": False}, "max_steps": 20},
                 {"name": "sparse_timed", "strategy": {"fallback_to_dense": "time"}, "max_steps": 20},
             ],
@@ -129,7 +155,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("name", [*NAMES, "momentum", "timed"])
+@pytest.mark.parametrize("name", [*NAMES, "momentum", "timed", *(f"update_{c}" for c in NAMES)])
 def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) -> None:
     full, resumed = launches["first"][f"full_{name}"], launches["second"][f"resumed_{name}"]
     for rank in range(2):
@@ -142,6 +168,9 @@ def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) ->
         for key in a["residuals"]:
             assert torch.equal(a["residuals"][key], b["residuals"][key]), f"rank {rank}: residual {key} differs"
         assert a["telemetry"]["sent_bytes"] == b["telemetry"]["sent_bytes"]
+    if name.startswith("update_"):  # the module holds the global model, identical on both ranks
+        for key in full[0]["params"]:
+            assert torch.equal(full[0]["params"][key], full[1]["params"][key]), f"replicas differ in {key}"
     # the residuals differ per rank, so the checkpoint must have carried both ranks' residuals
     assert any(not torch.equal(full[0]["residuals"][k], full[1]["residuals"][k]) for k in full[0]["residuals"])
 
@@ -186,6 +215,17 @@ def test_resume_with_other_compressor_warns_and_trains(launches: dict[str, Any])
         assert torch.equal(changed[0]["params"][key], changed[1]["params"][key])
 
 
+def test_nonfinite_update_on_one_rank_stays_on_that_rank(launches: dict[str, Any]) -> None:
+    runs = launches["first"]["nan_update"]
+    assert [r["skipped_steps"] for r in runs] == [0, 1]  # rank 1 skipped its own step only
+    for key in runs[0]["params"]:
+        assert torch.equal(runs[0]["params"][key], runs[1]["params"][key])
+        assert torch.isfinite(runs[0]["params"][key]).all()
+    for r in runs:
+        assert all(torch.isfinite(v).all() for v in r["residuals"].values())
+        assert r["train_acc"] > r["initial_acc"] + 0.15
+
+
 @pytest.mark.parametrize("run", ["nan", "fp16_scaler"])
 def test_nonfinite_gradient_on_one_rank_is_skipped_everywhere(launches: dict[str, Any], run: str) -> None:
     runs = launches["first"][run]
@@ -212,7 +252,7 @@ def test_model_with_only_small_tensors_goes_dense(launches: dict[str, Any]) -> N
 def test_world_size_one_equals_no_strategy(launches: dict[str, Any]) -> None:
     single = launches["single"]
     ref = single["auto"][0]["params"]
-    for run in ("sparse_default", "sparse_forced", "sparse_timed"):
+    for run in ("sparse_default", "sparse_gradient", "sparse_forced", "sparse_timed"):
         got = single[run][0]
         assert got["global_step"] == 20
         for key in ref:

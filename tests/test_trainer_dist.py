@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,9 +41,35 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_trains_with_identical_replicas(case: str, tmp_path: Path) -> None:
+def _in_mode(strategy: Any, compress: str) -> Any:
+    """A case's strategy (a registered name or arguments) with ``compress`` set."""
+    if isinstance(strategy, str):
+        name = strategy.removeprefix("sparse_ddp")
+        return {"compress": compress, "find_unused_parameters": name == "_find_unused_parameters_true"}
+    return {**strategy, "compress": compress}
+
+
+# Update mode on the cases that exercise DDP and Lightning features (every compressor runs in update
+# mode in test_reliability); random coordinates at density 0.01 move the global model too slowly
+# for this short run, so the frozen case uses top-k there.
+UPDATE_CASES = {
+    "accumulate": {},
+    "bf16_true": {},
+    "frozen": {"compressor": "topk"},
+    "sometimes_unused": {},
+    "static_graph_bucket_view": {},
+    "topk_multi_bucket": {},
+    "unused": {},
+}
+MODE_CASES = [(case, "gradient") for case in sorted(CASES)] + [(case, "update") for case in sorted(UPDATE_CASES)]
+
+
+@pytest.mark.parametrize("case,compress", MODE_CASES)
+def test_trains_with_identical_replicas(case: str, compress: str, tmp_path: Path) -> None:
     cfg = {"max_steps": 24, **CASES[case]}
+    cfg["strategy"] = _in_mode(cfg["strategy"], compress)
+    if compress == "update":
+        cfg["strategy"].update(UPDATE_CASES[case])
     results = run_trainer(cfg, tmp_path)
     assert_replicas_identical(results)
     for r in results:
@@ -54,19 +81,27 @@ def test_trains_with_identical_replicas(case: str, tmp_path: Path) -> None:
         assert r["train_acc"] > r["initial_acc"] + 0.15, (r["initial_acc"], r["train_acc"])
 
 
-def test_density_one_equals_ddp(tmp_path: Path) -> None:
-    base = {"max_steps": 30, "lr": 0.02}
-    ddp = run_trainer({**base, "strategy": "ddp"}, tmp_path / "ddp")
-    forced = run_trainer(
-        {**base, "strategy": {"density": 1.0, "fallback_to_dense": False, "bucket_cap_mb": 0.02}},
-        tmp_path / "forced",
+@pytest.mark.parametrize("compress", ["gradient", "update"])
+def test_density_one_equals_ddp(tmp_path: Path, compress: str) -> None:
+    """Density 1 sends everything: with SGD + momentum both modes are DDP (all of it is linear)."""
+    dense = {"compress": compress, "density": 1.0}
+    runs = run_trainer(
+        {
+            "max_steps": 30,
+            "lr": 0.02,
+            "runs": [
+                {"name": "ddp", "strategy": "ddp"},
+                {"name": "forced", "strategy": {**dense, "fallback_to_dense": False, "bucket_cap_mb": 0.02}},
+                {"name": "fallback", "strategy": dense},
+            ],
+        },
+        tmp_path,
     )
-    fallback = run_trainer({**base, "strategy": {"density": 1.0}}, tmp_path / "fallback")
-    assert forced[0]["telemetry"]["fallback_buckets"] == 0
-    assert fallback[0]["telemetry"]["fallback_buckets"] > 0
-    for run in (forced, fallback):
+    assert runs["forced"][0]["telemetry"]["fallback_buckets"] == 0
+    assert runs["fallback"][0]["telemetry"]["fallback_buckets"] > 0
+    for run in (runs["forced"], runs["fallback"]):
         assert_replicas_identical(run)
-        for name, ref in ddp[0]["params"].items():
+        for name, ref in runs["ddp"][0]["params"].items():
             torch.testing.assert_close(run[0]["params"][name], ref, rtol=1e-4, atol=1e-5)
 
 
@@ -78,10 +113,19 @@ def test_momentum_correction(tmp_path: Path) -> None:
             "runs": [
                 {"name": "ddp", "strategy": "ddp", "momentum": 0.9},
                 # dense (density 1 falls back to dense): averaging local momenta == momentum of the average
-                {"name": "dense", "strategy": {"density": 1.0, "momentum_correction": 0.9}, "momentum": 0.0},
+                {
+                    "name": "dense",
+                    "strategy": {"compress": "gradient", "density": 1.0, "momentum_correction": 0.9},
+                    "momentum": 0.0,
+                },
                 {
                     "name": "randomk",
-                    "strategy": {"compressor": "randomk", "density": 0.05, "momentum_correction": 0.9},
+                    "strategy": {
+                        "compress": "gradient",
+                        "compressor": "randomk",
+                        "density": 0.05,
+                        "momentum_correction": 0.9,
+                    },
                     "momentum": 0.0,
                 },
             ],
@@ -97,4 +141,7 @@ def test_momentum_correction(tmp_path: Path) -> None:
     assert r["velocity"] and all(torch.isfinite(v).all() for v in r["velocity"].values())
     # an optimizer that keeps its own momentum is refused at setup
     with pytest.raises(AssertionError, match=r"momentum_correction=0.9 is not allowed with SGD\(momentum=0.9\)"):
-        run_trainer({**base, "strategy": {"momentum_correction": 0.9}, "momentum": 0.9}, tmp_path / "refused")
+        run_trainer(
+            {**base, "strategy": {"compress": "gradient", "momentum_correction": 0.9}, "momentum": 0.9},
+            tmp_path / "refused",
+        )

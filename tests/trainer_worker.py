@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_sparse
 from lightning_sparse import SparseDDPStrategy
 from lightning_sparse.hook import sparse_comm_hook
+from lightning_sparse.update import UpdateExchange
 
 
 class Net(L.LightningModule):
@@ -44,6 +47,8 @@ class Net(L.LightningModule):
         self.nan_at_step = nan_at_step
         self.data: TensorDataset | None = None
         self.momentum = 0.9
+        self.optimizer_name = "sgd"
+        self.scheduler = False
         self.skipped_steps = 0
         self.residual_norms: list[float] = []
         self.sent_numel: list[int] = []
@@ -85,14 +90,78 @@ class Net(L.LightningModule):
             self.skipped_steps += 1
             for p in self.parameters():
                 p.grad = None
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        # after the step's exchange in both modes (the hook runs before the optimizer step, the
+        # update exchange after it)
         strategy = self.trainer.strategy
         if isinstance(strategy, SparseDDPStrategy):
             self.residual_norms.append(strategy.sparse_state.memory.norm_sq() ** 0.5)
             self.sent_numel.append(strategy.sparse_state.telemetry.last.sent_numel)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+        if self.optimizer_name == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
+        else:
+            opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x).float(), y), sync_dist=True, batch_size=len(x))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x).float(), y), sync_dist=True, batch_size=len(x))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).float()
+
+
+class ManualNet(Net):
+    """Manual optimization with two optimizers (SGD for the body, AdamW for the head)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_body, opt_head = self.optimizers()
+        loss = nn.functional.cross_entropy(self(x).float(), y)
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        self.manual_backward(loss)
+        opt_head.step()
+        opt_body.step()
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.SGD(self.body.parameters(), lr=self.lr, momentum=self.momentum),
+            torch.optim.AdamW(self.head.parameters(), lr=0.01),
+        )
+
+
+class Snapshots(L.Callback):
+    """What callbacks see: a fingerprint of the module's parameters at batch ends and validation starts."""
+
+    def __init__(self) -> None:
+        self.batch_end: list[float] = []
+        self.validation_start: list[float] = []
+
+    @staticmethod
+    def fingerprint(module: nn.Module) -> float:
+        return float(sum((p.detach().double() * (i + 1)).sum() for i, p in enumerate(module.parameters())))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.batch_end.append(self.fingerprint(pl_module))
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.validation_start.append(self.fingerprint(pl_module))
 
 
 def make_data(seed: int = 0, n: int = 1024) -> TensorDataset:
@@ -166,7 +235,7 @@ def _called_from_hook() -> bool:
         return True
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code is sparse_comm_hook.__code__:
+        if frame.f_code in (sparse_comm_hook.__code__, UpdateExchange.exchange.__wrapped__.__code__):
             return True
         frame = frame.f_back
     return False
@@ -199,8 +268,11 @@ class _SaveAtEpochEnd(L.Callback):
 
 def fit_once(cfg: dict[str, Any]) -> None:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = Net(cfg.get("model", "mlp"), cfg.get("lr", 0.05), cfg.get("nan_at_step", -1), cfg.get("nan_rank", -1))
+    cls = ManualNet if cfg.get("manual") else Net
+    model = cls(cfg.get("model", "mlp"), cfg.get("lr", 0.05), cfg.get("nan_at_step", -1), cfg.get("nan_rank", -1))
     model.momentum = cfg.get("momentum", 0.9)
+    model.optimizer_name = cfg.get("optimizer", "sgd")
+    model.scheduler = cfg.get("scheduler", False)
     data = make_data(cfg.get("seed", 0), cfg.get("n", 1024))
     initial_acc = _accuracy(model, data)
     if cfg.get("data_by_step"):
@@ -210,6 +282,13 @@ def fit_once(cfg: dict[str, Any]) -> None:
     callbacks: list[L.Callback] = []
     if "ckpt_at_epoch" in cfg:
         callbacks.append(_SaveAtEpochEnd(cfg["ckpt_at_epoch"], cfg["ckpt_out"]))
+    snapshots = Snapshots()
+    callbacks.append(snapshots)
+    if cfg.get("checkpoint_every"):
+        callbacks.append(ModelCheckpoint(dirpath="ckpts", every_n_train_steps=cfg["checkpoint_every"], save_last=True))
+    val_loader = None
+    if cfg.get("validate"):
+        val_loader = DataLoader(data, batch_size=len(data), shuffle=False)  # one batch per rank
     tap = None
     if cfg.get("intercept_collectives"):
         tap = WireTap()
@@ -225,10 +304,14 @@ def fit_once(cfg: dict[str, Any]) -> None:
         max_steps=cfg.get("max_steps", 30),
         max_epochs=-1,
         accumulate_grad_batches=cfg.get("accumulate_grad_batches", 1),
+        gradient_clip_val=cfg.get("gradient_clip_val"),
         precision=cfg.get("precision", "32-true"),
         logger=logger,
         log_every_n_steps=cfg.get("log_every_n_steps", 50),
-        enable_checkpointing=False,
+        enable_checkpointing=bool(cfg.get("checkpoint_every")),
+        # an integer: validate every that many training batches, across epochs
+        val_check_interval=cfg.get("val_check_interval"),
+        check_val_every_n_epoch=None if cfg.get("val_check_interval") else 1,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -246,9 +329,15 @@ def fit_once(cfg: dict[str, Any]) -> None:
 
         lightning_sparse.comm.all_reduce = slow_all_reduce
     try:
-        trainer.fit(model, loader, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("ckpt_path"))
     finally:
         lightning_sparse.comm.all_reduce = real_all_reduce
+    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    extra: dict[str, Any] = {}
+    if cfg.get("test"):
+        extra["test"] = trainer.test(model, val_loader, verbose=False)
+    if cfg.get("predict"):
+        extra["predict"] = torch.cat(trainer.predict(model, val_loader))
     if cfg.get("save_ckpt"):
         trainer.save_checkpoint(cfg["save_ckpt"])
     result: dict[str, Any] = {
@@ -257,7 +346,10 @@ def fit_once(cfg: dict[str, Any]) -> None:
         "initial_acc": initial_acc,
         "train_acc": _accuracy(model, data),
         "skipped_steps": model.skipped_steps,
-        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "callback_metrics": fit_metrics,
+        "cwd": os.getcwd(),
+        "snapshots": {"batch_end": snapshots.batch_end, "validation_start": snapshots.validation_start},
+        **extra,
         "callbacks": [type(cb).__name__ for cb in trainer.callbacks],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
     }

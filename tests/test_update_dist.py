@@ -1,0 +1,177 @@
+"""Update mode (``compress="update"``) on 2 real gloo processes, with the messages read off the wire.
+
+Each rank runs its own AdamW on its own gradients at ``global + e``; after the step the exchange
+sends part of ``u = e + delta``. The test decodes what each rank actually sent and checks, every
+step and parameter, bit for bit:
+- conservation: sent + new residual == old residual + the optimizer's update (delta);
+- the global parameters move by the average of what the ranks sent, identically on every rank;
+- between steps the module holds the global parameters, and during a step ``global + e``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_hook_dist import COMPRESSORS_ON_THE_WIRE, _compressor, _decode, _params, capture_collectives
+
+
+def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | None, steps: int = 4) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_sparse.hook import k_for
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    named = _params(torch.float32)
+    params = [p for _, p in named]
+    numel = sum(p.numel() for p in params)
+    with torch.no_grad():  # the same initial model on every rank
+        init = torch.Generator().manual_seed(3)
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=init) * 0.1)
+    state = SparseState(
+        compressor=compressor,
+        density=0.02,
+        min_numel=1000,
+        warmup_steps=1,
+        value_dtype=value_dtype,
+        fallback_to_dense=False,
+        seed=5,
+        compress="update",
+    )
+    exchange = UpdateExchange(state)  # one message: all parameters fit in 25 MB
+    exchange.bind(named)
+    assert exchange.active
+    optimizer = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+    data = torch.Generator().manual_seed(100 + rank)  # every rank has its own data
+    sparse_steps = 0
+    with capture_collectives() as captured:
+        for step in range(steps):
+            glob = torch.cat([p.detach().reshape(-1).clone() for p in params])
+            plan = state.plan(torch.empty(numel), params)
+            old = {m.name: state.memory.get(m.name).clone() for m in plan.members if m.name in state.memory}
+            exchange.enter_local()
+            before = torch.cat([p.detach().reshape(-1).clone() for p in params])
+            for m in plan.members:  # the module holds global + e during the rank's own step
+                seg = slice(m.offset, m.offset + m.numel)
+                expected = glob[seg] + old[m.name] if m.name in old else glob[seg]
+                assert torch.equal(before[seg], expected), f"step {step} {m.name}: not global + e"
+            optimizer.zero_grad()
+            target = torch.randn(numel, generator=data)
+            loss = sum(
+                (p.reshape(-1) - target[m.offset : m.offset + m.numel]).pow(2).sum()
+                for m, p in zip(plan.members, params, strict=True)
+            )
+            loss.backward()
+            optimizer.step()
+            after = torch.cat([p.detach().reshape(-1).clone() for p in params])
+            ks = [k_for(m.numel, 0.02) for m in plan.sparse_members]
+            captured.clear()
+            exchange.exchange()
+            sent = _decode(captured, state, step, plan, ks, numel, torch.float32)
+            sparse_step = step >= state.warmup_steps
+            sparse_steps += sparse_step
+            new_global = torch.cat([p.detach().reshape(-1).clone() for p in params])
+            delta = after - before
+            for m in plan.members:
+                seg = slice(m.offset, m.offset + m.numel)
+                new = state.memory.get(m.name) if m.name in state.memory else torch.zeros(m.numel)
+                e_old = old.get(m.name, torch.zeros(m.numel))
+                # conservation, exactly: sent + e_new == e_old + delta
+                assert torch.equal(sent[seg] + new, e_old + delta[seg]), f"step {step} {m.name}: conservation broken"
+                if m.sparse and sparse_step:
+                    assert int((sent[seg] != 0).sum()) <= k_for(m.numel, 0.02)
+                    assert bool((new != 0).any()), "a sparse step keeps an unsent part"
+                else:
+                    assert not bool((new != 0).any()), "a dense send keeps nothing back"
+            # the global parameters move by the average of what the ranks sent
+            everyone = [torch.empty_like(sent) for _ in range(world)]
+            dist.all_gather(everyone, sent)
+            average = torch.stack(everyone).sum(0) / world
+            if value_dtype is None:
+                assert torch.equal(new_global, glob + average)
+            else:
+                torch.testing.assert_close(new_global, glob + average, rtol=1e-2, atol=1e-3)
+            replicas = [torch.empty_like(new_global) for _ in range(world)]
+            dist.all_gather(replicas, new_global)
+            assert torch.equal(replicas[0], replicas[1]), "replicas differ"
+    return {"sparse_steps": sparse_steps, "telemetry": state.telemetry.total.as_dict(), "steps": state.step}
+
+
+CASES = [(c, None) for c in COMPRESSORS_ON_THE_WIRE] + [("topk", "bfloat16"), ("randomk", "float16")]
+
+
+@pytest.mark.parametrize("compressor,value_dtype", CASES)
+def test_update_conservation_and_global_average(dist2, compressor: str, value_dtype: str | None) -> None:
+    results = dist2.run(_update_worker, compressor=_compressor(compressor), value_dtype=value_dtype)
+    for r in results:
+        assert r["sparse_steps"] == 3 and r["steps"] == 4
+        t = r["telemetry"]
+        assert t["buckets"] == 4 and t["dense_buckets"] == 1
+        assert t["sent_bytes"] < t["dense_bytes"]
+
+
+def _leave_local_worker(rank: int, world: int) -> dict[str, Any]:
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    named = _params(torch.float32)
+    params = [p for _, p in named]
+    state = SparseState(compressor="topk", density=0.02, min_numel=1000, fallback_to_dense=False, compress="update")
+    exchange = UpdateExchange(state, bucket_bytes=20_000)  # several messages
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):  # builds residuals
+        exchange.enter_local()
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen))
+        exchange.exchange()
+    glob = [p.detach().clone() for p in params]
+    exchange.enter_local()
+    moved = any(not torch.equal(p, g) for p, g in zip(params, glob, strict=True))
+    exchange.enter_local()  # a second call changes nothing
+    exchange.leave_local()  # e.g. validation in the middle of gradient accumulation
+    back = all(torch.equal(p, g) for p, g in zip(params, glob, strict=True))
+    return {"moved": moved, "back": back, "messages": state.telemetry.steps}
+
+
+def test_leave_local_restores_global_exactly(dist2) -> None:
+    for r in dist2.run(_leave_local_worker):
+        assert r["moved"] and r["back"]
+        assert r["messages"] == 3
+
+
+def test_one_process_is_plain_training() -> None:
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    named = _params(torch.float32)
+    exchange = UpdateExchange(SparseState(compress="update"))
+    exchange.bind(named)
+    assert not exchange.active
+    before = [p.detach().clone() for _, p in named]
+    exchange.enter_local()
+    with torch.no_grad():
+        for _, p in named:
+            p.add_(1.0)
+    exchange.exchange()
+    for (_, p), b in zip(named, before, strict=True):
+        assert torch.equal(p, b + 1.0)  # untouched: nothing to exchange on one process
+
+
+def test_arguments() -> None:
+    from lightning_sparse import SparseDDPStrategy
+    from lightning_sparse.state import SparseState
+
+    assert SparseDDPStrategy().compress == "update"
+    assert SparseDDPStrategy(compress="gradient").update_exchange is None
+    with pytest.raises(ValueError, match=r"compress='weights' is not allowed: expected 'update'"):
+        SparseDDPStrategy(compress="weights")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"momentum_correction=0.9 is not allowed with compress='update'"):
+        SparseDDPStrategy(momentum_correction=0.9)
+    SparseDDPStrategy(compress="gradient", momentum_correction=0.9)
+    assert SparseState().compress == "gradient"
