@@ -208,7 +208,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="default: %(default)s")
     parser.add_argument(
-        "--compressors", nargs="+", default=list(COMPRESSORS), help="compressor names (default: %(default)s)"
+        "--compressors",
+        nargs="*",
+        default=list(COMPRESSORS),
+        help="compressor names; none: --compressors with no value (default: %(default)s)",
     )
     parser.add_argument("--densities", type=float, nargs="+", default=DEFAULT_DENSITIES, help="default: %(default)s")
     parser.add_argument(
@@ -332,7 +335,7 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
     model, data = task.build(config["seed"], bool(config.get("tiny")))
     counter: CollectiveCounter | None = None
     if config.get("peer"):
-        state, hook = Peer.parse(config["peer"]).hook()
+        state, hook = Peer.parse(config["peer"]).registered_hook()
         strategy: Any = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
         counter = CollectiveCounter()
         counter.install()

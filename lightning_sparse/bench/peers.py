@@ -4,6 +4,13 @@ Lightning's ``DDPStrategy`` registers its ``ddp_comm_hook`` only when the device
 hook is silently never called. ``CommHookDDPStrategy`` registers it on every device, so these peers
 run on the same CPU/gloo fits as ``SparseDDPStrategy``. ``CollectiveCounter`` counts the bytes the
 hooks hand to ``torch.distributed`` collectives.
+
+PowerSGD issues its second and third all-reduce of a bucket from future callbacks, which run on
+gloo's threads: with several buckets those of different buckets interleave differently on each
+rank, and gloo aborts ("Received data size doesn't match expected size"; seen with the 3.2M-parameter
+gpt task on 2 CPU ranks). ``SequentialHook`` runs the hook of one bucket only after the previous
+bucket's future completed, so every rank issues the same collectives in the same order; the math and
+the bytes are torch's, only the overlap of buckets is lost.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ class Peer:
         return f"{self.kind} (torch hook)"
 
     def hook(self) -> tuple[Any, Callable[..., Any]]:
-        """A fresh ``(state, hook)`` pair for ``DistributedDataParallel.register_comm_hook``."""
+        """A fresh ``(state, hook)`` pair of torch's hook for ``DistributedDataParallel.register_comm_hook``."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if self.kind == "powersgd":
@@ -88,6 +95,52 @@ class Peer:
         if self.kind == "bf16":
             return None, default_hooks.bf16_compress_hook
         raise ValueError(f"kind={self.kind!r} is not allowed: expected powersgd, fp16 or bf16")
+
+    def registered_hook(self) -> tuple[Any, Callable[..., Any]]:
+        """The ``(state, hook)`` pair the benchmark registers: PowerSGD's wrapped in ``SequentialHook``
+        (its collectives from future callbacks would interleave across buckets on gloo), the others as is."""
+        state, hook = self.hook()
+        if self.kind == "powersgd":
+            return SequentialHook(state, hook), sequential_hook
+        return state, hook
+
+
+class SequentialHook:
+    """A DDP comm hook state that runs ``hook`` on a bucket after the previous bucket's future completed.
+
+    Register it with ``sequential_hook``: ``ddp.register_comm_hook(SequentialHook(state, hook), sequential_hook)``.
+
+    Args:
+        state: the wrapped hook's state.
+        hook: the wrapped hook, ``hook(state, bucket) -> Future``.
+
+    Example:
+        >>> state, hook = Peer.parse("powersgd:1").hook()
+        >>> sequential = SequentialHook(state, hook)
+        >>> sequential.state is state
+        True
+    """
+
+    def __init__(self, state: Any, hook: Callable[..., Any]) -> None:
+        self.state = state
+        self.hook = hook
+        self.previous: torch.futures.Future | None = None
+
+
+def sequential_hook(sequential: SequentialHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook of ``SequentialHook``: wait for the previous bucket's future, then run the wrapped hook."""
+    if sequential.previous is not None:
+        sequential.previous.wait()
+    future = sequential.hook(sequential.state, bucket)
+    # DDP waits for every bucket's future at the end of backward: the next step starts afresh
+    sequential.previous = None if bucket.is_last() else future
+    return future
+
+
+# DDP's register_comm_hook checks these annotations against the objects (not the strings that
+# ``from __future__ import annotations`` leaves)
+sequential_hook.__annotations__["bucket"] = dist.GradBucket
+sequential_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 class CommHookDDPStrategy(DDPStrategy):
