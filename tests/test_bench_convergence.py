@@ -419,3 +419,18 @@ def test_lower_is_better_table_and_gpt_target(tmp_path: Path, capsys: pytest.Cap
     assert "6 epochs of 100 batches" in md and "Val loss: after the last validation" in md
     assert json.loads((tmp_path / "convergence.json").read_text())["checks"]["gpt"]["target"]["met"] is True
     assert VAL_LOSS.better(1.7, 1.8) and not VAL_LOSS.better(1.8, 1.7)
+
+
+def test_mode_is_passed_as_compress() -> None:
+    import inspect
+
+    import lightning_sparse
+    from lightning_sparse.bench.convergence import _sparse_strategy
+
+    config = {"compressor": "topk", "density": 0.01}
+    assert isinstance(_sparse_strategy({**config, "mode": "gradient"}), lightning_sparse.SparseDDPStrategy)
+    if "compress" in inspect.signature(lightning_sparse.SparseDDPStrategy).parameters:
+        assert isinstance(_sparse_strategy({**config, "mode": "update"}), lightning_sparse.SparseDDPStrategy)
+    else:  # a strategy without compress= compresses gradients only: update runs fail with a clear message
+        with pytest.raises(ValueError, match="--modes 'update' is not allowed"):
+            _sparse_strategy({**config, "mode": "update"})
