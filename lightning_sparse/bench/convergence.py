@@ -1,31 +1,44 @@
-"""Accuracy against bytes sent: dense DDP and each compressor at several densities, on real multi-process fits.
+"""Validation metric against bytes sent: dense DDP, each compressor at several densities (gradient and update
+compression) and torch's own communication hooks, on real multi-process fits.
 
-    python -m lightning_sparse.bench convergence                                  # everything, ~30-40 min on 2 cores
+    python -m lightning_sparse.bench convergence                                  # everything, hours on 2 cores
     python -m lightning_sparse.bench convergence --tasks text --compressors topk dgc --densities 0.01 --epochs 2
+    python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 0.001 --modes update
 
 For each task (``digits``: an MLP on scikit-learn's handwritten digits; ``text``: a GRU predicting
-the next character of Python standard-library source) it trains the same model from the same
-initial weights and data order with dense DDP and with ``SparseDDPStrategy`` (error feedback on)
-for every compressor and density: each run is a real ``lightning.Trainer(accelerator="cpu",
-devices=N)`` fit, launched as its own subprocess (Lightning's popen launcher starts the other
-ranks; gloo; one thread per process), so a hung rank times out instead of hanging the benchmark.
+the next character of Python standard-library source; ``gpt``: a small transformer language model
+on the same source, AdamW) it trains the same model from the same initial weights and data order
+with dense DDP, with ``SparseDDPStrategy`` (error feedback on) for every compressor, density and
+mode (``gradient``: the DDP comm hook sparsifies gradients; ``update``: each rank steps on its own
+gradient and the strategy sparsifies the model update), and with torch's own DDP communication
+hooks (``--peers``: PowerSGD of a given rank, fp16, bf16). Each run is a real
+``lightning.Trainer(accelerator="cpu", devices=N)`` fit, launched as its own subprocess (Lightning's
+popen launcher starts the other ranks; gloo; one thread per process), so a hung or crashed rank
+shows as its row's status instead of hanging the benchmark.
+
+Each task declares its metric: validation accuracy (higher is better) for digits and text,
+validation loss in nats (lower is better) for gpt.
 
 Bytes are what rank 0 handed to ``torch.distributed``: for sparse runs the strategy's telemetry
 (values, indices, the dense small tensors, the dense first step, dense fallbacks); for dense DDP the
 all-reduced gradients, optimizer steps x sum of parameter bytes, which is what the telemetry's
-``dense_bytes`` counts too. The accuracy is the validation accuracy after the last epoch.
+``dense_bytes`` counts too; for torch's hooks the tensors the hook handed to the collectives during
+training steps (counted by wrapping ``torch.distributed``'s collectives in the worker). The metric
+is the one after the last validation.
 
 Writes to ``--out`` (default ``convergence_out``): ``convergence.md`` (one markdown table per
-task), ``convergence.json`` (every run, with its accuracy after each validation against the bytes
-sent until then) and ``convergence_<task>.png`` (validation accuracy against cumulative bytes sent,
-log x axis; needs matplotlib: ``pip install "lightning_sparse[plot]"``).
+task), ``convergence.json`` (every run, with its metric after each validation against the bytes
+sent until then) and ``convergence_<task>.png`` (the validation metric against cumulative bytes
+sent, log x axis; needs matplotlib: ``pip install "lightning_sparse[plot]"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,16 +46,67 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
+from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, CommHookDDPStrategy, Peer
+
 DEFAULT_DENSITIES = [0.1, 0.01, 0.001]
+MODES = ("gradient", "update")
+DEFAULT_PEERS = ["powersgd:1", "powersgd:4"]
 DENSE = "dense DDP"
-#: the issue's target: at this density, within this many accuracy points of dense with at least this reduction
+#: the accuracy tasks' target: at this density, within this many accuracy points of dense with at least this reduction
 TARGET_DENSITY, TARGET_POINTS, TARGET_REDUCTION = 0.01, 1.0, 30.0
+#: the gpt task's target: update-mode top-k at 0.01 within this many nats of dense and better than PowerSGD
+#: rank 4 at equal or fewer bytes; at 0.001 better than PowerSGD rank 1
+GPT_TARGET_NATS = 0.15
+GPT_TARGETS = ((0.01, "powersgd:4", GPT_TARGET_NATS), (0.001, "powersgd:1", None))
+
+
+@dataclass(frozen=True)
+class Metric:
+    """The validation figure a task is judged by.
+
+    Args:
+        key: its key in the runs' JSON: ``final_<key>`` and each point's ``<key>``.
+        logged: the name the LightningModule logs it under.
+        title: its name in tables and plots.
+        higher_is_better: accuracy-like (True) or loss-like (False).
+        unit: the unit of differences to dense (``points``, ``nats``).
+        scale: difference in ``unit`` = ``scale`` x difference of the values.
+        diff_format: format of a difference (``"+.2f"``).
+        axis: the plots' y-axis label.
+
+    Example:
+        >>> VAL_LOSS.better(1.7, 1.8), ACCURACY.better(0.7, 0.8)
+        (True, False)
+        >>> ACCURACY.diff(0.895, 0.9)
+        -0.5
+    """
+
+    key: str
+    logged: str
+    title: str
+    higher_is_better: bool
+    unit: str
+    scale: float = 1.0
+    diff_format: str = "+.2f"
+    axis: str = ""
+
+    def better(self, a: float, b: float) -> bool:
+        """``a`` strictly better than ``b``."""
+        return a > b if self.higher_is_better else a < b
+
+    def diff(self, value: float, reference: float) -> float:
+        """``value - reference`` in ``unit`` (positive: higher, whatever is better)."""
+        return round(self.scale * (value - reference), 12)
+
+
+ACCURACY = Metric("acc", "val_acc", "accuracy", True, "points", 100.0, "+.2f", "validation accuracy")
+VAL_LOSS = Metric("loss", "val_loss", "val loss", False, "nats", 1.0, "+.3f", "validation loss (nats)")
 
 
 @dataclass(frozen=True)
@@ -53,30 +117,57 @@ class ConvergenceTask:
         name: the task's name on the command line.
         description: one line for the tables.
         epochs: default number of epochs (``--epochs`` overrides it).
-        build: ``build(seed) -> (LightningModule, LightningDataModule)``; the module logs ``val_acc``.
+        build: ``build(seed, tiny) -> (LightningModule, LightningDataModule)``; the module logs the
+            metric (and ``val_acc``/``val_loss`` where it has them); ``tiny``: a much smaller
+            model/data for smoke runs (``--tiny``), where the task has one.
+        metric: the figure the task is judged by (default: validation accuracy).
+        limit_train_batches: default batches per epoch (``None``: the whole training set;
+            ``--limit-train-batches`` overrides it).
+        target: ``target(runs) -> check`` of the task's goal (default: ``target_check``).
+        tiny_description: what ``--tiny`` changes, for the tables (``None``: the task has no tiny size).
 
     Example:
         >>> task = TASKS["digits"]
-        >>> task.epochs
-        30
+        >>> task.epochs, task.metric.title, TASKS["gpt"].metric.higher_is_better
+        (30, 'accuracy', False)
     """
 
     name: str
     description: str
     epochs: int
-    build: Callable[[int], tuple[L.LightningModule, L.LightningDataModule]]
+    build: Callable[[int, bool], tuple[L.LightningModule, L.LightningDataModule]]
+    metric: Metric = ACCURACY
+    limit_train_batches: int | None = None
+    target: Callable[[list[dict[str, Any]]], dict[str, Any]] = field(default=lambda runs: target_check(runs))
+    tiny_description: str | None = None
 
 
-def _digits(seed: int) -> tuple[L.LightningModule, L.LightningDataModule]:
+def _digits(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
     from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule
 
     return DigitsClassifier(), DigitsDataModule(batch_size=32, seed=0)
 
 
-def _text(seed: int) -> tuple[L.LightningModule, L.LightningDataModule]:
+def _text(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
     from lightning_sparse.tasks import NextCharClassifier, TextDataModule
 
     return NextCharClassifier(), TextDataModule(batch_size=64, seed=0)
+
+
+#: the gpt task's context (characters): 64 costs ~3x the step time of 32 on one CPU thread
+GPT_CONTEXT = 32
+
+
+def _gpt(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from lightning_sparse.tasks import GPTDataModule, TinyGPT
+
+    if tiny:
+        return TinyGPT(context=16, width=32, layers=1, heads=2), GPTDataModule(16, context=16, n_train=4096, n_val=64)
+    return TinyGPT(context=GPT_CONTEXT), GPTDataModule(batch_size=16, context=GPT_CONTEXT, n_val=1024, seed=0)
+
+
+def _gpt_target(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return gpt_target_check(runs)
 
 
 TASKS: dict[str, ConvergenceTask] = {
@@ -95,6 +186,20 @@ TASKS: dict[str, ConvergenceTask] = {
         epochs=5,
         build=_text,
     ),
+    "gpt": ConvergenceTask(
+        "gpt",
+        f"GPT (4 pre-LayerNorm blocks, width 256, 4 heads, context {GPT_CONTEXT}, tied embeddings; "
+        "3.2M parameters) predicting the next character of Python standard-library source (32,768 train "
+        "windows drawn with the seed, 1,024 validation windows of other modules), batch 16 per process, "
+        "100 batches per epoch, AdamW lr 1e-3 betas (0.9, 0.95) weight decay 0.01 on matrices, 10% linear "
+        "warm-up then cosine to 1e-4, gradient norm clipped at 1",
+        epochs=6,
+        build=_gpt,
+        metric=VAL_LOSS,
+        limit_train_batches=100,
+        target=_gpt_target,
+        tiny_description="--tiny: width 32, 1 block, 2 heads, context 16, 4,096 train / 64 validation windows",
+    ),
 }
 
 
@@ -103,12 +208,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="default: %(default)s")
     parser.add_argument(
-        "--compressors", nargs="+", default=list(COMPRESSORS), help="compressor names (default: %(default)s)"
+        "--compressors",
+        nargs="*",
+        default=list(COMPRESSORS),
+        help="compressor names; none: --compressors with no value (default: %(default)s)",
     )
     parser.add_argument("--densities", type=float, nargs="+", default=DEFAULT_DENSITIES, help="default: %(default)s")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        choices=MODES,
+        help="what the strategy compresses, SparseDDPStrategy(compress=MODE) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=DEFAULT_PEERS,
+        metavar="PEER",
+        help=f"torch's DDP comm hooks as reference rows: {PEER_HELP}; bare powersgd: rank 4; "
+        "none: --peers with no value (default: %(default)s)",
+    )
     parser.add_argument("--epochs", type=int, default=None, help="epochs of every run (default: the task's own)")
     parser.add_argument(
-        "--limit-train-batches", type=int, default=None, metavar="N", help="train on N batches per epoch (quick looks)"
+        "--limit-train-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train on N batches per epoch (default: the task's own; gpt: 100)",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="gpt: a tiny model (width 32, 1 block, context 16) for smoke runs"
     )
     parser.add_argument("--devices", type=int, default=2, help="CPU processes per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and data order")
@@ -129,20 +259,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Recorder(L.Callback):
-    """Per validation: optimizer steps, validation accuracy, and this rank's cumulative bytes."""
+    """Per validation: optimizer steps, the validation figures, and this rank's cumulative bytes.
 
-    def __init__(self) -> None:
+    ``counter``: for torch's hooks, the collective counter; it counts during training batches only
+    (validation's metric syncs are not gradient traffic).
+    """
+
+    def __init__(self, counter: CollectiveCounter | None = None) -> None:
         self.points: list[dict[str, float]] = []
         self.param_bytes = 0
+        self.counter = counter
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self.counter is not None:
+            self.counter.start()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if self.counter is not None:
+            self.counter.stop()
+
     def bytes_so_far(self, trainer: L.Trainer) -> tuple[int, int]:
         """(bytes sent, bytes plain DDP all-reduces) by this rank since the start of the fit."""
+        dense = trainer.global_step * self.param_bytes  # dense DDP all-reduces every gradient each step
+        if self.counter is not None:
+            return self.counter.bytes, dense
         state = getattr(trainer.strategy, "sparse_state", None)
-        if state is None:  # dense DDP: every optimizer step all-reduces every gradient
-            dense = trainer.global_step * self.param_bytes
+        if state is None:
             return dense, dense
         total = state.telemetry.total
         return int(total.sent_bytes), int(total.dense_bytes)
@@ -151,34 +298,52 @@ class _Recorder(L.Callback):
         if trainer.sanity_checking:
             return
         sent, dense = self.bytes_so_far(trainer)
-        self.points.append(
-            {
-                "epoch": trainer.current_epoch,
-                "step": trainer.global_step,
-                "acc": float(trainer.callback_metrics["val_acc"]),
-                "sent_bytes": sent,
-                "dense_bytes": dense,
-            }
-        )
+        point: dict[str, float] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        for metric in (ACCURACY, VAL_LOSS):
+            if metric.logged in trainer.callback_metrics:
+                point[metric.key] = float(trainer.callback_metrics[metric.logged])
+        self.points.append({**point, "sent_bytes": sent, "dense_bytes": dense})
+
+
+def _sparse_strategy(config: dict[str, Any]) -> Any:
+    """``SparseDDPStrategy`` of a sparse run; ``compress=`` is passed when the run has a mode and the
+    strategy takes the argument (without it the strategy compresses gradients, so ``gradient`` runs)."""
+    import lightning_sparse
+
+    kwargs: dict[str, Any] = {}
+    mode = config.get("mode")
+    if mode is not None:
+        if "compress" in inspect.signature(lightning_sparse.SparseDDPStrategy).parameters:
+            kwargs["compress"] = mode
+        elif mode != "gradient":
+            raise ValueError(
+                f"--modes {mode!r} is not allowed with this SparseDDPStrategy: it has no compress= argument "
+                "(it compresses gradients only); expected gradient"
+            )
+    return lightning_sparse.SparseDDPStrategy(
+        compressor=config["compressor"], density=config["density"], compression_monitor=False, **kwargs
+    )
 
 
 def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
     """Train one run as ``config`` says; returns its figures on global rank 0, ``None`` elsewhere."""
     import torch
 
-    import lightning_sparse
-
     torch.set_num_threads(1)  # N processes on N cores
     task = TASKS[config["task"]]
     L.seed_everything(config["seed"], verbose=False)
-    model, data = task.build(config["seed"])
-    if config["compressor"] is None:
-        strategy: Any = "ddp"
+    model, data = task.build(config["seed"], bool(config.get("tiny")))
+    counter: CollectiveCounter | None = None
+    if config.get("peer"):
+        state, hook = Peer.parse(config["peer"]).registered_hook()
+        strategy: Any = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
+        counter = CollectiveCounter()
+        counter.install()
+    elif config["compressor"] is None:
+        strategy = "ddp"
     else:
-        strategy = lightning_sparse.SparseDDPStrategy(
-            compressor=config["compressor"], density=config["density"], compression_monitor=False
-        )
-    recorder = _Recorder()
+        strategy = _sparse_strategy(config)
+    recorder = _Recorder(counter)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=config["devices"],
@@ -193,14 +358,20 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         callbacks=[recorder],
     )
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    try:
+        trainer.fit(model, datamodule=data)
+    finally:
+        if counter is not None:
+            counter.uninstall()
     seconds = time.perf_counter() - start
     if not trainer.is_global_zero:
         return None
     sent, dense = recorder.bytes_so_far(trainer)
+    last = recorder.points[-1] if recorder.points else {}
     result: dict[str, Any] = {
         "status": "ok",
-        "final_acc": recorder.points[-1]["acc"] if recorder.points else None,
+        "final_acc": last.get("acc"),
+        "final_loss": last.get("loss"),
         "steps": trainer.global_step,
         "sent_bytes": sent,
         "dense_bytes": dense,
@@ -208,6 +379,8 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         "fit_seconds": seconds,
         "points": recorder.points,
     }
+    if counter is not None:
+        result["collective_calls"] = counter.calls
     state = getattr(trainer.strategy, "sparse_state", None)
     if state is not None:
         total = state.telemetry.total
@@ -239,9 +412,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kind(run: dict[str, Any]) -> str:
+    """``"dense"``, ``"sparse"`` or ``"peer"`` (torch's hook)."""
+    if run.get("peer"):
+        return "peer"
+    return "dense" if run["compressor"] is None else "sparse"
+
+
+def _mode(run: dict[str, Any]) -> str:
+    """A sparse run's mode; runs saved before modes existed compressed gradients."""
+    return run.get("mode") or "gradient"
+
+
+def run_label(run: dict[str, Any]) -> str:
+    """The row label of a run: ``dense DDP``, ``topk (update)``, ``PowerSGD rank 4 (torch hook)``.
+
+    Example:
+        >>> run_label({"compressor": "topk", "density": 0.01, "mode": "update"})
+        'topk (update)'
+    """
+    kind = _kind(run)
+    if kind == "dense":
+        return DENSE
+    if kind == "peer":
+        return Peer.parse(run["peer"]).label
+    return run["compressor"] if run.get("mode") is None else f"{run['compressor']} ({run['mode']})"
+
+
+def _run_name(config: dict[str, Any]) -> str:
+    kind = _kind(config)
+    if kind == "peer":
+        tail = config["peer"]
+    elif kind == "dense":
+        tail = "dense_1"
+    else:
+        tail = f"{config['compressor']}_{config['density']:g}_{_mode(config)}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{config['task']}_{tail}")
+
+
 def launch(config: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     """Run one fit in a fresh process group; returns its figures, or ``status`` "failed"/"timeout"."""
-    name = f"{config['task']}_{config['compressor'] or 'dense'}_{config['density']:g}"
+    name = _run_name(config)
     cfg_path, log_path = workdir / f"{name}.json", workdir / f"{name}.log"
     config = {**config, "result": str(workdir / f"{name}.result.json")}
     cfg_path.write_text(json.dumps(config))
@@ -267,6 +478,10 @@ def launch(config: dict[str, Any], workdir: Path, timeout: float) -> dict[str, A
             proc.wait()
             rc = None
     wall = time.perf_counter() - start
+    try:  # a rank that outlived rank 0 (a crash on one rank) would keep a core busy
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     result_path = Path(config["result"])
     if rc == 0 and result_path.exists():
         result = json.loads(result_path.read_text())
@@ -274,7 +489,7 @@ def launch(config: dict[str, Any], workdir: Path, timeout: float) -> dict[str, A
         tail = log_path.read_text(errors="replace")[-3000:]
         status = "timeout" if rc is None else f"failed (exit code {rc})"
         print(f"  {name}: {status}; end of its output:\n{tail}", file=sys.stderr)
-        result = {"status": status, "final_acc": None, "sent_bytes": 0, "points": []}
+        result = {"status": status, "final_acc": None, "final_loss": None, "sent_bytes": 0, "points": []}
     result["process_seconds"] = wall
     return result
 
@@ -290,53 +505,72 @@ def _ok(run: dict[str, Any]) -> bool:
     return run.get("status") == "ok"
 
 
-def _reference(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
-    """(dense accuracy, dense bytes) of a task: its dense run's, else (None, a sparse run's dense_bytes)."""
-    dense = next((r for r in runs if r["compressor"] is None and _ok(r)), None)
+def _metric_of(task: str, metric: Metric | None) -> Metric:
+    if metric is not None:
+        return metric
+    return TASKS[task].metric if task in TASKS else ACCURACY
+
+
+def _final(run: dict[str, Any], metric: Metric) -> float | None:
+    return run.get(f"final_{metric.key}")
+
+
+def _reference(runs: list[dict[str, Any]], metric: Metric = ACCURACY) -> tuple[float | None, float | None]:
+    """(dense metric, dense bytes) of a task: its dense run's, else (None, another run's dense_bytes)."""
+    dense = next((r for r in runs if _kind(r) == "dense" and _ok(r)), None)
     if dense is not None:
-        return dense["final_acc"], float(dense["sent_bytes"])
-    sparse = next((r for r in runs if _ok(r)), None)
-    return None, (float(sparse["dense_bytes"]) if sparse else None)
+        return _final(dense, metric), float(dense["sent_bytes"])
+    other = next((r for r in runs if _ok(r)), None)
+    return None, (float(other["dense_bytes"]) if other else None)
 
 
-def table(task: str, runs: list[dict[str, Any]]) -> list[str]:
-    """A markdown table of one task's runs."""
-    acc0, bytes0 = _reference(runs)
+def table(task: str, runs: list[dict[str, Any]], metric: Metric | None = None) -> list[str]:
+    """A markdown table of one task's runs, judged by ``metric`` (default: the task's own; accuracy for
+    names that are not tasks)."""
+    metric = _metric_of(task, metric)
+    ref, bytes0 = _reference(runs, metric)
     lines = [
-        "| run | density | final accuracy | vs dense (points) | bytes sent per rank | bytes reduction vs dense "
-        "| coordinates sent | wall s |",
+        f"| run | density | final {metric.title} | vs dense ({metric.unit}) | bytes sent per rank "
+        "| bytes reduction vs dense | coordinates sent | wall s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in runs:
-        label = DENSE if r["compressor"] is None else r["compressor"]
-        density = "1" if r["compressor"] is None else f"{r['density']:g}"
-        if not _ok(r):
-            lines.append(f"| {label} | {density} | {r['status']} | - | - | - | - | - |")
+        kind = _kind(r)
+        label = run_label(r)
+        density = {"dense": "1", "peer": "-"}.get(kind) or f"{r['density']:g}"
+        value = _final(r, metric) if _ok(r) else None
+        if value is None:
+            status = r["status"] if not _ok(r) else f"no {metric.logged}"
+            lines.append(f"| {label} | {density} | {status} | - | - | - | - | - |")
             continue
-        diff = "-" if acc0 is None else f"{100 * (r['final_acc'] - acc0):+.2f}"
+        diff = "-" if ref is None else format(metric.diff(value, ref), metric.diff_format)
         reduction = f"{bytes0 / r['sent_bytes']:.1f}x" if bytes0 and r["sent_bytes"] else "-"
-        coords = f"{r.get('coordinate_density', 1.0):.4f}"
+        coords = "-" if kind == "peer" else f"{r.get('coordinate_density', 1.0):.4f}"
         lines.append(
-            f"| {label} | {density} | {r['final_acc']:.4f} | {diff} | {_fmt_bytes(r['sent_bytes'])} | {reduction} "
+            f"| {label} | {density} | {value:.4f} | {diff} | {_fmt_bytes(r['sent_bytes'])} | {reduction} "
             f"| {coords} | {r['fit_seconds']:.1f} |"
         )
     return lines
 
 
-def target_check(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """At ``TARGET_DENSITY``: top-k and the best other compressor, each within ``TARGET_POINTS``
-    accuracy points of dense with at least ``TARGET_REDUCTION`` x fewer bytes?
+def target_check(runs: list[dict[str, Any]], mode: str = "gradient") -> dict[str, Any]:
+    """At ``TARGET_DENSITY`` and in ``mode``: top-k and the best other compressor, each within
+    ``TARGET_POINTS`` accuracy points of dense with at least ``TARGET_REDUCTION`` x fewer bytes?
 
     The best other compressor is one that meets the target if any does (the most accurate of
     those, then the one sending fewest bytes), else the most accurate.
     """
-    acc0, bytes0 = _reference(runs)
-    at = [r for r in runs if r["compressor"] is not None and _ok(r) and abs(r["density"] - TARGET_DENSITY) < 1e-12]
+    acc0, bytes0 = _reference(runs, ACCURACY)
+    at = [
+        r
+        for r in runs
+        if _kind(r) == "sparse" and _ok(r) and _mode(r) == mode and abs(r["density"] - TARGET_DENSITY) < 1e-12
+    ]
     if acc0 is None or not bytes0 or not at:
         return {"checked": False}
 
     def verdict(r: dict[str, Any]) -> dict[str, Any]:
-        points, reduction = 100 * (r["final_acc"] - acc0), bytes0 / r["sent_bytes"]
+        points, reduction = ACCURACY.diff(r["final_acc"], acc0), bytes0 / r["sent_bytes"]
         met = points >= -TARGET_POINTS and reduction >= TARGET_REDUCTION
         return {"compressor": r["compressor"], "points": points, "reduction": reduction, "met": met}
 
@@ -344,7 +578,7 @@ def target_check(runs: list[dict[str, Any]]) -> dict[str, Any]:
     # the best other compressor: one that meets the target if any does; then the most accurate, then the fewest bytes
     others = [verdict(r) | {"acc": r["final_acc"], "sent": r["sent_bytes"]} for r in at if r["compressor"] != "topk"]
     best = max(others, key=lambda v: (v["met"], v["acc"], -v["sent"])) if others else None
-    out: dict[str, Any] = {"checked": True}
+    out: dict[str, Any] = {"checked": True, "mode": mode}
     if topk is not None:
         out["topk"] = verdict(topk)
     if best is not None:
@@ -353,23 +587,116 @@ def target_check(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _target_line(check: dict[str, Any]) -> str:
+def value_within_bytes(run: dict[str, Any], budget: float, metric: Metric) -> tuple[float, float] | None:
+    """(metric, cumulative bytes) of ``run`` at its last validation that had sent at most ``budget`` bytes;
+    ``None`` if even its first validation came after more.
+
+    Example:
+        >>> run = {"points": [{"loss": 2.0, "sent_bytes": 10}, {"loss": 1.5, "sent_bytes": 30}]}
+        >>> value_within_bytes(run, 20, VAL_LOSS), value_within_bytes(run, 5, VAL_LOSS)
+        ((2.0, 10), None)
+    """
+    within = [p for p in run.get("points", []) if p["sent_bytes"] <= budget and metric.key in p]
+    return (within[-1][metric.key], within[-1]["sent_bytes"]) if within else None
+
+
+def gpt_target_check(runs: list[dict[str, Any]], metric: Metric = VAL_LOSS) -> dict[str, Any]:
+    """The gpt task's target, one entry per ``GPT_TARGETS`` density: update-mode top-k there better than
+    the PowerSGD peer at equal or fewer bytes (its metric at its last validation with no more cumulative
+    bytes than the peer sent over the whole fit, against the peer's final metric), and, where the entry
+    has a tolerance, within it of dense (``GPT_TARGET_NATS`` at 0.01).
+
+    Each entry: ``{"density", "peer", "checked", "met", ...}``, unchecked when a run is missing or failed.
+    """
+    ref, _ = _reference(runs, metric)
+    entries = []
+    for density, peer_name, tolerance in GPT_TARGETS:
+        entry: dict[str, Any] = {"density": density, "peer": peer_name, "tolerance": tolerance, "checked": False}
+        entries.append(entry)
+        topk = next(
+            (
+                r
+                for r in runs
+                if _kind(r) == "sparse"
+                and _ok(r)
+                and r["compressor"] == "topk"
+                and _mode(r) == "update"
+                and abs(r["density"] - density) < 1e-12
+            ),
+            None,
+        )
+        peer = next(
+            (r for r in runs if _kind(r) == "peer" and _ok(r) and Peer.parse(r["peer"]).name == peer_name), None
+        )
+        if topk is None or peer is None or _final(topk, metric) is None or _final(peer, metric) is None:
+            continue
+        if tolerance is not None and ref is None:
+            continue
+        at = value_within_bytes(topk, peer["sent_bytes"], metric)
+        entry.update(
+            checked=True,
+            topk=_final(topk, metric),
+            topk_bytes=topk["sent_bytes"],
+            peer_value=_final(peer, metric),
+            peer_bytes=peer["sent_bytes"],
+            topk_at_peer_bytes=None if at is None else at[0],
+        )
+        beats = at is not None and metric.better(at[0], entry["peer_value"])
+        entry["beats_peer"] = beats
+        if tolerance is not None:
+            entry["vs_dense"] = metric.diff(entry["topk"], ref)
+            # "within tolerance" of dense: not worse by more than it, in the metric's better direction
+            worse = -entry["vs_dense"] if metric.higher_is_better else entry["vs_dense"]
+            entry["near_dense"] = worse <= tolerance
+        entry["met"] = beats and entry.get("near_dense", True)
+    checked = [e for e in entries if e["checked"]]
+    return {
+        "checked": bool(checked),
+        "kind": "gpt",
+        "entries": entries,
+        "met": bool(checked) and len(checked) == len(entries) and all(e["met"] for e in entries),
+    }
+
+
+def _target_lines(check: dict[str, Any]) -> list[str]:
     if not check.get("checked"):
-        return ""
+        return []
+    if check.get("kind") == "gpt":
+        return [_gpt_target_line(e) for e in check["entries"]]
     parts = [
         f"{v['compressor']} {v['points']:+.2f} points, {v['reduction']:.1f}x fewer bytes"
         for v in (check.get("topk"), check.get("best_other"))
         if v
     ]
-    return (
-        f"Target at density {TARGET_DENSITY:g} (top-k and the best other compressor each within "
+    mode = "" if check.get("mode", "gradient") == "gradient" else f", {check['mode']} mode"
+    return [
+        f"Target at density {TARGET_DENSITY:g}{mode} (top-k and the best other compressor each within "
         f"{TARGET_POINTS:g} point of dense with >= {TARGET_REDUCTION:g}x fewer bytes): "
         f"{'met' if check['met'] else 'not met'} ({'; '.join(parts)})."
+    ]
+
+
+def _gpt_target_line(e: dict[str, Any]) -> str:
+    peer = Peer.parse(e["peer"]).label
+    goal = f"update-mode top-k at density {e['density']:g}"
+    goal += f" within {e['tolerance']:g} nats of dense and" if e["tolerance"] is not None else ""
+    goal += f" better than {peer} at equal or fewer bytes"
+    if not e["checked"]:
+        return f"Target: {goal}: not checked (a run is missing or failed)."
+    at = e["topk_at_peer_bytes"]
+    parts = []
+    if e["tolerance"] is not None:
+        parts.append(f"top-k {e['topk']:.3f} ({e['vs_dense']:+.3f} nats vs dense)")
+    parts.append(
+        f"top-k {'-' if at is None else f'{at:.3f}'} within {_fmt_bytes(e['peer_bytes'])} "
+        f"(it sent {_fmt_bytes(e['topk_bytes'])} in all) vs {peer} {e['peer_value']:.3f}"
     )
+    return f"Target: {goal}: {'met' if e['met'] else 'not met'} ({'; '.join(parts)})."
 
 
-def plot(task: str, runs: list[dict[str, Any]], path: Path) -> bool:
-    """Validation accuracy against cumulative bytes sent (log x), one panel per density; False without matplotlib."""
+def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | None = None) -> bool:
+    """The validation metric against cumulative bytes sent (log x), one panel per density; dense DDP and
+    torch's hooks in every panel; False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -377,31 +704,59 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    densities = sorted({r["density"] for r in runs if r["compressor"] is not None}, reverse=True) or [1.0]
-    compressors = list(dict.fromkeys(r["compressor"] for r in runs if r["compressor"] is not None))
+    metric = _metric_of(task, metric)
+    sparse = [r for r in runs if _kind(r) == "sparse"]
+    densities = sorted({r["density"] for r in sparse}, reverse=True) or [1.0]
+    compressors = list(dict.fromkeys(r["compressor"] for r in sparse))
+    modes = list(dict.fromkeys(_mode(r) for r in sparse))
     cmap = plt.get_cmap("tab10")
     colors = {c: cmap(i % 10) for i, c in enumerate(compressors)}
     # compressors that select the same coordinates (e.g. the exact top-k of topk, gaussiank and dgc)
-    # draw the same curve: distinct dash patterns keep each of them visible
-    styles = {c: ("-", "--", "-.", ":")[i % 4] for i, c in enumerate(compressors)}
-    dense = next((r for r in runs if r["compressor"] is None and _ok(r)), None)
+    # draw the same curve: distinct dash patterns keep each of them visible; with several modes the
+    # dash pattern tells the mode instead (update solid, gradient dashed)
+    if len(modes) > 1:
+        mode_styles = {"update": "-", "gradient": "--"}
+        style = {(c, m): mode_styles.get(m, ":") for c in compressors for m in modes}
+    else:
+        style = {(c, m): ("-", "--", "-.", ":")[i % 4] for i, c in enumerate(compressors) for m in modes}
+    references = [r for r in runs if _kind(r) in ("dense", "peer") and _ok(r) and r.get("points")]
+    greys = ("black", "dimgray", "darkgray", "saddlebrown", "olive", "slategray")
     fig, axes = plt.subplots(1, len(densities), figsize=(5.2 * len(densities), 4.4), sharex=True, sharey=True)
     axes = list(axes) if len(densities) > 1 else [axes]
     for ax, density in zip(axes, densities, strict=True):
-        if dense is not None and dense["points"]:
-            xs = [p["sent_bytes"] for p in dense["points"]]
-            ax.plot(xs, [p["acc"] for p in dense["points"]], color="black", lw=2.2, label=DENSE)
-        for r in runs:
-            if r["compressor"] is None or r["density"] != density or not r.get("points"):
+        for i, r in enumerate(references):
+            pts = [p for p in r["points"] if metric.key in p]
+            dense = _kind(r) == "dense"
+            ax.plot(
+                [p["sent_bytes"] for p in pts],
+                [p[metric.key] for p in pts],
+                color=greys[i % len(greys)],
+                lw=2.2 if dense else 1.4,
+                ls="-" if dense else ":",
+                marker="o" if dense else "s",
+                ms=3,
+                label=run_label(r),
+            )
+        for r in sparse:
+            if r["density"] != density or not r.get("points"):
                 continue
-            xs = [p["sent_bytes"] for p in r["points"]]
+            pts = [p for p in r["points"] if metric.key in p]
             c = r["compressor"]
-            ax.plot(xs, [p["acc"] for p in r["points"]], color=colors[c], ls=styles[c], lw=1.5, label=c)
+            ax.plot(
+                [p["sent_bytes"] for p in pts],
+                [p[metric.key] for p in pts],
+                color=colors[c],
+                ls=style[(c, _mode(r))],
+                lw=1.5,
+                marker="o",
+                ms=2.5,
+                label=run_label(r),
+            )
         ax.set_xscale("log")
         ax.set_title(f"density {density:g}" if density < 1 else "dense")
         ax.set_xlabel("cumulative bytes sent per rank")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("validation accuracy")
+    axes[0].set_ylabel(metric.axis or metric.title)
     handles, labels = [], []
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
@@ -409,8 +764,8 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path) -> bool:
                 handles.append(h)
                 labels.append(lab)
     fig.legend(handles, labels, loc="center right", frameon=False)
-    fig.suptitle(f"{task}: validation accuracy vs bytes sent (error feedback on)")
-    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    fig.suptitle(f"{task}: {(metric.axis or metric.title).split(' (')[0]} vs bytes sent (error feedback on)")
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -425,6 +780,8 @@ def run(args: argparse.Namespace) -> int:
     for d in args.densities:
         if not 0 < d <= 1:
             raise ValueError(f"--densities {d!r} is not allowed: expected numbers in (0, 1]")
+    peers = list(dict.fromkeys(Peer.parse(p).name for p in (getattr(args, "peers", None) or [])))
+    modes = list(dict.fromkeys(getattr(args, "modes", None) or ["gradient"]))
     for flag, value, low in (
         ("--epochs", args.epochs, 1),
         ("--devices", args.devices, 1),
@@ -442,34 +799,45 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="convergence_") as tmp:
         for task_name in args.tasks:
             task = TASKS[task_name]
-            epochs = args.epochs or task.epochs
-            specs: list[tuple[str | None, float]] = [] if args.no_dense else [(None, 1.0)]
-            specs += [(c, d) for d in args.densities for c in args.compressors]
+            base = {
+                "task": task_name,
+                "epochs": args.epochs or task.epochs,
+                "limit_train_batches": args.limit_train_batches or task.limit_train_batches,
+                "devices": args.devices,
+                "seed": args.seed,
+                "tiny": bool(getattr(args, "tiny", False)),
+            }
+            specs: list[dict[str, Any]] = [] if args.no_dense else [{"compressor": None, "density": 1.0}]
+            specs += [{"compressor": None, "density": None, "peer": p} for p in peers]
+            specs += [
+                {"compressor": c, "density": d, "mode": m}
+                for d in args.densities
+                for m in modes
+                for c in args.compressors
+            ]
             results[task_name] = []
-            for compressor, density in specs:
-                config = {
-                    "task": task_name,
-                    "compressor": compressor,
-                    "density": density,
-                    "epochs": epochs,
-                    "limit_train_batches": args.limit_train_batches,
-                    "devices": args.devices,
-                    "seed": args.seed,
-                }
-                label = DENSE if compressor is None else f"{compressor} {density:g}"
+            for spec in specs:
+                config = {**base, "mode": None, "peer": None, **spec}
+                label = run_label(config)
+                if _kind(config) == "sparse":
+                    label = f"{config['compressor']} {config['density']:g} ({config['mode']})"
                 print(f"[{task_name}] {label} ...", end=" ", flush=True)
                 result = launch(config, Path(tmp), args.timeout)
                 results[task_name].append({**config, **result})
-                if _ok(result):
+                value = _final(result, task.metric)
+                if _ok(result) and value is not None:
                     print(
-                        f"accuracy {result['final_acc']:.4f}, {_fmt_bytes(result['sent_bytes'])} sent, "
+                        f"{task.metric.title} {value:.4f}, {_fmt_bytes(result['sent_bytes'])} sent, "
                         f"{result['fit_seconds']:.1f} s",
                         flush=True,
                     )
                 else:
                     print(result["status"], flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "from_json")}
-    descriptions = {name: TASKS[name].description for name in results}
+    descriptions = {}
+    for name in results:
+        tiny = TASKS[name].tiny_description if getattr(args, "tiny", False) else None
+        descriptions[name] = TASKS[name].description + (f" ({tiny})" if tiny else "")
     return report(results, time.perf_counter() - started, settings, descriptions, out, args.json)
 
 
@@ -487,21 +855,30 @@ def report(
     checks: dict[str, Any] = {}
     devices, seed = settings["devices"], settings["seed"]
     for task_name, runs in results.items():
-        epochs = runs[0]["epochs"] if runs else TASKS[task_name].epochs
+        task = TASKS[task_name]
+        epochs = runs[0]["epochs"] if runs else task.epochs
+        limit = runs[0].get("limit_train_batches") if runs else task.limit_train_batches
+        length = f"{epochs} epochs" + (f" of {limit} batches" if limit else "")
         md += [
             f"### {task_name}",
             "",
-            f"{descriptions[task_name]}; {epochs} epochs, {devices} processes, seed {seed}, error feedback on.",
+            f"{descriptions[task_name]}; {length}, {devices} processes, seed {seed}, error feedback on.",
             "",
             *table(task_name, runs),
             "",
         ]
-        checks[task_name] = target_check(runs)
-        if checks[task_name].get("checked"):
-            md += [_target_line(checks[task_name]), ""]
+        if task.metric is ACCURACY:
+            modes = list(dict.fromkeys(_mode(r) for r in runs if _kind(r) == "sparse"))
+            checks[task_name] = {mode: target_check(runs, mode) for mode in modes}
+        else:
+            checks[task_name] = {"target": task.target(runs)}
+        lines = [line for check in checks[task_name].values() for line in _target_lines(check)]
+        md += [*lines, ""] if lines else []
+    metrics = list(dict.fromkeys(TASKS[name].metric.title for name in results)) or [ACCURACY.title]
     md += [
-        "Accuracy: validation accuracy after the last epoch. Bytes: what rank 0 handed to torch.distributed "
-        "over the whole fit (sparse runs: the strategy's telemetry; dense DDP: steps x parameter bytes). "
+        f"{' / '.join(m[0].upper() + m[1:] for m in metrics)}: after the last validation. Bytes: what rank 0 "
+        "handed to torch.distributed over the whole fit (sparse runs: the strategy's telemetry; dense DDP: steps "
+        "x parameter bytes; torch hooks: the tensors the hook gave to the collectives). "
         "Reduction: dense DDP bytes / bytes sent. Coordinates sent: fraction of gradient coordinates sent, "
         "dense parts (biases, the first step, dense fallbacks) counted in full. Wall s: trainer.fit on rank 0.",
         "",
@@ -514,7 +891,12 @@ def report(
     payload = {
         "args": settings,
         "tasks": descriptions,
-        "target": {"density": TARGET_DENSITY, "points": TARGET_POINTS, "reduction": TARGET_REDUCTION},
+        "target": {
+            "density": TARGET_DENSITY,
+            "points": TARGET_POINTS,
+            "reduction": TARGET_REDUCTION,
+            "gpt": [{"density": d, "peer": p, "nats": n} for d, p, n in GPT_TARGETS],
+        },
         "checks": checks,
         "total_seconds": total_s,
         "runs": results,
