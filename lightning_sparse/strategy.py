@@ -204,6 +204,9 @@ class SparseDDPStrategy(DDPStrategy):
         super().setup(trainer)
         if self._sparse_state.momentum_correction:
             _check_no_optimizer_momentum(self.optimizers, self._sparse_state.momentum_correction)
+        if self.world_size > 1:
+            for advice in training_advice(self._sparse_state, self.optimizers):
+                rank_zero_warn(f"lightning_sparse: {advice}")
 
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
@@ -418,6 +421,43 @@ def _check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None
                     "already applies the momentum, so the optimizer must have none (e.g. SGD(momentum=0)); "
                     "or set momentum_correction=0 to keep the optimizer's momentum."
                 )
+
+
+def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
+    """Combinations of mode, compressor and optimizer measured to train far from dense, each with
+    what to change (the strategy warns with these at setup).
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+        >>> [a[:40] for a in training_advice(SparseState(compress="gradient"), [opt])]
+        ["compress='gradient' with AdamW trains fa"]
+    """
+    advice = []
+    inner = [getattr(o, "_optimizer", o) for o in optimizers]
+    adaptive = sorted({type(o).__name__ for o in inner if any("betas" in g for g in o.param_groups)})
+    momentum = any(g.get("momentum", 0) for o in inner for g in o.param_groups)
+    name = state.compressor.name or type(state.compressor).__name__
+    random = state.compressor.pattern == "shared"
+    if state.compress == "gradient" and adaptive:
+        advice.append(
+            f"compress='gradient' with {', '.join(adaptive)} trains far from dense: the optimizer normalises "
+            "each coordinate's rare error-feedback bursts away (measured on a small GPT with AdamW: validation "
+            "loss 2.40 against 1.84 for dense DDP at density 0.01). Use compress='update' (the default)."
+        )
+    if state.compress == "gradient" and random and momentum:
+        advice.append(
+            f"compressor={name!r} with compress='gradient' and an optimizer momentum can diverge: a coordinate's "
+            "whole residual enters the momentum at once when it is finally drawn (random-block at density 0.01 "
+            "with SGD momentum 0.9 diverged on an MLP language model). Use compress='update', or 'topk'."
+        )
+    if state.compress == "update" and random:
+        advice.append(
+            f"compressor={name!r} with compress='update' trains far from dense: random coordinates carry no "
+            "information about which part of the update matters (random-block at density 0.01: validation loss "
+            "4.6 against 1.6 for dense DDP on a small GPT). Use 'topk', 'gaussiank' or 'dgc'."
+        )
+    return advice
 
 
 class _ScaleReader:

@@ -83,16 +83,20 @@ def _run_bench(tmp_path, *extra: str) -> dict:
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| dense DDP |" in done.stdout and "| sparse_ddp topk |" in done.stdout
+    assert "| dense DDP |" in done.stdout and "| sparse_ddp topk (update) |" in done.stdout
     return json.loads(out.read_text())
+
+
+#: every sparse run of _run_bench: each compressor in each mode
+SPARSE_RUNS = [f"sparse_ddp {c} ({m})" for m in ("update", "gradient") for c in ("topk", "randomk")]
 
 
 def _check(result: dict) -> None:
     runs = {r["name"]: r for r in result["runs"]}
-    assert set(runs) == {DENSE, "sparse_ddp topk", "sparse_ddp randomk"}
+    assert set(runs) == {DENSE, *SPARSE_RUNS}
     dense = runs[DENSE]
     assert dense["bytes_per_step"] == result["params"] * 4
-    for name in ("sparse_ddp topk", "sparse_ddp randomk"):
+    for name in SPARSE_RUNS:
         run = runs[name]
         assert len(run["times_s"]) == 2 and all(t > 0 for t in run["times_s"])
         # 1% of each 100x100 weight goes sparse, the biases dense: far fewer bytes than dense
@@ -119,7 +123,7 @@ def test_step_bench_timed_fallback(tmp_path) -> None:
     result = _run_bench(tmp_path, "--bandwidth", "none", "--fallback", "time")
     assert result["fallback"] == "time"
     assert result["warmup"] == 12  # raised past the trial: warm-up step, 5 + 5 trial steps, the choice
-    for name in ("sparse_ddp topk", "sparse_ddp randomk"):
+    for name in SPARSE_RUNS:
         run = next(r for r in result["runs"] if r["name"] == name)
         (decision,) = run["timed_fallback"]
         assert decision["step"] == 11 and decision["choice"] in ("sparse", "dense")

@@ -79,6 +79,12 @@ def test_trains_with_identical_replicas(case: str, compress: str, tmp_path: Path
         assert t["sent_bytes"] < t["dense_bytes"] / 3, "sparse steps must send a fraction of the dense bytes"
         # it learns: well above where it started (chance is 0.25 on the 4-class toy task)
         assert r["train_acc"] > r["initial_acc"] + 0.15, (r["initial_acc"], r["train_acc"])
+    # random coordinates with the model's SGD momentum in gradient mode: warned about at setup
+    random = cfg["strategy"].get("compressor") in ("randomk", "randomblock")
+    log = (tmp_path / "log.txt").read_text()
+    assert ("with compress='gradient' and an optimizer momentum can diverge" in log) == (
+        random and compress == "gradient"
+    )
 
 
 @pytest.mark.parametrize("compress", ["gradient", "update"])

@@ -175,3 +175,20 @@ def test_arguments() -> None:
         SparseDDPStrategy(momentum_correction=0.9)
     SparseDDPStrategy(compress="gradient", momentum_correction=0.9)
     assert SparseState().compress == "gradient"
+
+
+def test_training_advice_names_what_to_change() -> None:
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.strategy import training_advice
+
+    w = [torch.nn.Parameter(torch.zeros(4))]
+    adamw, sgd_m, sgd = torch.optim.AdamW(w), torch.optim.SGD(w, lr=0.1, momentum=0.9), torch.optim.SGD(w, lr=0.1)
+    assert training_advice(SparseState(compress="update"), [adamw]) == []
+    assert training_advice(SparseState(compress="update"), [sgd_m]) == []
+    assert training_advice(SparseState(compress="gradient"), [sgd]) == []
+    (advice,) = training_advice(SparseState(compress="gradient"), [adamw])
+    assert "compress='gradient' with AdamW" in advice and "Use compress='update'" in advice
+    (advice,) = training_advice(SparseState(compress="gradient", compressor="randomblock"), [sgd_m])
+    assert "compressor='randomblock' with compress='gradient' and an optimizer momentum" in advice
+    (advice,) = training_advice(SparseState(compress="update", compressor="randomk"), [sgd])
+    assert "compressor='randomk' with compress='update'" in advice and "Use 'topk'" in advice

@@ -10,8 +10,9 @@ with ``tc`` (tbf, plus netem for ``--latency``): one machine becomes a cluster o
 of that speed. Needs root and iproute2 (``ip``, ``tc``); without them it says so and runs on the
 unshaped loopback. ``--bandwidth none`` runs unshaped on purpose.
 
-Every rank builds one DDP model per run (dense DDP, and one per compressor with the sparse hook
-registered exactly as ``SparseDDPStrategy`` registers it, with the strategy's defaults) from
+Every rank builds one DDP model per run (dense DDP, and one per compressor and ``--modes`` entry,
+set up exactly as ``SparseDDPStrategy`` sets it up, with the strategy's defaults: the sparse hook
+for ``gradient``, the update exchange after the optimizer step for ``update``) from
 the same initial weights, and the runs take their steps round-robin: step 1 of every run, then
 step 2 of every run, ... so a busy machine slows every run alike. A step is forward, backward
 (with DDP's overlapped communication) and the optimizer step, timed from a barrier; a step's
@@ -88,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=DEFAULT_COMPRESSORS,
         help="names, optionally with arguments: rtopk:r_factor=2",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["update", "gradient"],
+        default=["update", "gradient"],
+        help="what the sparse runs compress, SparseDDPStrategy(compress=MODE) (default: %(default)s)",
     )
     parser.add_argument(
         "--fallback",
@@ -235,6 +243,7 @@ def _launch(args: argparse.Namespace, result_path: str, wrap: Any, port: int) ->
         "--world-size", str(args.world_size), "--params", str(args.params), "--layers", str(args.layers),
         "--batch-size", str(args.batch_size), "--density", str(args.density), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--fallback", args.fallback, "--compressors", *args.compressors,
+        "--modes", *args.modes,
     ]  # fmt: skip
     if args.threads is not None:
         forwarded += ["--threads", str(args.threads)]
@@ -308,6 +317,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
     from lightning_sparse.bench.compressors import parse_compressor
+    from lightning_sparse.hook import local_gradient_hook
 
     world = args.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
@@ -324,20 +334,29 @@ def worker(args: argparse.Namespace) -> int:
         return nn.Sequential(*layers[:-1])
 
     runs: list[tuple[str, nn.Module, Any]] = []
+    exchanges: list[Any] = []  # per run: its UpdateExchange (update mode), else None
     if not args.no_dense:
         runs.append((DENSE, DistributedDataParallel(make_model()), None))
-    for spec in args.compressors:
-        model = DistributedDataParallel(make_model())
-        # The strategy's own defaults (min_numel, warm-up, dense fallback); registered as
-        # SparseDDPStrategy._register_ddp_hooks does it.
-        fallback = FALLBACKS[args.fallback]
-        strategy = SparseDDPStrategy(
-            compressor=parse_compressor(spec), density=args.density, fallback_to_dense=fallback
-        )
-        state = strategy.sparse_state
-        state.bind(model.module.named_parameters(), process_group=model.process_group)
-        model.register_comm_hook(state, sparse_comm_hook)
-        runs.append((f"sparse_ddp {spec}", model, state))
+        exchanges.append(None)
+    for mode in args.modes:
+        for spec in args.compressors:
+            model = DistributedDataParallel(make_model())
+            # The strategy's own defaults (min_numel, warm-up, dense fallback); registered as
+            # SparseDDPStrategy._register_ddp_hooks does it.
+            fallback = FALLBACKS[args.fallback]
+            strategy = SparseDDPStrategy(
+                compress=mode, compressor=parse_compressor(spec), density=args.density, fallback_to_dense=fallback
+            )
+            state = strategy.sparse_state
+            exchange = strategy.update_exchange
+            if exchange is not None:
+                exchange.bind(model.module.named_parameters(), process_group=model.process_group)
+                model.register_comm_hook(None, local_gradient_hook)
+            else:
+                state.bind(model.module.named_parameters(), process_group=model.process_group)
+                model.register_comm_hook(state, sparse_comm_hook)
+            runs.append((f"sparse_ddp {spec} ({mode})", model, state))
+            exchanges.append(exchange)
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for _, m, _ in runs]
     gen = torch.Generator().manual_seed(1 + args.rank)
     times: list[list[float]] = [[] for _ in runs]
@@ -347,12 +366,16 @@ def worker(args: argparse.Namespace) -> int:
             before = [None if state is None else state.telemetry.total.copy() for _, _, state in runs]
         x = torch.randn(args.batch_size, width, generator=gen)
         y = torch.randn(args.batch_size, width, generator=gen)
-        for i, ((_, model, _), opt) in enumerate(zip(runs, optimizers, strict=True)):
+        for i, ((_, model, _), opt, exchange) in enumerate(zip(runs, optimizers, exchanges, strict=True)):
             dist.barrier()
             start = time.perf_counter()
+            if exchange is not None:
+                exchange.enter_local()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
+            if exchange is not None:
+                exchange.exchange()
             opt.zero_grad(set_to_none=False)
             elapsed = time.perf_counter() - start
             if step >= args.warmup:
