@@ -51,11 +51,20 @@ def k_for(numel: int, density: float) -> int:
     return max(1, min(numel, round(density * numel)))
 
 
-def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True) -> Future[Tensor]:
+def communicate(
+    state: SparseState,
+    buffer: Tensor,
+    params: list[Tensor],
+    is_last: bool = True,
+    accumulate_into: Tensor | None = None,
+) -> Future[Tensor]:
     """Exchange one bucket: the body of the hook, callable on plain tensors (tests, benchmarks).
 
     ``buffer`` is the flat sum-ready local gradient of ``params`` (in their order); the returned
-    future holds ``buffer`` overwritten with the average over ranks of what each rank sent.
+    future holds ``buffer`` overwritten with the average over ranks of what each rank sent. With
+    ``accumulate_into`` (a flat tensor laid out like ``buffer``) the average is added into that
+    tensor instead, touching only the coordinates that were sent (the update exchange adds it to
+    the global parameters this way), and the future holds ``accumulate_into``.
     """
     start = time.perf_counter()
     if not state.in_step:
@@ -86,9 +95,9 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
             method = state.compressor.name or type(state.compressor).__name__
     if exchange is None:
         counters.dense_buckets = 1
-        future = _dense_exchange(state, buffer, plan, counters)
+        future = _dense_exchange(state, buffer, plan, counters, accumulate_into)
     else:
-        future = exchange(state, buffer, plan, ks, counters)
+        future = exchange(state, buffer, plan, ks, counters, accumulate_into)
     if timed is not None:
         future = timed.track(future)
     state.sources = {}
@@ -224,7 +233,9 @@ def _flush_residuals(state: SparseState, buffer: Tensor, members: tuple[Member, 
             segment.copy_(sent)
 
 
-def _dense_exchange(state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters) -> Future[Tensor]:
+def _dense_exchange(
+    state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters, accumulate_into: Tensor | None = None
+) -> Future[Tensor]:
     _flush_residuals(state, buffer, plan.members, counters)
     if state.schedule.observes:  # the bucket now holds p = g + e: an adaptive density learns from dense steps too
         for m in plan.sparse_members:
@@ -232,9 +243,14 @@ def _dense_exchange(state: SparseState, buffer: Tensor, plan: BucketPlan, counte
     counters.sent_bytes += buffer.numel() * buffer.element_size()
     counters.sent_numel += buffer.numel()
     world = state.world_size
+
+    def average(summed: Tensor) -> Tensor:
+        summed.div_(world)
+        return summed if accumulate_into is None else accumulate_into.add_(summed)
+
     if world == 1:
-        return _done(buffer)
-    return comm.all_reduce(buffer, state.process_group).then(lambda fut: fut.value()[0].div_(world))
+        return _done(average(buffer))
+    return comm.all_reduce(buffer, state.process_group).then(lambda fut: average(fut.value()[0]))
 
 
 # --------------------------------------------------------------------------- sparse
@@ -242,8 +258,9 @@ def _dense_exchange(state: SparseState, buffer: Tensor, plan: BucketPlan, counte
 class Pending:
     """A launched part of a bucket's exchange: its futures, and how to write its result back.
 
-    ``apply(buffer)`` runs once every future of the bucket has completed, on a zeroed buffer;
-    each part adds (or copies) the averaged values of its own coordinates.
+    ``apply(out)`` runs once every future of the bucket has completed, on a zeroed buffer (the
+    gradient hook) or the global parameters (the update exchange); each part adds the averaged
+    values of its own coordinates into ``out``.
     """
 
     futures: list[Future[Any]]
@@ -406,7 +423,7 @@ class SharedPattern(WirePattern):
         futures = [comm.all_reduce(message, state.process_group)] if world > 1 else []
 
         def apply(out: Tensor) -> None:
-            out.index_copy_(0, torch.cat(kept), message.to(out.dtype).div_(world))
+            out.index_add_(0, torch.cat(kept), message.to(out.dtype), alpha=1.0 / world)
 
         return Pending(futures, apply)
 
@@ -503,7 +520,7 @@ class SketchPattern(WirePattern):
                     state.memory.keep_unsent(m.name, idx, remainder)
                 if state.momentum_correction and p is not None:
                     state.velocity.mask(m.name, idx)
-                out.index_copy_(0, idx + m.offset, sums[chosen].to(out.dtype).div_(world))
+                out.index_add_(0, idx + m.offset, sums[chosen].to(out.dtype), alpha=1.0 / world)
 
         return Pending(futures, apply)
 
@@ -528,14 +545,19 @@ def _launch_dense_members(state: SparseState, buffer: Tensor, plan: BucketPlan, 
         values.div_(world)
         pos = 0
         for m in dense:
-            out[m.offset : m.offset + m.numel].copy_(values[pos : pos + m.numel])
+            out[m.offset : m.offset + m.numel].add_(values[pos : pos + m.numel])
             pos += m.numel
 
     return Pending(futures, apply)
 
 
 def _sparse_exchange(
-    state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
+    state: SparseState,
+    buffer: Tensor,
+    plan: BucketPlan,
+    ks: list[int],
+    counters: Counters,
+    accumulate_into: Tensor | None = None,
 ) -> Future[Tensor]:
     parts = [
         PATTERNS[state.compressor.pattern].launch(state, buffer, plan, ks, counters),
@@ -546,10 +568,12 @@ def _sparse_exchange(
     def finish(_: Any) -> Tensor:
         for f in futures:
             f.value()  # re-raises a failed collective
-        buffer.zero_()
+        out = accumulate_into
+        if out is None:
+            out = buffer.zero_()
         for part in parts:
-            part.apply(buffer)
-        return buffer
+            part.apply(out)
+        return out
 
     if not futures:
         return _done(finish(None))

@@ -85,7 +85,9 @@ class SparseDDPStrategy(DDPStrategy):
             adds nothing.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
-        gradient_as_bucket_view: as in DDP.
+        gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"``
+            (DDP's buckets carry nothing there, so gradients living in them saves two copies of
+            every gradient per step), ``False`` with ``compress="gradient"`` (DDP's default).
         bucket_cap_mb: as in DDP (None: DDP's default).
         **kwargs: further arguments of ``DistributedDataParallel``.
 
@@ -114,7 +116,7 @@ class SparseDDPStrategy(DDPStrategy):
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: Optional[bool] = None,
         bucket_cap_mb: Optional[float] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -133,10 +135,16 @@ class SparseDDPStrategy(DDPStrategy):
             ("compression_monitor", compression_monitor),
             ("find_unused_parameters", find_unused_parameters),
             ("static_graph", static_graph),
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is not allowed: expected True or False.")
+        if gradient_as_bucket_view not in (None, True, False):
+            raise ValueError(
+                f"gradient_as_bucket_view={gradient_as_bucket_view!r} is not allowed: expected None (True with "
+                "compress='update', False with compress='gradient'), True or False."
+            )
+        if gradient_as_bucket_view is None:
+            gradient_as_bucket_view = compress == "update"
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected None or a number > 0.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):

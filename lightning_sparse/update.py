@@ -21,6 +21,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -60,18 +61,22 @@ class UpdateExchange:
     def __init__(self, state: SparseState, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.state = state
         self.bucket_bytes = int(bucket_bytes)
+        #: optimizer steps whose update this rank dropped because it was not finite
+        self.nonfinite_updates = 0
         #: name -> parameter (trainable, bound)
         self._params: dict[str, Tensor] = {}
         self._names: dict[int, str] = {}
-        #: name -> the global value of a parameter while the module holds this rank's view
+        #: name -> the global value of a parameter (a view into its bucket's flat storage once exchanged)
         self._global: dict[str, Tensor] = {}
+        #: name -> the parameter's version counter when it was last set to its global value
+        self._synced: dict[str, int] = {}
         self._local: set[str] = set()
-        #: per group of parameters (an optimizer's), its buckets and their update buffers
-        self._buckets: dict[tuple[int, ...], list[tuple[list[Tensor], Tensor]]] = {}
+        #: per group of parameters (an optimizer's), its buckets
+        self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_params={}, _names={}, _global={}, _local=set(), _buckets={})
+        state.update(_params={}, _names={}, _global={}, _synced={}, _local=set(), _buckets={})
         return state
 
     # ------------------------------------------------------------------ binding
@@ -87,6 +92,7 @@ class UpdateExchange:
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
         self._global = {}
+        self._synced = {}
         self._local = set()
         self._buckets = {}
 
@@ -119,10 +125,13 @@ class UpdateExchange:
             if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
                 g = torch.empty_like(p, memory_format=torch.contiguous_format)
                 self._global[name] = g
-            g.copy_(p)
-            e = memory.get(name) if name in memory else None
-            if e is not None:
-                p.add_(e.view_as(p))
+                self._synced.pop(name, None)
+            # The module holds the global value unless something wrote to the parameter since
+            # (a checkpoint restore, a callback): then what it holds is the global value now.
+            if self._synced.get(name) != p._version:
+                g.copy_(p)
+            if name in memory:
+                p.add_(memory.get(name).view_as(p))
             self._local.add(name)
 
     @torch.no_grad()
@@ -133,31 +142,33 @@ class UpdateExchange:
         cycle; after an exchange the module already holds them.
         """
         for name in list(self._local):
-            self._params[name].copy_(self._global[name])
+            self._hold_global(name)
         self._local.clear()
 
+    def _hold_global(self, name: str) -> None:
+        p = self._params[name]
+        p.copy_(self._global[name])
+        self._synced[name] = p._version
+
     # ------------------------------------------------------------------ the exchange
-    def _buckets_for(self, names: list[str]) -> list[tuple[list[Tensor], Tensor]]:
+    def _buckets_for(self, names: list[str]) -> list[_Bucket]:
+        """The buckets of a group of parameters; their global values live in one flat tensor per
+        bucket, so that the exchange adds the average of what was sent straight into it."""
         key = tuple(id(self._params[n]) for n in names)
         buckets = self._buckets.get(key)
-        if buckets is None:
-            buckets = []
-            current: list[Tensor] = []
-            size = 0
-            for n in names:
-                p = self._params[n]
-                if current and size + 4 * p.numel() > self.bucket_bytes:
-                    buckets.append(current)
-                    current, size = [], 0
-                current.append(p)
-                size += 4 * p.numel()
-            if current:
-                buckets.append(current)
-            device = self._params[names[0]].device
-            buckets = [
-                (ps, torch.empty(sum(p.numel() for p in ps), dtype=torch.float32, device=device)) for ps in buckets
-            ]
-            self._buckets[key] = buckets
+        if buckets is not None and all(b.owns(self._global) for b in buckets):
+            return buckets
+        groups: list[list[str]] = []
+        size = 0
+        for n in sorted(names, key=lambda n: str(self._params[n].dtype)):  # stable: order kept per dtype
+            p = self._params[n]
+            if not groups or size + 4 * p.numel() > self.bucket_bytes or p.dtype != self._params[groups[-1][0]].dtype:
+                groups.append([])
+                size = 0
+            groups[-1].append(n)
+            size += 4 * p.numel()
+        buckets = [_Bucket(group, [self._params[n] for n in group], self._global) for group in groups]
+        self._buckets[key] = buckets
         return buckets
 
     @torch.no_grad()
@@ -177,32 +188,67 @@ class UpdateExchange:
         memory = state.memory
         buckets = self._buckets_for(names)
         futures: list[Future[Tensor]] = []
-        for i, (ps, buffer) in enumerate(buckets):
+        for i, bucket in enumerate(buckets):
             pos = 0
-            for p in ps:
-                name = self._names[id(p)]
-                seg = buffer[pos : pos + p.numel()]
+            for name, p in zip(bucket.names, bucket.params, strict=True):
+                seg = bucket.delta[pos : pos + p.numel()]
+                pos += p.numel()
                 g = self._global[name].reshape(-1)
-                e = memory.get(name) if name in memory else None
                 # delta = p_after - p_before, p_before = global + e as the module held it (float32)
-                if e is None:
-                    seg.copy_(g)
+                if name in memory:
+                    torch.add(g, memory.get(name), out=seg)
                 else:
-                    torch.add(g, e, out=seg)
+                    seg.copy_(g)
                 torch.sub(p.reshape(-1), seg, out=seg)
-                pos += p.numel()
-            futures.append(communicate(state, buffer, ps, is_last=i == len(buckets) - 1))
-        for (ps, _), future in zip(buckets, futures, strict=True):
-            averaged = future.wait()
-            pos = 0
-            for p in ps:
-                name = self._names[id(p)]
-                seg = averaged[pos : pos + p.numel()]
-                pos += p.numel()
-                g = self._global[name]
-                if all_finite(seg):
-                    g.add_(seg.view_as(g))
-                # else: some rank's update was not finite; every rank sees the same NaN average
-                # and keeps the global value (that rank's residual kept its previous value)
-                p.copy_(g)
+                if not all_finite(seg):
+                    # This rank's optimizer produced a non-finite parameter: drop its step here
+                    # (like a gradient scaler's skip, on this rank only); its residual is kept.
+                    seg.zero_()
+                    self._warn_nonfinite(name)
+            futures.append(
+                communicate(
+                    state, bucket.delta, bucket.params, is_last=i == len(buckets) - 1, accumulate_into=bucket.glob
+                )
+            )
+        for bucket, future in zip(buckets, futures, strict=True):
+            future.wait()  # the average of what the ranks sent is now in the bucket's global values
+            for name in bucket.names:
+                self._hold_global(name)
                 self._local.discard(name)
+
+    def _warn_nonfinite(self, name: str) -> None:
+        self.nonfinite_updates += 1
+        if self.nonfinite_updates == 1:
+            warnings.warn(
+                f"lightning_sparse: rank {self.state.rank}'s optimizer step made {name!r} non-finite at step "
+                f"{self.state.step}; that rank's update of it is dropped (the global model stays finite). "
+                "Further occurrences are counted in UpdateExchange.nonfinite_updates.",
+                stacklevel=3,
+            )
+
+
+class _Bucket:
+    """Parameters exchanged in one message: their update buffer (float32) and global values (one
+    flat tensor in the parameters' dtype; ``globals_[name]`` becomes a view into it)."""
+
+    def __init__(self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor]) -> None:
+        self.names = names
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        first = params[0]
+        self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
+        self.glob = torch.empty(numel, dtype=first.dtype, device=first.device)
+        self.views: list[Tensor] = []
+        pos = 0
+        for name, p in zip(names, params, strict=True):
+            view = self.glob[pos : pos + p.numel()].view(p.shape)
+            old = globals_.get(name)
+            if old is not None:
+                view.copy_(old)  # the rank's view is held in the module: keep the global value
+            globals_[name] = view
+            self.views.append(view)
+            pos += p.numel()
+
+    def owns(self, globals_: dict[str, Tensor]) -> bool:
+        """Whether the global values of its parameters still live in this bucket."""
+        return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))

@@ -90,11 +90,20 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
             # the global parameters move by the average of what the ranks sent
             everyone = [torch.empty_like(sent) for _ in range(world)]
             dist.all_gather(everyone, sent)
-            average = torch.stack(everyone).sum(0) / world
+            expected = glob + torch.stack(everyone).sum(0) / world
+            if sparse_step and state.compressor.pattern == "gather":
+                # every rank's (value, index) pairs are added in rank order, straight into the
+                # global values (dense members: their all-reduced sum, as above)
+                in_order = glob.clone()
+                for part in everyone:
+                    in_order += part / world
+                for m in plan.sparse_members:
+                    seg = slice(m.offset, m.offset + m.numel)
+                    expected[seg] = in_order[seg]
             if value_dtype is None:
-                assert torch.equal(new_global, glob + average)
+                assert torch.equal(new_global, expected)
             else:
-                torch.testing.assert_close(new_global, glob + average, rtol=1e-2, atol=1e-3)
+                torch.testing.assert_close(new_global, expected, rtol=1e-2, atol=1e-3)
             replicas = [torch.empty_like(new_global) for _ in range(world)]
             dist.all_gather(replicas, new_global)
             assert torch.equal(replicas[0], replicas[1]), "replicas differ"
@@ -137,6 +146,60 @@ def _leave_local_worker(rank: int, world: int) -> dict[str, Any]:
     exchange.leave_local()  # e.g. validation in the middle of gradient accumulation
     back = all(torch.equal(p, g) for p, g in zip(params, glob, strict=True))
     return {"moved": moved, "back": back, "messages": state.telemetry.steps}
+
+
+def _outside_writes_worker(rank: int, world: int) -> dict[str, Any]:
+    import warnings
+
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    named = _params(torch.float32)
+    params = [p for _, p in named]
+    state = SparseState(compressor="topk", density=0.02, min_numel=1000, fallback_to_dense=False, compress="update")
+    exchange = UpdateExchange(state)
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        exchange.enter_local()
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen))
+        exchange.exchange()
+    # a write between steps (a checkpoint restore, a callback) becomes the global value
+    with torch.no_grad():
+        params[0].mul_(0.5)
+    written = params[0].detach().clone()
+    exchange.enter_local()
+    exchange.leave_local()
+    kept = torch.equal(params[0], written)
+    # one rank's optimizer blows up: its update is dropped there, the global model stays finite
+    exchange.enter_local()
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen))
+        if rank == 1:
+            params[3].view(-1)[5] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exchange.exchange()
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    return {
+        "kept": kept,
+        "finite": bool(torch.isfinite(flat).all()),
+        "flat": flat,
+        "nonfinite": exchange.nonfinite_updates,
+        "warned": any("non-finite" in str(w.message) for w in caught),
+        "residuals_finite": all(bool(torch.isfinite(state.memory.get(n)).all()) for n in state.memory.names()),
+    }
+
+
+def test_writes_between_steps_and_nonfinite_updates(dist2) -> None:
+    r0, r1 = dist2.run(_outside_writes_worker)
+    assert r0["kept"] and r1["kept"]
+    assert r0["finite"] and r1["finite"] and torch.equal(r0["flat"], r1["flat"])
+    assert (r0["nonfinite"], r1["nonfinite"]) == (0, 1) and r1["warned"] and not r0["warned"]
+    assert r0["residuals_finite"] and r1["residuals_finite"]
 
 
 def test_leave_local_restores_global_exactly(dist2) -> None:

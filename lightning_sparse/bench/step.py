@@ -340,13 +340,13 @@ def worker(args: argparse.Namespace) -> int:
         exchanges.append(None)
     for mode in args.modes:
         for spec in args.compressors:
-            model = DistributedDataParallel(make_model())
-            # The strategy's own defaults (min_numel, warm-up, dense fallback); registered as
-            # SparseDDPStrategy._register_ddp_hooks does it.
+            # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
+            # registered as SparseDDPStrategy._register_ddp_hooks does it.
             fallback = FALLBACKS[args.fallback]
             strategy = SparseDDPStrategy(
                 compress=mode, compressor=parse_compressor(spec), density=args.density, fallback_to_dense=fallback
             )
+            model = DistributedDataParallel(make_model(), **strategy._ddp_kwargs)
             state = strategy.sparse_state
             exchange = strategy.update_exchange
             if exchange is not None:
