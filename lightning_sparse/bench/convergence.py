@@ -35,7 +35,6 @@ sent, log x axis; needs matplotlib: ``pip install "lightning_sparse[plot]"``).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import re
@@ -306,22 +305,14 @@ class _Recorder(L.Callback):
 
 
 def _sparse_strategy(config: dict[str, Any]) -> Any:
-    """``SparseDDPStrategy`` of a sparse run; ``compress=`` is passed when the run has a mode and the
-    strategy takes the argument (without it the strategy compresses gradients, so ``gradient`` runs)."""
+    """``SparseDDPStrategy`` of a sparse run, in the run's mode (runs without one compressed gradients)."""
     import lightning_sparse
 
-    kwargs: dict[str, Any] = {}
-    mode = config.get("mode")
-    if mode is not None:
-        if "compress" in inspect.signature(lightning_sparse.SparseDDPStrategy).parameters:
-            kwargs["compress"] = mode
-        elif mode != "gradient":
-            raise ValueError(
-                f"--modes {mode!r} is not allowed with this SparseDDPStrategy: it has no compress= argument "
-                "(it compresses gradients only); expected gradient"
-            )
     return lightning_sparse.SparseDDPStrategy(
-        compressor=config["compressor"], density=config["density"], compression_monitor=False, **kwargs
+        compress=config.get("mode") or "gradient",
+        compressor=config["compressor"],
+        density=config["density"],
+        compression_monitor=False,
     )
 
 
