@@ -1,4 +1,4 @@
-"""Train an MLP on handwritten digits on 2 CPU processes: dense DDP, then sparse_ddp (top-k 1%).
+"""Train an MLP on handwritten digits on 2 CPU processes: dense DDP, then sparse_ddp (top-k 1%, update mode).
 
     pip install torch==2.13.0 && pip install -e ".[examples]" && python examples/train_digits.py
 
@@ -50,6 +50,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--compressor", default="topk")
+    parser.add_argument(
+        "--compress",
+        choices=["update", "gradient"],
+        default="update",
+        help="what the sparse run compresses (default: update; --momentum-correction implies gradient)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (both runs)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (both runs)")
@@ -64,7 +70,10 @@ def main() -> None:
     _, dense_acc, dense_s = fit("ddp", args, args.momentum)
     correction = args.momentum if args.momentum_correction else 0.0
     sparse = lightning_sparse.SparseDDPStrategy(
-        compressor=args.compressor, density=args.density, momentum_correction=correction
+        compress="gradient" if args.momentum_correction else args.compress,
+        compressor=args.compressor,
+        density=args.density,
+        momentum_correction=correction,
     )
     trainer, sparse_acc, sparse_s = fit(sparse, args, 0.0 if args.momentum_correction else args.momentum)
 
@@ -73,7 +82,8 @@ def main() -> None:
         print()
         print(f"{'run':<28}{'val accuracy':>14}{'wall s':>9}")
         print(f"{'dense DDP':<28}{dense_acc:>14.4f}{dense_s:>9.1f}")
-        label = f"sparse_ddp {args.compressor} {args.density:g}" + (" mc" if args.momentum_correction else "")
+        mode = "gradient, mc" if args.momentum_correction else args.compress
+        label = f"sparse_ddp {args.compressor} {args.density:g} ({mode})"
         print(f"{label:<28}{sparse_acc:>14.4f}{sparse_s:>9.1f}")
         print(
             f"accuracy difference: {100 * (sparse_acc - dense_acc):+.2f} points; "

@@ -216,7 +216,7 @@ class CompressionMonitor(Callback):
         start = self._fit_start
         steps = state.telemetry.steps - (start.steps if start is not None else 0)
         title = (
-            f"Sparse gradient communication: {state.compressor!r}, {state.schedule!r}; "
+            f"Sparse {state.compress} communication: {state.compressor!r}, {state.schedule!r}; "
             f"{steps} steps, rank {trainer.global_rank} of {trainer.world_size}"
         )
         summary = CompressionSummary.from_telemetry(

@@ -83,7 +83,7 @@ class CompressionSummary:
         telemetry: Telemetry,
         start: Telemetry | None = None,
         step_seconds: float | None = None,
-        title: str = "Sparse gradient communication",
+        title: str = "Sparse communication",
     ) -> CompressionSummary:
         """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them)."""
         total = telemetry.total - start.total if start is not None else telemetry.total.copy()

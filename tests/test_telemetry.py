@@ -149,7 +149,7 @@ def test_fit_logs_the_figures_through_the_logger(tmp_path: Path) -> None:
         assert set(METRIC_NAMES) <= set(r["callback_metrics"])
     # the summary: once, on rank 0, in plain text (the output is a pipe), with the fit's totals
     out = (tmp_path / "log.txt").read_text()
-    assert out.count("Sparse gradient communication: TopK(fast=True)") == 1
+    assert out.count("Sparse update communication: TopK(fast=True)") == 1
     t = r0["telemetry"]
     total_line = next(line for line in out.splitlines() if line.startswith("all buckets"))
     assert format_bytes(t["dense_bytes"]) in total_line and format_bytes(t["sent_bytes"]) in total_line
@@ -192,7 +192,7 @@ def test_spawn_figures_reach_the_main_process(tmp_path: Path) -> None:
     assert metrics["sparse/compression_ratio"] > 3 and metrics["sparse/compression_ratio_cumulative"] > 1
     rows = [row for row in read_csv(tmp_path / "csv" / "version_0" / "metrics.csv") if row.get(METRIC_NAMES[0])]
     assert len(rows) == 6
-    assert "Sparse gradient communication" in (tmp_path / "log.txt").read_text()
+    assert "Sparse update communication" in (tmp_path / "log.txt").read_text()
 
 
 # --------------------------------------------------------------------------- the strategy adds a monitor
