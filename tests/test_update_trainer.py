@@ -51,6 +51,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     "val_check_interval": 3,
                 },
                 {"name": "bf16", "strategy": UPDATE, "precision": "bf16-mixed"},
+                # fp16 AMP: each rank's own gradient scaler; updates are exchanged unscaled
+                {"name": "fp16", "strategy": UPDATE, "precision": "16-mixed"},
                 {"name": "manual", "strategy": UPDATE, "manual": True},
                 {"name": "default", "strategy": "sparse_ddp", "optimizer": "adamw", "lr": 0.01},
             ],
@@ -68,7 +70,7 @@ def _full_loss(params: dict[str, torch.Tensor], n: int = 512) -> tuple[float, to
     return float(nn.functional.cross_entropy(logits, y)), logits
 
 
-@pytest.mark.parametrize("name", ["features", "accumulate", "bf16", "manual", "default"])
+@pytest.mark.parametrize("name", ["features", "accumulate", "bf16", "fp16", "manual", "default"])
 def test_trains_with_identical_global_replicas(runs: dict[str, Any], name: str) -> None:
     results = runs[name]
     assert_replicas_identical(results)
