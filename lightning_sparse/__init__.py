@@ -1,10 +1,12 @@
 """lightning_sparse: sparse gradient communication for PyTorch Lightning.
 
 Importing the package registers the strategy names ``sparse_ddp``, ``sparse_ddp_spawn``,
-``sparse_ddp_find_unused_parameters_true`` (and fork/notebook variants) with Lightning::
+``sparse_ddp_find_unused_parameters_true`` (and fork/notebook variants) with the Lightning
+Trainer and with Lightning Fabric::
 
     import lightning_sparse
     trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
 """
 
 from lightning_sparse.callbacks import CompressionMonitor
@@ -20,6 +22,8 @@ from lightning_sparse.compressors import (
     TopK,
     register_compressor,
 )
+from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
+from lightning_sparse.fabric import register_fabric_strategies
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
@@ -29,6 +33,7 @@ from lightning_sparse.strategy import SparseDDPStrategy, register_strategies
 __version__ = "0.1.0"
 
 register_strategies()
+register_fabric_strategies()
 
 __all__ = [
     "COMPRESSORS",
@@ -39,6 +44,7 @@ __all__ = [
     "CountSketch",
     "DGC",
     "DensitySchedule",
+    "FabricSparseDDPStrategy",
     "GaussianK",
     "RTopK",
     "RandomBlock",
@@ -50,6 +56,7 @@ __all__ = [
     "WarmupDensity",
     "__version__",
     "register_compressor",
+    "register_fabric_strategies",
     "register_strategies",
     "sparse_comm_hook",
 ]

@@ -7,38 +7,24 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import Compressor
+from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, check_bool, register_names, training_advice
 from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange, local_gradient_hook
+from lightning_sparse.update import UpdateExchange
 
-#: key of the hook state inside Lightning checkpoints
-CHECKPOINT_KEY = "lightning_sparse"
-
-# DDP arguments that would install a second communication hook or average models behind ours.
-_CONFLICTING_DDP_ARGS = {
-    "mixed_precision": "DDP's mixed_precision installs its own communication hook, which would replace the "
-    "sparse one; use Trainer(precision='bf16-mixed') or 'bf16-true' instead",
-    "ddp_comm_hook": "SparseDDPStrategy installs its own communication hook",
-    "ddp_comm_state": "SparseDDPStrategy installs its own communication hook and state",
-    "ddp_comm_wrapper": "SparseDDPStrategy installs its own communication hook",
-    "model_averaging_period": "post-local-SGD model averaging does not combine with sparse gradients",
-}
+__all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
 
 
 class SparseDDPStrategy(DDPStrategy):
@@ -128,30 +114,9 @@ class SparseDDPStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        for name, why in _CONFLICTING_DDP_ARGS.items():
-            if name in kwargs:
-                raise ValueError(f"{name}={kwargs[name]!r} is not allowed with SparseDDPStrategy: {why}.")
-        for name, value in (
-            ("compression_monitor", compression_monitor),
-            ("find_unused_parameters", find_unused_parameters),
-            ("static_graph", static_graph),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} is not allowed: expected True or False.")
-        if gradient_as_bucket_view not in (None, True, False):
-            raise ValueError(
-                f"gradient_as_bucket_view={gradient_as_bucket_view!r} is not allowed: expected None (True with "
-                "compress='update', False with compress='gradient'), True or False."
-            )
-        if gradient_as_bucket_view is None:
-            gradient_as_bucket_view = compress == "update"
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected None or a number > 0.")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"start_method={start_method!r} is not allowed: expected 'popen', 'spawn', 'fork' or 'forkserver'."
-            )
-        self._sparse_state = SparseState(
+        check_bool("compression_monitor", compression_monitor)
+        self._core = SparseCore(
+            compress=compress,
             compressor=compressor,
             density=density,
             error_feedback=error_feedback,
@@ -161,20 +126,15 @@ class SparseDDPStrategy(DDPStrategy):
             seed=seed,
             fallback_to_dense=fallback_to_dense,
             momentum_correction=momentum_correction,
-            compress=compress,
-        )
-        self._update: Optional[UpdateExchange] = None
-        if compress == "update":
-            cap = 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
-            self._update = UpdateExchange(self._sparse_state, bucket_bytes=int(cap * 1024 * 1024))
-        ddp_kwargs: dict[str, Any] = dict(kwargs)
-        ddp_kwargs.update(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+            start_method=start_method,
+            ddp_kwargs=kwargs,
         )
-        if bucket_cap_mb is not None:
-            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self._sparse_state = self._core.state
+        self._update = self._core.update
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -184,11 +144,8 @@ class SparseDDPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **ddp_kwargs,
+            **self._core.ddp_kwargs,
         )
-        self._pending_hook_state: Optional[dict[str, Any]] = None
-        #: every rank's optimizer states from a loaded checkpoint (update mode), by rank
-        self._pending_optimizer_states: Optional[list[Any]] = None
         self._in_optimizer_step = False
         self.compression_monitor = compression_monitor
 
@@ -210,11 +167,7 @@ class SparseDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ telemetry
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if self._sparse_state.momentum_correction:
-            _check_no_optimizer_momentum(self.optimizers, self._sparse_state.momentum_correction)
-        if self.world_size > 1:
-            for advice in training_advice(self._sparse_state, self.optimizers):
-                rank_zero_warn(f"lightning_sparse: {advice}")
+        self._core.check_optimizers(self.optimizers, self.world_size)
 
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
@@ -235,21 +188,8 @@ class SparseDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ the hook
     def _register_ddp_hooks(self) -> None:
         # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
-        model = self.model
-        if not isinstance(model, DistributedDataParallel):
-            raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
-        if self._pending_hook_state is not None:
-            self._apply_hook_state(self._pending_hook_state)
-            self._pending_hook_state = None
-        if self._update is not None:
-            # each rank keeps its own gradient; the exchange runs after the optimizer step
-            self._update.bind(model.module.named_parameters(), process_group=model.process_group)
-            model.register_comm_hook(None, local_gradient_hook)
-            return
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self._sparse_state.loss_scale = None if scaler is None else _ScaleReader(scaler)
-        self._sparse_state.bind(model.module.named_parameters(), process_group=model.process_group)
-        model.register_comm_hook(self._sparse_state, sparse_comm_hook)
+        self._core.register_hook(self.model, self.global_rank, self.world_size, self.root_device, scaler)
 
     # ------------------------------------------------------------------ update mode
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -285,8 +225,7 @@ class SparseDDPStrategy(DDPStrategy):
             self._update.leave_local()
 
     def _hold_global(self) -> None:
-        if self._update is not None:
-            self._update.leave_local()
+        self._core.hold_global()
 
     def on_validation_start(self) -> None:
         self._hold_global()
@@ -313,169 +252,32 @@ class SparseDDPStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         # Runs on every rank, so the residuals of all ranks can be gathered to rank 0 here.
-        mine = self._sparse_state.state_dict()
-        if self._update is not None and "optimizer_states" in checkpoint:
-            # each rank's optimizer followed its own gradients: Lightning keeps rank 0's only
-            mine["optimizer_states"] = checkpoint["optimizer_states"]
-        if _distributed_is_initialized() and dist.get_world_size() > 1:
-            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0)
-        else:
-            gathered = [mine]
+        payload = self._core.gather_payload(checkpoint.get("optimizer_states"))
         if self.is_global_zero:
-            assert gathered is not None
-            checkpoint[CHECKPOINT_KEY] = {"world_size": len(gathered), "ranks": gathered}
+            checkpoint[CHECKPOINT_KEY] = payload
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:
-            ranks = payload["ranks"]
-            if (
-                self._update is not None
-                and int(payload["world_size"]) == self.world_size
-                and all("optimizer_states" in r for r in ranks)
-            ):
-                self._pending_optimizer_states = [r["optimizer_states"] for r in ranks]
             # Restored before DDP wraps the model; applied when the hook is registered.
-            self._pending_hook_state = payload
-            if isinstance(self.model, DistributedDataParallel):
-                self._apply_hook_state(payload)
-                self._pending_hook_state = None
+            now = isinstance(self.model, DistributedDataParallel)
+            self._core.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pending = self._pending_optimizer_states
-        self._pending_optimizer_states = None
-        if pending is not None:
+        mine = self._core.take_optimizer_states(self.global_rank)
+        if mine is not None:
             # update mode: this rank's own optimizer state, as it was in this rank when saved
-            checkpoint = {**checkpoint, "optimizer_states": pending[self.global_rank]}
+            checkpoint = {**checkpoint, "optimizer_states": mine}
         super().load_optimizer_state_dict(checkpoint)
-
-    def _apply_hook_state(self, payload: dict[str, Any]) -> None:
-        ranks: list[dict[str, Any]] = payload["ranks"]
-        saved_world = int(payload["world_size"])
-        state = self._sparse_state
-        if saved_world == self.world_size:
-            mine = ranks[self.global_rank]
-        else:
-            # Every new rank takes the mean of the old residuals: the total delayed gradient,
-            # sum(e_r) / world_size, is then the same as before the change.
-            rank_zero_warn(
-                f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
-                f"{self.world_size}; each rank starts from the mean of the saved error-feedback residuals, "
-                "which keeps the total delayed gradient but not each rank's share of it."
-            )
-            mine = dict(ranks[0])
-            for key in ("residuals", "velocity"):  # local momenta, like residuals, are summed over ranks
-                names = {n for r in ranks for n in r.get(key, {})}
-                mine[key] = {
-                    n: sum(r[key][n] for r in ranks if n in r.get(key, {})) / saved_world for n in sorted(names)
-                }
-        saved_mode = mine.get("compress", "gradient")
-        if saved_mode != state.compress:
-            rank_zero_warn(
-                f"lightning_sparse: the checkpoint was written with compress={saved_mode!r} and is resumed with "
-                f"compress={state.compress!r}; its error-feedback residuals (unsent {saved_mode}s) are dropped."
-            )
-            mine = {**mine, "residuals": {}, "velocity": {}}
-        saved_compressor = mine.get("compressor")
-        current = type(state.compressor).__name__
-        if saved_compressor != current or mine.get("compressor_config") != state.compressor.config():
-            rank_zero_warn(
-                f"lightning_sparse: the checkpoint was written with compressor {saved_compressor} "
-                f"{mine.get('compressor_config')} and is resumed with {current} {state.compressor.config()}; "
-                "the error-feedback residuals (the gradient not sent yet) are kept and sent by the new compressor."
-            )
-        state.load_state_dict(mine, device=self.root_device)
 
     # ------------------------------------------------------------------ names
     @classmethod
     def register_strategies(cls, strategy_registry: dict) -> None:
         """Register ``sparse_ddp`` and its variants (idempotent)."""
-        entries: list[tuple[str, str, dict[str, Any]]] = [
-            ("sparse_ddp", "sparse DDP (top-k 1% + error feedback), start_method 'popen'", {"start_method": "popen"}),
-            ("sparse_ddp_spawn", "sparse DDP, start_method 'spawn'", {"start_method": "spawn"}),
-            ("sparse_ddp_fork", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
-            ("sparse_ddp_notebook", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
-            (
-                "sparse_ddp_find_unused_parameters_true",
-                "sparse DDP with find_unused_parameters=True, start_method 'popen'",
-                {"start_method": "popen", "find_unused_parameters": True},
-            ),
-            (
-                "sparse_ddp_spawn_find_unused_parameters_true",
-                "sparse DDP with find_unused_parameters=True, start_method 'spawn'",
-                {"start_method": "spawn", "find_unused_parameters": True},
-            ),
-        ]
-        for name, description, params in entries:
-            if name in strategy_registry and strategy_registry[name].get("strategy") is cls:
-                continue
-            strategy_registry.register(name, cls, description=description, override=True, **params)
-
-
-def _check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
-    """Momentum correction moves the momentum into the hook: a second one in the optimizer would
-    apply it twice, so refuse optimizers that keep one."""
-    for optimizer in optimizers:
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        for group in inner.param_groups:
-            if group.get("momentum", 0) or "betas" in group:
-                found = f"momentum={group['momentum']}" if group.get("momentum", 0) else f"betas={group['betas']}"
-                raise ValueError(
-                    f"momentum_correction={momentum} is not allowed with {type(inner).__name__}({found}): the hook "
-                    "already applies the momentum, so the optimizer must have none (e.g. SGD(momentum=0)); "
-                    "or set momentum_correction=0 to keep the optimizer's momentum."
-                )
-
-
-def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
-    """Combinations of mode, compressor and optimizer measured to train far from dense, each with
-    what to change (the strategy warns with these at setup).
-
-    Example:
-        >>> import torch
-        >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
-        >>> [a[:40] for a in training_advice(SparseState(compress="gradient"), [opt])]
-        ["compress='gradient' with AdamW trains fa"]
-    """
-    advice = []
-    inner = [getattr(o, "_optimizer", o) for o in optimizers]
-    adaptive = sorted({type(o).__name__ for o in inner if any("betas" in g for g in o.param_groups)})
-    momentum = any(g.get("momentum", 0) for o in inner for g in o.param_groups)
-    name = state.compressor.name or type(state.compressor).__name__
-    random = state.compressor.pattern == "shared"
-    if state.compress == "gradient" and adaptive:
-        advice.append(
-            f"compress='gradient' with {', '.join(adaptive)} trains far from dense: the optimizer normalises "
-            "each coordinate's rare error-feedback bursts away (measured on a small GPT with AdamW: validation "
-            "loss 2.40 against 1.84 for dense DDP at density 0.01). Use compress='update' (the default)."
-        )
-    if state.compress == "gradient" and random and momentum:
-        advice.append(
-            f"compressor={name!r} with compress='gradient' and an optimizer momentum can diverge: a coordinate's "
-            "whole residual enters the momentum at once when it is finally drawn (random-block at density 0.01 "
-            "with SGD momentum 0.9 diverged on an MLP language model). Use compress='update', or 'topk'."
-        )
-    if state.compress == "update" and random:
-        advice.append(
-            f"compressor={name!r} with compress='update' trains far from dense: random coordinates carry no "
-            "information about which part of the update matters (random-block at density 0.01: validation loss "
-            "4.6 against 1.6 for dense DDP on a small GPT). Use 'topk', 'gaussiank' or 'dgc'."
-        )
-    return advice
-
-
-class _ScaleReader:
-    """Reads a gradient scaler's current loss scale (the hook rescales residuals when it changes)."""
-
-    def __init__(self, scaler: Any) -> None:
-        self.scaler = scaler
-
-    def __call__(self) -> float:
-        return float(self.scaler.get_scale())
+        register_names(cls, strategy_registry)
 
 
 def register_strategies() -> None:

@@ -1,0 +1,320 @@
+"""SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``.
+
+The same sparse communication as the Trainer's :class:`lightning_sparse.SparseDDPStrategy` (one
+:class:`~lightning_sparse.core.SparseCore` underneath: the same arguments, compressors, schedules,
+fallbacks, both modes, the same checkpoint payload), for a loop the user writes::
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+
+Update mode (``compress="update"``, the default) in such a loop: a *training* forward (module in
+training mode, gradients enabled) lets the module hold this rank's own view of the model (the
+global parameters plus what this rank has not sent yet); ``optimizer.step()`` steps on it, then
+exchanges part of every rank's progress and leaves the new *global* parameters, identical on
+every rank, in the module. So after each optimizer step, and until the next training forward, the
+module holds the global model. An evaluation forward (``model.eval()`` or ``torch.no_grad()``)
+outside a pending backward, :meth:`SparseDDPStrategy.save_checkpoint` (``fabric.save``) and
+:meth:`SparseDDPStrategy.load_checkpoint` (``fabric.load``) put the global model back too, e.g.
+for a validation in the middle of a gradient-accumulation cycle; the next training forward or
+step adds the rank's part back (exactly: nothing is lost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _Stateful, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _PATH, Optimizable
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_sparse.compressors import Compressor
+from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, register_names
+from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.state import SparseState
+from lightning_sparse.update import UpdateExchange
+
+__all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
+
+
+class SparseDDPStrategy(DDPStrategy):
+    """Fabric's DDP whose communication is a sparse exchange with error feedback.
+
+    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same
+    arguments and behaviour (see there and :mod:`lightning_sparse.fabric` for the loop): with
+    ``compress="update"`` (the default) each rank's optimizer steps on its own gradient and part of
+    each rank's progress is exchanged after ``optimizer.step()``; with ``compress="gradient"``
+    DDP's communication hook sends part of each gradient plus residual during ``fabric.backward``.
+    The hook is registered on every device (CPU/gloo included). ``fabric.save`` writes every rank's
+    residuals (and in update mode every rank's optimizer state) into the checkpoint, gathered to
+    rank 0; ``fabric.load`` gives each rank its own back, so a resumed run continues exactly.
+    ``fabric.strategy.sparse_state.telemetry`` holds the compression figures (there are no
+    Trainer callbacks in Fabric: log them with ``fabric.log_dict`` if wanted).
+
+    Args:
+        compress: ``"update"`` (compress each rank's optimizer update, after the step) or
+            ``"gradient"`` (compress the gradient, in DDP's communication hook).
+        compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
+        density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
+        error_feedback: keep what was not sent and send it later.
+        min_numel: tensors with fewer elements (biases, norms) are sent dense.
+        warmup_steps: the first optimizer steps sent dense (>= 1).
+        value_dtype: dtype of the values sent ("float16", "bfloat16", "float32"); None: the
+            gradient's dtype.
+        seed: seed of every random choice.
+        fallback_to_dense: ``True``/``"bytes"``: send a bucket dense when sparse would move as many
+            bytes; ``"time"`` or a ``TimedFallback``: also time dense and sparse steps after warm-up
+            and keep the faster; ``False``: always sparse after warm-up.
+        momentum_correction: DGC's momentum correction (gradient mode, with an optimizer without
+            momentum); 0 (default) turns it off.
+        find_unused_parameters: as in DDP.
+        static_graph: as in DDP.
+        gradient_as_bucket_view: as in DDP; None: ``True`` in update mode, ``False`` in gradient mode.
+        bucket_cap_mb: as in DDP (None: DDP's default).
+        accelerator: as in Fabric's ``DDPStrategy``.
+        parallel_devices: as in Fabric's ``DDPStrategy``.
+        cluster_environment: as in Fabric's ``DDPStrategy``.
+        checkpoint_io: as in Fabric's ``DDPStrategy``.
+        precision: as in Fabric's ``DDPStrategy``.
+        process_group_backend: as in Fabric's ``DDPStrategy``.
+        timeout: as in Fabric's ``DDPStrategy``.
+        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        **kwargs: further arguments of ``DistributedDataParallel``.
+
+    Example:
+        >>> import lightning_sparse
+        >>> from lightning.fabric import Fabric
+        >>> fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")  # doctest: +SKIP
+        >>> strategy = SparseDDPStrategy(compressor="gaussiank", density=0.001)
+        >>> fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
+    """
+
+    strategy_name = "sparse_ddp"
+
+    def __init__(
+        self,
+        compress: Literal["update", "gradient"] = "update",
+        compressor: Union[str, Compressor] = "topk",
+        density: Union[float, DensitySchedule] = 0.01,
+        error_feedback: bool = True,
+        min_numel: int = 1024,
+        warmup_steps: int = 1,
+        value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
+        seed: int = 0,
+        fallback_to_dense: Union[bool, Literal["bytes", "time"], TimedFallback] = True,
+        momentum_correction: float = 0.0,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        self._core = SparseCore(
+            compress=compress,
+            compressor=compressor,
+            density=density,
+            error_feedback=error_feedback,
+            min_numel=min_numel,
+            warmup_steps=warmup_steps,
+            value_dtype=value_dtype,
+            seed=seed,
+            fallback_to_dense=fallback_to_dense,
+            momentum_correction=momentum_correction,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+            start_method=start_method,
+            ddp_kwargs=kwargs,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **self._core.ddp_kwargs,
+        )
+        self._ddp_model: Optional[DistributedDataParallel] = None
+        self._in_optimizer_step = False
+        # a training forward ran whose backward has not: its graph holds the rank's view
+        self._graph_pending = False
+
+    @property
+    def sparse_state(self) -> SparseState:
+        """The hook's state on this rank: residuals, step, telemetry."""
+        return self._core.state
+
+    @property
+    def compress(self) -> str:
+        """``"update"`` or ``"gradient"``: what is compressed."""
+        return self._core.compress
+
+    @property
+    def update_exchange(self) -> Optional[UpdateExchange]:
+        """The update exchange (``compress="update"``), else None."""
+        return self._core.update
+
+    # ------------------------------------------------------------------ setup
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        """Wrap the module in DDP and register the sparse communication on it (any device)."""
+        model = super().setup_module(module)
+        scaler = getattr(self.precision, "scaler", None)
+        self._core.register_hook(model, self.global_rank, self.world_size, self.root_device, scaler)
+        if self._core.update is not None:
+            model.register_forward_pre_hook(self._before_forward)
+        self._ddp_model = model
+        return model
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
+        self._core.check_optimizers([optimizer], self.world_size)
+        return super().setup_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ update mode
+    def _before_forward(self, module: Module, args: Any) -> None:
+        update = self._core.update
+        if update is None:
+            return
+        if module.training and torch.is_grad_enabled():
+            update.enter_local()  # this rank's forward/backward run at global + its residual
+            self._graph_pending = True
+        elif not self._graph_pending and not self._in_optimizer_step:
+            update.leave_local()  # evaluation sees the global model
+
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        self._graph_pending = False
+
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The optimizer step on this rank's view, then (update mode) the exchange: afterwards the
+        module holds the new global values of the optimizer's parameters."""
+        update = self._core.update
+        if update is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+        update.enter_local(params)
+        self._in_optimizer_step = True
+        try:
+            output = super().optimizer_step(optimizer, **kwargs)
+        finally:
+            self._in_optimizer_step = False
+        update.exchange(params)
+        self._graph_pending = False
+        return output
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Union[Any, Tensor]]:
+        """The module's state with the global parameters (update mode)."""
+        self._core.hold_global()
+        return super().get_module_state_dict(module)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Union[Module, Optimizer, Any]],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Save ``state`` (rank 0 writes) with every rank's sparse state under ``"lightning_sparse"``.
+
+        Runs on every rank (``fabric.save`` calls it on all): the residuals, step, schedule and
+        telemetry of every rank, and in update mode every rank's optimizer states (each rank's
+        optimizer followed its own gradients), are gathered to rank 0.
+        """
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"state[{CHECKPOINT_KEY!r}] is not allowed with SparseDDPStrategy: the strategy saves its own "
+                "state under that key; use another name."
+            )
+        self._core.hold_global()  # the checkpoint holds the global model
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]
+        optimizer_states = {k: converted[k] for k in optimizers}
+        payload = self._core.gather_payload(optimizer_states)
+        if self.is_global_zero:
+            converted[CHECKPOINT_KEY] = payload
+            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Union[Module, Optimizer, Any]]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint like Fabric's ``DDPStrategy`` and restore this rank's sparse state.
+
+        In update mode every optimizer in the checkpoint is restored to the state *this rank*
+        saved (also in the returned checkpoint when ``state`` is empty), if the world size is the
+        one that saved it. The ``"lightning_sparse"`` entry is consumed, not returned.
+        """
+        self._core.hold_global()  # what the module held is replaced: it becomes the global model
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        payload = checkpoint.pop(CHECKPOINT_KEY, None) if isinstance(checkpoint, dict) else None
+        if payload is not None:
+            now = self._ddp_model is not None
+            self._core.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
+            mine = self._core.take_optimizer_states(self.global_rank)
+            for key, value in (mine or {}).items():
+                if key in checkpoint:
+                    checkpoint[key] = value  # this rank's own optimizer state
+        if not state:
+            return checkpoint
+        if isinstance(state, Module):
+            self.load_module_state_dict(module=state, state_dict=checkpoint, strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            state.load_state_dict(checkpoint)
+            return {}
+        _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+        for name, obj in state.copy().items():
+            if name not in checkpoint:
+                continue
+            if isinstance(obj, _Stateful):
+                if isinstance(obj, Module):
+                    self.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
+                else:
+                    obj.load_state_dict(checkpoint.pop(name))
+            else:
+                state[name] = checkpoint.pop(name)
+        return checkpoint
+
+    # ------------------------------------------------------------------ names
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``sparse_ddp`` and its variants with a Fabric strategy registry (idempotent)."""
+        register_names(cls, strategy_registry)
+
+
+def register_fabric_strategies() -> None:
+    """Make ``Fabric(strategy="sparse_ddp")`` and its variants resolve (idempotent)."""
+    SparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,120 @@
+"""A Lightning Fabric training loop driven by a JSON config, for the Fabric tests.
+
+    python fabric_worker.py config.json
+
+Fabric's popen launcher re-runs this script for the other rank. The config holds common settings
+and a list of ``runs``, run one after the other in the same two processes (a later run may resume
+from a checkpoint an earlier one wrote). Every rank writes ``{name}_rank{r}.pt``: its final
+parameters, residuals, optimizer state, the state's step and telemetry, and fingerprints of the
+module after every optimizer step and at every evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+from trainer_worker import make_data
+
+from lightning_sparse import FabricSparseDDPStrategy
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def fingerprint(module: nn.Module) -> float:
+    return float(sum((p.detach().double() * (i + 1)).sum() for i, p in enumerate(module.parameters())))
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def run(cfg: dict[str, Any]) -> None:
+    spec = cfg.get("strategy", "sparse_ddp")
+    strategy = spec if isinstance(spec, str) else FabricSparseDDPStrategy(**spec)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(cfg.get("seed", 0), verbose=False)
+    model = MLP()
+    if cfg.get("optimizer") == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 0.01), weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 0.05), momentum=0.9)
+    model, opt = fabric.setup(model, opt)
+    data = make_data(0, cfg.get("n", 1024))
+    x_all, y_all = data.tensors
+    initial_acc = accuracy(model, x_all, y_all)
+    start = 0
+    if cfg.get("resume_from"):
+        remainder = fabric.load(cfg["resume_from"], {"model": model, "optimizer": opt})
+        start = remainder["step"]
+    steps, bs, accumulate = cfg.get("steps", 30), cfg.get("batch_size", 16), cfg.get("accumulate", 1)
+    after_step: list[float] = []
+    at_eval: list[float] = []
+    rank, world = fabric.global_rank, fabric.world_size
+    batch = 0
+    for step in range(start, steps):
+        for micro in range(accumulate):
+            # data as a pure function of (step, micro-batch, rank): a resumed run sees the same batches
+            first = ((step * accumulate + micro) * world + rank) * bs
+            idx = torch.arange(first, first + bs) % len(data)
+            x, y = x_all[idx], y_all[idx]
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = nn.functional.cross_entropy(model(x), y)
+                fabric.backward(loss)
+            batch += 1
+            if cfg.get("eval_every") and batch % cfg["eval_every"] == 0:
+                # an evaluation, possibly in the middle of an accumulation cycle
+                model.eval()
+                with torch.no_grad():
+                    model(x_all[:64])
+                at_eval.append(fingerprint(model))
+                model.train()
+        opt.step()
+        opt.zero_grad()
+        after_step.append(fingerprint(model))
+        if cfg.get("save_at") == step + 1:
+            fabric.save(cfg["save_to"], {"model": model, "optimizer": opt, "step": step + 1})
+    state = fabric.strategy.sparse_state  # type: ignore[attr-defined]
+    result = {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "residuals": state.memory.state_dict(),
+        "optimizer": opt.state_dict(),
+        "hook_step": state.step,
+        "telemetry": state.telemetry.total.as_dict(),
+        "compression_ratio": state.telemetry.total.compression_ratio,
+        "after_step": after_step,
+        "at_eval": at_eval,
+        "initial_acc": initial_acc,
+        "final_acc": accuracy(model, x_all, y_all),
+        "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
+        "compress": fabric.strategy.compress,  # type: ignore[attr-defined]
+    }
+    torch.save(result, f"{cfg['name']}_rank{rank}.pt")
+    fabric.barrier()
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    runs = cfg.pop("runs")
+    for r in runs:
+        run({**cfg, **r})
+
+
+if __name__ == "__main__":
+    main()
