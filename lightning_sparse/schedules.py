@@ -134,7 +134,7 @@ class WarmupDensity(DensitySchedule):
         steps: length of the warm-up in optimizer steps (>= 1).
         mode: ``"exponential"`` or ``"linear"``.
 
-    Example:
+    Examples:
         >>> s = WarmupDensity(start=0.25, end=0.001, steps=4)
         >>> [round(s.density(t), 5) for t in range(6)]
         [0.25, 0.06287, 0.01581, 0.00398, 0.001, 0.001]

@@ -151,3 +151,24 @@ def test_strategy_help_shows_type_and_default_of_every_argument(capsys) -> None:
     assert "type: Union[str, Compressor], default: topk" in text
     assert "type: Union[float, DensitySchedule], default: 0.01" in text
     assert "type: bool, default: True" in text
+
+
+def test_a_command_line_option_overrides_the_config(capsys) -> None:
+    """`--trainer.strategy.init_args.density 0.05` on top of a config, as the docs show."""
+    config = ROOT / "examples" / "configs" / "topk.yaml"
+    with pytest.raises(SystemExit):
+        _cli_module().main(
+            ["fit", "--config", str(config), "--trainer.strategy.init_args.density", "0.05", "--print_config"]
+        )
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"]["init_args"]["density"] == 0.05
+
+
+def test_compressor_help_shows_its_arguments(capsys) -> None:
+    """`--trainer.strategy.compressor.help TopK`, as the docs show."""
+    config = ROOT / "examples" / "configs" / "topk.yaml"
+    with pytest.raises(SystemExit):
+        _cli_module().main(["fit", "--config", str(config), "--trainer.strategy.compressor.help", "TopK"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Help for --compressor.help=lightning_sparse.TopK" in text
+    assert "--compressor.fast {true,false}" in text and "(type: bool, default: True)" in text

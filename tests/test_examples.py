@@ -1,0 +1,94 @@
+"""The example scripts the documentation tells people to run, run briefly (2 CPU processes each).
+
+The documentation's commands run these scripts with their full settings (30 epochs, 3 seeds,
+several machines); here the same scripts and launchers run for an epoch or a few steps, so a
+command in the docs cannot silently break. See tests/test_docs.py for the list of commands.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _dist import free_port
+
+pytest.importorskip("sklearn")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def test_train_digits_runs(tmp_path: Path) -> None:
+    """`python examples/train_digits.py`, one epoch: dense DDP, then sparse_ddp, and the comparison."""
+    out = _run([sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "1"], tmp_path)
+    assert "dense DDP" in out and "sparse_ddp topk 0.01" in out and "compression ratio" in out
+
+
+def test_compare_schedules_runs(tmp_path: Path) -> None:
+    """`python examples/compare_schedules.py`, one adaptive run of one epoch, with the docs' options."""
+    cmd = [sys.executable, str(ROOT / "examples" / "compare_schedules.py"), "--epochs", "1", "--seeds", "0"]
+    cmd += ["--c0", "3000", "--min-density", "0.0001", "--only", "adaptive", "--no-error-feedback"]
+    out = _run(cmd, tmp_path)
+    assert "adaptive (bits, c0 = 3000)" in out and "without error feedback" in out
+
+
+def test_multinode_under_torchrun(tmp_path: Path) -> None:
+    """`torchrun ... examples/multinode.py` on one machine: torchrun starts the 2 processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(ROOT / "examples" / "multinode.py"), "--devices", "2"]
+    out = _run(cmd + ["--max-steps", "3"], tmp_path)
+    assert "world size 2 (TorchElasticEnvironment)" in out
+
+
+def test_multinode_under_slurm_variables(tmp_path: Path) -> None:
+    """`srun python examples/multinode.py`, emulated on one machine: 2 processes started with the
+    variables srun sets, so Lightning's SLURMEnvironment gives the ranks (no real SLURM here)."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = _env()
+        env.update(
+            {
+                "SLURM_NTASKS": "2",
+                "SLURM_NTASKS_PER_NODE": "2",
+                "SLURM_NNODES": "1",
+                "SLURM_JOB_NUM_NODES": "1",
+                "SLURM_JOB_NAME": "digits",
+                "SLURM_JOB_ID": "1",
+                "SLURM_JOB_NODELIST": "127.0.0.1",
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "SLURM_NODEID": "0",
+                "MASTER_PORT": port,
+            }
+        )
+        cmd = [sys.executable, str(ROOT / "examples" / "multinode.py"), "--devices", "2", "--max-steps", "3"]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=300)
+            outs.append(out.decode())
+            assert proc.returncode == 0, outs[-1][-6000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert "world size 2 (SLURMEnvironment)" in outs[0]
