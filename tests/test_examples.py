@@ -42,6 +42,12 @@ def test_train_digits_runs(tmp_path: Path) -> None:
     assert "dense DDP" in out and "sparse_ddp topk 0.01" in out and "compression ratio" in out
 
 
+def test_fabric_digits_runs(tmp_path: Path) -> None:
+    """`python examples/fabric_digits.py`, one epoch: Fabric(strategy="sparse_ddp") on 2 processes."""
+    out = _run([sys.executable, str(ROOT / "examples" / "fabric_digits.py"), "--epochs", "1"], tmp_path)
+    assert "compression ratio" in out
+
+
 def test_compare_schedules_runs(tmp_path: Path) -> None:
     """`python examples/compare_schedules.py`, one adaptive run of one epoch, with the docs' options."""
     cmd = [sys.executable, str(ROOT / "examples" / "compare_schedules.py"), "--epochs", "1", "--seeds", "0"]
