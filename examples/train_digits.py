@@ -80,11 +80,11 @@ def main() -> None:
     if trainer.is_global_zero:
         total = trainer.strategy.sparse_state.telemetry.total
         print()
-        print(f"{'run':<28}{'val accuracy':>14}{'wall s':>9}")
-        print(f"{'dense DDP':<28}{dense_acc:>14.4f}{dense_s:>9.1f}")
+        print(f"{'run':<32}{'val accuracy':>14}{'wall s':>9}")
+        print(f"{'dense DDP':<32}{dense_acc:>14.4f}{dense_s:>9.1f}")
         mode = "gradient, mc" if args.momentum_correction else args.compress
         label = f"sparse_ddp {args.compressor} {args.density:g} ({mode})"
-        print(f"{label:<28}{sparse_acc:>14.4f}{sparse_s:>9.1f}")
+        print(f"{label:<32}{sparse_acc:>14.4f}{sparse_s:>9.1f}")
         print(
             f"accuracy difference: {100 * (sparse_acc - dense_acc):+.2f} points; "
             f"compression ratio (dense bytes / bytes sent): {total.compression_ratio:.1f}x "
