@@ -1,4 +1,5 @@
-"""Small helpers shared by the package: argument checks and deterministic seeding."""
+"""Small helpers shared by the package: argument checks, deterministic seeding, scratch buffers
+and a finiteness check."""
 
 from __future__ import annotations
 
@@ -93,3 +94,11 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> t
         buf = torch.empty(numel, dtype=dtype, device=device)
         _SCRATCH[key] = buf
     return buf[:numel]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, in one read: the float32 sum is finite unless an
+    entry is NaN/Inf (or, very rarely, finite entries overflow it: confirmed element-wise then)."""
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())

@@ -29,12 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sparse import comm
 from lightning_sparse._utils import bad_argument, check_density, check_int, scratch
+from lightning_sparse.patterns import PATTERNS, ring_all_gather_bytes, ring_all_reduce_bytes
 
 if TYPE_CHECKING:
     from torch.futures import Future
 
     from lightning_sparse.state import SparseState
+
+
+def k_for(numel: int, density: float) -> int:
+    """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1)."""
+    return max(1, min(numel, round(density * numel)))
 
 
 class DensitySchedule(ABC):
@@ -65,7 +72,7 @@ class DensitySchedule(ABC):
         """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
 
         Called only if :attr:`observes` is true, for every sparse parameter of every bucket, before
-        ``p`` is compressed: by :func:`~lightning_sparse.hook.compress_members` and by the dense
+        ``p`` is compressed: by :func:`~lightning_sparse.patterns.compress_members` and by the dense
         path (warm-up and fallback steps); a non-finite gradient is passed as it is. A wire
         pattern that forms ``p`` without ``compress_members`` must call it too, so that every rank
         observes the same parameters. Must not communicate.
@@ -447,8 +454,6 @@ class AdaptiveDensity(DensitySchedule):
         d = p.numel()
         ks = self._ks.get(d)
         if ks is None:
-            from lightning_sparse.hook import k_for
-
             ks = self._ks[d] = [k_for(d, x) for x in self.grid]
         e = topk_energy(p, ks)
         row = self._rows.get(bucket)
@@ -471,8 +476,6 @@ class AdaptiveDensity(DensitySchedule):
         world = int(self._wire.get("world", 1))
         future = None
         if world > 1:
-            from lightning_sparse import comm
-
             gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
             future = comm.all_gather(gathered, local, self._group)
         else:
@@ -506,8 +509,6 @@ class AdaptiveDensity(DensitySchedule):
         ``layout`` lists the buckets (label, sparse tensor sizes); ``energy[b]`` holds bucket b's
         ``||Top_k(p)||^2`` at each candidate density and its ``||p||^2`` last, summed over ranks.
         """
-        from lightning_sparse.hook import k_for
-
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
         shared = self._wire.get("pattern") == "shared"
@@ -532,8 +533,6 @@ class AdaptiveDensity(DensitySchedule):
     def message_costs(self, ks: Sequence[int], sizes: Sequence[int]) -> tuple[float, float | None]:
         """Cost of a bucket's sparse message sending ``ks`` of tensors of ``sizes``, and the cost of
         its dense all-reduce if the strategy would fall back to one (else None), in the model's unit."""
-        from lightning_sparse.hook import PATTERNS, ring_all_reduce_bytes
-
         w = self._wire
         world = int(w.get("world", 1))
         vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
@@ -565,9 +564,6 @@ class AdaptiveDensity(DensitySchedule):
     # ------------------------------------------------------------------ measurement
     def _measure(self, device: torch.device) -> dict[str, float]:
         """Fit ``seconds = alpha + beta * wire bytes`` to this process group's own collectives."""
-        from lightning_sparse import comm
-        from lightning_sparse.hook import ring_all_gather_bytes, ring_all_reduce_bytes
-
         world = int(self._wire["world"])
         gather = self._wire["pattern"] == "gather"
         group = self._group

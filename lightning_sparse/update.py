@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse.hook import all_finite, communicate, local_gradient_hook
+from lightning_sparse._utils import all_finite
+from lightning_sparse.hook import communicate, local_gradient_hook
 from lightning_sparse.state import SparseState
 
 __all__ = ["UpdateExchange", "local_gradient_hook"]

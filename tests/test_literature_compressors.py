@@ -451,7 +451,8 @@ def test_exact_topk_on_large_tensor_matches_torch_topk() -> None:
 
 
 def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
-    from lightning_sparse.hook import PATTERNS, _sparse_is_cheaper, ring_all_reduce_bytes
+    from lightning_sparse.hook import _sparse_is_cheaper
+    from lightning_sparse.patterns import PATTERNS, ring_all_reduce_bytes
     from lightning_sparse.state import SparseState
 
     cs = CountSketch(rows=5, width=10.0, p2=4.0)

@@ -1,4 +1,6 @@
-"""Torch's own DDP communication hooks (PowerSGD, fp16, bf16) as reference rows of the convergence benchmark.
+"""Torch's own DDP communication hooks (PowerSGD, fp16, bf16) as reference rows of the benchmarks.
+
+``bench convergence`` trains with them through Lightning; ``bench step`` times them on raw DDP models.
 
 Lightning's ``DDPStrategy`` registers its ``ddp_comm_hook`` only when the device is CUDA; on CPU the
 hook is silently never called. ``CommHookDDPStrategy`` registers it on every device, so these peers

@@ -18,23 +18,45 @@ step 2 of every run, ... so a busy machine slows every run alike. A step is forw
 (with DDP's overlapped communication) and the optimizer step, timed from a barrier; a step's
 time is the slowest rank's. It prints the median step time of each run and the ratio
 dense / run (above 1: faster than dense), with the bytes each rank put into its collectives.
+
+``--peers powersgd[:RANK] fp16 bf16`` adds torch's own DDP communication hooks as rows, on the
+same model and link, in the same round-robin: PowerSGD (bucket after bucket, see
+:mod:`lightning_sparse.bench.peers`), fp16 and bf16 compression. Their bytes are those of the
+tensors the hooks hand to the ``torch.distributed`` collectives (``CollectiveCounter``).
+
+A peer can crash where ours do not (torch's bf16 hook on CPU/gloo, PowerSGD's collectives from
+gloo's threads with large models) or hang in a mismatched collective; inside the round-robin one
+run's crash would take down every run's figures, and a hang on one rank cannot be recovered from
+in-process. So every peer is first *probed*: its ranks run that peer alone, in processes of their
+own, for the warm-up steps plus two (PowerSGD compresses from its third step), within
+``--probe-timeout`` seconds. A peer whose probe fails or times out becomes a row with its status
+(``failed: <reason>``: the exception of a rank that failed on its own rather than one that lost
+its peer, or the timeout) and is left out of the timed run; the others join it. Should a probed
+peer still bring the timed run down, the run is repeated without the peers, and they are reported
+as failed with that reason. The ranks' output is shown after they finish (its tail on a failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, Peer
 
 DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch"]
 DENSE = "dense DDP"
@@ -103,6 +125,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="bytes",
         help="the sparse runs' fallback_to_dense: bytes (the default, True), time, or off (False)",
     )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        metavar="PEER",
+        help=f"torch's DDP comm hooks as extra rows: {PEER_HELP}; bare powersgd: rank 4 (default: none)",
+    )
+    parser.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a peer's probe (its ranks alone, a few steps) may take before it counts as failed",
+    )
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense DDP run (ratios then absent)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run first (bucket rebuild, caches)")
@@ -110,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the worker runs the peers only
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -218,15 +254,35 @@ def run(args: argparse.Namespace) -> int:
             rate, delay = None, 0.0
         else:
             link = ShapedLink(rate or 1e12, delay)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        if link is not None:
-            with link:
-                _launch(args, result_path, link.wrap, port=29500)
-        else:
-            _launch(args, result_path, lambda cmd: cmd, port=_free_port())
-        with open(result_path) as f:
-            result = json.load(f)
+    peers = list(dict.fromkeys(Peer.parse(spec).name for spec in args.peers))  # raises on a bad name
+    if args.probe_timeout <= 0:
+        raise ValueError(f"--probe-timeout={args.probe_timeout} is not allowed: expected a number of seconds > 0")
+    wrap: Callable[[list[str]], list[str]] = (lambda cmd: cmd) if link is None else link.wrap
+    with tempfile.TemporaryDirectory() as tmp, link if link is not None else contextlib.nullcontext():
+
+        def launch(tag: str, extra: list[str], **kwargs: Any) -> str | None:
+            return _launch(args, Path(tmp) / tag, wrap, _free_port(), extra, **kwargs)
+
+        failed: dict[str, str] = {}
+        for name in peers:
+            print(f"step: probing peer {name} ...", file=sys.stderr)
+            probe = ["--probe", "--no-dense", "--peers", name, "--warmup", str(args.warmup), "--steps", "2"]
+            why = launch(f"probe-{name}", probe, timeout=args.probe_timeout)
+            if why is not None:
+                print(f"step: peer {name} failed its probe ({why}); it is left out of the timed run.", file=sys.stderr)
+                failed[name] = why
+        ok = [name for name in peers if name not in failed]
+        result_path = Path(tmp) / "result.json"
+        why = launch("run", ["--peers", *ok], result_path=result_path, echo=True)
+        if why is not None and ok:
+            print(f"step: the timed run failed ({why}); running it again without the peers.", file=sys.stderr)
+            failed.update({name: f"crashed the timed run: {why}" for name in ok})
+            why = launch("rerun", ["--peers"], result_path=result_path, echo=True)
+        if why is not None:
+            raise RuntimeError(f"the benchmark ranks failed: {why}")
+        result = json.loads(result_path.read_text())
+    result["runs"] += [failed_row(Peer.parse(name).label, failed[name]) for name in peers if name in failed]
+    result["peers"] = peers
     result["link"] = describe_link(rate, delay)
     result["bandwidth_bits"] = rate
     result["latency_s"] = delay
@@ -237,7 +293,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, result_path: str, wrap: Any, port: int) -> None:
+def _launch(
+    args: argparse.Namespace,
+    logs: Path,
+    wrap: Callable[[list[str]], list[str]],
+    port: int,
+    extra: list[str],
+    *,
+    timeout: float | None = None,
+    result_path: Path | None = None,
+    echo: bool = False,
+) -> str | None:
+    """Run the ranks (``extra``: worker arguments after the forwarded ones, which they override).
+
+    Each rank's output goes to a file under ``logs``, replayed to stderr with ``echo`` (its tail
+    when the ranks fail). Returns None when every rank exited cleanly, else a short reason (see
+    :func:`failure_reason`; on a timeout, with the exception of a rank that died before it). Ranks
+    still running at the timeout are killed.
+    """
     base = [sys.executable, "-m", "lightning_sparse.bench", "step", "--worker", "--port", str(port)]
     forwarded = [
         "--world-size", str(args.world_size), "--params", str(args.params), "--layers", str(args.layers),
@@ -250,24 +323,80 @@ def _launch(args: argparse.Namespace, result_path: str, wrap: Any, port: int) ->
     if args.no_dense:
         forwarded.append("--no-dense")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    procs = []
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, paths = [], []
     for rank in range(args.world_size):
-        cmd = wrap([*base, "--rank", str(rank), *forwarded] + (["--result", result_path] if rank == 0 else []))
-        procs.append(subprocess.Popen(cmd, env=env))
-    deadline = time.monotonic() + args.timeout
+        cmd = [*base, "--rank", str(rank), *forwarded, *extra]
+        if rank == 0 and result_path is not None:
+            cmd += ["--result", str(result_path)]
+        paths.append(logs / f"rank{rank}.log")
+        with open(paths[-1], "w") as log:
+            procs.append(subprocess.Popen(wrap(cmd), env=env, stdout=log, stderr=subprocess.STDOUT))
+    limit = args.timeout if timeout is None else min(timeout, args.timeout)
+    deadline = time.monotonic() + limit
+    timed_out = False
     try:
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"the ranks did not finish within --timeout={args.timeout} s") from err
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"benchmark ranks failed (rank, exit code): {failed}")
+    outputs = [path.read_text(errors="replace") for path in paths]
+    codes = [proc.returncode for proc in procs]
+    ok = not timed_out and all(code == 0 for code in codes)
+    for rank, text in enumerate(outputs):
+        if text.strip() and (echo or not ok):
+            sys.stderr.write(f"--- rank {rank} ({logs.name}) ---\n{text[-20000 if echo else -3000 :]}")
+    if ok:
+        return None
+    # a rank killed here (a hang) has a negative code; one that died on its own says why
+    crashed = [text for text, code in zip(outputs, codes, strict=True) if code not in (0, -signal.SIGKILL)]
+    if timed_out:
+        why = f"timed out after {limit:g} s"
+        return f"{failure_reason(crashed, codes)}; the others then {why}" if crashed else why
+    return failure_reason([text for text, code in zip(outputs, codes, strict=True) if code != 0], codes)
+
+
+#: what a rank reports when another rank died under it: not the cause
+_KNOCK_ON = re.compile(r"connection (closed|reset)|broken pipe|peer|timed out|socket", re.IGNORECASE)
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]: ?)?(?:[\w.]+\.)?(\w+(?:Error|Exception)): ?(.*)$")
+
+
+def failure_reason(outputs: list[str], codes: list[int], limit: int = 120) -> str:
+    """A short reason from the output of the failed ranks: the last exception line of each rank (a
+    rank's own failure before a knock-on one of a rank that lost its peer), else the last line."""
+    reasons = []
+    for text in outputs:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        found = next((m for m in map(_EXCEPTION.match, reversed(lines)) if m), None)
+        if found is not None:
+            message = found.group(2).splitlines()[0] if found.group(2) else ""
+            reasons.append(f"{found.group(1)}: {message}" if message else found.group(1))
+        elif lines:
+            reasons.append(lines[-1])
+    if not reasons:
+        return f"exit codes {codes}"
+    reason = next((r for r in reasons if not _KNOCK_ON.search(r)), reasons[0])
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def failed_row(name: str, status: str) -> dict[str, Any]:
+    """The table row of a run that could not be timed."""
+    return {
+        "name": name,
+        "status": f"failed: {status}",
+        "median_s": None,
+        "times_s": [],
+        "bytes_per_step": None,
+        "compression_ratio": None,
+        "hook_ms": None,
+        "buckets": None,
+        "dense_buckets": None,
+    }
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -280,18 +409,22 @@ def format_table(result: dict[str, Any]) -> str:
         f"steps after {result['warmup']} untimed; torch {result['torch']}",
         "",
         "| run | median step s | dense / run | MB sent per rank per step | compression ratio | hook ms per step | "
-        "buckets sent dense |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "buckets sent dense | status |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     dense = next((r["median_s"] for r in result["runs"] if r["name"] == DENSE), None)
     for r in result["runs"]:
+        status = r.get("status", "ok")
+        if r["median_s"] is None:  # a run that could not be timed (a peer that failed its probe)
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | {status} |")
+            continue
         ratio = f"{dense / r['median_s']:.2f}x" if dense else "-"
         hook = "-" if r["hook_ms"] is None else f"{r['hook_ms']:.1f}"
         comp = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:.1f}x"
         fallback = "-" if r["dense_buckets"] is None else f"{r['dense_buckets']}/{r['buckets']}"
         lines.append(
             f"| {r['name']} | {r['median_s']:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {comp} | {hook} | "
-            f"{fallback} |"
+            f"{fallback} | {status} |"
         )
     timed = [(r["name"], r["timed_fallback"][-1]) for r in result["runs"] if r.get("timed_fallback")]
     if timed:
@@ -338,7 +471,7 @@ def worker(args: argparse.Namespace) -> int:
     if not args.no_dense:
         runs.append((DENSE, DistributedDataParallel(make_model()), None))
         exchanges.append(None)
-    for mode in args.modes:
+    for mode in [] if args.probe else args.modes:
         for spec in args.compressors:
             # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
             # registered as SparseDDPStrategy._register_ddp_hooks does it.
@@ -357,6 +490,18 @@ def worker(args: argparse.Namespace) -> int:
                 model.register_comm_hook(state, sparse_comm_hook)
             runs.append((f"sparse_ddp {spec} ({mode})", model, state))
             exchanges.append(exchange)
+    # torch's hooks: their bytes are counted at the torch.distributed collectives, while they step
+    counter = CollectiveCounter()
+    peer_bytes: dict[int, int] = {}  # run index -> bytes its timed steps handed to collectives
+    for name in args.peers:
+        peer = Peer.parse(name)
+        model = DistributedDataParallel(make_model())
+        model.register_comm_hook(*peer.registered_hook())
+        peer_bytes[len(runs)] = 0
+        runs.append((peer.label, model, None))
+        exchanges.append(None)
+    if peer_bytes:
+        counter.install()
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for _, m, _ in runs]
     gen = torch.Generator().manual_seed(1 + args.rank)
     times: list[list[float]] = [[] for _ in runs]
@@ -367,26 +512,34 @@ def worker(args: argparse.Namespace) -> int:
         x = torch.randn(args.batch_size, width, generator=gen)
         y = torch.randn(args.batch_size, width, generator=gen)
         for i, ((_, model, _), opt, exchange) in enumerate(zip(runs, optimizers, exchanges, strict=True)):
+            counted = step >= args.warmup and i in peer_bytes
             dist.barrier()
             start = time.perf_counter()
+            if counted:
+                mark = counter.bytes
+                counter.start()
             if exchange is not None:
                 exchange.enter_local()
             loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            loss.backward()  # DDP waits for every bucket's future (callbacks' collectives included)
             opt.step()
             if exchange is not None:
                 exchange.exchange()
             opt.zero_grad(set_to_none=False)
             elapsed = time.perf_counter() - start
+            if counted:
+                counter.stop()
+                peer_bytes[i] += counter.bytes - mark
             if step >= args.warmup:
                 times[i].append(elapsed)
+    counter.uninstall()
     # A step lasts as long as its slowest rank.
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     summaries = []
-    for (name, _, state), ts, snapshot in zip(runs, t.tolist(), before, strict=True):
+    for i, ((name, _, state), ts, snapshot) in enumerate(zip(runs, t.tolist(), before, strict=True)):
         counters = None if state is None else state.telemetry.total - snapshot
-        summaries.append(_summary(name, counters, ts, args, width))
+        summaries.append(_summary(name, counters, ts, args, width, peer_bytes.get(i)))
         if state is not None and state.timed_fallback is not None:
             summaries[-1]["timed_fallback"] = state.timed_fallback.decisions
     if args.rank == 0 and args.result:
@@ -411,11 +564,15 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(name: str, counters: Any, times: list[float], args: argparse.Namespace, width: int) -> dict[str, Any]:
-    """One run's figures over its timed steps (``counters``: the hook's telemetry then, None for dense)."""
+def _summary(
+    name: str, counters: Any, times: list[float], args: argparse.Namespace, width: int, counted: int | None = None
+) -> dict[str, Any]:
+    """One run's figures over its timed steps (``counters``: the hook's telemetry then, None for dense
+    and the peers; ``counted``: the bytes a peer's hook handed to the collectives then)."""
     params = args.layers * (width * width + width)
     row: dict[str, Any] = {
         "name": name,
+        "status": "ok",
         "median_s": statistics.median(times),
         "times_s": times,
         "bytes_per_step": float(params * 4),
@@ -433,4 +590,7 @@ def _summary(name: str, counters: Any, times: list[float], args: argparse.Namesp
             buckets=counters.buckets,
             dense_buckets=counters.dense_buckets,
         )
+    if counted is not None:
+        row["bytes_per_step"] = counted / len(times)
+        row["compression_ratio"] = params * 4 / row["bytes_per_step"] if counted else None
     return row

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import make_generator, mix_seed
 
-#: the communication patterns the hook knows (``lightning_sparse.hook.PATTERNS``)
+#: the communication patterns the hook knows (``lightning_sparse.patterns.PATTERNS``)
 Pattern = str
 
 #: name -> compressor class; a compressor joins with ``@register_compressor``.
