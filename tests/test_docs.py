@@ -67,10 +67,16 @@ COMMANDS = {
         "tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
     # Results: accuracy against bytes (the test: --tiny)
-    "python -m lightning_sparse.bench convergence --out docs/convergence": (
+    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
+    "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (
+        "tests/test_bench_convergence.py::test_convergence_gpt_tiny_with_peers"
+    ),
+    "python -m lightning_sparse.bench convergence --tasks digits --densities 0.01 0.001 --modes update gradient "
+    "--peers powersgd:1 powersgd:4 --out docs/convergence/digits": (
         "tests/test_bench_convergence.py::test_convergence_tiny_run"
     ),
-    "python -m lightning_sparse.bench convergence --tasks text --compressors topk dgc --densities 0.01": (
+    "python -m lightning_sparse.bench convergence --tasks text --densities 0.01 --modes update gradient "
+    "--peers powersgd:1 powersgd:4 --out docs/convergence/text": (
         "tests/test_bench_convergence.py::test_convergence_tiny_run"
     ),
     # Results: density schedules (the test: one seed, one epoch)
