@@ -344,15 +344,12 @@ def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
     if state.compress == "gradient" and random and momentum:
         advice.append(
             f"compressor={name!r} with compress='gradient' and an optimizer momentum can diverge: a coordinate's "
-            "whole residual enters the momentum at once when it is finally drawn (random-block at density 0.01 "
-            "with SGD momentum 0.9 diverged on an MLP language model). Use compress='update', or 'topk'."
+            "whole residual enters the momentum at once when it is finally drawn (measured on the digits MLP with "
+            "SGD momentum 0.9 at density 0.01: random-block 14% and random-k 64% accuracy against 97% for dense "
+            "DDP; 98% in update mode). Use compress='update' (the default), or 'topk'."
         )
-    if state.compress == "update" and random:
-        advice.append(
-            f"compressor={name!r} with compress='update' trains far from dense: random coordinates carry no "
-            "information about which part of the update matters (random-block at density 0.01: validation loss "
-            "4.6 against 1.6 for dense DDP on a small GPT). Use 'topk', 'gaussiank' or 'dgc'."
-        )
+    # Random coordinates in update mode were measured to train well (GPT with AdamW: random-k 1.985 and
+    # random-block 1.996 nats against 1.844 dense; digits 98%), so that combination gets no warning.
     return advice
 
 
