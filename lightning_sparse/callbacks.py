@@ -18,8 +18,10 @@ from lightning_sparse.summary import CompressionSummary
 METRIC_NAMES = (
     "sparse/compression_ratio",
     "sparse/compression_ratio_cumulative",
+    "sparse/message_ratio",
     "sparse/density",
     "sparse/bytes_sent",
+    "sparse/wire_bytes",
     "sparse/residual_norm",
     "sparse/compress_ms",
 )
@@ -28,24 +30,33 @@ METRIC_NAMES = (
 def compression_figures(interval: Counters, steps: int, total: Counters, residual_norm: float) -> dict[str, float]:
     """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval``.
 
-    - ``sparse/compression_ratio``: dense bytes / bytes sent over those steps;
+    - ``sparse/compression_ratio``: dense wire bytes / wire bytes over those steps (the traffic a
+      dense all-reduce would move through this rank over the traffic the strategy's collectives
+      moved, ring model);
     - ``sparse/compression_ratio_cumulative``: the same over the whole run (``total``);
+    - ``sparse/message_ratio``: dense bytes / bytes sent over those steps (message sizes; equal to
+      the compression ratio at 2 ranks, above it at more when messages are all-gathered);
     - ``sparse/density``: fraction of gradient coordinates sent (dense parts count in full);
     - ``sparse/bytes_sent``: bytes this rank put into collectives, per step;
+    - ``sparse/wire_bytes``: bytes those collectives moved through this rank (ring model), per step;
     - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
     - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch).
 
     Example:
         >>> c = Counters(dense_bytes=800, sent_bytes=20, numel=200, sent_numel=4, compress_seconds=0.002)
-        >>> compression_figures(c, 2, c, 0.5)["sparse/compression_ratio"]
-        40.0
+        >>> c.wire_bytes, c.dense_wire_bytes = 60.0, 1200.0  # 4 ranks: all-gather vs all-reduce
+        >>> f = compression_figures(c, 2, c, 0.5)
+        >>> f["sparse/compression_ratio"], f["sparse/message_ratio"], f["sparse/wire_bytes"]
+        (20.0, 40.0, 30.0)
     """
     steps = max(steps, 1)
     return {
         "sparse/compression_ratio": interval.compression_ratio,
         "sparse/compression_ratio_cumulative": total.compression_ratio,
+        "sparse/message_ratio": interval.message_ratio,
         "sparse/density": interval.density,
         "sparse/bytes_sent": interval.sent_bytes / steps,
+        "sparse/wire_bytes": interval.wire_bytes / steps,
         "sparse/residual_norm": float(residual_norm),
         "sparse/compress_ms": 1000.0 * interval.compress_seconds / steps,
     }
@@ -223,8 +234,9 @@ class CompressionMonitor(Callback):
             state.telemetry, start, step_seconds=self._step_seconds or None, title=title
         )
         summary.notes.append(
-            "ratio = dense bytes / bytes sent; bytes are what this rank put into its collectives; "
-            "% of step = time in the hook / training step time."
+            "wire bytes = what this rank's collectives moved through it (ring model); dense wire = the same "
+            "for a dense all-reduce; ratio = dense wire / wire bytes; msg ratio = dense bytes / bytes put "
+            "into the collectives; % of step = time in the hook / training step time."
         )
         if state.timed_fallback is not None and state.timed_fallback.describe():
             summary.notes.append(str(state.timed_fallback.describe()))

@@ -36,6 +36,9 @@ from lightning_sparse.patterns import (
     _flush_residuals,
     _launch_dense_members,
     _value_dtype,
+    count_all_gather,
+    count_all_reduce,
+    count_dense,
     ring_all_reduce_bytes,
 )
 from lightning_sparse.schedules import k_for
@@ -73,7 +76,8 @@ def communicate(
     if not state.in_step:
         _begin_step(state)
     plan = state.plan(buffer, params)
-    counters = Counters(dense_bytes=buffer.numel() * buffer.element_size(), numel=buffer.numel(), buckets=1)
+    counters = Counters(numel=buffer.numel(), buckets=1)
+    count_dense(counters, state.world_size, buffer.numel() * buffer.element_size())
     if state.momentum_correction:
         _apply_local_momentum(state, buffer, plan)
     sparse = plan.sparse_members
@@ -144,8 +148,10 @@ def _begin_step(state: SparseState) -> None:
         # may agree on a trial's outcome (one small collective, issued here, before this step's
         # first bucket, at the same step on every rank)
         sent = state.timed_fallback.begin_step(state.step)
-        if sent:
-            state.telemetry.record("timed fallback", Counters(sent_bytes=sent), "timed fallback")
+        if sent:  # the decision is one all-reduce
+            counters = Counters()
+            count_all_reduce(counters, state.world_size, sent)
+            state.telemetry.record("timed fallback", counters, "timed fallback")
 
 
 def _end_step(state: SparseState) -> None:
@@ -156,8 +162,10 @@ def _end_step(state: SparseState) -> None:
         state.telemetry.residual_norm_step = state.step
     # on the hook's thread, after the step's collectives; an adaptive density gathers its statistics
     schedule_bytes = state.schedule.end_step(state.step)
-    if schedule_bytes:
-        state.telemetry.record("density schedule", Counters(sent_bytes=schedule_bytes), "density schedule")
+    if schedule_bytes:  # the statistics are all-gathered (DensitySchedule.end_step)
+        counters = Counters()
+        count_all_gather(counters, state.world_size, schedule_bytes)
+        state.telemetry.record("density schedule", counters, "density schedule")
     state.telemetry.end_step()
     state.step += 1
 
@@ -192,9 +200,9 @@ def _dense_exchange(
     if state.schedule.observes:  # the bucket now holds p = g + e: an adaptive density learns from dense steps too
         for m in plan.sparse_members:
             state.schedule.observe(state.step, plan.label, m.name, buffer[m.offset : m.offset + m.numel])
-    counters.sent_bytes += buffer.numel() * buffer.element_size()
-    counters.sent_numel += buffer.numel()
     world = state.world_size
+    count_all_reduce(counters, world, buffer.numel() * buffer.element_size())
+    counters.sent_numel += buffer.numel()
 
     def average(summed: Tensor) -> Tensor:
         summed.div_(world)

@@ -1,8 +1,9 @@
 """torchmetrics Metrics for the compression figures, synchronised across ranks the torchmetrics way.
 
 Each metric keeps additive states (bytes, element counts, seconds, steps) whose ``dist_reduce_fx``
-is ``"sum"``, so ``compute()`` on any rank gives the figure of all ranks together: the ratio of
-all dense bytes to all bytes sent, the mean bytes sent per rank and step, and so on. Feed them the
+is ``"sum"``, so ``compute()`` on any rank gives the figure of all ranks together: the traffic
+ratio (dense all-reduce wire bytes / wire bytes, ring model), the mean bytes sent and moved per
+rank and step, and so on. Feed them the
 hook's counters (``strategy.sparse_state.telemetry.last`` after each optimizer step)::
 
     from lightning_sparse.metrics import CompressionRatio
@@ -27,7 +28,7 @@ from torchmetrics import Metric
 
 from lightning_sparse.stats import Counters
 
-__all__ = ["BytesSent", "CompressTime", "CompressionRatio", "Density", "ResidualNorm"]
+__all__ = ["BytesSent", "CompressTime", "CompressionRatio", "Density", "MessageRatio", "ResidualNorm", "WireBytes"]
 
 
 def _check_steps(steps: int) -> int:
@@ -57,31 +58,57 @@ class _CounterMetric(Metric):
             state += value
 
 
-class CompressionRatio(_CounterMetric):
-    """Dense bytes / bytes sent, over all updates and (when synchronised) all ranks.
+class _RatioMetric(_CounterMetric):
+    """``numerator / denominator`` of two counters, each summed over updates and ranks (1.0 while
+    the denominator is 0)."""
+
+    _ratio: tuple[str, str] = ("", "")
+
+    def update(self, counters: Counters) -> None:
+        """Add one step's (or any span's) counters."""
+        self._add(**{name: getattr(counters, name) for name in self._ratio})
+
+    def compute(self) -> Tensor:
+        numerator, denominator = (getattr(self, name).double() for name in self._ratio)
+        if float(denominator) == 0.0:
+            return torch.tensor(1.0, dtype=torch.float64, device=self.device)
+        return numerator / denominator
+
+
+class CompressionRatio(_RatioMetric):
+    """Dense wire bytes / wire bytes (``Counters.compression_ratio``): the traffic a dense
+    all-reduce would move through the ranks over the traffic of what was sent (ring model), over
+    all updates and (when synchronised) all ranks; 1.0 when nothing crossed the wire.
 
     Example:
         >>> from lightning_sparse.stats import Counters
         >>> m = CompressionRatio()
+        >>> m.update(Counters(dense_bytes=4000, sent_bytes=100, dense_wire_bytes=6000.0, wire_bytes=300.0))
+        >>> float(m.compute())
+        20.0
+    """
+
+    higher_is_better = True
+    _float_states = _ratio = ("dense_wire_bytes", "wire_bytes")
+
+
+class MessageRatio(_RatioMetric):
+    """Dense bytes / bytes sent (``Counters.message_ratio``): message sizes, whatever the
+    collectives move; over all updates and (when synchronised) all ranks.
+
+    Example:
+        >>> from lightning_sparse.stats import Counters
+        >>> m = MessageRatio()
         >>> m.update(Counters(dense_bytes=4000, sent_bytes=100))
         >>> float(m.compute())
         40.0
     """
 
     higher_is_better = True
-    _int_states = ("dense_bytes", "sent_bytes")
-
-    def update(self, counters: Counters) -> None:
-        """Add one step's (or any span's) counters."""
-        self._add(dense_bytes=counters.dense_bytes, sent_bytes=counters.sent_bytes)
-
-    def compute(self) -> Tensor:
-        if int(self.sent_bytes) == 0:
-            return torch.tensor(1.0, dtype=torch.float64, device=self.device)
-        return self.dense_bytes.double() / self.sent_bytes.double()
+    _int_states = _ratio = ("dense_bytes", "sent_bytes")
 
 
-class Density(_CounterMetric):
+class Density(_RatioMetric):
     """Fraction of gradient coordinates sent (dense parts count in full).
 
     Example:
@@ -93,16 +120,7 @@ class Density(_CounterMetric):
     """
 
     higher_is_better = False
-    _int_states = ("numel", "sent_numel")
-
-    def update(self, counters: Counters) -> None:
-        """Add one step's (or any span's) counters."""
-        self._add(numel=counters.numel, sent_numel=counters.sent_numel)
-
-    def compute(self) -> Tensor:
-        if int(self.numel) == 0:
-            return torch.tensor(1.0, dtype=torch.float64, device=self.device)
-        return self.sent_numel.double() / self.numel.double()
+    _int_states = _ratio = ("sent_numel", "numel")
 
 
 class BytesSent(_CounterMetric):
@@ -127,6 +145,31 @@ class BytesSent(_CounterMetric):
 
     def compute(self) -> Tensor:
         return self.total.double() / self.steps.clamp(min=1).double()
+
+
+class WireBytes(_CounterMetric):
+    """Bytes moved through a rank per step by the collectives it issued, ring model (mean over
+    updates and ranks): an all-gather of ``m`` bytes per rank ``(W-1)*m``, an all-reduce of ``n``
+    bytes ``2*(W-1)/W*n``.
+
+    Example:
+        >>> from lightning_sparse.stats import Counters
+        >>> m = WireBytes()
+        >>> m.update(Counters(sent_bytes=100, wire_bytes=300.0), steps=3)
+        >>> float(m.compute())
+        100.0
+    """
+
+    higher_is_better = False
+    _int_states = ("steps",)
+    _float_states = ("total",)
+
+    def update(self, counters: Counters, steps: int = 1) -> None:
+        """Add the counters of ``steps`` optimizer steps."""
+        self._add(total=counters.wire_bytes, steps=_check_steps(steps))
+
+    def compute(self) -> Tensor:
+        return self.total / self.steps.clamp(min=1).double()
 
 
 class CompressTime(_CounterMetric):

@@ -9,8 +9,12 @@ averaged values into the bucket (gradient hook) or the global parameters (update
 - :class:`SharedPattern` - every rank picks the same coordinates (shared seed), values all-reduced;
 - :class:`SketchPattern` - count-sketch tables all-reduced, then exact values at the candidates.
 
-The ring byte models (:func:`ring_all_reduce_bytes`, :func:`ring_all_gather_bytes`) give each
-pattern's wire size; the hook's dense fallback and the adaptive density schedule compare them.
+The ring byte models (:func:`ring_all_reduce_bytes`, :func:`ring_all_gather_bytes`) are the one
+place the package turns message sizes into traffic: they give each pattern's modelled wire size
+(:meth:`WirePattern.wire_bytes`), which the hook's byte fallback and the adaptive density schedule
+compare, and every collective actually issued is counted through :func:`count_all_reduce` /
+:func:`count_all_gather`, which add the bytes handed to it (``Counters.sent_bytes``) and the bytes
+the ring model says it moves through this rank (``Counters.wire_bytes``).
 
 Layering: the hook (:mod:`lightning_sparse.hook`) decides per bucket between dense and sparse and
 orchestrates the exchange; this module sits below it and below the density schedules, and imports
@@ -50,6 +54,25 @@ def ring_all_reduce_bytes(world: int, nbytes: int) -> float:
 def ring_all_gather_bytes(world: int, nbytes: int) -> float:
     """Bytes through each rank for a ring all-gather of ``nbytes`` per rank."""
     return float((world - 1) * nbytes)
+
+
+def count_all_reduce(counters: Counters, world: int, nbytes: int) -> None:
+    """Count an all-reduce of ``nbytes`` this rank issued: the bytes handed to it, and its ring traffic."""
+    counters.sent_bytes += nbytes
+    counters.wire_bytes += ring_all_reduce_bytes(world, nbytes)
+
+
+def count_all_gather(counters: Counters, world: int, nbytes: int) -> None:
+    """Count an all-gather of ``nbytes`` per rank this rank issued: the bytes handed to it, and its
+    ring traffic."""
+    counters.sent_bytes += nbytes
+    counters.wire_bytes += ring_all_gather_bytes(world, nbytes)
+
+
+def count_dense(counters: Counters, world: int, nbytes: int) -> None:
+    """Record ``nbytes`` of gradient that plain DDP would all-reduce, and what that would move."""
+    counters.dense_bytes += nbytes
+    counters.dense_wire_bytes += ring_all_reduce_bytes(world, nbytes)
 
 
 def _gather_message_bytes(k: int, vbytes: int) -> int:
@@ -218,7 +241,7 @@ class GatherPattern(WirePattern):
         message[total_k * (_INDEX_BYTES + vbytes) :].zero_()
         compress_members(state, buffer, plan, ks, values_out, index_out, counters)
         counters.sent_numel += total_k
-        counters.sent_bytes += message.numel()
+        count_all_gather(counters, world, message.numel())
         if world > 1:
             gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=buffer.device)
             futures = [comm.all_gather(gathered, message, state.process_group)]
@@ -252,7 +275,7 @@ class SharedPattern(WirePattern):
         kept = compress_members(state, buffer, plan, ks, message, None, counters)
         assert kept is not None
         counters.sent_numel += message.numel()
-        counters.sent_bytes += message.numel() * message.element_size()
+        count_all_reduce(counters, world, message.numel() * message.element_size())
         futures = [comm.all_reduce(message, state.process_group)] if world > 1 else []
 
         def apply(out: Tensor) -> None:
@@ -336,7 +359,8 @@ class SketchPattern(WirePattern):
                 values[pos : pos + cand.numel()].copy_(_quantize(p[cand], vdtype))
             pos += cand.numel()
         counters.sent_numel += sum(ks)
-        counters.sent_bytes += tables.numel() * tables.element_size() + values.numel() * values.element_size()
+        count_all_reduce(counters, world, tables.numel() * tables.element_size())
+        count_all_reduce(counters, world, values.numel() * values.element_size())
         futures = [comm.all_reduce(values, state.process_group)] if world > 1 else []
 
         def apply(out: Tensor) -> None:
@@ -369,9 +393,9 @@ def _launch_dense_members(state: SparseState, buffer: Tensor, plan: BucketPlan, 
         return Pending([], lambda out: None)
     _flush_residuals(state, buffer, dense, counters)
     values = torch.cat([buffer[m.offset : m.offset + m.numel] for m in dense])
-    counters.sent_bytes += values.numel() * values.element_size()
-    counters.sent_numel += values.numel()
     world = state.world_size
+    count_all_reduce(counters, world, values.numel() * values.element_size())
+    counters.sent_numel += values.numel()
     futures = [comm.all_reduce(values, state.process_group)] if world > 1 else []
 
     def apply(out: Tensor) -> None:

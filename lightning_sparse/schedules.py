@@ -82,7 +82,8 @@ class DensitySchedule(ABC):
         """Called at the end of optimizer step ``step`` on every rank, after the step's collectives
         were launched, on the hook's thread; may launch one small collective.
 
-        Returns the bytes this rank handed to that collective (the hook counts them in telemetry).
+        Returns the bytes this rank handed to that collective, an all-gather (the hook counts
+        them in telemetry, with the all-gather's ring traffic).
         """
         return 0
 

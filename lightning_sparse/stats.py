@@ -13,14 +13,20 @@ class Counters:
     ``dense_bytes`` is what plain DDP would put into its all-reduce for the same gradients;
     ``sent_bytes`` is what the strategy put into its collectives (values, indices, dense parts,
     padding), counted from the tensors handed to ``torch.distributed``, not estimated.
+    ``wire_bytes`` is what those collectives move through this rank on a ring (an all-gather of
+    ``m`` bytes per rank moves ``(W-1)*m``, an all-reduce of ``n`` bytes ``2*(W-1)/W*n``; see
+    :func:`~lightning_sparse.patterns.ring_all_gather_bytes`), and ``dense_wire_bytes`` what a
+    dense all-reduce of the same gradients would move (``2*(W-1)/W*dense_bytes``); both are 0 at
+    world size 1, where nothing crosses the wire.
     ``dense_buckets`` counts buckets sent dense (warm-up, fallback, all tensors small),
     ``fallback_buckets`` those sent dense because sparse would have moved more bytes, and
     ``nonfinite_buckets`` those in which this rank found a non-finite gradient.
 
     Example:
         >>> c = Counters(dense_bytes=4000, sent_bytes=80, numel=1000, sent_numel=10)
-        >>> c.compression_ratio, c.density
-        (50.0, 0.01)
+        >>> c.wire_bytes, c.dense_wire_bytes = 3 * 80, 1.5 * 4000  # 4 ranks: an all-gather of 80 bytes
+        >>> c.compression_ratio, c.message_ratio, c.density
+        (25.0, 50.0, 0.01)
     """
 
     dense_bytes: int = 0
@@ -32,6 +38,8 @@ class Counters:
     fallback_buckets: int = 0
     nonfinite_buckets: int = 0
     compress_seconds: float = 0.0
+    wire_bytes: float = 0.0
+    dense_wire_bytes: float = 0.0
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -46,7 +54,15 @@ class Counters:
 
     @property
     def compression_ratio(self) -> float:
-        """dense bytes / bytes sent (1.0 when nothing was sent)."""
+        """Traffic ratio: dense wire bytes / wire bytes (1.0 when nothing crossed the wire, as at
+        world size 1). Equal to :attr:`message_ratio` at 2 ranks; below it at more ranks when the
+        sparse messages are all-gathered."""
+        return self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    @property
+    def message_ratio(self) -> float:
+        """dense bytes / bytes sent: the size of the messages, whatever the collective moves (1.0
+        when nothing was sent)."""
         return self.dense_bytes / self.sent_bytes if self.sent_bytes else 1.0
 
     @property
@@ -72,7 +88,7 @@ class Telemetry:
         >>> t = Telemetry()
         >>> t.record("fc.weight", Counters(dense_bytes=4000, sent_bytes=80, buckets=1), method="topk")
         >>> t.end_step()
-        >>> t.total.compression_ratio, t.methods["topk"].sent_bytes, t.steps
+        >>> t.total.message_ratio, t.methods["topk"].sent_bytes, t.steps
         (50.0, 80, 1)
     """
 
@@ -106,6 +122,8 @@ class Telemetry:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s totals. Counters missing from an older state (``wire_bytes``,
+        ``dense_wire_bytes``, ``methods``) start at 0: the ratios then cover the steps counted since."""
         self.total = Counters(**state["total"])
         self.groups = {k: Counters(**v) for k, v in state["groups"].items()}
         self.methods = {k: Counters(**v) for k, v in state.get("methods", {}).items()}

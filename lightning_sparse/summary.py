@@ -13,11 +13,21 @@ from typing import IO, Any
 from lightning_sparse.stats import Counters, Telemetry
 
 #: the table's columns, after the row name
-COLUMNS = ("buckets", "dense bytes", "bytes sent", "ratio", "mean density", "compress s", "% of step")
+COLUMNS = (
+    "buckets",
+    "dense wire",
+    "wire bytes",
+    "ratio",
+    "msg ratio",
+    "mean density",
+    "compress s",
+    "% of step",
+)
 
 _TWO_LINE_HEADERS = {
-    "dense bytes": "dense\nbytes",
-    "bytes sent": "bytes\nsent",
+    "dense wire": "dense\nwire",
+    "wire bytes": "wire\nbytes",
+    "msg ratio": "msg\nratio",
     "mean density": "mean\ndensity",
     "compress s": "compress\ns",
     "% of step": "% of\nstep",
@@ -54,6 +64,12 @@ def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[s
 class CompressionSummary:
     """Compression figures of one rank over a span of steps, ready to print.
 
+    Columns: buckets; dense wire (what a dense all-reduce of the same gradients would move through
+    this rank) and wire bytes (what the collectives this rank issued moved through it), both under
+    the ring model (``Counters.dense_wire_bytes``, ``Counters.wire_bytes``); ratio (dense wire /
+    wire bytes); msg ratio (dense bytes / bytes sent, the sizes of the messages); mean density;
+    compress s (time in the hook) and % of step.
+
     Args:
         title: the table's title.
         methods: totals per way buckets were sent (compressor name, ``"dense (warm-up)"``, ...).
@@ -65,8 +81,9 @@ class CompressionSummary:
     Example:
         >>> from lightning_sparse.stats import Counters
         >>> c = Counters(dense_bytes=4_000_000, sent_bytes=100_000, numel=1_000_000, sent_numel=10_000, buckets=4)
+        >>> c.wire_bytes, c.dense_wire_bytes = 300_000.0, 6_000_000.0  # 4 ranks
         >>> s = CompressionSummary("example", {"topk": c}, {"fc.weight": c}, c, step_seconds=2.0)
-        >>> "40.0x" in s.to_text()
+        >>> "6.00 MB" in s.to_text() and "20.0x" in s.to_text() and "40.0x" in s.to_text()
         True
     """
 
@@ -103,9 +120,10 @@ class CompressionSummary:
             share = "-"
         return [
             str(c.buckets),
-            format_bytes(c.dense_bytes),
-            format_bytes(c.sent_bytes),
+            format_bytes(c.dense_wire_bytes),
+            format_bytes(c.wire_bytes),
             f"{c.compression_ratio:.1f}x",
+            f"{c.message_ratio:.1f}x",
             f"{c.density:.4f}",
             f"{c.compress_seconds:.3f}",
             share,
@@ -113,7 +131,7 @@ class CompressionSummary:
 
     def sections(self) -> list[tuple[str, list[tuple[str, list[str]]]]]:
         """(heading, [(row name, cells)]) in display order: by compressor, by bucket group, total."""
-        by_method = sorted(self.methods.items(), key=lambda kv: -kv[1].sent_bytes)
+        by_method = sorted(self.methods.items(), key=lambda kv: (-kv[1].wire_bytes, -kv[1].sent_bytes))
         return [
             ("sent as", [(name, self._cells(c)) for name, c in by_method]),
             ("bucket group", [(name, self._cells(c)) for name, c in self.groups.items()]),
@@ -149,7 +167,12 @@ class CompressionSummary:
 
         sections = self.sections()
         table = Table(
-            title=self.title, title_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False
+            title=self.title,
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            padding=0,  # the box's one-space divider separates the columns: the table fits 80 columns
+            collapse_padding=True,
+            pad_edge=False,
         )
         # figures never wrap (a narrow terminal folds the long bucket-group names instead)
         table.add_column("", overflow="fold", min_width=16)

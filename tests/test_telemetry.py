@@ -266,13 +266,56 @@ def test_telemetry_keeps_methods_through_state_dict() -> None:
     assert clone.methods == {} and clone.total.sent_bytes == 416
 
 
+def test_counters_add_subtract_and_ratios() -> None:
+    # one 4-rank step: a top-k bucket all-gathered (3x its 80 bytes through each rank) and a dense
+    # bucket all-reduced (1.5x its 400 bytes); a dense all-reduce of both would move 1.5 x 4400
+    topk = Counters(dense_bytes=4000, sent_bytes=80, wire_bytes=240.0, dense_wire_bytes=6000.0, buckets=1)
+    dense = Counters(dense_bytes=400, sent_bytes=400, wire_bytes=600.0, dense_wire_bytes=600.0, buckets=1)
+    total = Counters()
+    total.add(topk)
+    total.add(dense)
+    assert total.wire_bytes == 840.0 and total.dense_wire_bytes == 6600.0 and total.sent_bytes == 480
+    assert total.compression_ratio == pytest.approx(6600 / 840)
+    assert total.message_ratio == pytest.approx(4400 / 480)
+    assert topk.compression_ratio == 25.0 and topk.message_ratio == 50.0
+    diff = total - topk
+    assert diff.as_dict() == dense.as_dict()
+    assert total.copy().as_dict() == total.as_dict()
+    # nothing on the wire (world size 1): both ratios are 1 when nothing was sent / moved
+    assert Counters(dense_bytes=400, sent_bytes=8).compression_ratio == 1.0
+    assert Counters().message_ratio == 1.0
+
+
+def test_telemetry_loads_totals_written_before_wire_bytes() -> None:
+    t = Telemetry()
+    t.record("g", Counters(dense_bytes=400, sent_bytes=16, wire_bytes=48.0, dense_wire_bytes=600.0, buckets=1), "topk")
+    t.end_step()
+    old = t.state_dict()
+    for counters in (old["total"], *old["groups"].values(), *old["methods"].values()):
+        del counters["wire_bytes"], counters["dense_wire_bytes"]  # a checkpoint of an older version
+    clone = Telemetry()
+    clone.load_state_dict(old)
+    assert clone.total.wire_bytes == 0.0 and clone.total.dense_wire_bytes == 0.0
+    assert clone.total.sent_bytes == 16 and clone.methods["topk"].dense_bytes == 400
+    assert clone.total.compression_ratio == 1.0 and clone.total.message_ratio == 25.0
+    # the run goes on: the traffic ratio covers the steps counted since
+    clone.record("g", Counters(dense_bytes=400, sent_bytes=16, wire_bytes=48.0, dense_wire_bytes=600.0), "topk")
+    clone.end_step()
+    assert clone.total.compression_ratio == 12.5 and clone.total.message_ratio == 25.0
+    assert clone.state_dict()["total"]["wire_bytes"] == 48.0
+
+
 # --------------------------------------------------------------------------- the summary
 def _summary() -> CompressionSummary:
     import copy
 
     t = Telemetry()
+    # figures of a 4-rank run: top-k's message is all-gathered (3x its bytes through each rank),
+    # dense buckets are all-reduced (2*(4-1)/4 = 1.5x)
     warm = Counters(
         dense_bytes=2_000_000,
+        dense_wire_bytes=3_000_000.0,
+        wire_bytes=3_000_000.0,
         sent_bytes=2_000_000,
         numel=500_000,
         sent_numel=500_000,
@@ -288,6 +331,8 @@ def _summary() -> CompressionSummary:
             "fc1.weight .. fc1.bias (2 tensors)",
             Counters(
                 dense_bytes=1_600_000,
+                dense_wire_bytes=2_400_000.0,
+                wire_bytes=96_000.0,
                 sent_bytes=32_000,
                 numel=400_000,
                 sent_numel=4_000,
@@ -300,6 +345,8 @@ def _summary() -> CompressionSummary:
             "fc2.weight",
             Counters(
                 dense_bytes=400_000,
+                dense_wire_bytes=600_000.0,
+                wire_bytes=600_000.0,
                 sent_bytes=400_000,
                 numel=100_000,
                 sent_numel=100_000,
@@ -320,13 +367,15 @@ def test_summary_as_plain_text_when_not_a_terminal() -> None:
     text = out.getvalue()
     assert text.isascii() and text.startswith("fit summary")
     lines = {line.split("  ")[0].strip(): line for line in text.splitlines()}
-    # topk over the 10 steps since the snapshot: 16 MB dense, 320 kB sent, 50x, 1% dense, 20 ms = 4% of 0.5 s
-    for figure in ("10", "16.00 MB", "320.00 kB", "50.0x", "0.0100", "0.020", "4.0%"):
+    # topk over the 10 steps since the snapshot: a dense all-reduce would move 24 MB, the all-gather
+    # moved 960 kB (25x); the messages were 50x smaller; 1% dense, 20 ms = 4% of 0.5 s
+    for figure in ("10", "24.00 MB", "960.00 kB", "25.0x", "50.0x", "0.0100", "0.020", "4.0%"):
         assert figure in lines["topk"], figure
-    for figure in ("4.00 MB", "1.0x", "1.0000", "1.0%"):
+    for figure in ("6.00 MB", "1.0x", "1.0000", "1.0%"):
         assert figure in lines["dense (fallback)"], figure
-    # totals: 20 MB dense vs 4.32 MB sent; the warm-up step before the snapshot is not counted
-    for figure in ("20", "20.00 MB", "4.32 MB", "4.6x", "0.2080", "5.0%"):
+    # totals: 30 MB vs 6.96 MB on the wire (4.3x), 20 MB vs 4.32 MB of messages (4.6x); the warm-up
+    # step before the snapshot is not counted
+    for figure in ("20", "30.00 MB", "6.96 MB", "4.3x", "4.6x", "0.2080", "5.0%"):
         assert figure in lines["all buckets"], figure
     assert "dense (warm-up)" not in text
     assert "fc1.weight .. fc1.bias (2 tensors)" in lines and "fc2.weight" in lines
@@ -338,7 +387,8 @@ def test_summary_as_rich_table_on_a_terminal() -> None:
     text = out.getvalue()
     assert "\u2500" in text and "\x1b[" in text  # a drawn, styled table
     assert max(len(line) for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()) <= 80
-    for figure in ("fit summary", "16.00 MB", "320.00 kB", "50.0x", "4.32 MB", "4.6x", "5.0%", "fc2.weight", "topk"):
+    figures = ("fit summary", "24.00 MB", "960.00 kB", "25.0x", "50.0x", "6.96 MB", "4.3x", "4.6x", "5.0%")
+    for figure in (*figures, "fc2.weight", "topk"):
         assert figure in text, figure
 
 
@@ -351,24 +401,38 @@ def test_format_bytes() -> None:
 
 # --------------------------------------------------------------------------- torchmetrics
 def _metrics_worker(rank: int, world: int) -> dict[str, float]:
-    from lightning_sparse.metrics import BytesSent, CompressionRatio, CompressTime, Density, ResidualNorm
+    from lightning_sparse.metrics import (
+        BytesSent,
+        CompressionRatio,
+        CompressTime,
+        Density,
+        MessageRatio,
+        ResidualNorm,
+        WireBytes,
+    )
 
     ratio, density, sent, ctime, norm = CompressionRatio(), Density(), BytesSent(), CompressTime(), ResidualNorm()
+    message, wire = MessageRatio(), WireBytes()
     for step in range(3):
         c = Counters(
             dense_bytes=1000 * (rank + 1),
+            dense_wire_bytes=1500.0 * (rank + 1),
+            wire_bytes=30.0 * (rank + 1) + 3 * step,
             sent_bytes=10 * (rank + 1) + step,
             numel=250 * (rank + 1),
             sent_numel=5 * (rank + 1),
             compress_seconds=0.001 * (rank + 1),
         )
-        for m in (ratio, density):
+        for m in (ratio, density, message):
             m.update(c)
         sent.update(c, steps=1)
+        wire.update(c, steps=1)
         ctime.update(c, steps=1)
         norm.update(3.0 + step if rank == 0 else 4.0)
     return {
         "ratio": float(ratio.compute()),
+        "message": float(message.compute()),
+        "wire": float(wire.compute()),
         "density": float(density.compute()),
         "sent": float(sent.compute()),
         "ctime": float(ctime.compute()),
@@ -380,8 +444,10 @@ def test_metrics_synchronise_across_ranks(dist2) -> None:
     results = dist2.run(_metrics_worker)
     assert results[0] == results[1]
     r = results[0]
-    # rank 0: 3000 dense, 30+3 sent; rank 1: 6000 dense, 60+3 sent
-    assert r["ratio"] == pytest.approx(9000 / 96)
+    # rank 0: 3000 dense, 30+3 sent; rank 1: 6000 dense, 60+3 sent; on the wire 1.5x and 3x those
+    assert r["ratio"] == pytest.approx(13500 / 288)
+    assert r["message"] == pytest.approx(9000 / 96)
+    assert r["wire"] == pytest.approx(288 / 6)
     assert r["density"] == pytest.approx((15 + 30) / (750 + 1500))
     assert r["sent"] == pytest.approx(96 / 6)
     assert r["ctime"] == pytest.approx(1000 * 0.009 / 6)

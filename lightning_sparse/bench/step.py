@@ -585,7 +585,7 @@ def _summary(
         steps = len(times)
         row.update(
             bytes_per_step=counters.sent_bytes / steps,
-            compression_ratio=counters.compression_ratio,
+            compression_ratio=counters.message_ratio,  # bytes per step are bytes sent: same basis as the peers'
             hook_ms=1e3 * counters.compress_seconds / steps,
             buckets=counters.buckets,
             dense_buckets=counters.dense_buckets,
