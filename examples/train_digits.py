@@ -87,7 +87,7 @@ def main() -> None:
         print(f"{label:<32}{sparse_acc:>14.4f}{sparse_s:>9.1f}")
         print(
             f"accuracy difference: {100 * (sparse_acc - dense_acc):+.2f} points; "
-            f"compression ratio (dense bytes / bytes sent): {total.compression_ratio:.1f}x "
+            f"compression ratio (dense bytes / bytes sent): {total.message_ratio:.1f}x "
             f"({total.dense_bytes / 1e6:.2f} MB dense vs {total.sent_bytes / 1e6:.3f} MB sent per rank)"
         )
 
