@@ -98,7 +98,7 @@ def _flush_residuals(state: SparseState, buffer: Tensor, members: tuple[Member, 
     for m in members:
         if m.name in state.memory:
             segment = buffer[m.offset : m.offset + m.numel]
-            if not all_finite(segment):
+            if not state.inputs_finite and not all_finite(segment):
                 # Send the non-finite gradient as it is (every rank then sees a non-finite average
                 # and the optimizer / gradient scaler skips the step); keep the residual unpoisoned.
                 counters.nonfinite_buckets = 1
@@ -160,7 +160,7 @@ def compress_members(
     for m, k in zip(plan.sparse_members, ks, strict=True):
         g = gradient_of(state, buffer, m)
         ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
-        if not all_finite(g):
+        if not state.inputs_finite and not all_finite(g):
             # Same message shape as always (the collectives must match on every rank), but NaN
             # values, so that the averaged gradient is non-finite on every rank and the step is
             # skipped everywhere alike; the residual keeps its previous value.
@@ -330,7 +330,7 @@ class SketchPattern(WirePattern):
             ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=world, seed=state.seed)
             view = tables[pos : pos + rows * cols].view(rows, cols)
             p: Tensor | None = None
-            if all_finite(g):
+            if state.inputs_finite or all_finite(g):
                 p = state.memory.accumulate(m.name, g) if state.error_feedback else g
                 compressor.sketch(p, k, ctx, view)
             else:

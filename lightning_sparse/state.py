@@ -147,6 +147,10 @@ class SparseState:
         self.world_size = 1
         self.process_group: dist.ProcessGroup | None = None
         self.in_step = False
+        #: set by a caller that makes every input finite before it is exchanged (the update
+        #: exchange drops a non-finite update on its rank): the patterns then skip their own
+        #: per-tensor check, a read of every input
+        self.inputs_finite = False
         #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
         self.loss_scale: Callable[[], float] | None = None
         self.last_loss_scale: float | None = None

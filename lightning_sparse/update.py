@@ -90,6 +90,7 @@ class UpdateExchange:
         """Attach to the model's parameters and process group (binds the state too)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         self.state.bind(named, process_group=process_group, check_consistency=check_consistency)
+        self.state.inputs_finite = True  # exchange() zeroes a non-finite update before sending it
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
         self._global = {}
