@@ -54,16 +54,16 @@ COMMANDS = {
         "tests/test_cli.py::test_compressor_help_shows_its_arguments"
     ),
     # Results: step time (the tests shape the link too, when they can; small model, 2 steps)
-    "sudo python -m lightning_sparse.bench step --bandwidth 1gbit --world-size 2 --params 25e6": (
-        "tests/test_bench_step.py::test_step_bench_shaped"
-    ),
-    "sudo python -m lightning_sparse.bench step --bandwidth 1gbit --world-size 2 --params 25e6 --fallback time": (
+    "python -m lightning_sparse.bench step --bandwidth 1gbit --params 25e6 --compressors topk randomblock "
+    "--modes update gradient --peers powersgd:4 fp16": "tests/test_bench_step.py::test_step_bench_shaped",
+    "python -m lightning_sparse.bench step --bandwidth 1gbit --params 25e6 --compressors topk randomblock "
+    "--modes update gradient --peers powersgd:4 fp16 --fallback time": (
         "tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
-    "python -m lightning_sparse.bench step --bandwidth none --params 25e6": (
-        "tests/test_bench_step.py::test_step_bench_unshaped"
-    ),
-    "python -m lightning_sparse.bench step --bandwidth none --params 25e6 --fallback time --steps 30": (
+    "python -m lightning_sparse.bench step --bandwidth none --params 25e6 --compressors topk randomblock "
+    "--modes update gradient --peers powersgd:4 fp16": "tests/test_bench_step.py::test_step_bench_peers",
+    "python -m lightning_sparse.bench step --bandwidth none --params 25e6 --compressors topk randomblock "
+    "--modes update gradient --peers powersgd:4 fp16 --fallback time --steps 30": (
         "tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
     # Results: accuracy against bytes (the test: --tiny)
