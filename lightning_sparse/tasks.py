@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
@@ -228,7 +228,41 @@ def load_text_tensors(
     return char_windows(train_codes, train_pos, context), char_windows(val_codes, val_pos, context)
 
 
-class TextDataModule(L.LightningDataModule):
+class _WindowDataModule(L.LightningDataModule):
+    """Windows of standard-library source drawn with a seed (``loader``), shuffled for training."""
+
+    #: validation batch size
+    val_batch_size = 1024
+
+    def __init__(self, batch_size: int, context: int, n_train: int, n_val: int, seed: int) -> None:
+        super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} is not allowed: expected an integer >= 1")
+        self.batch_size = batch_size
+        self.context = context
+        self.n_train = n_train
+        self.n_val = n_val
+        self.seed = seed
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    #: ``loader(context, n_train, n_val, seed) -> (train, validation)``: the task's windows
+    loader: Callable[[int, int, int, int], tuple[TensorDataset, TensorDataset]]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = type(self).loader(self.context, self.n_train, self.n_val, self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None
+        return DataLoader(self.val_set, batch_size=self.val_batch_size)
+
+
+class TextDataModule(_WindowDataModule):
     """Next-character prediction on Python standard-library source (no download, no extra package).
 
     Args:
@@ -246,29 +280,14 @@ class TextDataModule(L.LightningDataModule):
         (torch.Size([64, 16]), torch.Size([64]))
     """
 
+    val_batch_size = 1024
+
     def __init__(
         self, batch_size: int = 64, context: int = 16, n_train: int = 32768, n_val: int = 8192, seed: int = 0
     ) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-        self.context = context
-        self.n_train = n_train
-        self.n_val = n_val
-        self.seed = seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
+        super().__init__(batch_size, context, n_train, n_val, seed)
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set, self.val_set = load_text_tensors(self.context, self.n_train, self.n_val, self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=1024)
+    loader = staticmethod(load_text_tensors)
 
 
 class NextCharClassifier(_Classifier):
@@ -372,7 +391,7 @@ def load_gpt_tensors(
     return TensorDataset(train[:, :-1], train[:, 1:]), TensorDataset(val[:, :-1], val[:, 1:])
 
 
-class GPTDataModule(L.LightningDataModule):
+class GPTDataModule(_WindowDataModule):
     """Next-character language modelling on Python standard-library source, for ``TinyGPT``.
 
     Batches are ``(x, y)`` int64 ``(batch, context)``: ``y`` is ``x`` shifted by one character.
@@ -394,31 +413,14 @@ class GPTDataModule(L.LightningDataModule):
         (torch.Size([4, 32]), True)
     """
 
+    val_batch_size = 128
+
     def __init__(
         self, batch_size: int = 16, context: int = 64, n_train: int = 32768, n_val: int = 1024, seed: int = 0
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} is not allowed: expected an integer >= 1")
-        self.batch_size = batch_size
-        self.context = context
-        self.n_train = n_train
-        self.n_val = n_val
-        self.seed = seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
+        super().__init__(batch_size, context, n_train, n_val, seed)
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set, self.val_set = load_gpt_tensors(self.context, self.n_train, self.n_val, self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=128)
+    loader = staticmethod(load_gpt_tensors)
 
 
 def warmup_cosine(step: int, total: int, warmup_fraction: float = 0.1, final_fraction: float = 0.1) -> float:

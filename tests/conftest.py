@@ -26,8 +26,9 @@ def dist2():
     pool.stop()
 
 
-def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> Any:
-    """Launch tests/trainer_worker.py (Lightning's popen launcher starts the other ranks).
+def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240, worker: str = "trainer_worker.py") -> Any:
+    """Launch tests/trainer_worker.py, or another ``worker`` script of tests/ that writes its results
+    the same way (Lightning's popen launcher starts the other ranks).
 
     Returns the per-rank results the worker saved, or, for a config with ``runs``, a dict of them
     by run name. The launcher's output is kept in ``out_dir/log.txt``. A hung rank fails the test
@@ -40,14 +41,14 @@ def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> 
     cfg_path.write_text(json.dumps(config))
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    env.pop("LOCAL_RANK", None)
-    env.pop("MASTER_PORT", None)
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
     from _dist import free_port
 
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(free_port())
     proc = subprocess.run(
-        [sys.executable, str(HERE / "trainer_worker.py"), str(cfg_path)],
+        [sys.executable, str(HERE / worker), str(cfg_path)],
         cwd=out_dir,
         env=env,
         capture_output=True,
@@ -57,7 +58,7 @@ def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240) -> 
     (out_dir / "log.txt").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(
-            f"trainer_worker failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-5000:]}"
+            f"{worker} failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-5000:]}"
             f"\n--- stderr ---\n{proc.stderr[-8000:]}"
         )
 

@@ -7,15 +7,12 @@ popen launcher starts the second rank), so a hung rank fails the test instead of
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_trainer
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
@@ -31,34 +28,7 @@ GRADIENT = {"compress": "gradient", "density": 0.05}
 
 def run_fabric(config: dict[str, Any], out_dir: Path, timeout: float = 300) -> dict[str, list[dict[str, Any]]]:
     """Launch tests/fabric_worker.py; return each run's per-rank results by run name."""
-    from _dist import free_port
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = out_dir / "config.json"
-    cfg_path.write_text(json.dumps(config))
-    env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"})
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        env.pop(key, None)
-    env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "fabric_worker.py"), str(cfg_path)],
-        cwd=out_dir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    (out_dir / "log.txt").write_text(proc.stdout + "\n" + proc.stderr)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"fabric_worker failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-5000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
-        )
-    return {
-        run["name"]: [torch.load(out_dir / f"{run['name']}_rank{r}.pt", weights_only=False) for r in range(2)]
-        for run in config["runs"]
-    }
+    return run_trainer(config, out_dir, timeout=timeout, worker="fabric_worker.py")
 
 
 @pytest.fixture(scope="module")
