@@ -52,3 +52,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # end the process group on every rank together, then exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

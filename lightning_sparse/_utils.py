@@ -102,3 +102,18 @@ def all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def end_process_group() -> None:
+    """End the default process group on every rank together (a barrier, then destroy), if one exists.
+
+    Left to interpreter exit, the ranks tear their gloo and store threads down on their own
+    schedules; then a rank sometimes aborted after its training had finished (``terminate called
+    without an active exception``, exit code -6; seen in short runs, dense DDP included). Call it
+    on every rank, after the last collective, in scripts that exit right after training.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

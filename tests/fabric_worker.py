@@ -21,6 +21,7 @@ from torch import nn
 from trainer_worker import make_data
 
 from lightning_sparse import FabricSparseDDPStrategy
+from lightning_sparse._utils import end_process_group
 
 
 class MLP(nn.Module):
@@ -118,3 +119,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()

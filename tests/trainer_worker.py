@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sparse
 from lightning_sparse import SparseDDPStrategy
+from lightning_sparse._utils import end_process_group
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.update import UpdateExchange
 
@@ -384,3 +385,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()

@@ -51,6 +51,7 @@ from typing import Any
 
 import lightning as L
 
+from lightning_sparse._utils import end_process_group
 from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, CommHookDDPStrategy, Peer
 
 DEFAULT_DENSITIES = [0.1, 0.01, 0.001]
@@ -390,6 +391,7 @@ def _worker_main(argv: list[str]) -> int:
     result = fit_run(config)
     if result is not None:
         Path(config["result"]).write_text(json.dumps(result))
+    end_process_group()  # on every rank together: see its docstring
     return 0
 
 
