@@ -274,8 +274,13 @@ def run(args: argparse.Namespace) -> int:
         ok = [name for name in peers if name not in failed]
         result_path = Path(tmp) / "result.json"
         why = launch("run", ["--peers", *ok], result_path=result_path, echo=True)
-        if why is not None and ok:
-            print(f"step: the timed run failed ({why}); running it again without the peers.", file=sys.stderr)
+        if why is not None:
+            # Once more, without the peers if there were any (a peer can crash the run even after a
+            # clean probe). A failure that repeats is raised below; one that does not is printed here.
+            print(
+                f"step: the timed run failed ({why}); running it again{' without the peers' if ok else ''}.",
+                file=sys.stderr,
+            )
             failed.update({name: f"crashed the timed run: {why}" for name in ok})
             why = launch("rerun", ["--peers"], result_path=result_path, echo=True)
         if why is not None:
