@@ -290,7 +290,22 @@ class TextDataModule(_WindowDataModule):
     loader = staticmethod(load_text_tensors)
 
 
-class NextCharClassifier(_Classifier):
+class _NormClipping:
+    """Gradient-norm clipping at the module's ``clip`` hyperparameter (``None``: none); the Trainer's
+    ``gradient_clip_val`` overrides it."""
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Any = None,
+    ) -> None:
+        clip = self.hparams.clip if gradient_clip_val is None else gradient_clip_val
+        if clip is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+
+
+class NextCharClassifier(_NormClipping, _Classifier):
     """Embedding + GRU over a window of characters, predicting the next one; SGD + momentum.
 
     With the defaults every weight tensor (embedding 97x64, GRU 384x64 and 384x128, head 97x128; 93,376
@@ -331,16 +346,6 @@ class NextCharClassifier(_Classifier):
     def forward(self, x: Tensor) -> Tensor:
         _, h = self.rnn(self.embed(x))
         return self.head(h[-1])
-
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Any = None,
-    ) -> None:
-        clip = self.hparams.clip if gradient_clip_val is None else gradient_clip_val
-        if clip is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
@@ -461,7 +466,7 @@ class _Block(nn.Module):
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 
 
-class TinyGPT(L.LightningModule):
+class TinyGPT(_NormClipping, L.LightningModule):
     """A small GPT (pre-LayerNorm, causal self-attention, GELU MLP) for next-character prediction; AdamW.
 
     Token and learned position embeddings, ``layers`` blocks, a final LayerNorm and an output layer
@@ -550,16 +555,6 @@ class TinyGPT(L.LightningModule):
         # (and the mean over processes) is the mean over all validation tokens
         self.log("val_loss", nn.functional.cross_entropy(logits, y.flatten()), sync_dist=True)
         self.log("val_acc", (logits.argmax(1) == y.flatten()).float().mean(), sync_dist=True, prog_bar=True)
-
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Any = None,
-    ) -> None:
-        clip = self.hparams.clip if gradient_clip_val is None else gradient_clip_val
-        if clip is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
