@@ -11,7 +11,7 @@ in update mode every rank's optimizer state, gathered to rank 0 and restored per
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,8 @@ class SparseCore:
         seed: seed of every random choice.
         fallback_to_dense: ``True``/``"bytes"``, ``"time"``/a ``TimedFallback``, or ``False``.
         momentum_correction: DGC's momentum correction (gradient mode), 0 turns it off.
+        exchange: ``"auto"``, ``"allgather"`` or ``"split"`` (top-k-type compressors).
+        compact_indices: Rice-code the indices of sparse messages where that is smaller.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; None: ``True`` in update mode, ``False`` in gradient mode.
@@ -125,6 +127,8 @@ class SparseCore:
         seed: int = 0,
         fallback_to_dense: Union[bool, str, TimedFallback] = True,
         momentum_correction: float = 0.0,
+        exchange: Literal["auto", "allgather", "split"] = "auto",
+        compact_indices: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: Optional[bool] = None,
@@ -161,6 +165,8 @@ class SparseCore:
             seed=seed,
             fallback_to_dense=fallback_to_dense,
             momentum_correction=momentum_correction,
+            exchange=exchange,
+            compact_indices=compact_indices,
             compress=compress,
         )
         #: the update exchange (``compress="update"``), else None

@@ -84,6 +84,14 @@ class SparseDDPStrategy(DDPStrategy):
             and keep the faster; ``False``: always sparse after warm-up.
         momentum_correction: DGC's momentum correction (gradient mode, with an optimizer without
             momentum); 0 (default) turns it off.
+        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined:
+            ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
+            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank
+            about flat in the number of ranks; the global selection keeps about ``k``
+            coordinates per bucket tensor), ``"auto"`` (default): per bucket, whichever moves
+            fewer bytes through each rank (all-gather on 2 ranks, split from about 4).
+        compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each
+            at density 0.01 instead of 4) wherever that is smaller; ``False``: int32.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; None: ``True`` in update mode, ``False`` in gradient mode.
@@ -120,6 +128,8 @@ class SparseDDPStrategy(DDPStrategy):
         seed: int = 0,
         fallback_to_dense: Union[bool, Literal["bytes", "time"], TimedFallback] = True,
         momentum_correction: float = 0.0,
+        exchange: Literal["auto", "allgather", "split"] = "auto",
+        compact_indices: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: Optional[bool] = None,
@@ -145,6 +155,8 @@ class SparseDDPStrategy(DDPStrategy):
             seed=seed,
             fallback_to_dense=fallback_to_dense,
             momentum_correction=momentum_correction,
+            exchange=exchange,
+            compact_indices=compact_indices,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,

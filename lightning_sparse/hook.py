@@ -33,6 +33,7 @@ from lightning_sparse._utils import all_finite
 from lightning_sparse.fallback import DENSE, SPARSE, TRIAL_DENSE
 from lightning_sparse.patterns import (
     PATTERNS,
+    GatherPattern,
     _flush_residuals,
     _launch_dense_members,
     _value_dtype,
@@ -100,6 +101,8 @@ def communicate(
         else:
             exchange = _sparse_exchange
             method = state.compressor.name or type(state.compressor).__name__
+            if _exchange_of(state, buffer, sparse, ks) == "split":
+                method += " (split)"  # what exchange="auto" picked shows in the telemetry's rows
     if exchange is None:
         counters.dense_buckets = 1
         future = _dense_exchange(state, buffer, plan, counters, accumulate_into)
@@ -183,7 +186,19 @@ def _sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member,
     vbytes = _value_dtype(state, buffer).itemsize
     dense_wire = ring_all_reduce_bytes(world, sum(m.numel for m in sparse) * buffer.element_size())
     pattern = PATTERNS[state.compressor.pattern]
-    return pattern.wire_bytes(world, ks, vbytes, [m.numel for m in sparse], state.compressor) < dense_wire
+    numels = [m.numel for m in sparse]
+    wire = pattern.wire_bytes(world, ks, vbytes, numels, state.compressor, state.exchange, state.compact_indices)
+    return wire < dense_wire
+
+
+def _exchange_of(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> str | None:
+    """The exchange a gather-pattern bucket takes (None for the other patterns)."""
+    pattern = PATTERNS[state.compressor.pattern]
+    if not isinstance(pattern, GatherPattern):
+        return None
+    vbytes = _value_dtype(state, buffer).itemsize
+    numels = [m.numel for m in sparse]
+    return pattern.choose(state.world_size, ks, vbytes, numels, state.exchange, state.compact_indices)[0]
 
 
 def _done(value: Tensor) -> Future[Tensor]:

@@ -437,6 +437,8 @@ class AdaptiveDensity(DensitySchedule):
             "rank": state.rank,
             "seed": state.seed,
             "pattern": state.compressor.pattern,
+            "exchange": state.exchange,
+            "compact": state.compact_indices,
             "fallback": state.fallback_to_dense,
             "vbytes": vdtype.itemsize,
             "gbytes": grad_dtype.itemsize,
@@ -539,7 +541,8 @@ class AdaptiveDensity(DensitySchedule):
         vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
         pattern = PATTERNS[w.get("pattern", "gather")]
         ks, sizes = list(ks), list(sizes)
-        wire = pattern.wire_bytes(world, ks, vbytes, sizes, self._compressor)
+        how = (w.get("exchange", "allgather"), bool(w.get("compact", False)))
+        wire = pattern.wire_bytes(world, ks, vbytes, sizes, self._compressor, *how)
         dense_wire = ring_all_reduce_bytes(world, sum(sizes) * gbytes)
         if self.cost_model == "bits":
             assert self.c0 is not None
@@ -547,7 +550,7 @@ class AdaptiveDensity(DensitySchedule):
             payload = (
                 self.c1 * sum(ks)
                 if self.c1 is not None
-                else 8 * pattern.wire_bytes(2, ks, vbytes, sizes, self._compressor)
+                else 8 * pattern.wire_bytes(2, ks, vbytes, sizes, self._compressor, *how)
             )
             sparse, dense = self.c0 + payload, self.c0 + 8 * gbytes * sum(sizes)
         else:

@@ -15,6 +15,7 @@ from lightning_sparse._utils import check_int, resolve_value_dtype, stable_key
 from lightning_sparse.compressors import Compressor, get_compressor
 from lightning_sparse.fallback import TimedFallback, as_fallback
 from lightning_sparse.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.patterns import EXCHANGES
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.stats import Telemetry
 
@@ -80,6 +81,14 @@ class SparseState:
             (the gradient, in DDP's communication hook, before the optimizer step; the
             default here, where the state is used with the hook alone). ``SparseDDPStrategy``
             defaults to ``"update"``.
+        exchange: how the selections of top-k-type compressors (``pattern == "gather"``) are
+            combined: ``"allgather"`` (every rank gets every rank's pairs: traffic grows with the
+            number of ranks), ``"split"`` (a sparse all-reduce: owners of index regions sum and
+            re-select, then the global selection is all-gathered; traffic flat in the number of
+            ranks), or ``"auto"``: per bucket, whichever moves fewer bytes (ring model).
+        compact_indices: code the indices of sparse messages with a Rice code on their gaps
+            (exact; about 1.1 bytes per index at density 0.01 instead of 4) wherever that is
+            smaller than int32.
 
     Example:
         >>> state = SparseState(compressor="topk", density=0.01)
@@ -99,6 +108,8 @@ class SparseState:
         fallback_to_dense: bool | str | TimedFallback = True,
         momentum_correction: float = 0.0,
         compress: str = "gradient",
+        exchange: str = "auto",
+        compact_indices: bool = True,
     ) -> None:
         if compress not in COMPRESS_MODES:
             raise ValueError(
@@ -107,6 +118,22 @@ class SparseState:
             )
         self.compress = compress
         self.compressor = get_compressor(compressor)
+        if exchange not in EXCHANGES:
+            raise ValueError(
+                f"exchange={exchange!r} is not allowed: expected one of {list(EXCHANGES)} ('allgather': every rank "
+                "gets every rank's selection; 'split': a sparse all-reduce whose traffic does not grow with the "
+                "number of ranks; 'auto': per bucket, whichever moves fewer bytes)."
+            )
+        if exchange == "split" and self.compressor.pattern != "gather":
+            raise ValueError(
+                f"exchange='split' is not allowed with compressor={self.compressor!r}: it combines compressors "
+                "that pick their own coordinates on each rank (pattern 'gather': topk, rtopk, gaussiank, dgc); "
+                f"this one's pattern is {self.compressor.pattern!r}. Use exchange='auto' or 'allgather'."
+            )
+        self.exchange = exchange
+        if not isinstance(compact_indices, bool):
+            raise ValueError(f"compact_indices={compact_indices!r} is not allowed: expected True or False.")
+        self.compact_indices = compact_indices
         self.schedule = as_schedule(density)
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback={error_feedback!r} is not allowed: expected True or False.")
@@ -213,6 +240,8 @@ class SparseState:
             "timed_fallback": repr(self.timed_fallback),
             "momentum_correction": self.momentum_correction,
             "compress": self.compress,
+            "exchange": self.exchange,
+            "compact_indices": self.compact_indices,
             "step": self.step,
             "parameters": sorted(self._names.values()),
         }
@@ -275,6 +304,8 @@ class SparseState:
         return {
             "version": STATE_VERSION,
             "compress": self.compress,
+            "exchange": self.exchange,
+            "compact_indices": self.compact_indices,
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,

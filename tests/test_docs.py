@@ -79,6 +79,10 @@ COMMANDS = {
     "--peers powersgd:1 powersgd:4 --out docs/convergence/text": (
         "tests/test_bench_convergence.py::test_convergence_tiny_run"
     ),
+    # Wire bytes at scale (the test: a small model, 2 and 4 processes)
+    "python -m lightning_sparse.bench scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
+        "tests/test_bench_scale.py::test_measured_equals_model"
+    ),
     # Results: density schedules (the test: one seed, one epoch)
     "python examples/compare_schedules.py --c0 3000 10000 100000": (
         "tests/test_examples.py::test_compare_schedules_runs"

@@ -54,9 +54,14 @@ def _decode(
     compressor = state.compressor
     used = 1
     if kind == "gather":
-        vb = torch.empty((), dtype=vdtype).element_size()
-        idx = first[: 4 * total_k].view(torch.int32).long()
-        vals = first[4 * total_k : total_k * (4 + vb)].view(vdtype).float()
+        from lightning_sparse.patterns import MessageLayout, SparseSpace
+
+        space = SparseSpace.of(plan)
+        layout = MessageLayout(space.numel, total_k, vdtype, state.compact_indices)
+        assert first.numel() == layout.size
+        coords, vals = layout.unpack(first)
+        assert bool((coords[1:] > coords[:-1]).all()), "coordinates travel sorted"
+        idx, vals = space.to_bucket(coords), vals.float()
         assert idx.unique().numel() == total_k, "indices must be unique"
         assert int(idx.min()) >= 0 and int(idx.max()) < numel
         sent[idx] = vals
@@ -104,7 +109,7 @@ def capture_collectives() -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor
     from lightning_sparse import comm
 
     captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    real_gather, real_reduce = comm.all_gather, comm.all_reduce
+    real_gather, real_reduce, real_alltoall = comm.all_gather, comm.all_reduce, comm.all_to_all
 
     def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
         captured.append(("gather", inp.clone(), out))
@@ -114,11 +119,15 @@ def capture_collectives() -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor
         captured.append(("reduce", t.clone(), t))
         return real_reduce(t, group)
 
-    comm.all_gather, comm.all_reduce = gather, reduce
+    def alltoall(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+        captured.append(("alltoall", inp.clone(), out))
+        return real_alltoall(out, inp, group)
+
+    comm.all_gather, comm.all_reduce, comm.all_to_all = gather, reduce, alltoall
     try:
         yield captured
     finally:
-        comm.all_gather, comm.all_reduce = real_gather, real_reduce
+        comm.all_gather, comm.all_reduce, comm.all_to_all = real_gather, real_reduce, real_alltoall
 
 
 def _check_sketch_tables(state: Any, captured: list, step: int, plan: Any, ks: list[int], ps: dict) -> None:
@@ -271,14 +280,16 @@ def test_without_error_feedback_sends_p_and_keeps_nothing(dist2, compressor) -> 
     assert results[1]["sparse_steps"] == 3
 
 
-def _fallback_worker(rank: int, world: int, density: float) -> dict[str, Any]:
+def _fallback_worker(rank: int, world: int, density: float, compact_indices: bool = False) -> dict[str, Any]:
     from lightning_sparse.hook import communicate
     from lightning_sparse.state import SparseState
 
     named = _params(torch.float32)
     params = [p for _, p in named]
     numel = sum(p.numel() for p in params)
-    state = SparseState(compressor="topk", density=density, min_numel=1000, warmup_steps=1)
+    state = SparseState(
+        compressor="topk", density=density, min_numel=1000, warmup_steps=1, compact_indices=compact_indices
+    )
     state.bind(named)
     g = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     for _ in range(3):
@@ -297,6 +308,10 @@ def test_dense_fallback_when_sparse_moves_more_bytes(dist2) -> None:
     assert torch.equal(r[0]["out"], (g0 + g1) / 2) and torch.equal(r[1]["out"], r[0]["out"])
     r = dist2.run(_fallback_worker, density=0.01)
     assert r[0]["telemetry"]["fallback_buckets"] == 0
+    # with compact indices (at density 0.6 about 1.7 bits each) the same message is smaller than dense
+    r = dist2.run(_fallback_worker, density=0.6, compact_indices=True)
+    t = r[0]["telemetry"]
+    assert t["fallback_buckets"] == 0 and t["sent_bytes"] < t["dense_bytes"]
 
 
 def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:

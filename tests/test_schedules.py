@@ -152,8 +152,12 @@ def test_topk_energy_non_finite_gives_nan() -> None:
 
 
 # --------------------------------------------------------------------------- adaptive: the rule
-def _bound(schedule: AdaptiveDensity, world: int = 2, compressor: str = "topk", fallback: bool = True) -> None:
-    state = SparseState(compressor=compressor, density=schedule, fallback_to_dense=fallback)
+def _bound(
+    schedule: AdaptiveDensity, world: int = 2, compressor: str = "topk", fallback: bool = True, compact: bool = False
+) -> None:
+    """Set up as on ``world`` processes (int32 indices unless ``compact``: the cost models below
+    are written out for them)."""
+    state = SparseState(compressor=compressor, density=schedule, fallback_to_dense=fallback, compact_indices=compact)
     state.world_size = world  # as if bound to `world` processes; nothing here communicates
     schedule.setup(state, torch.device("cpu"), torch.float32)
 
@@ -179,6 +183,26 @@ def test_choose_is_the_argmax_of_energy_per_bit() -> None:
         _bound(s)
         row = _power_law_energy(sizes, s.grid, a=0.4)
         assert s.choose([("b", sizes)], [row]) == _brute_force(s, sizes, row)
+
+
+def test_choose_prices_compact_indices() -> None:
+    """With compact indices a message costs its Rice-coded size: cheaper coordinates, so the same
+    overhead buys a density at least as high."""
+    from lightning_sparse.patterns import MessageLayout
+
+    sizes = [100_000, 20_000]
+    for c0 in (1e3, 1e5, 1e6):
+        s = AdaptiveDensity(cost_model="bits", c0=c0, min_density=1e-4, max_density=0.25)
+        _bound(s, compact=True)
+        row = _power_law_energy(sizes, s.grid, a=0.4)
+        n = sum(sizes)
+        costs = [s.c0 + 8 * MessageLayout(n, sum(k_for(d, x) for d in sizes), torch.float32, True).size for x in s.grid]
+        ratios = [row[j] / costs[j] for j in range(len(s.grid))]
+        expected = s.grid[max(range(len(ratios)), key=lambda j: (ratios[j], -j))]
+        assert s.choose([("b", sizes)], [row]) == expected
+        plain = AdaptiveDensity(cost_model="bits", c0=c0, min_density=1e-4, max_density=0.25)
+        _bound(plain)
+        assert expected >= plain.choose([("b", sizes)], [row])
 
 
 def test_choose_grows_with_the_overhead_and_degenerates_without_it() -> None:
@@ -296,8 +320,9 @@ def test_strategy_state_pickles_with_schedules() -> None:
 
 # --------------------------------------------------------------------------- never slower than dense
 def _fallback_steps(schedule: WarmupDensity, world: int, steps: int, numel: int = 100_000) -> list[bool]:
-    """Per step: would a one-tensor bucket go dense (the hook's rule) at this schedule's density?"""
-    state = SparseState(density=schedule)
+    """Per step: would a one-tensor bucket go dense (the hook's rule) at this schedule's density?
+    (all-gathered int32 indices, for which the thresholds below are written out)"""
+    state = SparseState(density=schedule, exchange="allgather", compact_indices=False)
     state.world_size = world  # the rule needs only the world size, the dtypes and the sizes
     buffer = torch.zeros(numel)
     sparse = (Member("w", 0, 0, numel, True),)
@@ -310,6 +335,24 @@ def test_fallback_threshold_is_one_over_world_size(world: int) -> None:
     for density in (0.9 / world, 1.1 / world):
         dense = _fallback_steps(ConstantDensity(density), world, 1)[0]
         assert dense == (density > 1 / world)
+
+
+@pytest.mark.parametrize("world", [2**i for i in range(1, 11)])
+def test_default_exchange_stays_below_dense_and_flat(world: int) -> None:
+    """The defaults (exchange="auto", compact indices) at top-k 1%: sparse while cheaper than dense
+    at any W up to 1024, and at W = 64 and beyond at most 1/15 of dense's wire bytes."""
+    from lightning_sparse.patterns import PATTERNS, ring_all_reduce_bytes
+
+    numel = 4_000_000
+    state = SparseState(density=0.01)
+    state.world_size = world
+    ks = [k_for(numel, 0.01)]
+    wire = PATTERNS["gather"].wire_bytes(world, ks, 4, [numel], None, state.exchange, state.compact_indices)
+    dense = ring_all_reduce_bytes(world, 4 * numel)
+    assert _sparse_is_cheaper(state, torch.zeros(1), (Member("w", 0, 0, numel, True),), ks) == (wire < dense)
+    assert wire < dense
+    if world >= 64:
+        assert wire <= dense / 15
 
 
 def test_warmup_from_high_density_goes_dense_first_at_larger_world_sizes() -> None:

@@ -28,7 +28,10 @@ def dist4():
 
 
 def _ring_bytes(kind: str, world: int, nbytes: int) -> float:
-    """The ring model, written out here independently of the package."""
+    """The ring model, written out here independently of the package (an all-to-all sends every
+    chunk but the rank's own)."""
+    if kind == "alltoall":
+        return (world - 1) / world * nbytes
     return (world - 1) * nbytes if kind == "gather" else 2 * (world - 1) / world * nbytes
 
 
@@ -43,12 +46,21 @@ def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     params = [p for _, p in named]
     numel = sum(p.numel() for p in params)
     compressor: Any = CountSketch(rows=3, width=4.0) if case == "countsketch" else case
+    exchange = "allgather"
+    if case == "split":  # top-k through the split exchange: an all-to-all, then an all-gather
+        compressor, exchange = "topk", "split"
     density: Any = DENSITY
     if case == "adaptive":  # top-k whose density schedule all-gathers its statistics every step
         compressor = "topk"
         density = AdaptiveDensity(cost_model="bits", c0=3e4, min_density=1e-3, max_density=0.25, candidates=8)
     state = SparseState(
-        compressor=compressor, density=density, min_numel=1000, warmup_steps=1, seed=5, fallback_to_dense=False
+        compressor=compressor,
+        density=density,
+        min_numel=1000,
+        warmup_steps=1,
+        seed=5,
+        fallback_to_dense=False,
+        exchange=exchange,
     )
     state.bind(named)
     gen = torch.Generator().manual_seed(10 + rank)
@@ -76,7 +88,7 @@ def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                 sparse = plan.sparse_members
                 ks = [k_for(m.numel, DENSITY) for m in sparse]
                 model = PATTERNS[state.compressor.pattern].wire_bytes(
-                    world, ks, 4, [m.numel for m in sparse], state.compressor
+                    world, ks, 4, [m.numel for m in sparse], state.compressor, state.exchange, state.compact_indices
                 )
                 row["model"] = model + _ring_bytes("reduce", world, 4 * sum(m.numel for m in plan.dense_members))
             steps.append(row)
@@ -84,7 +96,7 @@ def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     return {"steps": steps, "methods": methods, "numel": numel}
 
 
-@pytest.mark.parametrize("case", ["topk", "randomk", "countsketch", "adaptive"])
+@pytest.mark.parametrize("case", ["topk", "split", "randomk", "countsketch", "adaptive"])
 def test_wire_bytes_are_the_ring_model_of_what_was_handed_to_each_collective(dist4, case: str) -> None:
     results = dist4.run(_wire_worker, case=case)
     for r in results:
@@ -101,12 +113,16 @@ def test_wire_bytes_are_the_ring_model_of_what_was_handed_to_each_collective(dis
         assert (statistics > 0) == (case == "adaptive")
         assert warmup["wire"] == pytest.approx(1.5 * dense + 3 * statistics, rel=1e-12)
     assert [r["steps"] for r in results[1:]] == [results[0]["steps"]] * 3  # same bytes on every rank
-    ratio, message = results[0]["methods"]["topk" if case == "adaptive" else case]
+    ratio, message = results[0]["methods"][{"adaptive": "topk", "split": "topk (split)"}.get(case, case)]
     if case in ("topk", "adaptive"):
         # all-gathered pairs: each rank's message crosses 3 links, a dense bucket 1.5 of its size;
         # the small dense tensors (all-reduced alike) keep the ratio a little above half
         assert 0.5 < ratio / message < 0.55
+    elif case == "split":
+        # an all-to-all sends 3 of its 4 chunks, an all-gather's message crosses 3 links: with chunks
+        # of twice the global selection's share, ratio / message is about (4*2 + 1) / (2 * (2 + 1))
+        assert 1.3 < ratio / message < 1.6
     else:  # only all-reduces: the traffic ratio is the message ratio
         assert ratio == pytest.approx(message, rel=1e-12)
-    if case == "topk":
-        assert message > 20 and ratio < 13
+    if case == "topk":  # (value, compact index) pairs of about 5.1 bytes: the message looks 33x smaller
+        assert message > 30 and ratio < 19

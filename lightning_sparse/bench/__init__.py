@@ -9,4 +9,5 @@ COMMANDS: dict[str, str] = {
     "compressors": "lightning_sparse.bench.compressors",
     "step": "lightning_sparse.bench.step",
     "convergence": "lightning_sparse.bench.convergence",
+    "scale": "lightning_sparse.bench.scale",
 }

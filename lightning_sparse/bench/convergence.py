@@ -222,6 +222,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what the strategy compresses, SparseDDPStrategy(compress=MODE) (default: %(default)s)",
     )
     parser.add_argument(
+        "--exchanges",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "allgather", "split"],
+        help="how top-k-type selections are combined, SparseDDPStrategy(exchange=...); other compressors "
+        "run once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--value-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the values the sparse runs send (default: the gradient's)",
+    )
+    parser.add_argument(
         "--peers",
         nargs="*",
         default=DEFAULT_PEERS,
@@ -294,6 +308,16 @@ class _Recorder(L.Callback):
         total = state.telemetry.total
         return int(total.sent_bytes), int(total.dense_bytes)
 
+    def wire_so_far(self, trainer: L.Trainer) -> float:
+        """Bytes through this rank since the start of the fit, under the ring model of each collective
+        (dense DDP and torch's hooks all-reduce: 2 (W-1)/W of what they hand over)."""
+        from lightning_sparse.patterns import ring_all_reduce_bytes
+
+        state = getattr(trainer.strategy, "sparse_state", None)
+        if state is not None and self.counter is None:
+            return float(state.telemetry.total.wire_bytes)
+        return ring_all_reduce_bytes(trainer.world_size, self.bytes_so_far(trainer)[0])
+
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -302,7 +326,8 @@ class _Recorder(L.Callback):
         for metric in (ACCURACY, VAL_LOSS):
             if metric.logged in trainer.callback_metrics:
                 point[metric.key] = float(trainer.callback_metrics[metric.logged])
-        self.points.append({**point, "sent_bytes": sent, "dense_bytes": dense})
+        wire = self.wire_so_far(trainer)
+        self.points.append({**point, "sent_bytes": sent, "dense_bytes": dense, "wire_bytes": wire})
 
 
 def _sparse_strategy(config: dict[str, Any]) -> Any:
@@ -313,6 +338,8 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         compress=config.get("mode") or "gradient",
         compressor=config["compressor"],
         density=config["density"],
+        exchange=config.get("exchange") or "auto",
+        value_dtype=config.get("value_dtype"),
         compression_monitor=False,
     )
 
@@ -367,6 +394,8 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         "steps": trainer.global_step,
         "sent_bytes": sent,
         "dense_bytes": dense,
+        "wire_bytes": recorder.wire_so_far(trainer),
+        "world_size": trainer.world_size,
         "param_bytes": recorder.param_bytes,
         "fit_seconds": seconds,
         "points": recorder.points,
@@ -429,7 +458,14 @@ def run_label(run: dict[str, Any]) -> str:
         return DENSE
     if kind == "peer":
         return Peer.parse(run["peer"]).label
-    return run["compressor"] if run.get("mode") is None else f"{run['compressor']} ({run['mode']})"
+    if run.get("mode") is None:
+        return run["compressor"]
+    extra = [run["mode"]]
+    if run.get("exchange") not in (None, "auto"):
+        extra.append(run["exchange"])
+    if run.get("value_dtype") not in (None, "float32"):
+        extra.append(f"{run['value_dtype']} values")
+    return f"{run['compressor']} ({', '.join(extra)})"
 
 
 def _run_name(config: dict[str, Any]) -> str:
@@ -440,6 +476,9 @@ def _run_name(config: dict[str, Any]) -> str:
         tail = "dense_1"
     else:
         tail = f"{config['compressor']}_{config['density']:g}_{_mode(config)}"
+        for key in ("exchange", "value_dtype"):
+            if config.get(key) not in (None, "auto"):
+                tail += f"_{config[key]}"
     return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{config['task']}_{tail}")
 
 
@@ -524,8 +563,8 @@ def table(task: str, runs: list[dict[str, Any]], metric: Metric | None = None) -
     ref, bytes0 = _reference(runs, metric)
     lines = [
         f"| run | density | final {metric.title} | vs dense ({metric.unit}) | bytes sent per rank "
-        "| bytes reduction vs dense | coordinates sent | wall s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| bytes reduction vs dense | wire bytes per rank | coordinates sent | wall s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in runs:
         kind = _kind(r)
@@ -534,14 +573,15 @@ def table(task: str, runs: list[dict[str, Any]], metric: Metric | None = None) -
         value = _final(r, metric) if _ok(r) else None
         if value is None:
             status = r["status"] if not _ok(r) else f"no {metric.logged}"
-            lines.append(f"| {label} | {density} | {status} | - | - | - | - | - |")
+            lines.append(f"| {label} | {density} | {status} | - | - | - | - | - | - |")
             continue
         diff = "-" if ref is None else format(metric.diff(value, ref), metric.diff_format)
         reduction = f"{bytes0 / r['sent_bytes']:.1f}x" if bytes0 and r["sent_bytes"] else "-"
         coords = "-" if kind == "peer" else f"{r.get('coordinate_density', 1.0):.4f}"
+        wire = _fmt_bytes(r["wire_bytes"]) if r.get("wire_bytes") is not None else "-"  # older results: absent
         lines.append(
             f"| {label} | {density} | {value:.4f} | {diff} | {_fmt_bytes(r['sent_bytes'])} | {reduction} "
-            f"| {coords} | {r['fit_seconds']:.1f} |"
+            f"| {wire} | {coords} | {r['fit_seconds']:.1f} |"
         )
     return lines
 
@@ -687,6 +727,10 @@ def _gpt_target_line(e: dict[str, Any]) -> str:
     return f"Target: {goal}: {'met' if e['met'] else 'not met'} ({'; '.join(parts)})."
 
 
+def _variant(run: dict[str, Any]) -> tuple[str, str, str]:
+    return (run["compressor"], run.get("exchange") or "auto", run.get("value_dtype") or "")
+
+
 def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | None = None) -> bool:
     """The validation metric against cumulative bytes sent (log x), one panel per density; dense DDP and
     torch's hooks in every panel; False without matplotlib."""
@@ -700,7 +744,8 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | Non
     metric = _metric_of(task, metric)
     sparse = [r for r in runs if _kind(r) == "sparse"]
     densities = sorted({r["density"] for r in sparse}, reverse=True) or [1.0]
-    compressors = list(dict.fromkeys(r["compressor"] for r in sparse))
+    # one color per compressor and way of sending (exchange, value dtype)
+    compressors = list(dict.fromkeys(_variant(r) for r in sparse))
     modes = list(dict.fromkeys(_mode(r) for r in sparse))
     cmap = plt.get_cmap("tab10")
     colors = {c: cmap(i % 10) for i, c in enumerate(compressors)}
@@ -734,7 +779,7 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | Non
             if r["density"] != density or not r.get("points"):
                 continue
             pts = [p for p in r["points"] if metric.key in p]
-            c = r["compressor"]
+            c = _variant(r)
             ax.plot(
                 [p["sent_bytes"] for p in pts],
                 [p[metric.key] for p in pts],
@@ -802,18 +847,21 @@ def run(args: argparse.Namespace) -> int:
             }
             specs: list[dict[str, Any]] = [] if args.no_dense else [{"compressor": None, "density": 1.0}]
             specs += [{"compressor": None, "density": None, "peer": p} for p in peers]
+            exchanges = list(dict.fromkeys(getattr(args, "exchanges", None) or ["auto"]))
+            value_dtype = getattr(args, "value_dtype", None)
             specs += [
-                {"compressor": c, "density": d, "mode": m}
+                {"compressor": c, "density": d, "mode": m, "exchange": e, "value_dtype": value_dtype}
                 for d in args.densities
                 for m in modes
                 for c in args.compressors
+                for e in (exchanges if COMPRESSORS[c].pattern == "gather" else exchanges[:1])
             ]
             results[task_name] = []
             for spec in specs:
                 config = {**base, "mode": None, "peer": None, **spec}
                 label = run_label(config)
                 if _kind(config) == "sparse":
-                    label = f"{config['compressor']} {config['density']:g} ({config['mode']})"
+                    label = f"{config['compressor']} {config['density']:g} ({label.split(' (', 1)[1]}"
                 print(f"[{task_name}] {label} ...", end=" ", flush=True)
                 result = launch(config, Path(tmp), args.timeout)
                 results[task_name].append({**config, **result})

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_sparse.bench._ranks import run_ranks
 from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, Peer
 
 DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch"]
@@ -118,6 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["update", "gradient"],
         default=["update", "gradient"],
         help="what the sparse runs compress, SparseDDPStrategy(compress=MODE) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--exchanges",
+        nargs="+",
+        choices=["auto", "allgather", "split"],
+        default=["auto"],
+        help="how top-k-type selections are combined, SparseDDPStrategy(exchange=...); other compressors "
+        "run once (default: %(default)s)",
     )
     parser.add_argument(
         "--fallback",
@@ -321,7 +330,7 @@ def _launch(
         "--world-size", str(args.world_size), "--params", str(args.params), "--layers", str(args.layers),
         "--batch-size", str(args.batch_size), "--density", str(args.density), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--fallback", args.fallback, "--compressors", *args.compressors,
-        "--modes", *args.modes,
+        "--modes", *args.modes, "--exchanges", *args.exchanges,
     ]  # fmt: skip
     if args.threads is not None:
         forwarded += ["--threads", str(args.threads)]
@@ -329,29 +338,16 @@ def _launch(
         forwarded.append("--no-dense")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logs.mkdir(parents=True, exist_ok=True)
-    procs, paths = [], []
+    cmds, paths = [], []
     for rank in range(args.world_size):
         cmd = [*base, "--rank", str(rank), *forwarded, *extra]
         if rank == 0 and result_path is not None:
             cmd += ["--result", str(result_path)]
+        cmds.append(wrap(cmd))
         paths.append(logs / f"rank{rank}.log")
-        with open(paths[-1], "w") as log:
-            procs.append(subprocess.Popen(wrap(cmd), env=env, stdout=log, stderr=subprocess.STDOUT))
     limit = args.timeout if timeout is None else min(timeout, args.timeout)
-    deadline = time.monotonic() + limit
-    timed_out = False
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    codes, timed_out = run_ranks(cmds, env, paths, limit)
     outputs = [path.read_text(errors="replace") for path in paths]
-    codes = [proc.returncode for proc in procs]
     ok = not timed_out and all(code == 0 for code in codes)
     for rank, text in enumerate(outputs):
         if text.strip() and (echo or not ok):
@@ -401,6 +397,7 @@ def failed_row(name: str, status: str) -> dict[str, Any]:
         "hook_ms": None,
         "buckets": None,
         "dense_buckets": None,
+        "wire_bytes_per_step": None,
     }
 
 
@@ -413,23 +410,25 @@ def format_table(result: dict[str, Any]) -> str:
         f"fallback_to_dense {FALLBACKS[result.get('fallback', 'bytes')]!r}; median of {result['steps']} "
         f"steps after {result['warmup']} untimed; torch {result['torch']}",
         "",
-        "| run | median step s | dense / run | MB sent per rank per step | compression ratio | hook ms per step | "
-        "buckets sent dense | status |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| run | median step s | dense / run | MB sent per rank per step | MB on the wire per rank per step "
+        "| compression ratio | hook ms per step | buckets sent dense | status |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     dense = next((r["median_s"] for r in result["runs"] if r["name"] == DENSE), None)
     for r in result["runs"]:
         status = r.get("status", "ok")
         if r["median_s"] is None:  # a run that could not be timed (a peer that failed its probe)
-            lines.append(f"| {r['name']} | - | - | - | - | - | - | {status} |")
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | {status} |")
             continue
         ratio = f"{dense / r['median_s']:.2f}x" if dense else "-"
         hook = "-" if r["hook_ms"] is None else f"{r['hook_ms']:.1f}"
         comp = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:.1f}x"
         fallback = "-" if r["dense_buckets"] is None else f"{r['dense_buckets']}/{r['buckets']}"
+        wire = r.get("wire_bytes_per_step")  # absent in figures saved before it was measured
+        wire_mb = "-" if wire is None else f"{wire / 1e6:.2f}"
         lines.append(
-            f"| {r['name']} | {r['median_s']:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {comp} | {hook} | "
-            f"{fallback} | {status} |"
+            f"| {r['name']} | {r['median_s']:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {wire_mb} | {comp} "
+            f"| {hook} | {fallback} | {status} |"
         )
     timed = [(r["name"], r["timed_fallback"][-1]) for r in result["runs"] if r.get("timed_fallback")]
     if timed:
@@ -477,12 +476,20 @@ def worker(args: argparse.Namespace) -> int:
         runs.append((DENSE, DistributedDataParallel(make_model()), None))
         exchanges.append(None)
     for mode in [] if args.probe else args.modes:
-        for spec in args.compressors:
+        for spec, how in [
+            (name, how)
+            for name in args.compressors
+            for how in (args.exchanges if parse_compressor(name).pattern == "gather" else args.exchanges[:1])
+        ]:
             # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
             # registered as SparseDDPStrategy._register_ddp_hooks does it.
             fallback = FALLBACKS[args.fallback]
             strategy = SparseDDPStrategy(
-                compress=mode, compressor=parse_compressor(spec), density=args.density, fallback_to_dense=fallback
+                compress=mode,
+                compressor=parse_compressor(spec),
+                density=args.density,
+                fallback_to_dense=fallback,
+                exchange=how,
             )
             model = DistributedDataParallel(make_model(), **strategy._ddp_kwargs)
             state = strategy.sparse_state
@@ -493,7 +500,7 @@ def worker(args: argparse.Namespace) -> int:
             else:
                 state.bind(model.module.named_parameters(), process_group=model.process_group)
                 model.register_comm_hook(state, sparse_comm_hook)
-            runs.append((f"sparse_ddp {spec} ({mode})", model, state))
+            runs.append((f"sparse_ddp {spec} ({mode}{'' if how == 'auto' else ', ' + how})", model, state))
             exchanges.append(exchange)
     # torch's hooks: their bytes are counted at the torch.distributed collectives, while they step
     counter = CollectiveCounter()
@@ -574,6 +581,8 @@ def _summary(
 ) -> dict[str, Any]:
     """One run's figures over its timed steps (``counters``: the hook's telemetry then, None for dense
     and the peers; ``counted``: the bytes a peer's hook handed to the collectives then)."""
+    from lightning_sparse.patterns import ring_all_reduce_bytes
+
     params = args.layers * (width * width + width)
     row: dict[str, Any] = {
         "name": name,
@@ -581,6 +590,8 @@ def _summary(
         "median_s": statistics.median(times),
         "times_s": times,
         "bytes_per_step": float(params * 4),
+        # through each rank under the ring model: dense DDP and torch's hooks all-reduce
+        "wire_bytes_per_step": ring_all_reduce_bytes(args.world_size, params * 4),
         "compression_ratio": None,
         "hook_ms": None,
         "buckets": None,
@@ -590,6 +601,7 @@ def _summary(
         steps = len(times)
         row.update(
             bytes_per_step=counters.sent_bytes / steps,
+            wire_bytes_per_step=counters.wire_bytes / steps,
             compression_ratio=counters.message_ratio,  # bytes per step are bytes sent: same basis as the peers'
             hook_ms=1e3 * counters.compress_seconds / steps,
             buckets=counters.buckets,
@@ -597,5 +609,6 @@ def _summary(
         )
     if counted is not None:
         row["bytes_per_step"] = counted / len(times)
+        row["wire_bytes_per_step"] = ring_all_reduce_bytes(args.world_size, row["bytes_per_step"])
         row["compression_ratio"] = params * 4 / row["bytes_per_step"] if counted else None
     return row
