@@ -17,7 +17,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_sparse  # noqa: F401  (registers strategy="sparse_ddp" with Fabric)
+import lightning_sparse  # registers strategy="sparse_ddp" with Fabric
 from lightning_sparse.tasks import DigitsClassifier, accuracy, load_digits_tensors
 
 
@@ -66,6 +66,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # end the process group on every rank together, then exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # end the process group on every rank together and exit before Python's own shutdown, which can
+    # abort while gloo's threads still free the last collective's tensors
+    lightning_sparse.end_process_group(exit_code=0)

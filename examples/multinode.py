@@ -1,4 +1,4 @@
-"""The digits MLP with ``strategy="sparse_ddp"`` on ``--num-nodes`` x ``--devices`` processes.
+"""The digits MLP with ``SparseDDPStrategy`` (``strategy="sparse_ddp"``) on ``--num-nodes`` x ``--devices`` processes.
 
 A script for external launchers: ``torchrun`` and SLURM's ``srun`` start every process themselves
 (Lightning reads their environment variables), so ``--num-nodes`` and ``--devices`` must match what
@@ -6,17 +6,33 @@ the launcher starts: ``--nnodes`` and ``--nproc-per-node`` for torchrun, the nod
 ``--ntasks-per-node`` for srun.
 
     torchrun --nnodes 1 --nproc-per-node 2 examples/multinode.py --devices 2
+
+``--compress`` picks the mode: ``update`` (the default, as with ``strategy="sparse_ddp"``) or
+``gradient``. With ``--digest-dir DIR`` every rank writes ``DIR/rank{global_rank}.json`` after
+training: a SHA-256 of the model's parameters and the rank's place (global, node and local rank,
+world size), to check that all replicas ended identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+from pathlib import Path
 
 import lightning as L
 import torch
 
-import lightning_sparse  # noqa: F401  (registers strategy="sparse_ddp")
+import lightning_sparse  # registers strategy="sparse_ddp"
 from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in the module's order: equal only for identical replicas."""
+    sha = hashlib.sha256()
+    for param in model.parameters():
+        sha.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return sha.hexdigest()
 
 
 def main() -> None:
@@ -26,6 +42,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL; never run by the tests)")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
+    parser.add_argument("--compress", choices=("update", "gradient"), default="update", help="what is compressed")
+    parser.add_argument("--digest-dir", type=Path, help="every rank writes rank{global_rank}.json here")
     args = parser.parse_args()
 
     if args.accelerator == "cpu":
@@ -35,7 +53,8 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
-        strategy="sparse_ddp",
+        # strategy="sparse_ddp" builds this strategy with its defaults (compress="update")
+        strategy=lightning_sparse.SparseDDPStrategy(compress=args.compress),
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         enable_checkpointing=False,
@@ -47,11 +66,21 @@ def main() -> None:
     (metrics,) = trainer.validate(model, data, verbose=False)  # the global model, on every rank
     if trainer.global_rank == 0:
         env = type(trainer.strategy.cluster_environment).__name__
-        print(f"world size {trainer.world_size} ({env}): val_acc {metrics['val_acc']:.4f}")
+        print(f"world size {trainer.world_size} ({env}), compress {args.compress}: val_acc {metrics['val_acc']:.4f}")
+    if args.digest_dir is not None:
+        args.digest_dir.mkdir(parents=True, exist_ok=True)
+        record = {
+            "sha256": parameter_digest(model),
+            "global_rank": trainer.global_rank,
+            "node_rank": trainer.node_rank,
+            "local_rank": trainer.local_rank,
+            "world_size": trainer.world_size,
+        }
+        (args.digest_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # end the process group on every rank together, then exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # end the process group on every rank together and exit before Python's own shutdown, which can
+    # abort while gloo's threads still free the last collective's tensors
+    lightning_sparse.end_process_group(exit_code=0)

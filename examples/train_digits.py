@@ -15,7 +15,7 @@ import time
 import lightning as L
 import torch
 
-import lightning_sparse  # noqa: F401  (registers strategy="sparse_ddp")
+import lightning_sparse  # registers strategy="sparse_ddp"
 from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule, accuracy
 
 
@@ -94,6 +94,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # end the process group on every rank together, then exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # end the process group on every rank together and exit before Python's own shutdown, which can
+    # abort while gloo's threads still free the last collective's tensors
+    lightning_sparse.end_process_group(exit_code=0)

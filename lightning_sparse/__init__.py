@@ -9,6 +9,7 @@ Trainer and with Lightning Fabric::
     fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
 """
 
+from lightning_sparse._utils import end_process_group
 from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import (
     COMPRESSORS,
@@ -55,6 +56,7 @@ __all__ = [
     "TopK",
     "WarmupDensity",
     "__version__",
+    "end_process_group",
     "register_compressor",
     "register_fabric_strategies",
     "register_strategies",

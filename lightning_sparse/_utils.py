@@ -104,16 +104,31 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def end_process_group() -> None:
-    """End the default process group on every rank together (a barrier, then destroy), if one exists.
+def end_process_group(exit_code: int | None = None) -> None:
+    """End the default process group on every rank together (a barrier, then destroy), if one
+    exists; with ``exit_code``, then flush stdout and stderr and leave the process at once.
 
-    Left to interpreter exit, the ranks tear their gloo and store threads down on their own
-    schedules; then a rank sometimes aborted after its training had finished (``terminate called
-    without an active exception``, exit code -6; seen in short runs, dense DDP included). Call it
-    on every rank, after the last collective, in scripts that exit right after training.
+    Left to interpreter exit, a rank sometimes aborts after its training has finished
+    (``terminate called without an active exception``, exit code -6; dense DDP included). Core
+    dumps show why: a gloo worker thread is still destroying the work object of a last collective,
+    which holds tensors owned by Python; freeing them needs the interpreter lock, which the
+    interpreter's shutdown no longer hands out, and the thread is ended inside a destructor. The
+    barrier and destroy narrow that window; only leaving before the interpreter's shutdown
+    (``exit_code``, ``os._exit``) closes it. ``os._exit`` skips ``atexit`` handlers and the
+    finalizers of live objects: call it last, after everything was written.
+
+    Example:
+        >>> end_process_group()  # no process group: nothing to do
     """
+    import os
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

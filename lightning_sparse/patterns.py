@@ -54,6 +54,11 @@ EXCHANGES = ("auto", "allgather", "split")
 SPLIT_BLOCK = 127
 #: each rank may send an owner up to this many times its fair share (k / W) of coordinates
 SPLIT_SLACK = 2.0
+#: ``exchange="auto"`` takes the split where it moves at most this fraction of the all-gather's wire
+#: bytes. The split applies about k coordinates where the all-gather applies the union of every
+#: rank's k: on a GPT with AdamW at 4 ranks (split 0.78x of the all-gather's bytes) it landed 0.07
+#: nats further from dense, more than the bytes it saved buy back; from 8 ranks it moves 0.39x.
+SPLIT_AUTO_RATIO = 0.5
 
 
 # --------------------------------------------------------------------------- byte models
@@ -251,22 +256,28 @@ class SparseSpace:
     """A bucket's sparse members laid end to end: the coordinates gather messages address.
 
     Addressing this space rather than the bucket keeps the tensors sent dense (biases, norms)
-    out of the index range, which the compact index code's size depends on.
+    out of the index range, which the compact index code's size depends on. The members are laid
+    out by name, not in the bucket's order: DDP orders a bucket differently before and after it
+    rebuilds its buckets (the first step of a run, resumed runs included), and the split
+    exchange's ownership of coordinates must not depend on that.
     """
 
     numel: int
-    starts: tuple[int, ...]  # each sparse member's first coordinate in this space
+    members: tuple[int, ...]  # the sparse members (positions in ``plan.sparse_members``) in space order
+    starts: tuple[int, ...]  # each one's first coordinate in this space (ascending)
     offsets: tuple[int, ...]  # and in the bucket
 
     @staticmethod
     @functools.lru_cache(maxsize=1024)
     def of(plan: BucketPlan) -> SparseSpace:
+        sparse = plan.sparse_members
+        order = sorted(range(len(sparse)), key=lambda i: sparse[i].name)
         starts, offsets, pos = [], [], 0
-        for m in plan.sparse_members:
+        for i in order:
             starts.append(pos)
-            offsets.append(m.offset)
-            pos += m.numel
-        return SparseSpace(pos, tuple(starts), tuple(offsets))
+            offsets.append(sparse[i].offset)
+            pos += sparse[i].numel
+        return SparseSpace(pos, tuple(order), tuple(starts), tuple(offsets))
 
     def to_bucket(self, coords: Tensor) -> Tensor:
         """Bucket offsets of sparse-space coordinates (int64)."""
@@ -278,7 +289,7 @@ class SparseSpace:
         return coords + torch.tensor(shifts, dtype=torch.int64, device=coords.device)[member]
 
     def by_member(self, coords: Tensor) -> list[tuple[int, slice, Tensor]]:
-        """Split ascending coordinates by member: ``(member position, slice of coords, member-local
+        """Split ascending coordinates by member: ``(position in space order, slice of coords, member-local
         indices)`` for each member that has any."""
         bounds = torch.tensor((*self.starts, self.numel), dtype=torch.int64, device=coords.device)
         cuts = torch.searchsorted(coords, bounds).tolist()
@@ -378,8 +389,9 @@ class Selection:
     """A bucket's selected coordinates, sorted, before they cross the wire.
 
     ``coords``: sparse-space coordinates (int64, ascending); ``exact``: ``p`` there (before the
-    value dtype's rounding); ``sent``: the values as they travel; ``residual``: per sparse member,
-    the residual buffer holding ``p = g + e`` (None: no error feedback, or a non-finite input).
+    value dtype's rounding); ``sent``: the values as they travel; ``residual``: per sparse member
+    in :class:`SparseSpace` order, the residual buffer holding ``p = g + e`` (None: no error
+    feedback, or a non-finite input).
     """
 
     coords: Tensor
@@ -407,7 +419,8 @@ def select_sorted(
     compressor = state.compressor
     space = SparseSpace.of(plan)
     coords, exact, sent, residual = [], [], [], []
-    for m, k, start in zip(plan.sparse_members, ks, space.starts, strict=True):
+    for i, start in zip(space.members, space.starts, strict=True):
+        m, k = plan.sparse_members[i], ks[i]
         g = gradient_of(state, buffer, m)
         if not state.inputs_finite and not all_finite(g):
             # the same message shape as always, NaN values: every rank sees a non-finite average
@@ -459,8 +472,9 @@ class GatherPattern(WirePattern):
       or past its share) stays in its residual; the rounding of a sum to the value dtype stays in
       its owner's residual, so nothing is lost: sum over ranks of (sent + residual) is conserved.
 
-    ``"auto"`` takes whichever moves fewer bytes through each rank under the ring model (the same
-    choice on every rank: it depends only on sizes). Messages hold sparse-space coordinates
+    ``"auto"`` takes the split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's
+    bytes through each rank under the ring model (from about 8 ranks), else the all-gather: the
+    same choice on every rank (it depends only on sizes). Messages hold sparse-space coordinates
     (:class:`SparseSpace`), coded by :class:`MessageLayout`.
     """
 
@@ -474,7 +488,7 @@ class GatherPattern(WirePattern):
         if exchange == "allgather" or world <= 1:
             return "allgather", gather
         split = split_wire_bytes(world, n, k, vdtype, compact)
-        if exchange == "split" or split < gather:
+        if exchange == "split" or split <= SPLIT_AUTO_RATIO * gather:
             return "split", split
         return "allgather", gather
 
@@ -689,12 +703,11 @@ def _settle(
     state: SparseState, plan: BucketPlan, space: SparseSpace, sel: Selection, accepted: Tensor, vdtype: torch.dtype
 ) -> None:
     """Take the coordinates at positions ``accepted`` of the selection out of the residuals."""
-    members = plan.sparse_members
     coords = sel.coords[accepted]
     for i, part, idx in space.by_member(coords):
         if sel.residual[i] is None and state.error_feedback:
             continue  # non-finite input: the residual keeps its previous value
-        m = members[i]
+        m = plan.sparse_members[space.members[i]]
         if state.error_feedback:
             exact, sent = sel.exact[accepted[part]], sel.sent[accepted[part]]
             state.memory.keep_unsent(m.name, idx, None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype))

@@ -428,3 +428,40 @@ def test_mode_is_passed_as_compress() -> None:
     assert _sparse_strategy({**config, "mode": "gradient"}).compress == "gradient"
     assert _sparse_strategy({**config, "mode": "update"}).compress == "update"
     assert _sparse_strategy(config).compress == "gradient"  # a run saved before modes existed
+
+
+def test_convergence_exchanges_on_4_processes(tmp_path: Path) -> None:
+    """`--exchanges allgather split --devices 4 --value-dtype bfloat16`: one run per exchange (each
+    forced), both on 4 processes; the split moves fewer wire bytes; a compressor of another pattern
+    runs once."""
+    out = tmp_path / "out"
+    argv = ["convergence", "--tasks", "gpt", "--tiny", "--compressors", "topk", "randomk", "--densities", "0.01"]
+    argv += ["--no-dense", "--peers", "--modes", "update", "--exchanges", "allgather", "split", "--devices", "4"]
+    argv += ["--value-dtype", "bfloat16", "--epochs", "1", "--limit-train-batches", "3", "--timeout", "300"]
+    argv += ["--out", str(out)]
+    assert main(argv) == 0
+    md = (out / "convergence.md").read_text()
+    assert "wire bytes per rank" in md
+    assert "| topk (update, allgather, bfloat16 values) | 0.01 |" in md
+    assert "| topk (update, split, bfloat16 values) | 0.01 |" in md
+    runs = json.loads((out / "convergence.json").read_text())["runs"]["gpt"]
+    assert [(r["compressor"], r["exchange"]) for r in runs] == [
+        ("topk", "allgather"),
+        ("topk", "split"),
+        ("randomk", "auto"),  # values all-reduced: the exchange does not apply
+    ]
+    gather, split, _ = runs
+    for r in runs:
+        assert r["status"] == "ok", r
+        assert r["world_size"] == 4 and r["value_dtype"] == "bfloat16"
+        assert 0 < r["wire_bytes"] < r["dense_bytes"]
+    assert split["wire_bytes"] < gather["wire_bytes"]
+
+
+def test_exchange_and_value_dtype_are_passed_to_the_strategy() -> None:
+    from lightning_sparse.bench.convergence import _sparse_strategy
+
+    config = {"compressor": "topk", "density": 0.01, "mode": "update"}
+    strategy = _sparse_strategy({**config, "exchange": "split", "value_dtype": "bfloat16"})
+    assert strategy.sparse_state.exchange == "split" and strategy.sparse_state.value_dtype == torch.bfloat16
+    assert _sparse_strategy(config).sparse_state.exchange == "auto"  # a run saved before exchanges existed

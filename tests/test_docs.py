@@ -79,6 +79,10 @@ COMMANDS = {
     "--peers powersgd:1 powersgd:4 --out docs/convergence/text": (
         "tests/test_bench_convergence.py::test_convergence_tiny_run"
     ),
+    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    "--exchanges allgather split --devices 4 --peers powersgd:4": (
+        "tests/test_bench_convergence.py::test_convergence_exchanges_on_4_processes"
+    ),
     # Wire bytes at scale (the test: a small model, 2 and 4 processes)
     "python -m lightning_sparse.bench scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
         "tests/test_bench_scale.py::test_measured_equals_model"
@@ -96,7 +100,7 @@ COMMANDS = {
     ),
     "torchrun --nnodes 2 --nproc-per-node 8 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 "
     "examples/multinode.py --num-nodes 2 --devices 8 --accelerator gpu": (
-        "tests/test_examples.py::test_multinode_under_torchrun"
+        "tests/test_examples.py::test_multinode_two_nodes_under_torchrun"
     ),
     "srun python examples/multinode.py --num-nodes 2 --devices 8 --accelerator gpu": (
         "tests/test_examples.py::test_multinode_under_slurm_variables"

@@ -7,9 +7,12 @@ command in the docs cannot silently break. See tests/test_docs.py for the list o
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,76 @@ def test_multinode_under_slurm_variables(tmp_path: Path) -> None:
         for proc in procs:
             proc.kill()
     assert "world size 2 (SLURMEnvironment)" in outs[0]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a torchrun launcher: SIGTERM (it stops its workers first), then SIGKILL 30 s later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _run_together(cmds: list[list[str]], cwd: Path, env: dict[str, str], logs: list[Path], timeout: float) -> list:
+    """Run ``cmds`` at once, each one's output in ``{log}.stdout`` and ``{log}.stderr``; return their
+    exit codes, None for one that was stopped: all of them after ``timeout`` s, the others 30 s after
+    one fails (a torchrun agent waits up to 300 s at exit for the other nodes' agents, failed or not)."""
+    with contextlib.ExitStack() as files:
+        procs = []
+        for cmd, log in zip(cmds, logs, strict=True):
+            out = files.enter_context(open(f"{log}.stdout", "w"))
+            err = files.enter_context(open(f"{log}.stderr", "w"))
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err))
+        start, failed_at = time.monotonic(), None
+        try:
+            while None in (codes := [proc.poll() for proc in procs]):
+                now = time.monotonic()
+                if failed_at is None and any(code not in (None, 0) for code in codes):
+                    failed_at = now
+                if now - start > timeout or (failed_at is not None and now - failed_at > 30):
+                    break
+                time.sleep(0.5)
+        finally:
+            codes = [proc.poll() for proc in procs]
+            for proc in procs:
+                if proc.poll() is None:
+                    _stop(proc)
+    return codes
+
+
+@pytest.mark.parametrize("compress", ["update", "gradient"])
+def test_multinode_two_nodes_under_torchrun(tmp_path: Path, compress: str) -> None:
+    """`torchrun --nnodes 2 ... examples/multinode.py --num-nodes 2`, both "nodes" on this machine:
+    two torchrun launchers of 2 processes each (node ranks 0 and 1) meet over loopback, and the 4
+    replicas end with identical parameters."""
+    port, digests = str(free_port()), tmp_path / "digests"
+    env = _env()
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    cmds = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+        cmd += ["--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", port]
+        cmd += [str(ROOT / "examples" / "multinode.py"), "--num-nodes", "2", "--devices", "2", "--max-steps", "6"]
+        cmds.append(cmd + ["--compress", compress, "--digest-dir", str(digests)])
+    logs = [tmp_path / "node0", tmp_path / "node1"]
+    codes = _run_together(cmds, tmp_path, env, logs, timeout=240)
+    records = [json.loads(path.read_text()) for path in sorted(digests.glob("rank*.json"))]
+
+    def report() -> str:
+        parts = [f"exit codes {codes} (None: stopped), digest files: {records}"]
+        for node_rank, log in enumerate(logs):
+            for stream, tail in (("stdout", 3000), ("stderr", 6000)):
+                path = Path(f"{log}.{stream}")
+                text = path.read_text(errors="replace")[-tail:] if path.exists() else "(none)"
+                parts.append(f"--- node {node_rank} {stream} ---\n{text}")
+        return "\n".join(parts)
+
+    assert codes == [0, 0], report()
+    assert len(records) == 4, report()
+    assert {r["world_size"] for r in records} == {4}, report()
+    assert sorted(r["global_rank"] for r in records) == [0, 1, 2, 3], report()
+    assert sorted((r["node_rank"], r["local_rank"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)], report()
+    assert len({r["sha256"] for r in records}) == 1, f"the replicas differ: {records}"
+    assert f"world size 4 (TorchElasticEnvironment), compress {compress}" in Path(f"{logs[0]}.stdout").read_text()

@@ -138,9 +138,9 @@ CASES = [
 def test_exchanges_conserve_and_agree_on_4_ranks(dist4, exchange: str, compact: bool, value_dtype: str | None) -> None:
     results = dist4.run(_exchange_worker, exchange=exchange, compact=compact, value_dtype=value_dtype)
     r = results[0]
-    if exchange == "allgather":
+    if exchange in ("allgather", "auto"):  # auto: the split would move 3/4 of the bytes, not half
         assert r["applied"] > 2 * r["k"], "the union of every rank's selection is applied"
-    else:  # split (auto picks it at 4 ranks): a global selection of about k coordinates
+    else:  # split: a global selection of about k coordinates
         assert r["applied"] <= r["k"] + 4
 
 

@@ -60,6 +60,17 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     }
                     for c in NAMES
                 ),
+                # the split exchange (forced: at 2 ranks "auto" all-gathers), in both modes
+                *(
+                    {
+                        "name": f"full_split_{mode}",
+                        "strategy": {**_strategy("topk", mode), "exchange": "split"},
+                        **(UPDATE_RUN if mode == "update" else {}),
+                        "ckpt_at_epoch": 1,
+                        "ckpt_out": str(root / f"split_{mode}.ckpt"),
+                    }
+                    for mode in ("update", "gradient")
+                ),
                 {"name": "nan", "strategy": {"compress": "gradient"}, "nan_at_step": 10, "nan_rank": 1},
                 # update mode: rank 1 skips its own step; rank 0's optimizer steps as usual
                 {"name": "nan_update", "strategy": "sparse_ddp", "nan_at_step": 10, "nan_rank": 1},
@@ -113,6 +124,15 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     "slow_dense_all_reduce": 0.03,
                     "ckpt_path": str(root / "timed.ckpt"),
                 },
+                *(
+                    {
+                        "name": f"resumed_split_{mode}",
+                        "strategy": {**_strategy("topk", mode), "exchange": "split"},
+                        **(UPDATE_RUN if mode == "update" else {}),
+                        "ckpt_path": str(root / f"split_{mode}.ckpt"),
+                    }
+                    for mode in ("update", "gradient")
+                ),
                 {"name": "changed", "strategy": _strategy("randomk"), "ckpt_path": str(root / "topk.ckpt")},
                 {
                     "name": "resumed_momentum",
@@ -155,7 +175,9 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("name", [*NAMES, "momentum", "timed", *(f"update_{c}" for c in NAMES)])
+@pytest.mark.parametrize(
+    "name", [*NAMES, "momentum", "timed", *(f"update_{c}" for c in NAMES), "split_update", "split_gradient"]
+)
 def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) -> None:
     full, resumed = launches["first"][f"full_{name}"], launches["second"][f"resumed_{name}"]
     for rank in range(2):
@@ -168,7 +190,7 @@ def test_resume_equals_uninterrupted_run(launches: dict[str, Any], name: str) ->
         for key in a["residuals"]:
             assert torch.equal(a["residuals"][key], b["residuals"][key]), f"rank {rank}: residual {key} differs"
         assert a["telemetry"]["sent_bytes"] == b["telemetry"]["sent_bytes"]
-    if name.startswith("update_"):  # the module holds the global model, identical on both ranks
+    if name.startswith("update_") or name == "split_update":  # the module holds the global model on both ranks
         for key in full[0]["params"]:
             assert torch.equal(full[0]["params"][key], full[1]["params"][key]), f"replicas differ in {key}"
     # the residuals differ per rank, so the checkpoint must have carried both ranks' residuals

@@ -385,4 +385,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    end_process_group(exit_code=0)

@@ -420,7 +420,7 @@ def _worker_main(argv: list[str]) -> int:
     result = fit_run(config)
     if result is not None:
         Path(config["result"]).write_text(json.dumps(result))
-    end_process_group()  # on every rank together: see its docstring
+    end_process_group(exit_code=0)  # on every rank together, then out: see its docstring
     return 0
 
 
@@ -854,7 +854,7 @@ def run(args: argparse.Namespace) -> int:
                 for d in args.densities
                 for m in modes
                 for c in args.compressors
-                for e in (exchanges if COMPRESSORS[c].pattern == "gather" else exchanges[:1])
+                for e in (exchanges if COMPRESSORS[c].pattern == "gather" else ["auto"])
             ]
             results[task_name] = []
             for spec in specs:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from lightning_sparse._utils import end_process_group
 from lightning_sparse.bench._ranks import run_ranks
 from lightning_sparse.bench.step import _free_port, model_shape
 from lightning_sparse.hook import _sparse_is_cheaper, communicate
@@ -288,8 +289,7 @@ def worker(args: argparse.Namespace) -> int:
     dist.all_gather_object(gathered, figures)
     if args.rank == 0 and args.result:
         Path(args.result).write_text(json.dumps({"ranks": gathered}))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group(exit_code=0)  # on every rank together, then out: see its docstring
     return 0
 
 

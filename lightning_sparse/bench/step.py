@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_sparse._utils import end_process_group
 from lightning_sparse.bench._ranks import run_ranks
 from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, Peer
 
@@ -479,7 +480,7 @@ def worker(args: argparse.Namespace) -> int:
         for spec, how in [
             (name, how)
             for name in args.compressors
-            for how in (args.exchanges if parse_compressor(name).pattern == "gather" else args.exchanges[:1])
+            for how in (args.exchanges if parse_compressor(name).pattern == "gather" else ["auto"])
         ]:
             # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
             # registered as SparseDDPStrategy._register_ddp_hooks does it.
@@ -571,8 +572,7 @@ def worker(args: argparse.Namespace) -> int:
         }
         with open(args.result, "w") as f:
             json.dump(result, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group(exit_code=0)  # on every rank together, then out: see its docstring
     return 0
 
 
