@@ -148,6 +148,30 @@ def test_step_bench_shaped(tmp_path) -> None:
     _check(result)
 
 
+def test_step_bench_exchanges_on_4_ranks(tmp_path) -> None:
+    """`--world-size 4 --exchanges allgather split`: a row per exchange for top-k, one for random-k
+    (its values are all-reduced: the exchange does not apply); wire bytes on every row."""
+    out = tmp_path / "step.json"
+    cmd = [
+        sys.executable, "-m", "lightning_sparse.bench", "step", "--bandwidth", "none", "--world-size", "4",
+        "--params", "2e4", "--layers", "2", "--steps", "2", "--warmup", "2", "--batch-size", "4", "--threads", "1",
+        "--compressors", "topk", "randomk", "--modes", "update", "--exchanges", "allgather", "split",
+        "--timeout", "240", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    names = ["sparse_ddp topk (update, allgather)", "sparse_ddp topk (update, split)", "sparse_ddp randomk (update)"]
+    assert set(runs) == {DENSE, *names} and result["world_size"] == 4
+    dense = runs[DENSE]
+    assert dense["wire_bytes_per_step"] == pytest.approx(1.5 * dense["bytes_per_step"])  # 2 (W-1)/W at 4 ranks
+    for name in names:
+        assert runs[name]["status"] == "ok" and len(runs[name]["times_s"]) == 2
+        assert 0 < runs[name]["wire_bytes_per_step"] < dense["wire_bytes_per_step"]
+    assert "| MB on the wire per rank per step |" in done.stdout
+
+
 def test_step_bench_timed_fallback(tmp_path) -> None:
     result = _run_bench(tmp_path, "--bandwidth", "none", "--fallback", "time")
     assert result["fallback"] == "time"

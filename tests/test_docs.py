@@ -83,6 +83,12 @@ COMMANDS = {
     "--exchanges allgather split --devices 4 --peers powersgd:4": (
         "tests/test_bench_convergence.py::test_convergence_exchanges_on_4_processes"
     ),
+    "python -m lightning_sparse.bench step --bandwidth 1gbit --params 25e6 --compressors topk --modes update "
+    "gradient --peers powersgd:4": "tests/test_bench_step.py::test_step_bench_peers",
+    "python -m lightning_sparse.bench step --bandwidth 1gbit --world-size 4 --params 25e6 --compressors topk "
+    "--modes update gradient --exchanges allgather split --peers powersgd:4": (
+        "tests/test_bench_step.py::test_step_bench_exchanges_on_4_ranks"
+    ),
     # Wire bytes at scale (the test: a small model, 2 and 4 processes)
     "python -m lightning_sparse.bench scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
         "tests/test_bench_scale.py::test_measured_equals_model"
