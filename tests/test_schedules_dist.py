@@ -45,6 +45,8 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
         schedule = AdaptiveDensity(cost_model="bits", c0=3e4, min_density=1e-3, max_density=0.25, candidates=24)
     else:
         schedule = AdaptiveDensity(min_density=1e-3, max_density=0.25, candidates=24)  # alpha, beta measured
+    from lightning_sparse.patterns import MessageLayout
+
     state = SparseState(compressor="topk", density=schedule, min_numel=1000, warmup_steps=1, seed=3)
     state.bind(named)
 
@@ -89,7 +91,9 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
             counted.append((tapped["bytes"] - before, state.telemetry.last.sent_bytes))
             if step > 0:
                 ks = [k_for(m.numel, densities[-1]) for m in sparse]
-                assert gathered_sizes == [(sum(ks) * 8 + 7) // 8 * 8], "the wire must carry the chosen k"
+                n = sum(m.numel for m in sparse)
+                size = MessageLayout(n, sum(ks), torch.float32, state.compact_indices).size
+                assert gathered_sizes == [size], "the wire must carry the chosen k"
                 sizes.append(gathered_sizes[0])
             # the exact energy per bit of every candidate, from all ranks' p
             row = [0.0] * (len(schedule.grid) + 1)
@@ -252,7 +256,9 @@ def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
     params = [p for _, p in named]
     numel = sum(p.numel() for p in params)
     schedule = WarmupDensity(start=1.0, end=0.01, steps=4, mode="linear")  # 1, .7525, .505, .2575, .01
-    state = SparseState(compressor="topk", density=schedule, min_numel=1000, warmup_steps=1)
+    # int32 indices: an all-gathered pair costs 8 bytes, so dense is cheaper from density 0.5 at 2 ranks
+    # (compact indices cost about 1.3 bits each at density 0.75: such a bucket would stay sparse)
+    state = SparseState(compressor="topk", density=schedule, min_numel=1000, warmup_steps=1, compact_indices=False)
     state.bind(named)
     rows = []
     for step in range(6):
