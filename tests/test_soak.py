@@ -1,4 +1,5 @@
-"""Soak: 2,000 steps on 2 processes with every compressor (marked slow; run with ``-m slow``)."""
+"""Soak: 2,000 steps on 2 processes with every compressor and with the split exchange in both modes
+(marked slow; run with ``-m slow``)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ def test_long_runs_keep_replicas_identical_and_residuals_bounded(tmp_path: Path)
         {
             "max_steps": STEPS,
             "lr": 0.02,
-            "runs": [{"name": c, "strategy": {"compressor": c, "density": 0.01}} for c in names],
+            "runs": [{"name": c, "strategy": {"compressor": c, "density": 0.01}} for c in names]
+            # the split exchange, forced (at 2 ranks "auto" all-gathers), in both modes
+            + [
+                {"name": f"split_{mode}", "strategy": {"compress": mode, "exchange": "split", "density": 0.01}}
+                for mode in ("update", "gradient")
+            ],
         },
         tmp_path,
         timeout=3600,
     )
-    for name in names:
+    for name in [*names, "split_update", "split_gradient"]:
         r0, r1 = runs[name]
         assert r0["global_step"] == STEPS
         for key in r0["params"]:
