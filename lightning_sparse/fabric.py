@@ -88,8 +88,8 @@ class SparseDDPStrategy(DDPStrategy):
             ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
             number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank
             about flat in the number of ranks; the global selection keeps about ``k``
-            coordinates per bucket tensor), ``"auto"`` (default): per bucket, the split where it moves at most half the
-            all-gather's bytes (from about 8 ranks), else the all-gather.
+            coordinates per bucket tensor), ``"auto"`` (default): per bucket, the split where it moves at most a quarter
+            of the all-gather's bytes (from about 16 ranks), else the all-gather.
         compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each
             at density 0.01 instead of 4) wherever that is smaller; ``False``: int32.
         find_unused_parameters: as in DDP.

@@ -55,10 +55,12 @@ SPLIT_BLOCK = 127
 #: each rank may send an owner up to this many times its fair share (k / W) of coordinates
 SPLIT_SLACK = 2.0
 #: ``exchange="auto"`` takes the split where it moves at most this fraction of the all-gather's wire
-#: bytes. The split applies about k coordinates where the all-gather applies the union of every
-#: rank's k: on a GPT with AdamW at 4 ranks (split 0.78x of the all-gather's bytes) it landed 0.07
-#: nats further from dense, more than the bytes it saved buy back; from 8 ranks it moves 0.39x.
-SPLIT_AUTO_RATIO = 0.5
+#: bytes (from about 16 ranks). The split applies about k coordinates where the all-gather applies
+#: the union of every rank's k, and that costs accuracy: on a GPT with AdamW at 4 ranks the split
+#: (0.78x the bytes) landed 0.07 nats further from dense; on a GRU with SGD at 8 ranks the split at
+#: density 0.01 (0.50x the bytes) was 1.3 points below the all-gather, and the all-gather at half
+#: the density (1.2x the split's bytes) still 1.0 point above it.
+SPLIT_AUTO_RATIO = 0.25
 
 
 # --------------------------------------------------------------------------- byte models
@@ -473,7 +475,7 @@ class GatherPattern(WirePattern):
       its owner's residual, so nothing is lost: sum over ranks of (sent + residual) is conserved.
 
     ``"auto"`` takes the split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's
-    bytes through each rank under the ring model (from about 8 ranks), else the all-gather: the
+    bytes through each rank under the ring model (from about 16 ranks), else the all-gather: the
     same choice on every rank (it depends only on sizes). Messages hold sparse-space coordinates
     (:class:`SparseSpace`), coded by :class:`MessageLayout`.
     """

@@ -85,8 +85,8 @@ class SparseState:
             combined: ``"allgather"`` (every rank gets every rank's pairs: traffic grows with the
             number of ranks), ``"split"`` (a sparse all-reduce: owners of index regions sum and
             re-select, then the global selection is all-gathered; traffic flat in the number of
-            ranks), or ``"auto"``: per bucket, the split where it moves at most half the
-            all-gather's bytes (ring model; from about 8 ranks), else the all-gather.
+            ranks), or ``"auto"``: per bucket, the split where it moves at most a quarter
+            of the all-gather's bytes (ring model; from about 16 ranks), else the all-gather.
         compact_indices: code the indices of sparse messages with a Rice code on their gaps
             (exact; about 1.1 bytes per index at density 0.01 instead of 4) wherever that is
             smaller than int32.
@@ -123,7 +123,8 @@ class SparseState:
             raise ValueError(
                 f"exchange={exchange!r} is not allowed: expected one of {list(EXCHANGES)} ('allgather': every rank "
                 "gets every rank's selection; 'split': a sparse all-reduce whose traffic does not grow with the "
-                "number of ranks; 'auto': per bucket, the split where it moves at most half the all-gather's bytes)."
+                "number of ranks; 'auto': per bucket, the split where it moves at most a quarter of the "
+                "all-gather's bytes)."
             )
         if exchange == "split" and self.compressor.pattern != "gather":
             raise ValueError(

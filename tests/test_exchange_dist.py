@@ -203,5 +203,6 @@ def test_split_moves_at_most_0_4_of_allgather_on_8_ranks(dist8) -> None:
     w = results[0]
     for compact in (False, True):
         assert w[f"split/{compact}"] <= 0.4 * w[f"allgather/{compact}"], w
-        assert w[f"auto/{compact}"] == w[f"split/{compact}"], w
+        # auto takes the split only from a quarter of the all-gather's bytes (about 16 ranks)
+        assert w[f"auto/{compact}"] == w[f"allgather/{compact}"], w
     assert w["split/True"] < w["split/False"] and w["allgather/True"] < w["allgather/False"]
