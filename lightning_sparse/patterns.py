@@ -171,63 +171,6 @@ class WirePattern:
         raise NotImplementedError
 
 
-def compress_members(
-    state: SparseState,
-    buffer: Tensor,
-    plan: BucketPlan,
-    ks: list[int],
-    values_out: Tensor,
-    index_out: Tensor | None,
-    counters: Counters,
-) -> list[Tensor] | None:
-    """Select ``ks`` coordinates of each sparse member, write their values (in ``values_out``'s
-    dtype) and bucket offsets (into ``index_out``, if given), and keep the rest in the residual.
-
-    Returns the per-member local indices when ``index_out`` is None (shared patterns keep them
-    locally rather than sending them). A member whose gradient is not finite sends NaN and leaves
-    its residual as it was; ``counters.nonfinite_buckets`` is then set.
-    """
-    compressor = state.compressor
-    vdtype = values_out.dtype
-    kept: list[Tensor] | None = None if index_out is not None else []
-    pos = 0
-    for m, k in zip(plan.sparse_members, ks, strict=True):
-        g = gradient_of(state, buffer, m)
-        ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
-        if not state.inputs_finite and not all_finite(g):
-            # Same message shape as always (the collectives must match on every rank), but NaN
-            # values, so that the averaged gradient is non-finite on every rank and the step is
-            # skipped everywhere alike; the residual keeps its previous value.
-            counters.nonfinite_buckets = 1
-            if compressor.pattern == "shared":
-                idx = compressor.select(g, k, ctx)
-            else:
-                idx = torch.arange(k, device=g.device)
-            values_out[pos : pos + k].fill_(float("nan"))
-            _write_indices(idx, m, pos, k, index_out, kept)
-            if state.schedule.observes:  # NaN statistics, but the same layout on every rank
-                state.schedule.observe(state.step, plan.label, m.name, g)
-            pos += k
-            continue
-        p = state.memory.accumulate(m.name, g) if state.error_feedback else g
-        if state.schedule.observes:
-            state.schedule.observe(state.step, plan.label, m.name, p)
-        idx = compressor.select(p, k, ctx)
-        if idx.numel() != k:
-            raise RuntimeError(f"{type(compressor).__name__}.select returned {idx.numel()} indices for k={k}")
-        values = p[idx]
-        sent = _quantize(values, vdtype)
-        if state.error_feedback:
-            remainder = None if sent.dtype == values.dtype else values - sent.to(values.dtype)
-            state.memory.keep_unsent(m.name, idx, remainder)
-        if state.momentum_correction:
-            state.velocity.mask(m.name, idx)
-        values_out[pos : pos + k].copy_(sent)
-        _write_indices(idx, m, pos, k, index_out, kept)
-        pos += k
-    return kept
-
-
 def _quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
     """Cast values for the wire; float16 saturates at its largest finite value instead of
     overflowing to inf, so the part above it stays in the residual rather than poisoning it."""
@@ -237,19 +180,6 @@ def _quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
         limit = torch.finfo(torch.float16).max
         values = values.clamp(-limit, limit)
     return values.to(dtype)
-
-
-def _write_indices(
-    idx: Tensor, m: Member, pos: int, k: int, index_out: Tensor | None, kept: list[Tensor] | None
-) -> None:
-    """Record a member's selected coordinates as bucket offsets: into the message, or kept locally."""
-    if index_out is not None:
-        index_out[pos : pos + k].copy_(idx)
-        if m.offset:
-            index_out[pos : pos + k].add_(m.offset)
-    else:
-        assert kept is not None
-        kept.append(idx + m.offset if m.offset else idx)
 
 
 # --------------------------------------------------------------------------- gather messages
@@ -413,10 +343,11 @@ def select_sorted(
 ) -> Selection:
     """Select ``ks`` coordinates of each sparse member (error feedback included), sorted.
 
-    With ``settle`` the residuals keep what is not sent right away (``sent + e_new == p``, the
-    all-gather); without, they keep all of ``p`` and the caller settles what was finally sent (the
-    split exchange). A member whose input is not finite sends NaN at its first ``k`` coordinates
-    and leaves its residual as it was; ``counters.nonfinite_buckets`` is then set.
+    With ``settle`` the residuals keep what is not sent right away (``sent + e_new == p``: the
+    all-gather and the shared patterns); without, they keep all of ``p`` and the caller settles
+    what was finally sent (the split exchange). A member whose input is not finite sends NaN, at
+    its first ``k`` coordinates or, for a shared pattern, at the coordinates every rank picks, and
+    leaves its residual as it was; ``counters.nonfinite_buckets`` is then set.
     """
     compressor = state.compressor
     space = SparseSpace.of(plan)
@@ -424,20 +355,21 @@ def select_sorted(
     for i, start in zip(space.members, space.starts, strict=True):
         m, k = plan.sparse_members[i], ks[i]
         g = gradient_of(state, buffer, m)
+        ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
         if not state.inputs_finite and not all_finite(g):
             # the same message shape as always, NaN values: every rank sees a non-finite average
             # and skips the step alike; this rank's residual keeps its previous value
             counters.nonfinite_buckets = 1
             if state.schedule.observes:
                 state.schedule.observe(state.step, plan.label, m.name, g)
-            idx = torch.arange(k, device=g.device)
+            shared = compressor.pattern == "shared"
+            idx = compressor.select(g, k, ctx).sort().values if shared else torch.arange(k, device=g.device)
             values = torch.full((k,), float("nan"), dtype=torch.float32, device=g.device)
             coords.append(idx + start)
             exact.append(values)
             sent.append(values.to(vdtype))
             residual.append(None)
             continue
-        ctx = CompressContext(step=state.step, key=m.key, rank=state.rank, world_size=state.world_size, seed=state.seed)
         p = state.memory.accumulate(m.name, g) if state.error_feedback else g
         if state.schedule.observes:
             state.schedule.observe(state.step, plan.label, m.name, p)
@@ -736,15 +668,16 @@ class SharedPattern(WirePattern):
         self, state: SparseState, buffer: Tensor, plan: BucketPlan, ks: list[int], counters: Counters
     ) -> Pending:
         world = state.world_size
-        message = torch.empty(sum(ks), dtype=_value_dtype(state, buffer), device=buffer.device)
-        kept = compress_members(state, buffer, plan, ks, message, None, counters)
-        assert kept is not None
+        space = SparseSpace.of(plan)
+        # every rank picks the same coordinates, so the values line up in every rank's message
+        sel = select_sorted(state, buffer, plan, ks, _value_dtype(state, buffer), counters, settle=True)
+        message = sel.sent
         counters.sent_numel += message.numel()
         count_all_reduce(counters, world, message.numel() * message.element_size())
         futures = [comm.all_reduce(message, state.process_group)] if world > 1 else []
 
         def apply(out: Tensor) -> None:
-            out.index_add_(0, torch.cat(kept), message.to(out.dtype), alpha=1.0 / world)
+            out.index_add_(0, space.to_bucket(sel.coords), message.to(out.dtype), alpha=1.0 / world)
 
         return Pending(futures, apply)
 
@@ -812,7 +745,7 @@ class SketchPattern(WirePattern):
                 # candidates), then send NaN in round 2: every rank gets a non-finite average and
                 # skips the step alike; this rank's residual keeps its previous value.
                 counters.nonfinite_buckets = 1
-            if state.schedule.observes:  # as in compress_members: every rank observes every member
+            if state.schedule.observes:  # as in select_sorted: every rank observes every member
                 state.schedule.observe(state.step, plan.label, m.name, p if p is not None else g)
             ps.append(p)
             ctxs.append(ctx)

@@ -72,9 +72,9 @@ class DensitySchedule(ABC):
         """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
 
         Called only if :attr:`observes` is true, for every sparse parameter of every bucket, before
-        ``p`` is compressed: by :func:`~lightning_sparse.patterns.compress_members` and by the dense
+        ``p`` is compressed: by :func:`~lightning_sparse.patterns.select_sorted` and by the dense
         path (warm-up and fallback steps); a non-finite gradient is passed as it is. A wire
-        pattern that forms ``p`` without ``compress_members`` must call it too, so that every rank
+        pattern that forms ``p`` without ``select_sorted`` must call it too, so that every rank
         observes the same parameters. Must not communicate.
         """
 

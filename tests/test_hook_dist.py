@@ -84,12 +84,15 @@ def _decode(
             pos_v += n
         assert pos_t == tables.numel() and pos_v == mine.numel()
     else:  # shared: the indices are never sent; every rank derives them from the shared seed
+        from lightning_sparse.patterns import SparseSpace
+
         vals = first.float()
         assert first.numel() == total_k and first.dtype == vdtype, "values only, no indices"
         pos = 0
-        for m, k in zip(sparse, ks, strict=True):
+        for i in SparseSpace.of(plan).members:  # the values travel by tensor name, coordinates ascending
+            m, k = sparse[i], ks[i]
             ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
-            idx = compressor.select(torch.zeros(m.numel), k, ctx)
+            idx = compressor.select(torch.zeros(m.numel), k, ctx).sort().values
             sent[m.offset + idx] = vals[pos : pos + k]
             pos += k
     if dense:
