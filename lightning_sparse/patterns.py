@@ -259,25 +259,25 @@ class MessageLayout:
     compact: bool
     header: bool = False
 
-    @property
+    @functools.cached_property
     def coding(self) -> str:
         if self.compact and rice_capacity_bytes(self.n, self.capacity) < _INDEX_BYTES * self.capacity:
             return "rice"
         return "int32"
 
-    @property
+    @functools.cached_property
     def _values_at(self) -> int:
         return 8 if self.header else 0
 
-    @property
+    @functools.cached_property
     def _index_at(self) -> int:
         return _align(self._values_at + self.capacity * self.value_dtype.itemsize, 4)
 
-    @property
+    @functools.cached_property
     def _index_bytes(self) -> int:
         return index_bytes(self.n, self.capacity, self.coding)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Bytes per message (8-byte aligned, so every rank's part of a gathered buffer is too)."""
         return _align(self._index_at + self._index_bytes, 8)
@@ -415,16 +415,12 @@ class GatherPattern(WirePattern):
     def choose(
         self, world: int, ks: list[int], vbytes: int, numels: list[int], exchange: str, compact: bool
     ) -> tuple[str, float]:
-        """``(exchange, wire bytes per rank)`` for a bucket's sparse members."""
-        n, k = sum(numels), sum(ks)
-        vdtype = _DTYPE_OF_SIZE[vbytes]
-        gather = ring_all_gather_bytes(world, MessageLayout(n, k, vdtype, compact).size)
-        if exchange == "allgather" or world <= 1:
-            return "allgather", gather
-        split = split_wire_bytes(world, n, k, vdtype, compact)
-        if exchange == "split" or split <= SPLIT_AUTO_RATIO * gather:
-            return "split", split
-        return "allgather", gather
+        """``(exchange, wire bytes per rank)`` for a bucket's sparse members.
+
+        Asked up to three times per bucket and step (the byte fallback, the telemetry's label, the
+        launch) and for every candidate of an adaptive density: the answer depends on sizes only
+        and is kept."""
+        return _choose(world, sum(ks), vbytes, sum(numels), exchange, compact)
 
     def wire_bytes(
         self,
@@ -450,6 +446,18 @@ class GatherPattern(WirePattern):
 
 
 _DTYPE_OF_SIZE = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(world: int, k: int, vbytes: int, n: int, exchange: str, compact: bool) -> tuple[str, float]:
+    vdtype = _DTYPE_OF_SIZE[vbytes]
+    gather = ring_all_gather_bytes(world, MessageLayout(n, k, vdtype, compact).size)
+    if exchange == "allgather" or world <= 1:
+        return "allgather", gather
+    split = split_wire_bytes(world, n, k, vdtype, compact)
+    if exchange == "split" or split <= SPLIT_AUTO_RATIO * gather:
+        return "split", split
+    return "allgather", gather
 
 
 def _launch_allgather(
