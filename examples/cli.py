@@ -16,7 +16,7 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_sparse  # noqa: F401  (registers strategy="sparse_ddp"; makes its classes known to the CLI)
-from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule
+from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
 
 
 def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:

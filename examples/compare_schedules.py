@@ -3,7 +3,7 @@
     python examples/compare_schedules.py                     # 2 CPU processes, 3 seeds, ~10 minutes
     python examples/compare_schedules.py --seeds 0 --epochs 10   # a quick look
 
-Trains the digits MLP (lightning_sparse.tasks) with top-k and error feedback under each
+Trains the digits MLP (lightning_sparse.demos) with top-k and error feedback under each
 schedule — constant densities 0.1, 0.01 and 0.001, an exponential warm-up 0.25 -> 0.001, and
 AdaptiveDensity (the improvement-per-bit rule) — validates every few steps, and prints a markdown
 table: the bits each rank put into its collectives (telemetry, counted from the tensors handed
@@ -27,7 +27,7 @@ import torch
 
 import lightning_sparse
 from lightning_sparse import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
-from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule
+from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
 
 
 class Recorder(L.Callback):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_sparse  # registers strategy="sparse_ddp" with Fabric
-from lightning_sparse.tasks import DigitsClassifier, accuracy, load_digits_tensors
+from lightning_sparse.demos import DigitsClassifier, accuracy, load_digits_tensors
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 import lightning_sparse  # registers strategy="sparse_ddp"
-from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule
+from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
 
 
 def parameter_digest(model: torch.nn.Module) -> str:

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 import lightning_sparse  # registers strategy="sparse_ddp"
-from lightning_sparse.tasks import DigitsClassifier, DigitsDataModule, accuracy
+from lightning_sparse.demos import DigitsClassifier, DigitsDataModule, accuracy
 
 
 def fit(

@@ -21,7 +21,7 @@ from lightning_sparse.bench.convergence import (
     target_check,
 )
 from lightning_sparse.bench.peers import CollectiveCounter, Peer
-from lightning_sparse.tasks import (
+from lightning_sparse.demos import (
     TEXT_VAL_FILES,
     TEXT_VOCAB,
     GPTDataModule,

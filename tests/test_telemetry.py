@@ -200,7 +200,7 @@ def _connect(strategy: SparseDDPStrategy, callbacks: list, fn: str = "fit") -> l
     from lightning.pytorch import Trainer
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from lightning_sparse.tasks import DigitsClassifier
+    from lightning_sparse.demos import DigitsClassifier
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks, logger=False)
     model = DigitsClassifier(hidden=(8,))

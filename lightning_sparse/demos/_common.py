@@ -1,0 +1,40 @@
+"""What the demo models share: cross-entropy training and validation, and gradient-norm clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+
+class _Classifier(L.LightningModule):
+    """Cross-entropy training and validation (``val_loss``, ``val_acc``) shared by the example tasks."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True, prog_bar=True)
+
+
+class _NormClipping(L.LightningModule):
+    """Gradient-norm clipping at the module's ``clip`` hyperparameter (``None``: none); the Trainer's
+    ``gradient_clip_val`` overrides it."""
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Any = None,
+    ) -> None:
+        clip = self.hparams["clip"] if gradient_clip_val is None else gradient_clip_val
+        if clip is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
