@@ -132,3 +132,18 @@ def end_process_group(exit_code: int | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds right now (the system picks it), e.g. for
+    ``MASTER_PORT``; another process may take it before it is used.
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,11 +15,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lightning_sparse._utils import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:

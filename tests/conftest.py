@@ -43,7 +43,7 @@ def run_trainer(config: dict[str, Any], out_dir: Path, timeout: float = 240, wor
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
-    from _dist import free_port
+    from lightning_sparse._utils import free_port
 
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(free_port())

@@ -93,7 +93,7 @@ def test_config_parses_into_the_configured_strategy(config: Path) -> None:
 
 def test_configs_fit_on_two_processes(tmp_path: Path) -> None:
     """One 2-process launch fits from every config in turn (popen launcher, under a timeout)."""
-    from _dist import free_port
+    from lightning_sparse._utils import free_port
 
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _dist import free_port
+
+from lightning_sparse._utils import free_port
 
 pytest.importorskip("sklearn")
 

@@ -164,7 +164,7 @@ def _run_spawn_worker(config: dict[str, Any], out_dir: Path, timeout: float = 30
     import subprocess
     import sys
 
-    from _dist import free_port
+    from lightning_sparse._utils import free_port
 
     (out_dir / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}

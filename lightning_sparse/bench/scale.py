@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
-from lightning_sparse._utils import end_process_group
+from lightning_sparse._utils import end_process_group, free_port
 from lightning_sparse.bench._ranks import run_ranks
-from lightning_sparse.bench.step import _free_port, model_shape
+from lightning_sparse.bench.step import model_shape
 from lightning_sparse.hook import _sparse_is_cheaper, communicate
 from lightning_sparse.patterns import PATTERNS, MessageLayout, ring_all_reduce_bytes
 from lightning_sparse.schedules import k_for
@@ -297,7 +297,7 @@ def worker(args: argparse.Namespace) -> int:
 def launch(args: argparse.Namespace, world: int, tmp: Path) -> list[dict[str, Any]]:
     """Run ``world`` measuring processes; every rank's figures (killing them all past ``--timeout``)."""
     result = tmp / f"result_{world}.json"
-    port = _free_port()
+    port = free_port()
     base = [
         sys.executable, "-m", "lightning_sparse.bench", "scale", "--worker", "--world", str(world),
         "--port", str(port), "--measure-params", str(args.measure_params), "--layers", str(args.layers),

@@ -46,7 +46,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_sparse._utils import end_process_group
+from lightning_sparse._utils import end_process_group, free_port
 from lightning_sparse.bench._ranks import run_ranks
 from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, Peer
 
@@ -229,12 +228,6 @@ def describe_link(rate_bits: float | None, delay_s: float) -> str:
     return f"{rate} loopback (tc tbf in a network namespace)" + (f", +{delay_s * 1e3:g} ms delay" if delay_s else "")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --------------------------------------------------------------------------- the parent
 def run(args: argparse.Namespace) -> int:
     if args.worker:
@@ -271,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp, link if link is not None else contextlib.nullcontext():
 
         def launch(tag: str, extra: list[str], **kwargs: Any) -> str | None:
-            return _launch(args, Path(tmp) / tag, wrap, _free_port(), extra, **kwargs)
+            return _launch(args, Path(tmp) / tag, wrap, free_port(), extra, **kwargs)
 
         failed: dict[str, str] = {}
         for name in peers:
