@@ -126,7 +126,11 @@ def measure(
         TORCH_TOPK: lambda: torch.topk(x.abs(), k, sorted=False),
     }
     for label, comp in compressors.items():
-        rows[label] = lambda comp=comp: x[comp.select(x, k, ctx())]
+
+        def selected(comp: Compressor = comp) -> Tensor:
+            return x[comp.select(x, k, ctx())]
+
+        rows[label] = selected
     timed = _timer(device)
     times: dict[str, list[float]] = {label: [] for label in rows}
     for rep in range(repeats + 1):

@@ -321,7 +321,7 @@ def measured_row(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
     """The sparse step's wire bytes per configuration (the same on every rank: checked), and the
     dense warm-up step's."""
     row: dict[str, Any] = {"world": world, "bytes": {}}
-    dense_figures = set()
+    dense_figures: set[float] = set()
     for config in CONFIGS:
         per_rank = [r[config][-1]["wire_bytes"] for r in ranks]
         if any(v != per_rank[0] for v in per_rank):

@@ -53,7 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_sparse._utils import end_process_group, free_port
 from lightning_sparse.bench._ranks import run_ranks
@@ -62,7 +62,9 @@ from lightning_sparse.bench.peers import PEER_HELP, CollectiveCounter, Peer
 DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch"]
 DENSE = "dense DDP"
 #: ``--fallback`` -> the sparse runs' ``fallback_to_dense``
-FALLBACKS: dict[str, bool | str] = {"bytes": True, "time": "time", "off": False}
+FALLBACKS: dict[str, bool | Literal["time"]] = {"bytes": True, "time": "time", "off": False}
+#: ``SparseDDPStrategy(exchange=...)``
+Exchange = Literal["auto", "allgather", "split"]
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -464,16 +466,18 @@ def worker(args: argparse.Namespace) -> int:
             layers += [nn.Linear(width, width), nn.Tanh()]
         return nn.Sequential(*layers[:-1])
 
-    runs: list[tuple[str, nn.Module, Any]] = []
+    runs: list[tuple[str, DistributedDataParallel, Any]] = []
     exchanges: list[Any] = []  # per run: its UpdateExchange (update mode), else None
     if not args.no_dense:
         runs.append((DENSE, DistributedDataParallel(make_model()), None))
         exchanges.append(None)
+    gather_exchanges: list[Exchange] = args.exchanges  # top-k-type compressors: each one asked for
+    other_exchanges: list[Exchange] = ["auto"]
     for mode in [] if args.probe else args.modes:
         for spec, how in [
             (name, how)
             for name in args.compressors
-            for how in (args.exchanges if parse_compressor(name).pattern == "gather" else ["auto"])
+            for how in (gather_exchanges if parse_compressor(name).pattern == "gather" else other_exchanges)
         ]:
             # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
             # registered as SparseDDPStrategy._register_ddp_hooks does it.
