@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,17 @@ def test_old_path_warns_and_gives_the_same_objects(monkeypatch: pytest.MonkeyPat
     from lightning_sparse.tasks import DigitsClassifier, TinyGPT
 
     assert DigitsClassifier is demos.DigitsClassifier and TinyGPT is demos.TinyGPT
+
+
+def test_nothing_else_imports_the_old_path() -> None:
+    """The package, the examples and the tests use the new path (the old one warns on import)."""
+    root = Path(__file__).resolve().parent.parent
+    allowed = {"lightning_sparse/tasks.py", "tests/test_demos.py"}
+    old = re.compile(r"lightning_sparse\.tasks\b|from lightning_sparse import .*\btasks\b")
+    found = [
+        rel
+        for folder in ("lightning_sparse", "examples", "tests")
+        for path in sorted((root / folder).rglob("*.py"))
+        if (rel := path.relative_to(root).as_posix()) not in allowed and old.search(path.read_text())
+    ]
+    assert found == []
