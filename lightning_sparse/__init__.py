@@ -23,10 +23,12 @@ from lightning_sparse.compressors import (
     TopK,
     register_compressor,
 )
+from lightning_sparse.config import SparseConfig
 from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
 from lightning_sparse.fabric import register_fabric_strategies
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.hook import sparse_comm_hook
+from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
 from lightning_sparse.state import SparseState
 from lightning_sparse.strategy import SparseDDPStrategy, register_strategies
@@ -39,6 +41,7 @@ register_fabric_strategies()
 __all__ = [
     "COMPRESSORS",
     "AdaptiveDensity",
+    "AddAverage",
     "CompressionMonitor",
     "Compressor",
     "ConstantDensity",
@@ -47,9 +50,11 @@ __all__ = [
     "DensitySchedule",
     "FabricSparseDDPStrategy",
     "GaussianK",
+    "OuterStep",
     "RTopK",
     "RandomBlock",
     "RandomK",
+    "SparseConfig",
     "SparseDDPStrategy",
     "SparseState",
     "TimedFallback",

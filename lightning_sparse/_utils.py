@@ -28,6 +28,18 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``, else ValueError naming ``name``.
+
+    Example:
+        >>> check_bool("static_graph", False)
+        False
+    """
+    if not isinstance(value, bool):
+        raise bad_argument(name, value, "expected True or False")
+    return value
+
+
 def check_density(name: str, value: Any) -> float:
     """Return ``value`` as a float if it lies in (0, 1], else raise ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -105,7 +105,7 @@ class CompressionMonitor(Callback):
         self,
         logging_interval: Literal["step", "epoch"] = "step",
         summary: bool = True,
-        sync_dist: Optional[bool] = None,
+        sync_dist: bool | None = None,
     ) -> None:
         if logging_interval not in ("step", "epoch"):
             raise ValueError(f"logging_interval={logging_interval!r} is not allowed: expected 'step' or 'epoch'.")

@@ -1,17 +1,19 @@
 """The core shared by the Trainer and the Fabric strategies.
 
 :class:`SparseCore` holds everything of ``SparseDDPStrategy`` that does not depend on which
-Lightning front end runs it: the validation of the arguments, the :class:`SparseState` and the
-:class:`UpdateExchange`, the DDP keyword arguments, the registration of the communication hook on
-a DDP model, the checks of the optimizers, and the checkpoint payload (every rank's residuals, and
-in update mode every rank's optimizer state, gathered to rank 0 and restored per rank).
-``lightning_sparse.strategy.SparseDDPStrategy`` (Trainer) and
-``lightning_sparse.fabric.SparseDDPStrategy`` (Fabric) are thin shells over it.
+Lightning front end runs it: the :class:`~lightning_sparse.config.SparseConfig`, the
+:class:`SparseState` and the :class:`UpdateExchange`, the DDP keyword arguments, the registration
+of the communication hook on a DDP model, the checks of the optimizers, and the checkpoint payload
+(every rank's residuals, and in update mode every rank's optimizer state, gathered to rank 0 and
+restored per rank). :class:`SparseShell` is what the two strategies share on top of it (their
+properties and the update-mode optimizer step); ``lightning_sparse.strategy.SparseDDPStrategy``
+(Trainer) and ``lightning_sparse.fabric.SparseDDPStrategy`` (Fabric) are thin shells over both.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,18 +21,13 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_sparse.compressors import Compressor
-from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.config import SparseConfig
 from lightning_sparse.hook import sparse_comm_hook
-from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.state import SparseState
 from lightning_sparse.update import UpdateExchange, local_gradient_hook
 
 #: key of the hook state inside Lightning checkpoints (Trainer and Fabric)
 CHECKPOINT_KEY = "lightning_sparse"
-
-#: the launchers DDP supports
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 # DDP arguments that would install a second communication hook or average models behind ours.
 _CONFLICTING_DDP_ARGS = {
@@ -61,18 +58,6 @@ STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is ``True`` or ``False``, else ValueError naming ``name``.
-
-    Example:
-        >>> check_bool("static_graph", False)
-        False
-    """
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not allowed: expected True or False.")
-    return value
-
-
 def register_names(cls: type, registry: Any) -> None:
     """Register :data:`STRATEGY_NAMES` for ``cls`` in a Trainer or Fabric strategy registry (idempotent)."""
     for name, description, params in STRATEGY_NAMES:
@@ -84,108 +69,36 @@ def register_names(cls: type, registry: Any) -> None:
 class SparseCore:
     """The sparse communication of one strategy: configuration, state, hook, checkpoint payload.
 
-    Validates every argument at construction (the message names the argument, the value and what
-    is allowed) and builds the :class:`SparseState`, the :class:`UpdateExchange` (update mode)
-    and the keyword arguments of ``DistributedDataParallel`` (:attr:`ddp_kwargs`). The arguments
-    are those of ``SparseDDPStrategy`` (see its docstring).
+    Builds the :class:`SparseState`, the :class:`UpdateExchange` (update mode) and the keyword
+    arguments of ``DistributedDataParallel`` (:attr:`ddp_kwargs`) from a config.
 
     Args:
-        compress: ``"update"`` or ``"gradient"``.
-        compressor: a compressor name or a Compressor.
-        density: a fraction in (0, 1] or a density schedule.
-        error_feedback: keep what was not sent.
-        min_numel: tensors with fewer elements are sent dense.
-        warmup_steps: the first optimizer steps sent dense.
-        value_dtype: dtype of the values sent (None: the gradient's).
-        seed: seed of every random choice.
-        fallback_to_dense: ``True``/``"bytes"``, ``"time"``/a ``TimedFallback``, or ``False``.
-        momentum_correction: DGC's momentum correction (gradient mode), 0 turns it off.
-        exchange: ``"auto"``, ``"allgather"`` or ``"split"`` (top-k-type compressors).
-        compact_indices: Rice-code the indices of sparse messages where that is smaller.
-        find_unused_parameters: as in DDP.
-        static_graph: as in DDP.
-        gradient_as_bucket_view: as in DDP; None: ``True`` in update mode, ``False`` in gradient mode.
-        bucket_cap_mb: as in DDP (None: DDP's default, 25).
-        start_method: the launcher's start method.
+        config: the settings (validated when it was built).
         ddp_kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
-        >>> core = SparseCore(compressor="topk", density=0.05)
+        >>> core = SparseCore(SparseConfig(compressor="topk", density=0.05))
         >>> core.compress, core.ddp_kwargs["gradient_as_bucket_view"]
         ('update', True)
     """
 
-    def __init__(
-        self,
-        compress: str = "update",
-        compressor: Union[str, Compressor] = "topk",
-        density: Union[float, DensitySchedule] = 0.01,
-        error_feedback: bool = True,
-        min_numel: int = 1024,
-        warmup_steps: int = 1,
-        value_dtype: Optional[Union[str, torch.dtype]] = None,
-        seed: int = 0,
-        fallback_to_dense: Union[bool, str, TimedFallback] = True,
-        momentum_correction: float = 0.0,
-        exchange: Literal["auto", "allgather", "split"] = "auto",
-        compact_indices: bool = True,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: Optional[bool] = None,
-        bucket_cap_mb: Optional[float] = None,
-        start_method: str = "popen",
-        ddp_kwargs: Optional[dict[str, Any]] = None,
-    ) -> None:
+    def __init__(self, config: SparseConfig, ddp_kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(ddp_kwargs or {})
         for name, why in _CONFLICTING_DDP_ARGS.items():
             if name in extra:
                 raise ValueError(f"{name}={extra[name]!r} is not allowed with SparseDDPStrategy: {why}.")
-        check_bool("find_unused_parameters", find_unused_parameters)
-        check_bool("static_graph", static_graph)
-        if gradient_as_bucket_view not in (None, True, False):
-            raise ValueError(
-                f"gradient_as_bucket_view={gradient_as_bucket_view!r} is not allowed: expected None (True with "
-                "compress='update', False with compress='gradient'), True or False."
-            )
-        if gradient_as_bucket_view is None:
-            gradient_as_bucket_view = compress == "update"
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected None or a number > 0.")
-        if start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not allowed: expected 'popen', 'spawn', 'fork' or 'forkserver'."
-            )
-        self.state = SparseState(
-            compressor=compressor,
-            density=density,
-            error_feedback=error_feedback,
-            min_numel=min_numel,
-            warmup_steps=warmup_steps,
-            value_dtype=value_dtype,
-            seed=seed,
-            fallback_to_dense=fallback_to_dense,
-            momentum_correction=momentum_correction,
-            exchange=exchange,
-            compact_indices=compact_indices,
-            compress=compress,
-        )
+        self.config = config
+        self.state = SparseState(config)
         #: the update exchange (``compress="update"``), else None
-        self.update: Optional[UpdateExchange] = None
-        if compress == "update":
-            cap = 25.0 if bucket_cap_mb is None else float(bucket_cap_mb)
+        self.update: UpdateExchange | None = None
+        if config.compress == "update":
+            cap = 25.0 if config.bucket_cap_mb is None else float(config.bucket_cap_mb)
             self.update = UpdateExchange(self.state, bucket_bytes=int(cap * 1024 * 1024))
         #: keyword arguments of DistributedDataParallel
-        self.ddp_kwargs: dict[str, Any] = extra
-        self.ddp_kwargs.update(
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-        )
-        if bucket_cap_mb is not None:
-            self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        self._pending_payload: Optional[dict[str, Any]] = None
+        self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
+        self._pending_payload: dict[str, Any] | None = None
         #: every rank's optimizer states from a loaded checkpoint (update mode), by rank
-        self._pending_optimizer_states: Optional[list[Any]] = None
+        self._pending_optimizer_states: list[Any] | None = None
 
     @property
     def compress(self) -> str:
@@ -194,7 +107,7 @@ class SparseCore:
 
     # ------------------------------------------------------------------ the hook
     def register_hook(
-        self, model: DistributedDataParallel, rank: int, world_size: int, device: torch.device, scaler: Any = None
+        self, model: torch.nn.Module | None, rank: int, world_size: int, device: torch.device, scaler: Any = None
     ) -> None:
         """Apply a checkpoint payload that waited for the model, bind the state to the model's
         parameters and process group, and register the communication hook (on any device).
@@ -230,7 +143,7 @@ class SparseCore:
             self.update.leave_local()
 
     # ------------------------------------------------------------------ checkpoints
-    def gather_payload(self, optimizer_states: Any = None) -> Optional[dict[str, Any]]:
+    def gather_payload(self, optimizer_states: Any = None) -> dict[str, Any] | None:
         """This rank's state (and, in update mode, its ``optimizer_states``) gathered to rank 0.
 
         A collective on every rank; returns ``{"world_size": W, "ranks": [state of rank r]}`` on
@@ -241,7 +154,7 @@ class SparseCore:
             # each rank's optimizer followed its own gradients: Lightning keeps rank 0's only
             mine["optimizer_states"] = optimizer_states
         if _distributed_is_initialized() and dist.get_world_size() > 1:
-            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(mine, gathered, dst=0)
         else:
             gathered = [mine]
@@ -367,3 +280,48 @@ class _ScaleReader:
 
     def __call__(self) -> float:
         return float(self.scaler.get_scale())
+
+
+class SparseShell:
+    """What the Trainer and the Fabric strategies share on top of :class:`SparseCore`: the
+    properties they expose and the update-mode optimizer step.
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> isinstance(SparseDDPStrategy(), SparseShell)
+        True
+    """
+
+    _core: SparseCore
+    _in_optimizer_step: bool = False
+
+    @property
+    def sparse_state(self) -> SparseState:
+        """The hook's state on this rank: residuals, step, telemetry."""
+        return self._core.state
+
+    @property
+    def compress(self) -> str:
+        """``"update"`` or ``"gradient"``: what is compressed."""
+        return self._core.compress
+
+    @property
+    def update_exchange(self) -> UpdateExchange | None:
+        """The update exchange (``compress="update"``), else None."""
+        return self._core.update
+
+    def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
+        """Run the optimizer ``step``; in update mode on this rank's view of its parameters, then
+        the exchange: afterwards the module holds the new global values of those parameters."""
+        update = self._core.update
+        if update is None:
+            return step()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        update.enter_local(params)
+        self._in_optimizer_step = True
+        try:
+            output = step()
+        finally:
+            self._in_optimizer_step = False
+        update.exchange(params)
+        return output

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -37,24 +37,23 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.strategy import _Stateful, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_sparse.compressors import Compressor
-from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, register_names
+from lightning_sparse.config import SparseConfig
+from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, SparseShell, register_names
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
 
 
-class SparseDDPStrategy(DDPStrategy):
+class SparseDDPStrategy(SparseShell, DDPStrategy):
     """Fabric's DDP whose communication is a sparse exchange with error feedback.
 
     The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same
@@ -69,33 +68,42 @@ class SparseDDPStrategy(DDPStrategy):
     Trainer callbacks in Fabric: log them with ``fabric.log_dict`` if wanted).
 
     Args:
-        compress: ``"update"`` (compress each rank's optimizer update, after the step) or
-            ``"gradient"`` (compress the gradient, in DDP's communication hook).
+        compress: ``"update"``: compress each rank's optimizer update (trains close to dense with AdamW and
+            with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``: compress the
+            gradient before the step, in DDP's communication hook (overlaps with backward; suits plain SGD).
         compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
         density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
         error_feedback: keep what was not sent and send it later.
         min_numel: tensors with fewer elements (biases, norms) are sent dense.
-        warmup_steps: the first optimizer steps sent dense (>= 1).
-        value_dtype: dtype of the values sent ("float16", "bfloat16", "float32"); None: the
-            gradient's dtype.
-        seed: seed of every random choice.
-        fallback_to_dense: ``True``/``"bytes"``: send a bucket dense when sparse would move as many
-            bytes; ``"time"`` or a ``TimedFallback``: also time dense and sparse steps after warm-up
-            and keep the faster; ``False``: always sparse after warm-up.
-        momentum_correction: DGC's momentum correction (gradient mode, with an optimizer without
-            momentum); 0 (default) turns it off.
-        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined:
-            ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
-            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank
-            about flat in the number of ranks; the global selection keeps about ``k``
-            coordinates per bucket tensor), ``"auto"`` (default): per bucket, the split where it moves at most a quarter
-            of the all-gather's bytes (from about 16 ranks), else the all-gather.
-        compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each
-            at density 0.01 instead of 4) wherever that is smaller; ``False``: int32.
+        warmup_steps: the first optimizer steps sent dense (>= 1: DDP learns its bucket order in the first
+            step).
+        value_dtype: dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None sends the
+            gradient's dtype. Rounding errors go into the residual.
+        seed: seed of every random choice (shared coordinates, samples).
+        fallback_to_dense: ``True`` (or ``"bytes"``): send a bucket dense when the sparse exchange would
+            move at least as many bytes as a dense all-reduce (all-gather traffic grows with world size).
+            ``"time"`` (or a ``TimedFallback``): that, and after warm-up time a few dense and sparse steps
+            on this link and send everything dense if dense was faster (fast links, where the hook's own
+            passes cost more than the bytes they save). ``False``: always sparse after warm-up.
+        momentum_correction: DGC's momentum correction (e.g. 0.9; gradient mode): the hook keeps each rank's
+            momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u`` too
+            (momentum factor masking), so coordinates that wait long do not hit an optimizer momentum all at
+            once. Use it with an optimizer without momentum (``SGD(momentum=0)``; checked at setup). 0
+            (default) turns it off.
+        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined: ``"allgather"``
+            (every rank gets every rank's pairs; traffic per rank grows with the number of ranks),
+            ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in the number of
+            ranks; the global selection keeps about ``k`` coordinates per bucket tensor), ``"auto"``
+            (default): per bucket, the split where it moves at most a quarter of the all-gather's bytes
+            (from about 16 ranks), else the all-gather.
+        compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
+            0.01 instead of 4) wherever that is smaller; ``False``: int32.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
-        gradient_as_bucket_view: as in DDP; None: ``True`` in update mode, ``False`` in gradient mode.
-        bucket_cap_mb: as in DDP (None: DDP's default).
+        gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
+            buckets carry nothing there, so gradients living in them saves two copies of every gradient per
+            step), ``False`` with ``compress="gradient"`` (DDP's default).
+        bucket_cap_mb: as in DDP (None: DDP's default, 25).
         accelerator: as in Fabric's ``DDPStrategy``.
         parallel_devices: as in Fabric's ``DDPStrategy``.
         cluster_environment: as in Fabric's ``DDPStrategy``.
@@ -103,7 +111,7 @@ class SparseDDPStrategy(DDPStrategy):
         precision: as in Fabric's ``DDPStrategy``.
         process_group_backend: as in Fabric's ``DDPStrategy``.
         timeout: as in Fabric's ``DDPStrategy``.
-        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        start_method: the launcher's start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -119,51 +127,32 @@ class SparseDDPStrategy(DDPStrategy):
     def __init__(
         self,
         compress: Literal["update", "gradient"] = "update",
-        compressor: Union[str, Compressor] = "topk",
-        density: Union[float, DensitySchedule] = 0.01,
+        compressor: str | Compressor = "topk",
+        density: float | DensitySchedule = 0.01,
         error_feedback: bool = True,
         min_numel: int = 1024,
         warmup_steps: int = 1,
-        value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
+        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
         seed: int = 0,
-        fallback_to_dense: Union[bool, Literal["bytes", "time"], TimedFallback] = True,
+        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
         momentum_correction: float = 0.0,
         exchange: Literal["auto", "allgather", "split"] = "auto",
         compact_indices: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: Optional[bool] = None,
-        bucket_cap_mb: Optional[float] = None,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        gradient_as_bucket_view: bool | None = None,
+        bucket_cap_mb: float | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        self._core = SparseCore(
-            compress=compress,
-            compressor=compressor,
-            density=density,
-            error_feedback=error_feedback,
-            min_numel=min_numel,
-            warmup_steps=warmup_steps,
-            value_dtype=value_dtype,
-            seed=seed,
-            fallback_to_dense=fallback_to_dense,
-            momentum_correction=momentum_correction,
-            exchange=exchange,
-            compact_indices=compact_indices,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            bucket_cap_mb=bucket_cap_mb,
-            start_method=start_method,
-            ddp_kwargs=kwargs,
-        )
+        self._core = SparseCore(SparseConfig.of(locals()), ddp_kwargs=kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -175,27 +164,12 @@ class SparseDDPStrategy(DDPStrategy):
             start_method=start_method,
             **self._core.ddp_kwargs,
         )
-        self._ddp_model: Optional[DistributedDataParallel] = None
-        self._in_optimizer_step = False
+        self._ddp_model: DistributedDataParallel | None = None
         # a training forward ran whose backward has not: its graph holds the rank's view
         self._graph_pending = False
 
-    @property
-    def sparse_state(self) -> SparseState:
-        """The hook's state on this rank: residuals, step, telemetry."""
-        return self._core.state
-
-    @property
-    def compress(self) -> str:
-        """``"update"`` or ``"gradient"``: what is compressed."""
-        return self._core.compress
-
-    @property
-    def update_exchange(self) -> Optional[UpdateExchange]:
-        """The update exchange (``compress="update"``), else None."""
-        return self._core.update
-
     # ------------------------------------------------------------------ setup
+    @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap the module in DDP and register the sparse communication on it (any device)."""
         model = super().setup_module(module)
@@ -206,6 +180,7 @@ class SparseDDPStrategy(DDPStrategy):
         self._ddp_model = model
         return model
 
+    @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
         self._core.check_optimizers([optimizer], self.world_size)
@@ -222,39 +197,37 @@ class SparseDDPStrategy(DDPStrategy):
         elif not self._graph_pending and not self._in_optimizer_step:
             update.leave_local()  # evaluation sees the global model
 
-    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
         self._graph_pending = False
 
+    @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The optimizer step on this rank's view, then (update mode) the exchange: afterwards the
         module holds the new global values of the optimizer's parameters."""
-        update = self._core.update
-        if update is None:
-            return super().optimizer_step(optimizer, **kwargs)
-        params = [p for group in optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
-        update.enter_local(params)
-        self._in_optimizer_step = True
-        try:
-            output = super().optimizer_step(optimizer, **kwargs)
-        finally:
-            self._in_optimizer_step = False
-        update.exchange(params)
+
+        def step() -> Any:
+            return super(SparseDDPStrategy, self).optimizer_step(optimizer, **kwargs)
+
+        output = self._sparse_step(optimizer, step)
         self._graph_pending = False
         return output
 
-    def get_module_state_dict(self, module: Module) -> dict[str, Union[Any, Tensor]]:
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any | Tensor]:
         """The module's state with the global parameters (update mode)."""
         self._core.hold_global()
         return super().get_module_state_dict(module)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(
         self,
         path: _PATH,
-        state: dict[str, Union[Module, Optimizer, Any]],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Save ``state`` (rank 0 writes) with every rank's sparse state under ``"lightning_sparse"``.
 
@@ -276,12 +249,13 @@ class SparseDDPStrategy(DDPStrategy):
             converted[CHECKPOINT_KEY] = payload
             self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
+    @override
     def load_checkpoint(
         self,
         path: _PATH,
-        state: Optional[Union[Module, Optimizer, dict[str, Union[Module, Optimizer, Any]]]] = None,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
         strict: bool = True,
-        weights_only: Optional[bool] = None,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint like Fabric's ``DDPStrategy`` and restore this rank's sparse state.
 
@@ -290,7 +264,16 @@ class SparseDDPStrategy(DDPStrategy):
         one that saved it. The ``"lightning_sparse"`` entry is consumed, not returned.
         """
         self._core.hold_global()  # what the module held is replaced: it becomes the global model
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        io = self.checkpoint_io
+        # Lightning's own loading code runs; the checkpoint it reads passes through _restore first
+        self.checkpoint_io = _RestoringIO(io, self._restore)
+        try:
+            return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        finally:
+            self.checkpoint_io = io
+
+    def _restore(self, checkpoint: Any) -> Any:
+        """Take the sparse state out of a loaded checkpoint and give this rank its own optimizer states."""
         payload = checkpoint.pop(CHECKPOINT_KEY, None) if isinstance(checkpoint, dict) else None
         if payload is not None:
             now = self._ddp_model is not None
@@ -299,25 +282,6 @@ class SparseDDPStrategy(DDPStrategy):
             for key, value in (mine or {}).items():
                 if key in checkpoint:
                     checkpoint[key] = value  # this rank's own optimizer state
-        if not state:
-            return checkpoint
-        if isinstance(state, Module):
-            self.load_module_state_dict(module=state, state_dict=checkpoint, strict=strict)
-            return {}
-        if isinstance(state, Optimizer):
-            state.load_state_dict(checkpoint)
-            return {}
-        _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
-        for name, obj in state.copy().items():
-            if name not in checkpoint:
-                continue
-            if isinstance(obj, _Stateful):
-                if isinstance(obj, Module):
-                    self.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
-                else:
-                    obj.load_state_dict(checkpoint.pop(name))
-            else:
-                state[name] = checkpoint.pop(name)
         return checkpoint
 
     # ------------------------------------------------------------------ names
@@ -330,3 +294,23 @@ class SparseDDPStrategy(DDPStrategy):
 def register_fabric_strategies() -> None:
     """Make ``Fabric(strategy="sparse_ddp")`` and its variants resolve (idempotent)."""
     SparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+class _RestoringIO(CheckpointIO):
+    """A CheckpointIO that passes what ``io`` loads through ``restore`` (saving is ``io``'s)."""
+
+    def __init__(self, io: CheckpointIO, restore: Callable[[Any], Any]) -> None:
+        self.io = io
+        self.restore = restore
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        self.io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        return self.restore(self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only))
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        self.io.remove_checkpoint(path)

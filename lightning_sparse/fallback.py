@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -20,13 +20,11 @@ from torch.futures import Future
 
 from lightning_sparse._utils import bad_argument, check_int
 
-if TYPE_CHECKING:
-    from lightning_sparse.state import SparseState
-
 #: the CPU clock (a module attribute so that a test can stand in its own)
 clock: Callable[[], float] = time.perf_counter
 
-SPARSE, DENSE = "sparse", "dense"
+SPARSE: Literal["sparse"] = "sparse"
+DENSE: Literal["dense"] = "dense"
 TRIAL_SPARSE, TRIAL_DENSE = "trial sparse", "trial dense"
 
 
@@ -91,12 +89,15 @@ class TimedFallback:
         return {"trial_steps": self.trial_steps, "recheck_every": self.recheck_every}
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, state: SparseState, device: torch.device) -> None:
-        """Bind to the process group (a restored choice is kept if the world size is the same)."""
-        self._group = state.process_group
+    def setup(
+        self, process_group: dist.ProcessGroup | None, world_size: int, warmup_steps: int, device: torch.device
+    ) -> None:
+        """Bind to the process group (a restored choice is kept if the world size is the same);
+        trials start after ``warmup_steps``."""
+        self._group = process_group
         self._device = device
-        self._world = state.world_size
-        self._warmup = state.warmup_steps
+        self._world = world_size
+        self._warmup = warmup_steps
         self._open = None
         self._reconcile()
 

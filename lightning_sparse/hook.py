@@ -1,4 +1,4 @@
-"""The DDP communication hook: bucket -> compress -> exchange -> decompress -> average.
+"""The DDP communication hook: bucket -> compress -> exchange -> average.
 
 DDP calls :func:`sparse_comm_hook` once per gradient bucket per optimizer step, on the autograd
 thread, as soon as the bucket's gradients are ready. The hook compresses each parameter of the
@@ -11,16 +11,17 @@ Compression is per parameter (each sparse parameter sends ``k = round(density * 
 coordinates, at least 1), so results do not depend on how DDP groups parameters into buckets;
 communication is per bucket. Parameters below ``min_numel`` go dense, in the same step.
 
-This module decides, per bucket, between the dense all-reduce and the sparse exchange, and runs
-the step's bookkeeping; how a compressor's choice crosses the wire (messages, collectives, byte
-models) is :mod:`lightning_sparse.patterns`.
+:func:`exchange` decides, per bucket, between the dense all-reduce and the sparse exchange, runs
+the step's bookkeeping and returns the :class:`~lightning_sparse.wire.Average` of what the ranks
+sent; where the average lands is the caller's: the gradient hook writes it into the bucket, the
+update exchange hands it to an outer step (:mod:`lightning_sparse.outer`). How a compressor's
+choice crosses the wire is :mod:`lightning_sparse.wire`.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (``bucket`` must be annotated with the class dist.GradBucket itself, not a string).
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,23 +29,27 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse import comm
 from lightning_sparse._utils import all_finite
 from lightning_sparse.fallback import DENSE, SPARSE, TRIAL_DENSE
-from lightning_sparse.patterns import (
+from lightning_sparse.schedules import k_for
+from lightning_sparse.state import SparseState
+from lightning_sparse.stats import Counters
+from lightning_sparse.wire import DENSE as DENSE_PATTERN
+from lightning_sparse.wire import (
+    GATHER,
     PATTERNS,
-    GatherPattern,
-    _flush_residuals,
-    _launch_dense_members,
-    _value_dtype,
+    Average,
+    BucketCall,
+    Member,
+    Pending,
+    bucket_wire_bytes,
     count_all_gather,
     count_all_reduce,
     count_dense,
-    ring_all_reduce_bytes,
+    sparse_pays,
 )
-from lightning_sparse.schedules import k_for
-from lightning_sparse.state import BucketPlan, Member, SparseState
-from lightning_sparse.stats import Counters
+
+__all__ = ["communicate", "exchange", "k_for", "local_gradient_hook", "sparse_comm_hook", "sparse_is_cheaper"]
 
 
 def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tensor]:
@@ -58,20 +63,22 @@ def local_gradient_hook(state: Any, bucket: dist.GradBucket) -> Future[Tensor]:
     return _done(bucket.buffer())
 
 
-def communicate(
-    state: SparseState,
-    buffer: Tensor,
-    params: list[Tensor],
-    is_last: bool = True,
-    accumulate_into: Tensor | None = None,
-) -> Future[Tensor]:
+def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True) -> Future[Tensor]:
     """Exchange one bucket: the body of the hook, callable on plain tensors (tests, benchmarks).
 
     ``buffer`` is the flat sum-ready local gradient of ``params`` (in their order); the returned
-    future holds ``buffer`` overwritten with the average over ranks of what each rank sent. With
-    ``accumulate_into`` (a flat tensor laid out like ``buffer``) the average is added into that
-    tensor instead, touching only the coordinates that were sent (the update exchange adds it to
-    the global parameters this way), and the future holds ``accumulate_into``.
+    future holds ``buffer`` overwritten with the average over ranks of what each rank sent.
+    """
+    return exchange(state, buffer, params, is_last).then(lambda fut: fut.value().as_dense())
+
+
+def exchange(
+    state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True, inputs_finite: bool = False
+) -> Future[Average]:
+    """Exchange one bucket and return (a future of) the average of what the ranks sent.
+
+    ``inputs_finite``: the caller made every input finite (the update exchange drops a
+    non-finite update on its rank), so the patterns skip their own per-tensor check.
     """
     start = time.perf_counter()
     if not state.in_step:
@@ -79,11 +86,19 @@ def communicate(
     plan = state.plan(buffer, params)
     counters = Counters(numel=buffer.numel(), buckets=1)
     count_dense(counters, state.world_size, buffer.numel() * buffer.element_size())
+    call = BucketCall(
+        buffer,
+        plan,
+        state.step,
+        counters,
+        inputs_finite=inputs_finite,
+        observe=state.schedule.observe if state.schedule.observes else None,
+    )
     if state.momentum_correction:
-        _apply_local_momentum(state, buffer, plan)
+        _apply_local_momentum(state, call)
     sparse = plan.sparse_members
-    exchange: Callable[..., Future[Tensor]] | None = None
     ks: list[int] = []
+    send_sparse = False
     method = "dense (warm-up)" if sparse else "dense (small tensors)"  # how the bucket is sent, for telemetry
     timed = state.timed_fallback
     if sparse and state.step >= state.warmup_steps:
@@ -95,22 +110,26 @@ def communicate(
         elif kind == DENSE:
             counters.fallback_buckets = 1
             method = "dense (timed fallback)"
-        elif state.fallback_to_dense and not _sparse_is_cheaper(state, buffer, sparse, ks):
+        elif state.fallback_to_dense and not sparse_is_cheaper(state, buffer, sparse, ks):
             counters.fallback_buckets = 1
             method = "dense (fallback)"
         else:
-            exchange = _sparse_exchange
+            send_sparse = True
             method = state.compressor.name or type(state.compressor).__name__
             if _exchange_of(state, buffer, sparse, ks) == "split":
                 method += " (split)"  # what exchange="auto" picked shows in the telemetry's rows
-    if exchange is None:
-        counters.dense_buckets = 1
-        future = _dense_exchange(state, buffer, plan, counters, accumulate_into)
+    ctx = state.wire
+    if send_sparse:
+        parts = [
+            PATTERNS[state.compressor.pattern].launch(ctx, call, ks),
+            DENSE_PATTERN.launch_members(ctx, call, plan.dense_members),
+        ]
     else:
-        future = exchange(state, buffer, plan, ks, counters, accumulate_into)
+        counters.dense_buckets = 1
+        parts = [DENSE_PATTERN.launch(ctx, call)]
+    future = _average(buffer, parts)
     if timed is not None:
         future = timed.track(future)
-    state.sources = {}
     counters.compress_seconds = time.perf_counter() - start
     state.telemetry.record(plan.label, counters, method)
     if is_last:
@@ -118,20 +137,36 @@ def communicate(
     return future
 
 
-def _apply_local_momentum(state: SparseState, buffer: Tensor, plan: BucketPlan) -> None:
+def _average(buffer: Tensor, parts: list[Pending]) -> Future[Average]:
+    """A future of the bucket's :class:`Average`, once every collective of its parts completed."""
+    futures = [f for part in parts for f in part.futures]
+
+    def finish(_: Any) -> Average:
+        for f in futures:
+            f.value()  # re-raises a failed collective
+        return Average(buffer, parts)
+
+    if not futures:
+        return _done(finish(None))
+    if len(futures) == 1:
+        return futures[0].then(finish)
+    return torch.futures.collect_all(futures).then(finish)
+
+
+def _apply_local_momentum(state: SparseState, call: BucketCall) -> None:
     """Momentum correction: each member's gradient becomes its local momentum ``u = m*u + g``.
 
     ``u`` is written into the bucket (what a dense send then sends: averaging momenta is the
-    momentum of the average) and kept in float32 in ``state.sources`` for the sparse paths, so no
+    momentum of the average) and kept in float32 in ``call.sources`` for the sparse paths, so no
     precision is lost to the bucket's dtype there. Non-finite gradients are left as they are.
     """
-    for m in plan.members:
-        segment = buffer[m.offset : m.offset + m.numel]
+    for m in call.plan.members:
+        segment = call.segment(m)
         if not all_finite(segment):
             continue
         u = state.velocity.update(m.name, segment, state.momentum_correction)
         segment.copy_(u)
-        state.sources[m.name] = u
+        call.sources[m.name] = u
 
 
 def _begin_step(state: SparseState) -> None:
@@ -173,86 +208,29 @@ def _end_step(state: SparseState) -> None:
     state.step += 1
 
 
-def _sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> bool:
-    """Ring-model wire bytes of the sparse exchange vs a dense all-reduce of the same tensors.
+def sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> bool:
+    """The byte rule for a bucket: ring-model wire bytes of the sparse exchange of its ``sparse``
+    members vs a dense all-reduce of them (:func:`~lightning_sparse.wire.sparse_pays`).
 
-    A ring all-gather moves (W-1)*m bytes through each rank for an m-byte message; a ring
-    all-reduce of n bytes moves 2*(W-1)/W*n. The dense parts of the bucket cost the same either
-    way and are left out. World size 1 moves nothing either way: dense is then exact and free.
+    The dense parts of the bucket cost the same either way and are left out. World size 1 moves
+    nothing either way: dense is then exact and free.
     """
-    world = state.world_size
-    if world <= 1:
-        return False
-    vbytes = _value_dtype(state, buffer).itemsize
-    dense_wire = ring_all_reduce_bytes(world, sum(m.numel for m in sparse) * buffer.element_size())
-    pattern = PATTERNS[state.compressor.pattern]
+    vbytes = state.wire.vdtype(buffer).itemsize
     numels = [m.numel for m in sparse]
-    wire = pattern.wire_bytes(world, ks, vbytes, numels, state.compressor, state.exchange, state.compact_indices)
-    return wire < dense_wire
+    wire = bucket_wire_bytes(state.wire, ks, numels, vbytes, world=state.world_size)
+    return sparse_pays(wire, state.world_size, sum(numels) * buffer.element_size())
 
 
 def _exchange_of(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> str | None:
     """The exchange a gather-pattern bucket takes (None for the other patterns)."""
-    pattern = PATTERNS[state.compressor.pattern]
-    if not isinstance(pattern, GatherPattern):
+    if state.compressor.pattern != "gather":
         return None
-    vbytes = _value_dtype(state, buffer).itemsize
+    vbytes = state.wire.vdtype(buffer).itemsize
     numels = [m.numel for m in sparse]
-    return pattern.choose(state.world_size, ks, vbytes, numels, state.exchange, state.compact_indices)[0]
+    return GATHER.choose(state.world_size, ks, vbytes, numels, state.exchange, state.compact_indices)[0]
 
 
-def _done(value: Tensor) -> Future[Tensor]:
-    fut: Future[Tensor] = Future()
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
-
-
-# --------------------------------------------------------------------------- dense
-def _dense_exchange(
-    state: SparseState, buffer: Tensor, plan: BucketPlan, counters: Counters, accumulate_into: Tensor | None = None
-) -> Future[Tensor]:
-    _flush_residuals(state, buffer, plan.members, counters)
-    if state.schedule.observes:  # the bucket now holds p = g + e: an adaptive density learns from dense steps too
-        for m in plan.sparse_members:
-            state.schedule.observe(state.step, plan.label, m.name, buffer[m.offset : m.offset + m.numel])
-    world = state.world_size
-    count_all_reduce(counters, world, buffer.numel() * buffer.element_size())
-    counters.sent_numel += buffer.numel()
-
-    def average(summed: Tensor) -> Tensor:
-        summed.div_(world)
-        return summed if accumulate_into is None else accumulate_into.add_(summed)
-
-    if world == 1:
-        return _done(average(buffer))
-    return comm.all_reduce(buffer, state.process_group).then(lambda fut: average(fut.value()[0]))
-
-
-# --------------------------------------------------------------------------- sparse
-def _sparse_exchange(
-    state: SparseState,
-    buffer: Tensor,
-    plan: BucketPlan,
-    ks: list[int],
-    counters: Counters,
-    accumulate_into: Tensor | None = None,
-) -> Future[Tensor]:
-    parts = [
-        PATTERNS[state.compressor.pattern].launch(state, buffer, plan, ks, counters),
-        _launch_dense_members(state, buffer, plan, counters),
-    ]
-    futures = [f for part in parts for f in part.futures]
-
-    def finish(_: Any) -> Tensor:
-        for f in futures:
-            f.value()  # re-raises a failed collective
-        out = accumulate_into
-        if out is None:
-            out = buffer.zero_()
-        for part in parts:
-            part.apply(out)
-        return out
-
-    if not futures:
-        return _done(finish(None))
-    return torch.futures.collect_all(futures).then(finish)

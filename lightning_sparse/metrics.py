@@ -20,7 +20,7 @@ hook's counters (``strategy.sparse_state.telemetry.last`` after each optimizer s
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,6 +51,10 @@ class _CounterMetric(Metric):
             self.add_state(name, default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
         for name in self._float_states:
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def _state(self, name: str) -> Tensor:
+        state: Tensor = getattr(self, name)
+        return state
 
     def _add(self, **values: float) -> None:
         for name, value in values.items():
@@ -144,7 +148,7 @@ class BytesSent(_CounterMetric):
         self._add(total=counters.sent_bytes, steps=_check_steps(steps))
 
     def compute(self) -> Tensor:
-        return self.total.double() / self.steps.clamp(min=1).double()
+        return self._state("total").double() / self._state("steps").clamp(min=1).double()
 
 
 class WireBytes(_CounterMetric):
@@ -169,7 +173,7 @@ class WireBytes(_CounterMetric):
         self._add(total=counters.wire_bytes, steps=_check_steps(steps))
 
     def compute(self) -> Tensor:
-        return self.total / self.steps.clamp(min=1).double()
+        return self._state("total") / self._state("steps").clamp(min=1).double()
 
 
 class CompressTime(_CounterMetric):
@@ -192,7 +196,7 @@ class CompressTime(_CounterMetric):
         self._add(seconds=counters.compress_seconds, steps=_check_steps(steps))
 
     def compute(self) -> Tensor:
-        return 1000.0 * self.seconds / self.steps.clamp(min=1).double()
+        return 1000.0 * self._state("seconds") / self._state("steps").clamp(min=1).double()
 
 
 class ResidualNorm(Metric):
@@ -217,7 +221,7 @@ class ResidualNorm(Metric):
         super().__init__(**kwargs)
         self.add_state("norm_sq", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, norm: Union[float, Tensor]) -> None:
+    def update(self, norm: float | Tensor) -> None:
         """Set this rank's residual norm (e.g. ``sparse_state.measure_residual_norm()``)."""
         value = torch.as_tensor(norm, dtype=torch.float64, device=self.device)
         if value.numel() != 1 or not bool(torch.isfinite(value)) or float(value) < 0:

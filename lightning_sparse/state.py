@@ -1,172 +1,78 @@
-"""SparseState: everything the communication hook keeps between steps."""
+"""SparseState: what the communication hook keeps between steps on one rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse._utils import check_int, resolve_value_dtype, stable_key
-from lightning_sparse.compressors import Compressor, get_compressor
-from lightning_sparse.fallback import TimedFallback, as_fallback
+from lightning_sparse._utils import stable_key
+from lightning_sparse.compressors import Compressor
+from lightning_sparse.config import SparseConfig
 from lightning_sparse.memory import ErrorFeedback, LocalMomentum
-from lightning_sparse.patterns import EXCHANGES
-from lightning_sparse.schedules import DensitySchedule, as_schedule
+from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.stats import Telemetry
+from lightning_sparse.wire import BucketPlan, Collectives, Member, WireContext
+
+__all__ = ["BucketPlan", "Member", "SparseState"]
 
 STATE_VERSION = 1
-#: the places compression can happen (``SparseState(compress=...)``)
-COMPRESS_MODES = ("update", "gradient")
+#: the one setting whose default differs here: a state used with the hook alone compresses gradients
+HOOK_DEFAULTS: dict[str, Any] = {"compress": "gradient"}
 
 
-@dataclass(frozen=True)
-class Member:
-    """One parameter's place in a bucket."""
-
-    name: str
-    key: int
-    offset: int
-    numel: int
-    sparse: bool
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    """The layout of one bucket: its members in buffer order, and a label for telemetry."""
-
-    members: tuple[Member, ...]
-    numel: int
-    label: str
-
-    @property
-    def sparse_members(self) -> tuple[Member, ...]:
-        return tuple(m for m in self.members if m.sparse)
-
-    @property
-    def dense_members(self) -> tuple[Member, ...]:
-        return tuple(m for m in self.members if not m.sparse)
+def _setting(name: str, doc: str) -> Any:
+    return property(lambda self: getattr(self.config, name), doc=doc)
 
 
 class SparseState:
     """The state of the sparse communication hook on one rank.
 
-    Holds the configuration, the error-feedback residuals (by parameter name), the step
-    counter and the telemetry. It contains no process group, so it pickles (``ddp_spawn``);
-    :meth:`bind` attaches it to a DDP model's parameters and process group.
+    Holds the :class:`~lightning_sparse.config.SparseConfig`, the error-feedback residuals (by
+    parameter name), the step counter and the telemetry. It contains no process group, so it
+    pickles (``ddp_spawn``); :meth:`bind` attaches it to a DDP model's parameters and process
+    group, and builds the :class:`~lightning_sparse.wire.WireContext` the wire code works with.
 
     Args:
-        compressor: a registered name (``"topk"``, ``"randomk"``, ...) or a Compressor.
-        density: a fraction in (0, 1] or a :class:`~lightning_sparse.schedules.DensitySchedule`.
-        error_feedback: keep what was not sent and add it to the next gradient.
-        min_numel: tensors with fewer elements are sent dense.
-        warmup_steps: number of first optimizer steps sent dense (at least 1).
-        value_dtype: dtype of the values sent (None: the gradient's dtype).
-        seed: seed of every random choice (shared indices, samples).
-        fallback_to_dense: ``True`` / ``"bytes"``: send a bucket dense when the sparse exchange
-            would move at least as many bytes over the wire as a dense all-reduce of it;
-            ``"time"`` or a :class:`~lightning_sparse.fallback.TimedFallback`: that, and send
-            every bucket dense when a short trial measures dense steps faster on this link;
-            ``False``: never.
-        momentum_correction: DGC's momentum correction: keep the momentum ``u <- m*u + g`` of
-            each rank's own gradient in the hook, run error feedback on it and zero what was
-            sent in ``u`` too; the optimizer must then run without momentum. 0 turns it off.
-            Gradient mode only.
-        compress: what is compressed: ``"update"`` (each rank's optimizer progress, exchanged
-            after its optimizer step; see :mod:`lightning_sparse.update`) or ``"gradient"``
-            (the gradient, in DDP's communication hook, before the optimizer step; the
-            default here, where the state is used with the hook alone). ``SparseDDPStrategy``
-            defaults to ``"update"``.
-        exchange: how the selections of top-k-type compressors (``pattern == "gather"``) are
-            combined: ``"allgather"`` (every rank gets every rank's pairs: traffic grows with the
-            number of ranks), ``"split"`` (a sparse all-reduce: owners of index regions sum and
-            re-select, then the global selection is all-gathered; traffic flat in the number of
-            ranks), or ``"auto"``: per bucket, the split where it moves at most a quarter
-            of the all-gather's bytes (ring model; from about 16 ranks), else the all-gather.
-        compact_indices: code the indices of sparse messages with a Rice code on their gaps
-            (exact; about 1.1 bytes per index at density 0.01 instead of 4) wherever that is
-            smaller than int32.
+        config: the settings; or give them as keyword arguments (those of
+            :class:`~lightning_sparse.config.SparseConfig`). Used with the hook alone
+            (``register_comm_hook(state, sparse_comm_hook)``), ``compress`` defaults to
+            ``"gradient"`` here.
+        **settings: the settings, when ``config`` is None.
 
     Example:
         >>> state = SparseState(compressor="topk", density=0.01)
-        >>> state.step
-        0
+        >>> state.step, state.compress
+        (0, 'gradient')
     """
 
-    def __init__(
-        self,
-        compressor: str | Compressor = "topk",
-        density: float | DensitySchedule = 0.01,
-        error_feedback: bool = True,
-        min_numel: int = 1024,
-        warmup_steps: int = 1,
-        value_dtype: str | torch.dtype | None = None,
-        seed: int = 0,
-        fallback_to_dense: bool | str | TimedFallback = True,
-        momentum_correction: float = 0.0,
-        compress: str = "gradient",
-        exchange: str = "auto",
-        compact_indices: bool = True,
-    ) -> None:
-        if compress not in COMPRESS_MODES:
-            raise ValueError(
-                f"compress={compress!r} is not allowed: expected 'update' (compress each rank's optimizer "
-                "update, after its step) or 'gradient' (compress the gradient, before the step)."
-            )
-        self.compress = compress
-        self.compressor = get_compressor(compressor)
-        if exchange not in EXCHANGES:
-            raise ValueError(
-                f"exchange={exchange!r} is not allowed: expected one of {list(EXCHANGES)} ('allgather': every rank "
-                "gets every rank's selection; 'split': a sparse all-reduce whose traffic does not grow with the "
-                "number of ranks; 'auto': per bucket, the split where it moves at most a quarter of the "
-                "all-gather's bytes)."
-            )
-        if exchange == "split" and self.compressor.pattern != "gather":
-            raise ValueError(
-                f"exchange='split' is not allowed with compressor={self.compressor!r}: it combines compressors "
-                "that pick their own coordinates on each rank (pattern 'gather': topk, rtopk, gaussiank, dgc); "
-                f"this one's pattern is {self.compressor.pattern!r}. Use exchange='auto' or 'allgather'."
-            )
-        self.exchange = exchange
-        if not isinstance(compact_indices, bool):
-            raise ValueError(f"compact_indices={compact_indices!r} is not allowed: expected True or False.")
-        self.compact_indices = compact_indices
-        self.schedule = as_schedule(density)
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback={error_feedback!r} is not allowed: expected True or False.")
-        self.error_feedback = error_feedback
-        self.min_numel = check_int("min_numel", min_numel, minimum=0)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=1)
-        self.value_dtype = resolve_value_dtype(value_dtype)
-        self.seed = check_int("seed", seed, minimum=0)
-        #: the byte rule; ``timed_fallback``: the measured one (None: off)
-        self.fallback_to_dense, self.timed_fallback = as_fallback(fallback_to_dense)
+    compress = _setting("compress", '``"update"`` or ``"gradient"``.')
+    error_feedback = _setting("error_feedback", "whether residuals are kept.")
+    min_numel = _setting("min_numel", "tensors with fewer elements are sent dense.")
+    warmup_steps = _setting("warmup_steps", "the first optimizer steps sent dense.")
+    value_dtype = _setting("value_dtype", "dtype of the values sent (None: the gradient's).")
+    seed = _setting("seed", "seed of every random choice.")
+    momentum_correction = _setting("momentum_correction", "DGC's momentum factor (0: off).")
+    exchange = _setting("exchange", "how gather-pattern selections are combined.")
+    compact_indices = _setting("compact_indices", "whether indices are Rice-coded where smaller.")
+    fallback_to_dense = _setting("byte_rule", "the byte rule: dense where sparse moves no fewer bytes.")
+    timed_fallback = _setting("timed_fallback", "the timed fallback (None: off).")
 
-        if (
-            isinstance(momentum_correction, bool)
-            or not isinstance(momentum_correction, (int, float))
-            or not 0.0 <= momentum_correction < 1.0
-        ):
-            raise ValueError(
-                f"momentum_correction={momentum_correction!r} is not allowed: expected a number in [0, 1) "
-                "(0 turns it off)."
-            )
-        self.momentum_correction = float(momentum_correction)
-        if self.momentum_correction and compress == "update":
-            raise ValueError(
-                f"momentum_correction={momentum_correction!r} is not allowed with compress='update': each rank's "
-                "optimizer keeps its own momentum there and only its update is compressed; use momentum_correction=0, "
-                "or compress='gradient' for DGC's momentum correction."
-            )
+    def __init__(self, config: SparseConfig | None = None, **settings: Any) -> None:
+        if config is None:
+            config = SparseConfig(**{**HOOK_DEFAULTS, **settings})
+        elif settings:
+            raise ValueError(f"SparseState takes a config or settings, not both (got settings {sorted(settings)}).")
+        self.config = config
+        self.compressor: Compressor = config.compressor  # type: ignore[assignment]
+        self.schedule: DensitySchedule = config.schedule
         self.memory = ErrorFeedback()
         self.velocity = LocalMomentum()
-        #: per-call: the float32 tensors the hook compresses instead of the bucket's gradient
-        self.sources: dict[str, Tensor] = {}
         self.step = 0
         self.telemetry = Telemetry()
         #: the hook measures the residual norm every this many steps (0: never; CompressionMonitor
@@ -176,24 +82,38 @@ class SparseState:
         self.world_size = 1
         self.process_group: dist.ProcessGroup | None = None
         self.in_step = False
-        #: set by a caller that makes every input finite before it is exchanged (the update
-        #: exchange drops a non-finite update on its rank): the patterns then skip their own
-        #: per-tensor check, a read of every input
-        self.inputs_finite = False
         #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
         self.loss_scale: Callable[[], float] | None = None
         self.last_loss_scale: float | None = None
         self._names: dict[int, str] = {}
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
+        self.wire = self._wire_context(Collectives())
+
+    def _wire_context(self, comm: Collectives) -> WireContext:
+        c = self.config
+        return WireContext(
+            compressor=self.compressor,
+            error_feedback=c.error_feedback,
+            momentum_correction=c.momentum_correction,
+            value_dtype=c.value_dtype,  # type: ignore[arg-type]
+            seed=c.seed,
+            exchange=c.exchange,
+            compact_indices=c.compact_indices,
+            byte_rule=c.byte_rule,
+            memory=self.memory,
+            velocity=self.velocity,
+            comm=comm,
+            rank=self.rank,
+        )
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["process_group"] = None
         state["loss_scale"] = None
-        state["sources"] = {}
         state["_names"] = {}
         state["_plans"] = {}
+        state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
         return state
 
     # ------------------------------------------------------------------ binding
@@ -219,34 +139,18 @@ class SparseState:
             self.world_size = dist.get_world_size(process_group)
         else:
             self.rank, self.world_size = 0, 1
+        self.wire = self._wire_context(Collectives(process_group, self.world_size))
         if check_consistency and self.world_size > 1:
             self._check_consistency()
         first = trainable[0][1] if trainable else None
         device = first.device if first is not None else torch.device("cpu")
-        self.schedule.setup(self, device, first.dtype if first is not None else torch.float32)
+        self.schedule.setup(self.wire, device, first.dtype if first is not None else torch.float32)
         if self.timed_fallback is not None:
-            self.timed_fallback.setup(self, device)
+            self.timed_fallback.setup(process_group, self.world_size, self.config.warmup_steps, device)
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings that must agree on every rank."""
-        return {
-            "compressor": type(self.compressor).__name__,
-            "compressor_config": self.compressor.config(),
-            "schedule": repr(self.schedule),
-            "error_feedback": self.error_feedback,
-            "min_numel": self.min_numel,
-            "warmup_steps": self.warmup_steps,
-            "value_dtype": str(self.value_dtype),
-            "seed": self.seed,
-            "fallback_to_dense": self.fallback_to_dense,
-            "timed_fallback": repr(self.timed_fallback),
-            "momentum_correction": self.momentum_correction,
-            "compress": self.compress,
-            "exchange": self.exchange,
-            "compact_indices": self.compact_indices,
-            "step": self.step,
-            "parameters": sorted(self._names.values()),
-        }
+        """The settings that must agree on every rank, with the step and the parameter names."""
+        return {**self.config.fingerprint(), "step": self.step, "parameters": sorted(self._names.values())}
 
     def _check_consistency(self) -> None:
         mine = json.dumps(self.fingerprint(), sort_keys=True, default=str)

@@ -15,7 +15,7 @@ class Counters:
     padding), counted from the tensors handed to ``torch.distributed``, not estimated.
     ``wire_bytes`` is what those collectives move through this rank on a ring (an all-gather of
     ``m`` bytes per rank moves ``(W-1)*m``, an all-reduce of ``n`` bytes ``2*(W-1)/W*n``; see
-    :func:`~lightning_sparse.patterns.ring_all_gather_bytes`), and ``dense_wire_bytes`` what a
+    :func:`~lightning_sparse.wire.cost.ring_all_gather_bytes`), and ``dense_wire_bytes`` what a
     dense all-reduce of the same gradients would move (``2*(W-1)/W*dense_bytes``); both are 0 at
     world size 1, where nothing crosses the wire.
     ``dense_buckets`` counts buckets sent dense (warm-up, fallback, all tensors small),

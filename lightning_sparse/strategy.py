@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -15,19 +15,20 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
+from lightning_sparse._utils import check_bool
 from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import Compressor
-from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, check_bool, register_names, training_advice
+from lightning_sparse.config import SparseConfig
+from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, SparseShell, register_names, training_advice
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange
 
 __all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
 
 
-class SparseDDPStrategy(DDPStrategy):
+class SparseDDPStrategy(SparseShell, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
 
     Every optimizer step each parameter sends ``k = density * numel`` coordinates (chosen by
@@ -41,48 +42,53 @@ class SparseDDPStrategy(DDPStrategy):
     launchers, NCCL/gloo, the buckets.
 
     Args:
-        compress: ``"update"``: compress each rank's optimizer update (trains close to dense with
-            AdamW and with SGD + momentum; the exchange runs after the optimizer step);
-            ``"gradient"``: compress the gradient before the step (overlaps with backward; suits
-            plain SGD).
+        compress: ``"update"``: compress each rank's optimizer update (trains close to dense with AdamW and
+            with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``: compress the
+            gradient before the step, in DDP's communication hook (overlaps with backward; suits plain SGD).
         compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
         density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
-        error_feedback: keep what was not sent and add it to the next gradient.
+        error_feedback: keep what was not sent and send it later.
         min_numel: tensors with fewer elements (biases, norms) are sent dense.
-        warmup_steps: the first optimizer steps sent dense (>= 1: DDP learns its bucket order
-            in the first step).
-        value_dtype: dtype of the values sent ("float16", "bfloat16", "float32"); None sends
-            the gradient's dtype. Rounding errors go into the residual.
+        warmup_steps: the first optimizer steps sent dense (>= 1: DDP learns its bucket order in the first
+            step).
+        value_dtype: dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None sends the
+            gradient's dtype. Rounding errors go into the residual.
         seed: seed of every random choice (shared coordinates, samples).
-        fallback_to_dense: ``True`` (or ``"bytes"``): send a bucket dense when the sparse exchange
-            would move at least as many bytes as a dense all-reduce (all-gather traffic grows with
-            world size). ``"time"`` (or a ``TimedFallback``): that, and after warm-up time a few
-            dense and sparse steps on this link and send everything dense if dense was faster
-            (fast links, where the hook's own passes cost more than the bytes they save).
-            ``False``: always sparse after warm-up.
-        momentum_correction: DGC's momentum correction (e.g. 0.9): the hook keeps each rank's
-            momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u``
-            too (momentum factor masking), so coordinates that wait long do not hit an optimizer
-            momentum all at once. Use it with an optimizer without momentum (``SGD(momentum=0)``;
-            checked at setup). 0 (default) turns it off.
-        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined:
-            ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
-            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank
-            about flat in the number of ranks; the global selection keeps about ``k``
-            coordinates per bucket tensor), ``"auto"`` (default): per bucket, the split where it moves at most a quarter
-            of the all-gather's bytes (from about 16 ranks), else the all-gather.
-        compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each
-            at density 0.01 instead of 4) wherever that is smaller; ``False``: int32.
-        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's
-            callbacks when fitting, unless it already has one, so the compression figures
-            reach the Trainer's loggers and a summary is printed at the end of fit. ``False``
-            adds nothing.
+        fallback_to_dense: ``True`` (or ``"bytes"``): send a bucket dense when the sparse exchange would
+            move at least as many bytes as a dense all-reduce (all-gather traffic grows with world size).
+            ``"time"`` (or a ``TimedFallback``): that, and after warm-up time a few dense and sparse steps
+            on this link and send everything dense if dense was faster (fast links, where the hook's own
+            passes cost more than the bytes they save). ``False``: always sparse after warm-up.
+        momentum_correction: DGC's momentum correction (e.g. 0.9; gradient mode): the hook keeps each rank's
+            momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u`` too
+            (momentum factor masking), so coordinates that wait long do not hit an optimizer momentum all at
+            once. Use it with an optimizer without momentum (``SGD(momentum=0)``; checked at setup). 0
+            (default) turns it off.
+        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined: ``"allgather"``
+            (every rank gets every rank's pairs; traffic per rank grows with the number of ranks),
+            ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in the number of
+            ranks; the global selection keeps about ``k`` coordinates per bucket tensor), ``"auto"``
+            (default): per bucket, the split where it moves at most a quarter of the all-gather's bytes
+            (from about 16 ranks), else the all-gather.
+        compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
+            0.01 instead of 4) wherever that is smaller; ``False``: int32.
+        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
+            fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
+            summary is printed at the end of fit. ``False`` adds nothing.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
-        gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"``
-            (DDP's buckets carry nothing there, so gradients living in them saves two copies of
-            every gradient per step), ``False`` with ``compress="gradient"`` (DDP's default).
-        bucket_cap_mb: as in DDP (None: DDP's default).
+        gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
+            buckets carry nothing there, so gradients living in them saves two copies of every gradient per
+            step), ``False`` with ``compress="gradient"`` (DDP's default).
+        bucket_cap_mb: as in DDP (None: DDP's default, 25).
+        accelerator: as in Lightning's ``DDPStrategy``.
+        parallel_devices: as in Lightning's ``DDPStrategy``.
+        cluster_environment: as in Lightning's ``DDPStrategy``.
+        checkpoint_io: as in Lightning's ``DDPStrategy``.
+        precision_plugin: as in Lightning's ``DDPStrategy``.
+        process_group_backend: as in Lightning's ``DDPStrategy``.
+        timeout: as in Lightning's ``DDPStrategy``.
+        start_method: the launcher's start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -98,55 +104,34 @@ class SparseDDPStrategy(DDPStrategy):
     def __init__(
         self,
         compress: Literal["update", "gradient"] = "update",
-        compressor: Union[str, Compressor] = "topk",
-        density: Union[float, DensitySchedule] = 0.01,
+        compressor: str | Compressor = "topk",
+        density: float | DensitySchedule = 0.01,
         error_feedback: bool = True,
         min_numel: int = 1024,
         warmup_steps: int = 1,
-        value_dtype: Optional[Union[Literal["float32", "float16", "bfloat16"], torch.dtype]] = None,
+        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
         seed: int = 0,
-        fallback_to_dense: Union[bool, Literal["bytes", "time"], TimedFallback] = True,
+        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
         momentum_correction: float = 0.0,
         exchange: Literal["auto", "allgather", "split"] = "auto",
         compact_indices: bool = True,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: Optional[bool] = None,
-        bucket_cap_mb: Optional[float] = None,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        gradient_as_bucket_view: bool | None = None,
+        bucket_cap_mb: float | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
         check_bool("compression_monitor", compression_monitor)
-        self._core = SparseCore(
-            compress=compress,
-            compressor=compressor,
-            density=density,
-            error_feedback=error_feedback,
-            min_numel=min_numel,
-            warmup_steps=warmup_steps,
-            value_dtype=value_dtype,
-            seed=seed,
-            fallback_to_dense=fallback_to_dense,
-            momentum_correction=momentum_correction,
-            exchange=exchange,
-            compact_indices=compact_indices,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            bucket_cap_mb=bucket_cap_mb,
-            start_method=start_method,
-            ddp_kwargs=kwargs,
-        )
-        self._sparse_state = self._core.state
-        self._update = self._core.update
+        self._core = SparseCore(SparseConfig.of(locals()), ddp_kwargs=kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -158,29 +143,15 @@ class SparseDDPStrategy(DDPStrategy):
             start_method=start_method,
             **self._core.ddp_kwargs,
         )
-        self._in_optimizer_step = False
         self.compression_monitor = compression_monitor
 
-    @property
-    def sparse_state(self) -> SparseState:
-        """The hook's state on this rank: residuals, step, telemetry."""
-        return self._sparse_state
-
-    @property
-    def compress(self) -> str:
-        """``"update"`` or ``"gradient"``: what is compressed."""
-        return self._sparse_state.compress
-
-    @property
-    def update_exchange(self) -> Optional[UpdateExchange]:
-        """The update exchange (``compress="update"``), else None."""
-        return self._update
-
     # ------------------------------------------------------------------ telemetry
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._core.check_optimizers(self.optimizers, self.world_size)
 
+    @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         # The Trainer connects the strategy at the start of every run, in every process (after the
@@ -188,88 +159,90 @@ class SparseDDPStrategy(DDPStrategy):
         # added here runs all its hooks. A monitor returned by the model's configure_callbacks()
         # replaces it (same type), as Lightning does for callbacks given to the Trainer.
         trainer = model._trainer
+        if not (self.compression_monitor and trainer is not None):
+            return
+        # Lightning's callback connector sets Trainer.callbacks without declaring it on the class
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         if (
-            self.compression_monitor
-            and trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
+            trainer.state.fn == TrainerFn.FITTING
             and not trainer.barebones
-            and not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks)
+            and not any(isinstance(cb, CompressionMonitor) for cb in callbacks)
         ):
-            trainer.callbacks.append(CompressionMonitor())
+            callbacks.append(CompressionMonitor())
 
     # ------------------------------------------------------------------ the hook
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
         scaler = getattr(self.precision_plugin, "scaler", None)
         self._core.register_hook(self.model, self.global_rank, self.world_size, self.root_device, scaler)
 
     # ------------------------------------------------------------------ update mode
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._update is not None:
-            self._update.enter_local()  # this rank's forward/backward run at global + its residual
+        if self._core.update is not None:
+            self._core.update.enter_local()  # this rank's forward/backward run at global + its residual
         return super().training_step(*args, **kwargs)
 
+    @override
     def optimizer_step(
         self,
         optimizer: torch.optim.Optimizer,
         closure: Any,
-        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
+        model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._update is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._update.enter_local(params)
-        self._in_optimizer_step = True
-        try:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            self._in_optimizer_step = False
-        self._update.exchange(params)
-        return output
+        def step() -> Any:
+            return super(SparseDDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
 
+        return self._sparse_step(optimizer, step)
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._update is not None and not self._in_optimizer_step:
+        if not self._in_optimizer_step:
             # A backward without a step (accumulation, manual optimization): the gradients are
             # taken, so the module goes back to the global model until the step re-enters the
             # rank's view; callbacks at batch ends and validation then see the global model.
-            self._update.leave_local()
+            self._core.hold_global()
 
-    def _hold_global(self) -> None:
-        self._core.hold_global()
-
+    # Validation, testing, prediction, the end of fit and checkpoints see the global model.
+    @override
     def on_validation_start(self) -> None:
-        self._hold_global()
+        self._core.hold_global()
         super().on_validation_start()
 
+    @override
     def on_test_start(self) -> None:
-        self._hold_global()
+        self._core.hold_global()
         super().on_test_start()
 
+    @override
     def on_predict_start(self) -> None:
-        self._hold_global()
+        self._core.hold_global()
         super().on_predict_start()
 
+    @override
     def on_train_end(self) -> None:
-        self._hold_global()
+        self._core.hold_global()
         super().on_train_end()
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._hold_global()  # checkpoints hold the global model
+        self._core.hold_global()
         return super().lightning_module_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Runs on every rank, so the residuals of all ranks can be gathered to rank 0 here.
         payload = self._core.gather_payload(checkpoint.get("optimizer_states"))
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = payload
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoint.get(CHECKPOINT_KEY)
         if payload is not None:
@@ -278,6 +251,7 @@ class SparseDDPStrategy(DDPStrategy):
             self._core.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
         return checkpoint
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         mine = self._core.take_optimizer_states(self.global_rank)
         if mine is not None:

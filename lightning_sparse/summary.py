@@ -178,8 +178,8 @@ class CompressionSummary:
         table.add_column("", overflow="fold", min_width=16)
         for i, h in enumerate(COLUMNS):
             header = _TWO_LINE_HEADERS.get(h, h)  # keeps the table within 80 columns
-            cells = [len(c[i]) for _, rows in sections for _, c in rows]
-            width = max([len(part) for part in header.split("\n")] + cells)
+            widths = [len(c[i]) for _, rows in sections for _, c in rows]
+            width = max([len(part) for part in header.split("\n")] + widths)
             table.add_column(header, justify="right", no_wrap=True, min_width=width)
         for i, (heading, rows) in enumerate(sections):
             if i:

@@ -4,9 +4,10 @@ With ``compress="update"`` DDP's communication hook sends nothing: every rank's 
 on its own gradient. After the step, :class:`UpdateExchange` sends, per parameter, the
 coordinates the compressor selects of ``u = e + delta`` (``delta``: what this rank's optimizer
 just did to the parameter; ``e``: what the rank has not sent yet), through the same
-:func:`~lightning_sparse.hook.communicate` as the gradient hook (same wire patterns, value
-dtypes, density schedules, fallbacks and telemetry). Every rank adds the average of what the
-ranks sent to the *global* parameters, and keeps the unsent part as its residual ``e``.
+:func:`~lightning_sparse.hook.exchange` as the gradient hook (same wire patterns, value
+dtypes, density schedules, fallbacks and telemetry). The average of what the ranks sent goes to
+the outer step (:mod:`lightning_sparse.outer`; by default it is added to the *global*
+parameters), and every rank keeps the unsent part as its residual ``e``.
 
 Between optimizer steps the module holds the global parameters, identical on every rank, so
 validation, callbacks, checkpoints and the end of fit all see one model. For its own forward,
@@ -31,8 +32,10 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.hook import communicate, local_gradient_hook
+from lightning_sparse.hook import exchange, local_gradient_hook
+from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
+from lightning_sparse.wire import Average
 
 __all__ = ["UpdateExchange", "local_gradient_hook"]
 
@@ -48,6 +51,8 @@ class UpdateExchange:
             residuals, telemetry); bound to the model's parameters by :meth:`bind`.
         bucket_bytes: the parameters of one optimizer are exchanged in messages of at most
             this many bytes of float32 updates (a larger parameter gets a message of its own).
+        outer_step: what the global parameters do with each exchange's average (default:
+            :class:`~lightning_sparse.outer.AddAverage`, add it in).
 
     Example:
         >>> import torch
@@ -59,9 +64,12 @@ class UpdateExchange:
         False
     """
 
-    def __init__(self, state: SparseState, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, state: SparseState, bucket_bytes: int = DEFAULT_BUCKET_BYTES, outer_step: OuterStep | None = None
+    ) -> None:
         self.state = state
         self.bucket_bytes = int(bucket_bytes)
+        self.outer_step = AddAverage() if outer_step is None else outer_step
         #: optimizer steps whose update this rank dropped because it was not finite
         self.nonfinite_updates = 0
         #: name -> parameter (trainable, bound)
@@ -75,28 +83,29 @@ class UpdateExchange:
         #: per group of parameters (an optimizer's), its buckets
         self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_params={}, _names={}, _global={}, _synced={}, _local=set(), _buckets={})
-        return state
-
     # ------------------------------------------------------------------ binding
     def bind(
         self,
         named_parameters: Iterable[tuple[str, Tensor]],
         process_group: dist.ProcessGroup | None = None,
+        *,
         check_consistency: bool = True,
     ) -> None:
-        """Attach to the model's parameters and process group (binds the state too)."""
+        """Attach to the model's parameters and process group (binds the state too; see
+        :meth:`SparseState.bind <lightning_sparse.state.SparseState.bind>`)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         self.state.bind(named, process_group=process_group, check_consistency=check_consistency)
-        self.state.inputs_finite = True  # exchange() zeroes a non-finite update before sending it
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
         self._global = {}
         self._synced = {}
         self._local = set()
         self._buckets = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_params={}, _names={}, _global={}, _synced={}, _local=set(), _buckets={})
+        return state
 
     @property
     def active(self) -> bool:
@@ -132,8 +141,9 @@ class UpdateExchange:
             # (a checkpoint restore, a callback): then what it holds is the global value now.
             if self._synced.get(name) != p._version:
                 g.copy_(p)
-            if name in memory:
-                p.add_(memory.get(name).view_as(p))
+            e = memory.get(name) if name in memory else None
+            if e is not None:
+                p.add_(e.view_as(p))
             self._local.add(name)
 
     @torch.no_grad()
@@ -189,7 +199,7 @@ class UpdateExchange:
         state = self.state
         memory = state.memory
         buckets = self._buckets_for(names)
-        futures: list[Future[Tensor]] = []
+        futures: list[Future[Average]] = []
         for i, bucket in enumerate(buckets):
             pos = 0
             for name, p in zip(bucket.names, bucket.params, strict=True):
@@ -197,8 +207,9 @@ class UpdateExchange:
                 pos += p.numel()
                 g = self._global[name].reshape(-1)
                 # delta = p_after - p_before, p_before = global + e as the module held it (float32)
-                if name in memory:
-                    torch.add(g, memory.get(name), out=seg)
+                e = memory.get(name) if name in memory else None
+                if e is not None:
+                    torch.add(g, e, out=seg)
                 else:
                     seg.copy_(g)
                 torch.sub(p.reshape(-1), seg, out=seg)
@@ -207,13 +218,10 @@ class UpdateExchange:
                     # (like a gradient scaler's skip, on this rank only); its residual is kept.
                     seg.zero_()
                     self._warn_nonfinite(name)
-            futures.append(
-                communicate(
-                    state, bucket.delta, bucket.params, is_last=i == len(buckets) - 1, accumulate_into=bucket.glob
-                )
-            )
+            # every update is finite now (a non-finite one was dropped above): the patterns skip their check
+            futures.append(exchange(state, bucket.delta, bucket.params, i == len(buckets) - 1, inputs_finite=True))
         for bucket, future in zip(buckets, futures, strict=True):
-            future.wait()  # the average of what the ranks sent is now in the bucket's global values
+            self.outer_step.apply(future.wait(), bucket.glob, tuple(bucket.names))
             for name in bucket.names:
                 self._hold_global(name)
                 self._local.discard(name)

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_sparse.bench.__main__ import main
 from lightning_sparse.bench.scale import COLUMNS, DENSE, MODEL_WORLD_SIZES, ddp_buckets, mlp_tensors, model_row
-from lightning_sparse.patterns import SPLIT_AUTO_RATIO, ring_all_reduce_bytes
+from lightning_sparse.wire import SPLIT_AUTO_RATIO, ring_all_reduce_bytes
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

@@ -148,8 +148,8 @@ def test_strategy_help_shows_type_and_default_of_every_argument(capsys) -> None:
     described = {m.group(1): m.group(2) for m in re.finditer(option + r"(.*?)(?= --trainer\.strategy\.|\Z)", text)}
     for name in _strategy_args():
         assert re.search(r"\(type: .+, default: ", described.get(name, "")), name
-    assert "type: Union[str, Compressor], default: topk" in text
-    assert "type: Union[float, DensitySchedule], default: 0.01" in text
+    assert "type: str | Compressor, default: topk" in text
+    assert "type: float | DensitySchedule, default: 0.01" in text
     assert "type: bool, default: True" in text
 
 

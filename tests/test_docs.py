@@ -35,7 +35,8 @@ PENDING_FILES: dict[str, str] = {}
 COMMANDS = {
     # README / getting started: the two set-up commands
     'pip install torch==2.13.0 && pip install -e ".[examples]" && python examples/train_digits.py': ".ci/run",
-    'pip install torch==2.13.0 && pip install -e ".[dev]" && ruff check . && python -m pytest': ".ci/run",
+    'pip install torch==2.13.0 && pip install -e ".[dev]" && ruff check . && mypy && python -m pytest '
+    "&& python -m pytest --doctest-modules lightning_sparse": ".ci/run",
     'pip install -e ".[docs]" && mkdocs build --strict': ".ci/run",
     # Lightning CLI
     "python examples/cli.py fit --config examples/configs/topk.yaml": (

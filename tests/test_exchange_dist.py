@@ -146,7 +146,7 @@ def test_exchanges_conserve_and_agree_on_4_ranks(dist4, exchange: str, compact: 
 
 @pytest.mark.parametrize("exchange", ["allgather", "split"])
 def test_exchanges_conserve_and_agree_on_8_ranks(dist8, exchange: str) -> None:
-    from lightning_sparse.patterns import SPLIT_BLOCK, split_capacities
+    from lightning_sparse.wire import SPLIT_BLOCK, split_capacities
 
     # at 8 ranks a.weight alone selects more coordinates in one owner's block than a chunk holds:
     # the smallest of them wait in the residual (conservation still checked exactly)

@@ -7,7 +7,6 @@ tested in test_hook_dist.py and test_reliability.py.
 from __future__ import annotations
 
 import pickle
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ from lightning_sparse.fallback import as_fallback
 
 
 def _bound(fb: TimedFallback, world: int = 2, warmup: int = 1, step: int = 0) -> TimedFallback:
-    fb.setup(SimpleNamespace(process_group=None, world_size=world, warmup_steps=warmup, step=step), torch.device("cpu"))
+    fb.setup(None, world, warmup, torch.device("cpu"))
     return fb
 
 

@@ -54,7 +54,7 @@ def _decode(
     compressor = state.compressor
     used = 1
     if kind == "gather":
-        from lightning_sparse.patterns import MessageLayout, SparseSpace
+        from lightning_sparse.wire import MessageLayout, SparseSpace
 
         space = SparseSpace.of(plan)
         layout = MessageLayout(space.numel, total_k, vdtype, state.compact_indices)
@@ -84,7 +84,7 @@ def _decode(
             pos_v += n
         assert pos_t == tables.numel() and pos_v == mine.numel()
     else:  # shared: the indices are never sent; every rank derives them from the shared seed
-        from lightning_sparse.patterns import SparseSpace
+        from lightning_sparse.wire import SparseSpace
 
         vals = first.float()
         assert first.numel() == total_k and first.dtype == vdtype, "values only, no indices"
@@ -108,8 +108,8 @@ def _decode(
 @contextlib.contextmanager
 def capture_collectives() -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
     """Record ``(kind, input as sent, the collective's output tensor)`` of every collective the
-    package issues through :mod:`lightning_sparse.comm` inside the block."""
-    from lightning_sparse import comm
+    package issues through :mod:`lightning_sparse.wire.comm` inside the block."""
+    from lightning_sparse.wire import comm
 
     captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     real_gather, real_reduce, real_alltoall = comm.all_gather, comm.all_reduce, comm.all_to_all
@@ -322,11 +322,11 @@ def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:
     for real: a sleep in the compressor's selection (sparse) or before a dense bucket's all-reduce."""
     import time
 
-    from lightning_sparse import comm
     from lightning_sparse.compressors import TopK
     from lightning_sparse.fallback import TimedFallback
     from lightning_sparse.hook import communicate
     from lightning_sparse.state import SparseState
+    from lightning_sparse.wire import comm
 
     class SlowTopK(TopK):
         def select(self, p: torch.Tensor, k: int, ctx: Any) -> torch.Tensor:

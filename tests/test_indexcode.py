@@ -1,4 +1,4 @@
-"""Tests of the fixed-size Rice coding of sorted unique indices (lightning_sparse.indexcode)."""
+"""Tests of the fixed-size Rice coding of sorted unique indices (lightning_sparse.wire.indexcode)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse.indexcode import (
+from lightning_sparse.wire.indexcode import (
     INDEX_CODINGS,
     decode_indices,
     encode_indices,

@@ -1,8 +1,8 @@
 """The package's modules import each other without cycles (the layers read top-down).
 
-Reads every module's source (no imports run) and collects the package modules it imports at run
-time, function-level imports included; imports under ``if TYPE_CHECKING:`` are left out (they
-name types for annotations only and never run).
+Reads every module's source (no imports run) and collects the package modules it imports,
+function-level imports and imports under ``if TYPE_CHECKING:`` included: a type named from a
+module above is a dependency on it too, and the package has none in a circle.
 """
 
 from __future__ import annotations
@@ -22,24 +22,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The package modules ``path`` imports at run time."""
+    """The package modules ``path`` imports (for type checkers too)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -97,14 +86,51 @@ def test_package_modules_import_without_cycles() -> None:
     assert _cycle(graph) is None
 
 
+def test_type_checking_imports_count() -> None:
+    path = PACKAGE / "_probe_for_layering_test.py"
+    try:
+        path.write_text(
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_sparse.state import X\n"
+        )
+        assert "lightning_sparse.state" in _imports(path, {"lightning_sparse.state"})
+    finally:
+        path.unlink()
+
+
+def _deps(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Everything ``module`` depends on, directly or not."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen and not module.startswith(nxt + "."):
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
 def test_layers() -> None:
-    """strategy -> hook -> patterns / compressors / schedules -> memory / stats."""
+    """shells (strategy, fabric) -> core -> update -> hook, outer -> state -> config -> schedules,
+    fallback -> wire -> compressors, memory, stats, _utils. No module reaches a layer above its own."""
     graph = _graph()
-    assert "lightning_sparse.patterns" in graph["lightning_sparse.hook"]
-    assert "lightning_sparse.patterns" in graph["lightning_sparse.schedules"]
-    below_hook = ["patterns", "schedules", "fallback", "state", "memory", "stats", "comm", "_utils"]
-    for name in below_hook:
-        deps = graph[f"lightning_sparse.{name}"]
-        assert not {"lightning_sparse.hook", "lightning_sparse.update", "lightning_sparse.strategy"} & deps, name
-    for name in ["patterns", "schedules", "fallback"]:
-        assert "lightning_sparse.state" not in graph[f"lightning_sparse.{name}"], name
+    pkg = "lightning_sparse."
+    assert pkg + "wire" in graph[pkg + "hook"] and pkg + "wire" in _deps(graph, pkg + "schedules")
+    wire = [m for m in graph if m.startswith(pkg + "wire")]
+    assert len(wire) >= 7
+    above_wire = {pkg + n for n in ("state", "config", "schedules", "fallback", "hook", "outer", "update", "core")}
+    above_wire |= {pkg + "strategy", pkg + "fabric"}
+    for module in wire:
+        assert not _deps(graph, module) & above_wire, module
+    for name in ["schedules", "fallback"]:
+        assert not _deps(graph, pkg + name) & {pkg + "state", pkg + "config", pkg + "hook"}, name
+    assert not _deps(graph, pkg + "config") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
+    assert not _deps(graph, pkg + "state") & {pkg + "hook", pkg + "update", pkg + "core"}
+    for name in ["hook", "outer"]:
+        assert not _deps(graph, pkg + name) & {pkg + "update", pkg + "core", pkg + "strategy", pkg + "fabric"}
+    assert not _deps(graph, pkg + "core") & {pkg + "strategy", pkg + "fabric"}
+
+
+def test_no_module_over_500_lines() -> None:
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    long = {name: n for name, n in sizes.items() if n > 500}
+    assert not long, long

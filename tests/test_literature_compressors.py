@@ -451,9 +451,9 @@ def test_exact_topk_on_large_tensor_matches_torch_topk() -> None:
 
 
 def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
-    from lightning_sparse.hook import _sparse_is_cheaper
-    from lightning_sparse.patterns import PATTERNS, ring_all_reduce_bytes
+    from lightning_sparse.hook import sparse_is_cheaper
     from lightning_sparse.state import SparseState
+    from lightning_sparse.wire import PATTERNS, ring_all_reduce_bytes
 
     cs = CountSketch(rows=5, width=10.0, p2=4.0)
     expected = ring_all_reduce_bytes(4, 5 * 1000 * 4) + ring_all_reduce_bytes(4, 400 * 2)
@@ -466,7 +466,7 @@ def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
         state.bind(named)
         state.world_size = 2
         plan = state.plan(torch.zeros(10_000), [p for _, p in named])
-        assert _sparse_is_cheaper(state, torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
+        assert sparse_is_cheaper(state, torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
 
 
 def test_countsketch_candidates_when_few_coordinates_are_non_zero() -> None:

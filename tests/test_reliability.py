@@ -5,6 +5,7 @@ Trainer runs are grouped into a few launches (several fits per launch) to keep t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -317,7 +318,9 @@ def _zero_and_nan_worker(rank: int, world: int, compressor: str) -> dict[str, An
     out["nan"] = communicate(state, bad, params).wait().clone()
     out["residual_kept"] = torch.equal(state.memory.get("w"), before)
     out["nonfinite"] = state.telemetry.last.nonfinite_buckets
-    state.warmup_steps = 100  # force the dense path, which flushes residuals, with a NaN again
+    state.config = dataclasses.replace(
+        state.config, warmup_steps=100
+    )  # force the dense path, which flushes residuals, with a NaN again
     bad = g.clone()
     if rank == 1:
         bad[3] = float("inf")

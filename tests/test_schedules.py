@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import pickle
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 from lightning_sparse import AdaptiveDensity, ConstantDensity, SparseDDPStrategy, WarmupDensity
-from lightning_sparse.hook import _sparse_is_cheaper, k_for
+from lightning_sparse.hook import k_for, sparse_is_cheaper
 from lightning_sparse.schedules import as_schedule, topk_energy
 from lightning_sparse.state import Member, SparseState
+from lightning_sparse.wire import Collectives
 
 
 # --------------------------------------------------------------------------- constant / warm-up
@@ -158,8 +160,8 @@ def _bound(
     """Set up as on ``world`` processes (int32 indices unless ``compact``: the cost models below
     are written out for them)."""
     state = SparseState(compressor=compressor, density=schedule, fallback_to_dense=fallback, compact_indices=compact)
-    state.world_size = world  # as if bound to `world` processes; nothing here communicates
-    schedule.setup(state, torch.device("cpu"), torch.float32)
+    wire = dataclasses.replace(state.wire, comm=Collectives(world=world))  # as if bound to `world` processes
+    schedule.setup(wire, torch.device("cpu"), torch.float32)  # nothing here communicates
 
 
 def _power_law_energy(sizes: list[int], grid: tuple[float, ...], a: float) -> list[float]:
@@ -188,7 +190,7 @@ def test_choose_is_the_argmax_of_energy_per_bit() -> None:
 def test_choose_prices_compact_indices() -> None:
     """With compact indices a message costs its Rice-coded size: cheaper coordinates, so the same
     overhead buys a density at least as high."""
-    from lightning_sparse.patterns import MessageLayout
+    from lightning_sparse.wire import MessageLayout
 
     sizes = [100_000, 20_000]
     for c0 in (1e3, 1e5, 1e6):
@@ -326,7 +328,7 @@ def _fallback_steps(schedule: WarmupDensity, world: int, steps: int, numel: int 
     state.world_size = world  # the rule needs only the world size, the dtypes and the sizes
     buffer = torch.zeros(numel)
     sparse = (Member("w", 0, 0, numel, True),)
-    return [not _sparse_is_cheaper(state, buffer, sparse, [k_for(numel, schedule.density(t))]) for t in range(steps)]
+    return [not sparse_is_cheaper(state, buffer, sparse, [k_for(numel, schedule.density(t))]) for t in range(steps)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8, 16])
@@ -341,7 +343,7 @@ def test_fallback_threshold_is_one_over_world_size(world: int) -> None:
 def test_default_exchange_stays_below_dense_and_flat(world: int) -> None:
     """The defaults (exchange="auto", compact indices) at top-k 1%: sparse while cheaper than dense
     at any W up to 1024, and at W = 64 and beyond at most 1/15 of dense's wire bytes."""
-    from lightning_sparse.patterns import PATTERNS, ring_all_reduce_bytes
+    from lightning_sparse.wire import PATTERNS, ring_all_reduce_bytes
 
     numel = 4_000_000
     state = SparseState(density=0.01)
@@ -349,7 +351,7 @@ def test_default_exchange_stays_below_dense_and_flat(world: int) -> None:
     ks = [k_for(numel, 0.01)]
     wire = PATTERNS["gather"].wire_bytes(world, ks, 4, [numel], None, state.exchange, state.compact_indices)
     dense = ring_all_reduce_bytes(world, 4 * numel)
-    assert _sparse_is_cheaper(state, torch.zeros(1), (Member("w", 0, 0, numel, True),), ks) == (wire < dense)
+    assert sparse_is_cheaper(state, torch.zeros(1), (Member("w", 0, 0, numel, True),), ks) == (wire < dense)
     assert wire < dense
     if world >= 64:
         assert wire <= dense / 15

@@ -33,9 +33,10 @@ def _gradient(numel: int, rank: int, step: int) -> torch.Tensor:
 def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: int = 10) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse import AdaptiveDensity, comm
+    from lightning_sparse import AdaptiveDensity
     from lightning_sparse.hook import communicate, k_for
     from lightning_sparse.state import SparseState
+    from lightning_sparse.wire import comm
 
     shapes = {**SHAPES, **(BIG if big else {})}
     named = _params(shapes)
@@ -45,7 +46,7 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
         schedule = AdaptiveDensity(cost_model="bits", c0=3e4, min_density=1e-3, max_density=0.25, candidates=24)
     else:
         schedule = AdaptiveDensity(min_density=1e-3, max_density=0.25, candidates=24)  # alpha, beta measured
-    from lightning_sparse.patterns import MessageLayout
+    from lightning_sparse.wire import MessageLayout
 
     state = SparseState(compressor="topk", density=schedule, min_numel=1000, warmup_steps=1, seed=3)
     state.bind(named)
@@ -152,9 +153,10 @@ def test_adaptive_measured_network_agrees_across_ranks(dist2) -> None:
 
 
 def _every_compressor_worker(rank: int, world: int, steps: int = 6) -> dict[str, Any]:
-    from lightning_sparse import COMPRESSORS, AdaptiveDensity, comm
+    from lightning_sparse import COMPRESSORS, AdaptiveDensity
     from lightning_sparse.hook import communicate
     from lightning_sparse.state import SparseState
+    from lightning_sparse.wire import comm
 
     named = _params({**SHAPES, **BIG})
     params = [p for _, p in named]
@@ -249,7 +251,7 @@ def test_resume_from_state_dict_continues_exactly(dist2, schedule_name: str) -> 
 
 def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
     from lightning_sparse import WarmupDensity
-    from lightning_sparse.hook import _sparse_is_cheaper, communicate, k_for
+    from lightning_sparse.hook import communicate, k_for, sparse_is_cheaper
     from lightning_sparse.state import SparseState
 
     named = _params(SHAPES)
@@ -265,7 +267,7 @@ def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
         g = _gradient(numel, rank, step)
         plan = state.plan(g, params)
         ks = [k_for(m.numel, schedule.density(step)) for m in plan.sparse_members]
-        rule_says_dense = not _sparse_is_cheaper(state, g, plan.sparse_members, ks)
+        rule_says_dense = not sparse_is_cheaper(state, g, plan.sparse_members, ks)
         out = communicate(state, g.clone(), params).wait()
         last = state.telemetry.last
         rows.append((rule_says_dense, last.fallback_buckets, last.dense_buckets, last.sent_bytes, out.clone()))

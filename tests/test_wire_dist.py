@@ -39,8 +39,8 @@ def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     from lightning_sparse import AdaptiveDensity
     from lightning_sparse.compressors import CountSketch
     from lightning_sparse.hook import communicate, k_for
-    from lightning_sparse.patterns import PATTERNS
     from lightning_sparse.state import SparseState
+    from lightning_sparse.wire import PATTERNS
 
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in SHAPES.items()]
     params = [p for _, p in named]

@@ -319,7 +319,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
         callbacks=callbacks,
     )
     slow = cfg.get("slow_dense_all_reduce")  # seconds of sleep before a whole-bucket dense all-reduce
-    real_all_reduce = lightning_sparse.comm.all_reduce
+    real_all_reduce = lightning_sparse.wire.comm.all_reduce
     if slow:
         param_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -328,11 +328,11 @@ def fit_once(cfg: dict[str, Any]) -> None:
                 time.sleep(slow)
             return real_all_reduce(t, group)
 
-        lightning_sparse.comm.all_reduce = slow_all_reduce
+        lightning_sparse.wire.comm.all_reduce = slow_all_reduce
     try:
         trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("ckpt_path"))
     finally:
-        lightning_sparse.comm.all_reduce = real_all_reduce
+        lightning_sparse.wire.comm.all_reduce = real_all_reduce
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     extra: dict[str, Any] = {}
     if cfg.get("test"):

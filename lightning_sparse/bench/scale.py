@@ -12,7 +12,7 @@ at ``--density`` picks ``k_for(numel, density)`` coordinates of each tensor; ten
 through one rank per optimizer step come from the package's own ring model, bucket by bucket:
 
 - dense: ``ring_all_reduce_bytes`` of the bucket;
-- allgather / split (int32 or compact indices): ``PATTERNS["gather"].choose`` for the sparse
+- allgather / split (int32 or compact indices): ``GATHER.choose`` for the sparse
   members plus the ring all-reduce of the dense members (no byte fallback: the exchange's own cost);
 - auto (the defaults of ``SparseState``: compact indices, the byte fallback on), and auto with
   bfloat16 values: the exchange ``choose`` picks, and the whole bucket dense where the hook's byte
@@ -49,10 +49,10 @@ import torch
 from lightning_sparse._utils import end_process_group, free_port
 from lightning_sparse.bench._ranks import run_ranks
 from lightning_sparse.bench.step import model_shape
-from lightning_sparse.hook import _sparse_is_cheaper, communicate
-from lightning_sparse.patterns import PATTERNS, MessageLayout, ring_all_reduce_bytes
+from lightning_sparse.hook import communicate, sparse_is_cheaper
 from lightning_sparse.schedules import k_for
 from lightning_sparse.state import Member, SparseState
+from lightning_sparse.wire import GATHER, MessageLayout, ring_all_reduce_bytes
 
 #: the world sizes of the model rows (any measured one is added)
 MODEL_WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -206,11 +206,11 @@ def bucket_wire(config: str, density: float, world: int, bucket: Bucket) -> tupl
     rate = state.schedule.density(state.warmup_steps)
     ks = [k_for(m.numel, rate) for m in sparse]
     # the hook's own byte rule, on a float32 bucket (only its dtype is read)
-    if state.fallback_to_dense and not _sparse_is_cheaper(state, torch.empty(0, dtype=GRAD_DTYPE), tuple(sparse), ks):
+    if state.fallback_to_dense and not sparse_is_cheaper(state, torch.empty(0, dtype=GRAD_DTYPE), tuple(sparse), ks):
         return dense, "dense"
     vbytes = (state.value_dtype or GRAD_DTYPE).itemsize
     numels = [m.numel for m in sparse]
-    how, wire = PATTERNS["gather"].choose(world, ks, vbytes, numels, state.exchange, state.compact_indices)
+    how, wire = GATHER.choose(world, ks, vbytes, numels, state.exchange, state.compact_indices)
     return wire + ring_all_reduce_bytes(world, small * GRAD_DTYPE.itemsize), how
 
 

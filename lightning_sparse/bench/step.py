@@ -578,7 +578,7 @@ def _summary(
 ) -> dict[str, Any]:
     """One run's figures over its timed steps (``counters``: the hook's telemetry then, None for dense
     and the peers; ``counted``: the bytes a peer's hook handed to the collectives then)."""
-    from lightning_sparse.patterns import ring_all_reduce_bytes
+    from lightning_sparse.wire import ring_all_reduce_bytes
 
     params = args.layers * (width * width + width)
     row: dict[str, Any] = {

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import make_generator, mix_seed
 
-#: the communication patterns the hook knows (``lightning_sparse.patterns.PATTERNS``)
+#: the communication patterns the hook knows (``lightning_sparse.wire.PATTERNS``)
 Pattern = str
 
 #: name -> compressor class; a compressor joins with ``@register_compressor``.
@@ -105,7 +105,7 @@ class Compressor(ABC):
         return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.config() == other.config()  # type: ignore[attr-defined]
+        return isinstance(other, Compressor) and type(self) is type(other) and self.config() == other.config()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.config().items()))))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import numpy as np
 import torch
@@ -119,7 +119,7 @@ class CountSketch(Compressor):
         rows: int = 5,
         width: float = 10.0,
         p2: float = 4.0,
-        p1: Union[float, Literal["auto"]] = "auto",
+        p1: float | Literal["auto"] = "auto",
     ) -> None:
         self.rows = check_int("rows", rows, minimum=1, maximum=99)
         if self.rows % 2 == 0:
@@ -443,10 +443,15 @@ def _estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: 
         found, est = _keep_at_least(offsets, est, tau)
         found_parts.append(found.add_(start))
         magnitude_parts.append(est)
-    if not found_parts:
-        empty = torch.empty(0, device=magnitude.device)
+    return _joined(found_parts, magnitude_parts, magnitude.device)
+
+
+def _joined(found: list[Tensor], magnitude: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The candidates found in every block, and their estimated magnitudes (empty when none)."""
+    if not found:
+        empty = torch.empty(0, device=device)
         return empty.long(), empty
-    return torch.cat(found_parts), torch.cat(magnitude_parts)
+    return torch.cat(found), torch.cat(magnitude)
 
 
 def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Tensor]:
@@ -454,8 +459,8 @@ def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Te
     compress runs several times faster than torch's boolean-mask indexing)."""
     if est.device.type == "cpu":
         e = est.numpy()
-        keep = np.flatnonzero(e >= tau)
-        return torch.from_numpy(offsets.numpy()[keep]), torch.from_numpy(e[keep])
+        kept = np.flatnonzero(e >= tau)
+        return torch.from_numpy(offsets.numpy()[kept]), torch.from_numpy(e[kept])
     keep = est >= tau
     return offsets[keep], est[keep]
 
@@ -484,7 +489,4 @@ def _estimates_at_least_segments(
         found, est = _keep_at_least(offsets, est, tau)
         found_parts.append(found.add_(start))
         magnitude_parts.append(est)
-    if not found_parts:
-        empty = torch.empty(0, device=magnitude.device)
-        return empty.long(), empty
-    return torch.cat(found_parts), torch.cat(magnitude_parts)
+    return _joined(found_parts, magnitude_parts, magnitude.device)

@@ -42,8 +42,11 @@ class RandomK(Compressor):
     are all-reduced and no indices cross the wire. Unscaled: error feedback keeps the rest.
 
     Example:
-        >>> from lightning_sparse import SparseDDPStrategy
-        >>> strategy = SparseDDPStrategy(compressor=RandomK(), density=0.01)
+        >>> import torch
+        >>> from lightning_sparse.compressors import CompressContext
+        >>> mine, theirs = CompressContext(step=3, key=7, rank=0), CompressContext(step=3, key=7, rank=1)
+        >>> torch.equal(RandomK().select(torch.randn(100), 5, mine), RandomK().select(torch.randn(100), 5, theirs))
+        True
     """
 
     name = "randomk"

@@ -24,8 +24,11 @@ class RTopK(Compressor):
         r_factor: ``r / k``, a number >= 1.
 
     Example:
-        >>> from lightning_sparse import SparseDDPStrategy
-        >>> strategy = SparseDDPStrategy(compressor=RTopK(r_factor=4.0), density=0.01)
+        >>> import torch
+        >>> from lightning_sparse.compressors import CompressContext
+        >>> idx = RTopK(r_factor=4.0).select(torch.arange(100.0), 5, CompressContext())
+        >>> idx.numel(), bool((idx >= 80).all())  # 5 of the 20 largest
+        (5, True)
     """
 
     name = "rtopk"

@@ -1,184 +1,30 @@
-"""Density schedules: the fraction of each tensor's coordinates sent at a given step.
-
-``SparseDDPStrategy(density=0.01)`` is :class:`ConstantDensity`; ``density=`` also takes a schedule:
-
-- :class:`ConstantDensity` - the same density every step;
-- :class:`WarmupDensity` - from dense-ish to sparse over the first steps (as DGC does);
-- :class:`AdaptiveDensity` - every step, the density that maximises the objective improvement
-  per communicated bit, ``k* = argmax_k ||Top_k(p)||^2 / C(k)`` (Khirirat, Magnusson, Aytekin and
-  Johansson), with every rank choosing the same ``k``.
-
-The hook calls ``schedule.density(step)`` for every bucket it sends sparse. Schedules that need to
-see the gradients set ``observes = True``: the hook then calls :meth:`DensitySchedule.observe` with
-``p = gradient + residual`` of every sparse tensor before compressing it, and
-:meth:`DensitySchedule.end_step` once at the end of every optimizer step. Both run on the thread
-that runs the hook, in the same order on every rank, so a schedule may launch a collective from
-``end_step`` (never from a future's callback).
-"""
+"""AdaptiveDensity: every step, the density that maximises the objective improvement per
+communicated bit (Khirirat, Magnusson, Aytekin and Johansson), the same on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse import comm
 from lightning_sparse._utils import bad_argument, check_density, check_int, scratch
-from lightning_sparse.patterns import PATTERNS, ring_all_gather_bytes, ring_all_reduce_bytes
+from lightning_sparse.compressors import TopK
+from lightning_sparse.schedules.base import DensitySchedule, k_for
+from lightning_sparse.wire import Collectives, WireContext, bucket_wire_bytes, sparse_pays
+from lightning_sparse.wire.comm import wait
+from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 
 if TYPE_CHECKING:
     from torch.futures import Future
 
-    from lightning_sparse.state import SparseState
 
-
-def k_for(numel: int, density: float) -> int:
-    """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1)."""
-    return max(1, min(numel, round(density * numel)))
-
-
-class DensitySchedule(ABC):
-    """Base class of density schedules.
-
-    A schedule is deterministic given its state, picklable, and round-trips through
-    :meth:`state_dict` / :meth:`load_state_dict` so a resumed run continues where it stopped.
-
-    Example:
-        >>> ConstantDensity(0.01).density(step=123)
-        0.01
-    """
-
-    #: whether the hook calls :meth:`observe` with every sparse tensor (it costs a pass over p)
-    observes: ClassVar[bool] = False
-
-    @abstractmethod
-    def density(self, step: int) -> float:
-        """The density in (0, 1] to use at optimizer step ``step``."""
-
-    def setup(self, state: SparseState, device: torch.device, grad_dtype: torch.dtype) -> None:  # noqa: B027
-        """Called on every rank when the hook is bound to its process group (collectives allowed).
-
-        ``device`` and ``grad_dtype`` are those of the model's gradients.
-        """
-
-    def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:  # noqa: B027
-        """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
-
-        Called only if :attr:`observes` is true, for every sparse parameter of every bucket, before
-        ``p`` is compressed: by :func:`~lightning_sparse.patterns.select_sorted` and by the dense
-        path (warm-up and fallback steps); a non-finite gradient is passed as it is. A wire
-        pattern that forms ``p`` without ``select_sorted`` must call it too, so that every rank
-        observes the same parameters. Must not communicate.
-        """
-
-    def end_step(self, step: int) -> int:
-        """Called at the end of optimizer step ``step`` on every rank, after the step's collectives
-        were launched, on the hook's thread; may launch one small collective.
-
-        Returns the bytes this rank handed to that collective, an all-gather (the hook counts
-        them in telemetry, with the all-gather's ring traffic).
-        """
-        return 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule's mutable state (empty for stateless schedules)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
-        """Restore what :meth:`state_dict` returned."""
-
-    def config(self) -> dict[str, Any]:
-        """The constructor arguments (for checkpoints and cross-rank consistency checks)."""
-        return {}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({args})"
-
-
-class ConstantDensity(DensitySchedule):
-    """The same density at every step.
-
-    Args:
-        density: fraction of coordinates sent, in (0, 1].
-
-    Example:
-        >>> ConstantDensity(0.001).density(step=0)
-        0.001
-    """
-
-    def __init__(self, density: float = 0.01) -> None:
-        self._density = check_density("density", density)
-
-    def density(self, step: int) -> float:
-        return self._density
-
-    def config(self) -> dict[str, Any]:
-        return {"density": self._density}
-
-
-class WarmupDensity(DensitySchedule):
-    """From ``start`` to ``end`` over the first ``steps`` optimizer steps, then ``end``.
-
-    ``exponential`` interpolates geometrically, ``start * (end / start) ** (step / steps)``, as
-    Deep Gradient Compression's warm-up does (0.25, 0.0625, 0.0156, 0.004, 0.001 over four
-    epochs); ``linear`` interpolates arithmetically. Steps count optimizer steps from 0, the
-    strategy's dense ``warmup_steps`` included. Stateless: a resumed run gets the density of its step.
-
-    With an all-gather compressor (top-k) a high starting density can move more bytes than a dense
-    all-reduce, at more processes sooner (about ``density >= 1 / world_size`` with float32 values
-    and int32 indices); the strategy then sends those buckets dense (``fallback_to_dense``).
-
-    Args:
-        start: density at step 0, in (0, 1].
-        end: density from step ``steps`` on, in (0, 1].
-        steps: length of the warm-up in optimizer steps (>= 1).
-        mode: ``"exponential"`` or ``"linear"``.
-
-    Examples:
-        >>> s = WarmupDensity(start=0.25, end=0.001, steps=4)
-        >>> [round(s.density(t), 5) for t in range(6)]
-        [0.25, 0.06287, 0.01581, 0.00398, 0.001, 0.001]
-        >>> WarmupDensity(0.5, 0.1, steps=4, mode="linear").density(2)
-        0.3
-    """
-
-    def __init__(
-        self,
-        start: float = 0.25,
-        end: float = 0.001,
-        steps: int = 1000,
-        mode: Literal["exponential", "linear"] = "exponential",
-    ) -> None:
-        self.start = check_density("start", start)
-        self.end = check_density("end", end)
-        self.steps = check_int("steps", steps, minimum=1)
-        if mode not in ("exponential", "linear"):
-            raise bad_argument("mode", mode, "expected 'exponential' or 'linear'")
-        self.mode = mode
-
-    def density(self, step: int) -> float:
-        if step >= self.steps:
-            return self.end
-        if step <= 0:
-            return self.start
-        t = step / self.steps
-        if self.mode == "exponential":
-            return self.start * (self.end / self.start) ** t
-        return self.start + (self.end - self.start) * t
-
-    def config(self) -> dict[str, Any]:
-        return {"start": self.start, "end": self.end, "steps": self.steps, "mode": self.mode}
-
-
-# --------------------------------------------------------------------------- adaptive
 _EXACT_NUMEL = 1 << 16  # tensors up to this size get their exact top-k energy curve (one sort)
 _BINS_PER_OCTAVE = 16  # larger ones: a histogram of p^2 in bins 2**(1/16) wide, over ...
 _OCTAVES = 64  # ... the 64 octaves below max(p^2) (everything smaller shares the lowest bin)
@@ -319,10 +165,10 @@ class AdaptiveDensity(DensitySchedule):
         min_density: float = 0.0001,
         max_density: float = 0.25,
         candidates: int = 20,
-        c0: Optional[float] = None,
-        c1: Optional[float] = None,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
+        c0: float | None = None,
+        c1: float | None = None,
+        alpha: float | None = None,
+        beta: float | None = None,
         initial_density: float = 0.01,
         interval: int = 1,
     ) -> None:
@@ -371,18 +217,26 @@ class AdaptiveDensity(DensitySchedule):
         self._measured: dict[str, float] | None = None
         # set up by setup() (not saved, not pickled)
         self._wire: dict[str, Any] = {}
-        self._group: dist.ProcessGroup | None = None
+        # what a message costs is asked of the wire under these settings (before setup: one
+        # process, an int32 all-gather)
+        self._ctx = WireContext(compressor=TopK(), exchange="allgather", compact_indices=False)
+        self._comm = Collectives()
         self._rows: dict[str, Tensor] = {}
         self._sizes: dict[str, list[int]] = {}
         self._pending: tuple[int, list[tuple[str, tuple[int, ...]]], Tensor, Future[Any] | None] | None = None
         self._ks: dict[int, list[int]] = {}
-        self._compressor: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         self._resolve()
         state = self.__dict__.copy()
-        state.update(_group=None, _rows={}, _sizes={}, _pending=None)
+        state.update(_comm=Collectives(), _rows={}, _sizes={}, _pending=None)
+        state["_ctx"] = dataclasses.replace(self._ctx, comm=Collectives())
         return state
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        """The process group the statistics are gathered over (None until set up, and once pickled)."""
+        return self._comm.group
 
     # ------------------------------------------------------------------ public API
     def density(self, step: int) -> float:
@@ -429,22 +283,22 @@ class AdaptiveDensity(DensitySchedule):
         return {"alpha": alpha, "beta": beta}
 
     # ------------------------------------------------------------------ hook API
-    def setup(self, state: SparseState, device: torch.device, grad_dtype: torch.dtype) -> None:
-        world = state.world_size
-        vdtype = state.value_dtype or grad_dtype
+    def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:
+        world = ctx.world_size
+        vdtype = ctx.value_dtype or grad_dtype
         self._wire = {
             "world": world,
-            "rank": state.rank,
-            "seed": state.seed,
-            "pattern": state.compressor.pattern,
-            "exchange": state.exchange,
-            "compact": state.compact_indices,
-            "fallback": state.fallback_to_dense,
+            "rank": ctx.rank,
+            "seed": ctx.seed,
+            "pattern": ctx.compressor.pattern,
+            "exchange": ctx.exchange,
+            "compact": ctx.compact_indices,
+            "fallback": ctx.byte_rule,
             "vbytes": vdtype.itemsize,
             "gbytes": grad_dtype.itemsize,
         }
-        self._compressor = state.compressor
-        self._group = state.process_group
+        self._ctx = ctx
+        self._comm = ctx.comm
         self._rows, self._sizes, self._pending = {}, {}, None
         needs_measure = self.cost_model == "latency_bandwidth" and (self.alpha is None or self.beta is None)
         if needs_measure and world > 1:
@@ -480,7 +334,7 @@ class AdaptiveDensity(DensitySchedule):
         future = None
         if world > 1:
             gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-            future = comm.all_gather(gathered, local, self._group)
+            future = self._comm.all_gather(gathered, local)
         else:
             gathered = local
         self._pending = (step, layout, gathered, future)
@@ -539,10 +393,8 @@ class AdaptiveDensity(DensitySchedule):
         w = self._wire
         world = int(w.get("world", 1))
         vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
-        pattern = PATTERNS[w.get("pattern", "gather")]
         ks, sizes = list(ks), list(sizes)
-        how = (w.get("exchange", "allgather"), bool(w.get("compact", False)))
-        wire = pattern.wire_bytes(world, ks, vbytes, sizes, self._compressor, *how)
+        wire = bucket_wire_bytes(self._ctx, ks, sizes, vbytes)
         dense_wire = ring_all_reduce_bytes(world, sum(sizes) * gbytes)
         if self.cost_model == "bits":
             assert self.c0 is not None
@@ -550,13 +402,13 @@ class AdaptiveDensity(DensitySchedule):
             payload = (
                 self.c1 * sum(ks)
                 if self.c1 is not None
-                else 8 * pattern.wire_bytes(2, ks, vbytes, sizes, self._compressor, *how)
+                else 8 * bucket_wire_bytes(self._ctx, ks, sizes, vbytes, world=2)
             )
             sparse, dense = self.c0 + payload, self.c0 + 8 * gbytes * sum(sizes)
         else:
             alpha, beta = self._alpha_beta()
             sparse, dense = alpha + beta * wire, alpha + beta * dense_wire
-        falls_back = w.get("fallback", True) and not wire < dense_wire
+        falls_back = w.get("fallback", True) and not sparse_pays(wire, world, sum(sizes) * gbytes)
         return sparse, dense if falls_back else None
 
     def _alpha_beta(self) -> tuple[float, float]:
@@ -570,7 +422,7 @@ class AdaptiveDensity(DensitySchedule):
         """Fit ``seconds = alpha + beta * wire bytes`` to this process group's own collectives."""
         world = int(self._wire["world"])
         gather = self._wire["pattern"] == "gather"
-        group = self._group
+        comm = self._comm
         medians = []
         xs = []
         for nbytes in _MEASURE_BYTES:
@@ -585,17 +437,14 @@ class AdaptiveDensity(DensitySchedule):
             for rep in range(_MEASURE_REPEATS + 1):
                 _sync(device)
                 start = time.perf_counter()
-                if gather:
-                    comm.all_gather(out, msg, group).wait()
-                else:
-                    comm.all_reduce(msg, group).wait()
+                wait(comm.all_gather(out, msg) if gather else comm.all_reduce(msg))
                 _sync(device)
                 if rep:  # the first one is a warm-up
                     times.append(time.perf_counter() - start)
             medians.append(statistics.median(times))
         # the slowest rank sets the pace of a collective; max is exact, so all ranks agree bit for bit
         t = torch.tensor(medians, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
         ts = t.cpu().tolist()
         alpha, beta = _fit_line(xs, ts)
         return {"alpha": alpha, "beta": beta, "world_size": world}
@@ -629,10 +478,3 @@ def _check_positive(name: str, value: Any) -> float | None:
     if value < 0 or (value == 0 and name != "c0"):
         raise bad_argument(name, value, allowed)
     return float(value)
-
-
-def as_schedule(density: float | DensitySchedule) -> DensitySchedule:
-    """Accept a plain density or a schedule; a plain number becomes :class:`ConstantDensity`."""
-    if isinstance(density, DensitySchedule):
-        return density
-    return ConstantDensity(check_density("density", density))

@@ -1,0 +1,162 @@
+"""Density schedules: the base class, the constant and warm-up schedules, and ``density=`` parsing."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import bad_argument, check_density, check_int
+from lightning_sparse.wire import WireContext
+
+
+def k_for(numel: int, density: float) -> int:
+    """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1)."""
+    return max(1, min(numel, round(density * numel)))
+
+
+class DensitySchedule(ABC):
+    """Base class of density schedules.
+
+    A schedule is deterministic given its state, picklable, and round-trips through
+    :meth:`state_dict` / :meth:`load_state_dict` so a resumed run continues where it stopped.
+
+    Example:
+        >>> ConstantDensity(0.01).density(step=123)
+        0.01
+    """
+
+    #: whether the hook calls :meth:`observe` with every sparse tensor (it costs a pass over p)
+    observes: ClassVar[bool] = False
+
+    @abstractmethod
+    def density(self, step: int) -> float:
+        """The density in (0, 1] to use at optimizer step ``step``."""
+
+    def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:  # noqa: B027
+        """Called on every rank when the hook is bound to its process group (collectives allowed).
+
+        ``ctx`` holds the settings that decide what a message costs and the process group;
+        ``device`` and ``grad_dtype`` are those of the model's gradients.
+        """
+
+    def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:  # noqa: B027
+        """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
+
+        Called only if :attr:`observes` is true, for every sparse parameter of every bucket, before
+        ``p`` is compressed: by :func:`~lightning_sparse.wire.select.select_sorted` and by the dense
+        path (warm-up and fallback steps); a non-finite gradient is passed as it is. A wire
+        pattern that forms ``p`` without ``select_sorted`` must call it too, so that every rank
+        observes the same parameters. Must not communicate.
+        """
+
+    def end_step(self, step: int) -> int:
+        """Called at the end of optimizer step ``step`` on every rank, after the step's collectives
+        were launched, on the hook's thread; may launch one small collective.
+
+        Returns the bytes this rank handed to that collective, an all-gather (the hook counts
+        them in telemetry, with the all-gather's ring traffic).
+        """
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's mutable state (empty for stateless schedules)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
+        """Restore what :meth:`state_dict` returned."""
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (for checkpoints and cross-rank consistency checks)."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class ConstantDensity(DensitySchedule):
+    """The same density at every step.
+
+    Args:
+        density: fraction of coordinates sent, in (0, 1].
+
+    Example:
+        >>> ConstantDensity(0.001).density(step=0)
+        0.001
+    """
+
+    def __init__(self, density: float = 0.01) -> None:
+        self._density = check_density("density", density)
+
+    def density(self, step: int) -> float:
+        return self._density
+
+    def config(self) -> dict[str, Any]:
+        return {"density": self._density}
+
+
+class WarmupDensity(DensitySchedule):
+    """From ``start`` to ``end`` over the first ``steps`` optimizer steps, then ``end``.
+
+    ``exponential`` interpolates geometrically, ``start * (end / start) ** (step / steps)``, as
+    Deep Gradient Compression's warm-up does (0.25, 0.0625, 0.0156, 0.004, 0.001 over four
+    epochs); ``linear`` interpolates arithmetically. Steps count optimizer steps from 0, the
+    strategy's dense ``warmup_steps`` included. Stateless: a resumed run gets the density of its step.
+
+    With an all-gather compressor (top-k) a high starting density can move more bytes than a dense
+    all-reduce, at more processes sooner (about ``density >= 1 / world_size`` with float32 values
+    and int32 indices); the strategy then sends those buckets dense (``fallback_to_dense``).
+
+    Args:
+        start: density at step 0, in (0, 1].
+        end: density from step ``steps`` on, in (0, 1].
+        steps: length of the warm-up in optimizer steps (>= 1).
+        mode: ``"exponential"`` or ``"linear"``.
+
+    Examples:
+        >>> s = WarmupDensity(start=0.25, end=0.001, steps=4)
+        >>> [round(s.density(t), 5) for t in range(6)]
+        [0.25, 0.06287, 0.01581, 0.00398, 0.001, 0.001]
+        >>> WarmupDensity(0.5, 0.1, steps=4, mode="linear").density(2)
+        0.3
+    """
+
+    def __init__(
+        self,
+        start: float = 0.25,
+        end: float = 0.001,
+        steps: int = 1000,
+        mode: Literal["exponential", "linear"] = "exponential",
+    ) -> None:
+        self.start = check_density("start", start)
+        self.end = check_density("end", end)
+        self.steps = check_int("steps", steps, minimum=1)
+        if mode not in ("exponential", "linear"):
+            raise bad_argument("mode", mode, "expected 'exponential' or 'linear'")
+        self.mode = mode
+
+    def density(self, step: int) -> float:
+        if step >= self.steps:
+            return self.end
+        if step <= 0:
+            return self.start
+        t = step / self.steps
+        if self.mode == "exponential":
+            return self.start * (self.end / self.start) ** t
+        return self.start + (self.end - self.start) * t
+
+    def config(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "steps": self.steps, "mode": self.mode}
+
+
+# --------------------------------------------------------------------------- adaptive
+
+
+def as_schedule(density: float | DensitySchedule) -> DensitySchedule:
+    """Accept a plain density or a schedule; a plain number becomes :class:`ConstantDensity`."""
+    if isinstance(density, DensitySchedule):
+        return density
+    return ConstantDensity(check_density("density", density))

@@ -1,0 +1,68 @@
+"""The wire: how a bucket's compressed contents cross between ranks, and what that costs.
+
+Below the hook and the density schedules, above the compressors, the residual stores and the
+counters. It sees the hook's state only through :class:`WireContext` and :class:`BucketCall`.
+
+- :mod:`~lightning_sparse.wire.cost` - ring byte models, counting, the byte rule;
+- :mod:`~lightning_sparse.wire.comm` - the collectives, each counted where it is issued;
+- :mod:`~lightning_sparse.wire.context` - what the wire code is given, and the :class:`Average` it returns;
+- :mod:`~lightning_sparse.wire.message` / :mod:`~lightning_sparse.wire.indexcode` - message coding;
+- :mod:`~lightning_sparse.wire.select` - selection with error feedback;
+- :mod:`~lightning_sparse.wire.split` - the split exchange;
+- :mod:`~lightning_sparse.wire.patterns` - the patterns (gather, shared, sketch, dense).
+"""
+
+from lightning_sparse.wire.comm import Collectives
+from lightning_sparse.wire.context import Average, BucketCall, BucketPlan, Member, Pending, WireContext
+from lightning_sparse.wire.cost import (
+    count_all_gather,
+    count_all_reduce,
+    count_all_to_all,
+    count_dense,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    sparse_pays,
+)
+from lightning_sparse.wire.message import MessageLayout, SparseSpace
+from lightning_sparse.wire.patterns import (
+    DENSE,
+    EXCHANGES,
+    GATHER,
+    PATTERNS,
+    SPLIT_AUTO_RATIO,
+    GatherPattern,
+    WirePattern,
+    bucket_wire_bytes,
+)
+from lightning_sparse.wire.split import SPLIT_BLOCK, Regions, split_capacities, split_wire_bytes
+
+__all__ = [
+    "DENSE",
+    "EXCHANGES",
+    "GATHER",
+    "PATTERNS",
+    "SPLIT_AUTO_RATIO",
+    "SPLIT_BLOCK",
+    "Average",
+    "BucketCall",
+    "BucketPlan",
+    "Collectives",
+    "GatherPattern",
+    "Member",
+    "MessageLayout",
+    "Pending",
+    "Regions",
+    "SparseSpace",
+    "WireContext",
+    "WirePattern",
+    "bucket_wire_bytes",
+    "count_all_gather",
+    "count_all_reduce",
+    "count_all_to_all",
+    "count_dense",
+    "ring_all_gather_bytes",
+    "ring_all_reduce_bytes",
+    "sparse_pays",
+    "split_capacities",
+    "split_wire_bytes",
+]

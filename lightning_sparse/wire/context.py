@@ -1,0 +1,177 @@
+"""What the wire code is given: a bucket's layout, the settings it needs, and one call's inputs.
+
+The wire code (patterns, selection, the split exchange) sees the hook's state only through these
+types: :class:`WireContext` (the settings and the per-rank stores that stay between steps, built
+when the state is bound to a process group) and :class:`BucketCall` (one bucket at one step). Both
+are defined here, below the wire code, so nothing in it imports the state above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_sparse.compressors import CompressContext, Compressor
+from lightning_sparse.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.stats import Counters
+from lightning_sparse.wire.comm import Collectives
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter's place in a bucket."""
+
+    name: str
+    key: int
+    offset: int
+    numel: int
+    sparse: bool
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The layout of one bucket: its members in buffer order, and a label for telemetry."""
+
+    members: tuple[Member, ...]
+    numel: int
+    label: str
+
+    @property
+    def sparse_members(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.members if m.sparse)
+
+    @property
+    def dense_members(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.members if not m.sparse)
+
+
+@dataclass(frozen=True)
+class WireContext:
+    """The settings and stores the wire code works with on one rank.
+
+    Args:
+        compressor: picks the coordinates (its ``pattern`` says how they cross the wire).
+        error_feedback: keep what was not sent in ``memory``.
+        momentum_correction: DGC's momentum factor (0: off); what was sent is masked in ``velocity``.
+        value_dtype: dtype of the values sent (None: the buffer's).
+        seed: seed of every shared random choice.
+        exchange: ``"auto"``, ``"allgather"`` or ``"split"`` (gather-pattern compressors).
+        compact_indices: Rice-code indices wherever that is smaller than int32.
+        byte_rule: send a bucket dense where sparse would not move fewer bytes.
+        memory: the error-feedback residuals, by parameter name.
+        velocity: the local momenta of momentum correction, by parameter name.
+        comm: the counted collectives of this rank's process group.
+        rank: this rank.
+
+    Example:
+        >>> from lightning_sparse.compressors import TopK
+        >>> ctx = WireContext(compressor=TopK())
+        >>> ctx.world_size, ctx.vdtype(torch.zeros(1, dtype=torch.bfloat16))
+        (1, torch.bfloat16)
+    """
+
+    compressor: Compressor
+    error_feedback: bool = True
+    momentum_correction: float = 0.0
+    value_dtype: torch.dtype | None = None
+    seed: int = 0
+    exchange: str = "auto"
+    compact_indices: bool = True
+    byte_rule: bool = True
+    memory: ErrorFeedback = field(default_factory=ErrorFeedback)
+    velocity: LocalMomentum = field(default_factory=LocalMomentum)
+    comm: Collectives = field(default_factory=Collectives)
+    rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world
+
+    def vdtype(self, buffer: Tensor) -> torch.dtype:
+        """The dtype values of ``buffer`` travel in."""
+        return self.value_dtype or buffer.dtype
+
+    def compress_context(self, step: int, m: Member) -> CompressContext:
+        return CompressContext(step=step, key=m.key, rank=self.rank, world_size=self.world_size, seed=self.seed)
+
+
+#: ``observe(step, bucket label, parameter name, p)``: a density schedule's view of ``p = g + e``
+Observer = Callable[[int, str, str, Tensor], None]
+
+
+@dataclass
+class BucketCall:
+    """One bucket at one optimizer step.
+
+    Args:
+        buffer: the flat sum-ready local input of the bucket's parameters, in their order.
+        plan: the bucket's layout.
+        step: the optimizer step.
+        counters: this call's telemetry (every collective is counted into it).
+        sources: float32 tensors sent instead of a member's slice of ``buffer`` (momentum
+            correction's local momentum), by name.
+        inputs_finite: the caller made every input finite (the update exchange drops a
+            non-finite update on its rank), so the per-tensor finiteness read is skipped.
+        observe: the density schedule's observer, if it observes.
+    """
+
+    buffer: Tensor
+    plan: BucketPlan
+    step: int
+    counters: Counters
+    sources: dict[str, Tensor] = field(default_factory=dict)
+    inputs_finite: bool = False
+    observe: Observer | None = None
+
+    def input_of(self, m: Member) -> Tensor:
+        """What is compressed for member ``m``: its slice of the buffer, or its source."""
+        source = self.sources.get(m.name)
+        return source if source is not None else self.buffer[m.offset : m.offset + m.numel]
+
+    def segment(self, m: Member) -> Tensor:
+        return self.buffer[m.offset : m.offset + m.numel]
+
+
+@dataclass
+class Pending:
+    """A launched part of a bucket's exchange: its futures, and how to add its result.
+
+    ``apply(out)`` runs once every future of the bucket has completed; it adds the average over
+    ranks of what the ranks sent for its own coordinates into ``out`` (laid out like the bucket).
+    ``dense`` (the dense pattern only) instead returns that average as the bucket's buffer itself.
+    """
+
+    futures: list[Future[Any]]
+    apply: Callable[[Tensor], Any]
+    dense: Callable[[], Tensor] | None = None
+
+
+class Average:
+    """The average over ranks of what every rank sent for one bucket, once its collectives completed.
+
+    Where it lands is the caller's choice: :meth:`as_dense` (the gradient hook: the averaged
+    gradient, in the bucket's buffer) or :meth:`add_to` (an outer step: added into the global
+    parameters, or into a buffer of zeros for an outer optimizer to take as its gradient).
+    """
+
+    def __init__(self, buffer: Tensor, parts: list[Pending]) -> None:
+        self.buffer = buffer
+        self.parts = parts
+
+    def add_to(self, out: Tensor) -> Tensor:
+        """Add the average into ``out`` (a flat tensor laid out like the bucket; only the
+        coordinates that were sent are touched) and return ``out``."""
+        for part in self.parts:
+            part.apply(out)
+        return out
+
+    def as_dense(self) -> Tensor:
+        """The average as a dense tensor: the bucket's buffer, overwritten."""
+        if len(self.parts) == 1 and self.parts[0].dense is not None:
+            return self.parts[0].dense()
+        return self.add_to(self.buffer.zero_())

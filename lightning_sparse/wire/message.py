@@ -1,0 +1,163 @@
+"""Message coding: the sparse space a bucket's messages address, and fixed-size messages of
+(value, coordinate) pairs with int32 or Rice-coded indices (:mod:`lightning_sparse.wire.indexcode`)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.wire.context import BucketPlan
+from lightning_sparse.wire.indexcode import decode_indices, encode_indices, index_bytes, rice_capacity_bytes
+
+_INDEX_BYTES = 4  # uncoded indices travel as int32; buckets are far below 2**31 elements
+
+
+def _align(nbytes: int, to: int) -> int:
+    return (nbytes + to - 1) // to * to
+
+
+def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """Cast values for the wire; float16 saturates at its largest finite value instead of
+    overflowing to inf, so the part above it stays in the residual rather than poisoning it."""
+    if dtype == values.dtype:
+        return values
+    if dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        values = values.clamp(-limit, limit)
+    return values.to(dtype)
+
+
+@dataclass(frozen=True)
+class SparseSpace:
+    """A bucket's sparse members laid end to end: the coordinates gather messages address.
+
+    Addressing this space rather than the bucket keeps the tensors sent dense (biases, norms)
+    out of the index range, which the compact index code's size depends on. The members are laid
+    out by name, not in the bucket's order: DDP orders a bucket differently before and after it
+    rebuilds its buckets (the first step of a run, resumed runs included), and the split
+    exchange's ownership of coordinates must not depend on that.
+    """
+
+    numel: int
+    members: tuple[int, ...]  # the sparse members (positions in ``plan.sparse_members``) in space order
+    starts: tuple[int, ...]  # each one's first coordinate in this space (ascending)
+    offsets: tuple[int, ...]  # and in the bucket
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def of(plan: BucketPlan) -> SparseSpace:
+        sparse = plan.sparse_members
+        order = sorted(range(len(sparse)), key=lambda i: sparse[i].name)
+        starts, offsets, pos = [], [], 0
+        for i in order:
+            starts.append(pos)
+            offsets.append(sparse[i].offset)
+            pos += sparse[i].numel
+        return SparseSpace(pos, tuple(order), tuple(starts), tuple(offsets))
+
+    def to_bucket(self, coords: Tensor) -> Tensor:
+        """Bucket offsets of sparse-space coordinates (int64)."""
+        shifts = [o - s for o, s in zip(self.offsets, self.starts, strict=True)]
+        if all(x == shifts[0] for x in shifts):
+            return coords + shifts[0] if shifts[0] else coords
+        starts = torch.tensor(self.starts, dtype=torch.int64, device=coords.device)
+        member = torch.searchsorted(starts, coords, right=True) - 1
+        return coords + torch.tensor(shifts, dtype=torch.int64, device=coords.device)[member]
+
+    def by_member(self, coords: Tensor) -> list[tuple[int, slice, Tensor]]:
+        """Split ascending coordinates by member: ``(position in space order, slice of coords, member-local
+        indices)`` for each member that has any."""
+        bounds = torch.tensor((*self.starts, self.numel), dtype=torch.int64, device=coords.device)
+        cuts = torch.searchsorted(coords, bounds).tolist()
+        return [
+            (i, slice(cuts[i], cuts[i + 1]), coords[cuts[i] : cuts[i + 1]] - self.starts[i])
+            for i in range(len(self.starts))
+            if cuts[i + 1] > cuts[i]
+        ]
+
+
+@dataclass(frozen=True)
+class MessageLayout:
+    """A fixed-size message of up to ``capacity`` (value, coordinate) pairs in ``[0, n)``.
+
+    ``[count: int32, 4 bytes of padding (with header)][values][to 4 bytes][indices][to 8 bytes]``:
+    values first so that their views are aligned, indices as int32 or, with ``compact``, in the
+    Rice code of :mod:`lightning_sparse.wire.indexcode` wherever that is smaller. The size depends only
+    on ``(n, capacity, value dtype, compact, header)``: the same on every rank, as the
+    collectives need. Without a header the message always holds exactly ``capacity`` pairs.
+
+    Example:
+        >>> import torch
+        >>> layout = MessageLayout(n=10_000, capacity=100, value_dtype=torch.bfloat16, compact=True)
+        >>> layout.coding, layout.size
+        ('rice', 312)
+        >>> coords = torch.arange(0, 10_000, 100)
+        >>> got, values = layout.unpack(layout.pack(coords, torch.ones(100)))
+        >>> torch.equal(got, coords), values.dtype
+        (True, torch.bfloat16)
+    """
+
+    n: int
+    capacity: int
+    value_dtype: torch.dtype
+    compact: bool
+    header: bool = False
+
+    @functools.cached_property
+    def coding(self) -> str:
+        if self.compact and rice_capacity_bytes(self.n, self.capacity) < _INDEX_BYTES * self.capacity:
+            return "rice"
+        return "int32"
+
+    @functools.cached_property
+    def _values_at(self) -> int:
+        return 8 if self.header else 0
+
+    @functools.cached_property
+    def _index_at(self) -> int:
+        return _align(self._values_at + self.capacity * self.value_dtype.itemsize, 4)
+
+    @functools.cached_property
+    def _index_bytes(self) -> int:
+        return index_bytes(self.n, self.capacity, self.coding)
+
+    @functools.cached_property
+    def size(self) -> int:
+        """Bytes per message (8-byte aligned, so every rank's part of a gathered buffer is too)."""
+        return _align(self._index_at + self._index_bytes, 8)
+
+    def pack(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
+        """Write sorted unique ``coords`` and their ``values`` (cast to ``value_dtype``) into a
+        zeroed uint8 message (``out``: a view of :attr:`size` bytes, or a new tensor)."""
+        count = coords.numel()
+        if count > self.capacity or (not self.header and count != self.capacity):
+            raise ValueError(f"{count} pairs do not fit a message of capacity {self.capacity}")
+        if out is None:
+            out = torch.zeros(self.size, dtype=torch.uint8, device=coords.device)
+        else:
+            out.zero_()
+        vb = self.value_dtype.itemsize
+        if self.header:
+            out[:4].view(torch.int32).fill_(count)
+        out[self._values_at : self._values_at + count * vb].view(self.value_dtype).copy_(values)
+        index = out[self._index_at : self._index_at + self._index_bytes]
+        if self.coding == "rice":
+            encode_indices(coords, self.n, self.capacity, out=index)
+        else:
+            index[: count * _INDEX_BYTES].view(torch.int32).copy_(coords)
+        return out
+
+    def unpack(self, message: Tensor) -> tuple[Tensor, Tensor]:
+        """``(int64 coordinates, values in value_dtype)`` of a message :meth:`pack` wrote."""
+        count = int(message[:4].view(torch.int32)) if self.header else self.capacity
+        vb = self.value_dtype.itemsize
+        values = message[self._values_at : self._values_at + count * vb].view(self.value_dtype)
+        index = message[self._index_at : self._index_at + self._index_bytes]
+        if self.coding == "rice":
+            coords = decode_indices(index, self.n, self.capacity, count)
+        else:
+            coords = index[: count * _INDEX_BYTES].view(torch.int32).long()
+        return coords, values

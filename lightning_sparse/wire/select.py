@@ -1,0 +1,117 @@
+"""Selection with error feedback: what every pattern that picks coordinates does to a bucket's
+sparse members before their values cross the wire, and what it does to the residuals after."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import all_finite
+from lightning_sparse.wire.context import BucketCall, Member, WireContext
+from lightning_sparse.wire.message import SparseSpace, quantize
+
+
+def flush_residuals(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> None:
+    """Add any residual into the bucket before a dense send, so nothing stays behind unsent."""
+    if not ctx.error_feedback:
+        return
+    memory = ctx.memory
+    for m in members:
+        if m.name in memory:
+            segment = call.segment(m)
+            if not call.inputs_finite and not all_finite(segment):
+                # Send the non-finite gradient as it is (every rank then sees a non-finite average
+                # and the optimizer / gradient scaler skips the step); keep the residual unpoisoned.
+                call.counters.nonfinite_buckets = 1
+                continue
+            memory.accumulate(m.name, segment)
+            sent = memory.flush(m.name, call.buffer.dtype)
+            assert sent is not None
+            segment.copy_(sent)
+
+
+@dataclass
+class Selection:
+    """A bucket's selected coordinates, sorted, before they cross the wire.
+
+    ``coords``: sparse-space coordinates (int64, ascending); ``exact``: ``p`` there (before the
+    value dtype's rounding); ``sent``: the values as they travel; ``residual``: per sparse member
+    in :class:`SparseSpace` order, the residual buffer holding ``p = g + e`` (None: no error
+    feedback, or a non-finite input).
+    """
+
+    coords: Tensor
+    exact: Tensor
+    sent: Tensor
+    residual: list[Tensor | None]
+
+
+def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype, settle: bool) -> Selection:
+    """Select ``ks`` coordinates of each sparse member (error feedback included), sorted.
+
+    With ``settle`` the residuals keep what is not sent right away (``sent + e_new == p``: the
+    all-gather and the shared patterns); without, they keep all of ``p`` and the caller settles
+    what was finally sent (the split exchange). A member whose input is not finite sends NaN, at
+    its first ``k`` coordinates or, for a shared pattern, at the coordinates every rank picks, and
+    leaves its residual as it was; ``counters.nonfinite_buckets`` is then set.
+    """
+    compressor = ctx.compressor
+    plan = call.plan
+    space = SparseSpace.of(plan)
+    coords: list[Tensor] = []
+    exact: list[Tensor] = []
+    sent: list[Tensor] = []
+    residual: list[Tensor | None] = []
+    for i, start in zip(space.members, space.starts, strict=True):
+        m, k = plan.sparse_members[i], ks[i]
+        g = call.input_of(m)
+        cctx = ctx.compress_context(call.step, m)
+        if not call.inputs_finite and not all_finite(g):
+            # the same message shape as always, NaN values: every rank sees a non-finite average
+            # and skips the step alike; this rank's residual keeps its previous value
+            call.counters.nonfinite_buckets = 1
+            if call.observe is not None:
+                call.observe(call.step, plan.label, m.name, g)
+            shared = compressor.pattern == "shared"
+            idx = compressor.select(g, k, cctx).sort().values if shared else torch.arange(k, device=g.device)
+            values = torch.full((k,), float("nan"), dtype=torch.float32, device=g.device)
+            coords.append(idx + start)
+            exact.append(values)
+            sent.append(values.to(vdtype))
+            residual.append(None)
+            continue
+        p = ctx.memory.accumulate(m.name, g) if ctx.error_feedback else g
+        if call.observe is not None:
+            call.observe(call.step, plan.label, m.name, p)
+        idx = compressor.select(p, k, cctx)
+        if idx.numel() != k:
+            raise RuntimeError(f"{type(compressor).__name__}.select returned {idx.numel()} indices for k={k}")
+        idx = idx.sort().values
+        values = p[idx]
+        q = quantize(values, vdtype)
+        if settle:
+            if ctx.error_feedback:
+                ctx.memory.keep_unsent(m.name, idx, None if q.dtype == values.dtype else values - q.to(values.dtype))
+            if ctx.momentum_correction:
+                ctx.velocity.mask(m.name, idx)
+        coords.append(idx + start if start else idx)
+        exact.append(values)
+        sent.append(q)
+        residual.append(p if ctx.error_feedback else None)
+    return Selection(torch.cat(coords), torch.cat(exact), torch.cat(sent), residual)
+
+
+def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selection, accepted: Tensor) -> None:
+    """Take the coordinates at positions ``accepted`` of the selection out of the residuals."""
+    coords = sel.coords[accepted]
+    for i, part, idx in space.by_member(coords):
+        if sel.residual[i] is None and ctx.error_feedback:
+            continue  # non-finite input: the residual keeps its previous value
+        m = call.plan.sparse_members[space.members[i]]
+        if ctx.error_feedback:
+            exact, sent = sel.exact[accepted[part]], sel.sent[accepted[part]]
+            ctx.memory.keep_unsent(m.name, idx, None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype))
+        if ctx.momentum_correction:
+            ctx.velocity.mask(m.name, idx)

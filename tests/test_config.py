@@ -1,0 +1,96 @@
+"""One source of truth for the settings: SparseConfig, and the two strategies that take them flat."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+
+import pytest
+import torch
+
+from lightning_sparse import FabricSparseDDPStrategy, SparseConfig, SparseDDPStrategy, SparseState
+from lightning_sparse.config import setting_docs, setting_names
+
+SHELLS = [SparseDDPStrategy, FabricSparseDDPStrategy]
+
+
+def arg_docs(cls: type) -> dict[str, str]:
+    """The ``Args:`` entries of a Google-style docstring, whitespace folded."""
+    doc = inspect.getdoc(cls) or ""
+    section = doc.split("Args:\n", 1)[1].split("\n\n", 1)[0]
+    entries: dict[str, str] = {}
+    name = None
+    for line in section.splitlines():
+        m = re.match(r"^    (\*{0,2}\w+): (.*)$", line)
+        if m:
+            name = m.group(1)
+            entries[name] = m.group(2)
+        elif name is not None:
+            entries[name] += " " + line.strip()
+    return {k: " ".join(v.split()) for k, v in entries.items()}
+
+
+@pytest.mark.parametrize("shell", SHELLS, ids=lambda c: c.__module__)
+def test_shell_signature_matches_the_config(shell: type) -> None:
+    params = inspect.signature(shell.__init__).parameters
+    hints = typing.get_type_hints(shell.__init__)
+    fields = typing.get_type_hints(SparseConfig)
+    defaults = SparseConfig.__dataclass_fields__
+    for name in setting_names():
+        assert name in params, f"{shell.__module__}.SparseDDPStrategy lacks the setting {name!r}"
+        assert params[name].default == defaults[name].default, name
+        assert hints[name] == fields[name], (name, hints[name], fields[name])
+
+
+@pytest.mark.parametrize("shell", SHELLS, ids=lambda c: c.__module__)
+def test_shell_argument_docs_match_the_config(shell: type) -> None:
+    docs = arg_docs(shell)
+    for name, doc in setting_docs().items():
+        assert docs.get(name) == doc, f"{shell.__module__}: the doc of {name!r} drifted from SparseConfig's"
+    undocumented = set(inspect.signature(shell.__init__).parameters) - {"self", "kwargs"} - set(docs)
+    assert not undocumented
+
+
+@pytest.mark.parametrize("shell", SHELLS, ids=lambda c: c.__module__)
+def test_shell_builds_the_config_it_was_given(shell: type) -> None:
+    strategy = shell(compressor="randomk", density=0.002, value_dtype="bfloat16", exchange="allgather")
+    config = strategy._core.config
+    assert config == SparseConfig(
+        compressor=config.compressor, density=config.density, value_dtype="bfloat16", exchange="allgather"
+    )
+    assert config.compressor.name == "randomk" and config.value_dtype is torch.bfloat16
+    assert strategy.sparse_state.config is config
+
+
+def test_defaults_are_declared_once() -> None:
+    # the shells' defaults are the config's; the hook alone declares one difference, on purpose
+    assert SparseDDPStrategy().compress == FabricSparseDDPStrategy().compress == SparseConfig().compress == "update"
+    assert SparseState().compress == "gradient"
+    assert SparseState(SparseConfig()).compress == "update"
+    with pytest.raises(ValueError, match="a config or settings, not both"):
+        SparseState(SparseConfig(), density=0.5)
+
+
+def test_config_validates_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"exchange='ring' is not allowed: expected one of"):
+        SparseConfig(exchange="ring")
+    with pytest.raises(ValueError, match=r"compact_indices=1 is not allowed: expected True or False"):
+        SparseConfig(compact_indices=1)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses_frozen()):
+        SparseConfig().seed = 3  # type: ignore[misc]
+
+
+def dataclasses_frozen() -> type[Exception]:
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_fingerprint_and_ddp_kwargs() -> None:
+    a, b = SparseConfig(), SparseConfig(density=0.02)
+    assert a.fingerprint() != b.fingerprint()
+    assert a.fingerprint() == SparseConfig().fingerprint()
+    assert SparseConfig(compress="gradient").ddp_kwargs["gradient_as_bucket_view"] is False
+    assert SparseConfig(bucket_cap_mb=4).ddp_kwargs["bucket_cap_mb"] == 4
+    assert "bucket_cap_mb" not in SparseConfig().ddp_kwargs

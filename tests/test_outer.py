@@ -1,0 +1,94 @@
+"""The outer-step seam: an exchange hands the average of what the ranks sent to one place, the
+outer step, which applies it to the global parameters. A different outer step plugs in without
+any change to the wire code (2 real gloo processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_sparse.outer import AddAverage, OuterStep
+from lightning_sparse.wire import Average
+
+SHAPES = {"w": (60, 50), "b": (500,)}  # one tensor sent sparse, one below min_numel (dense)
+
+
+class ScaledAdd(OuterStep):
+    """Add ``alpha`` times the average (records what it received)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.received: list[torch.Tensor] = []
+
+    def apply(self, average: Average, target: torch.Tensor, names: tuple[str, ...]) -> None:
+        step = average.add_to(torch.zeros_like(target))
+        self.received.append(step.clone())
+        target.add_(step, alpha=self.alpha)
+
+
+def _worker(rank: int, world: int, alpha: float | None) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    torch.manual_seed(0)
+    named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
+    params = [p for _, p in named]
+    state = SparseState(compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update")
+    outer = AddAverage() if alpha is None else ScaledAdd(alpha)
+    exchange = UpdateExchange(state, outer_step=outer)
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(100 + rank)
+    steps = []
+    for _ in range(3):
+        before = [p.detach().clone() for p in params]
+        e_old = {n: (state.memory.get(n).clone() if n in state.memory else torch.zeros(p.numel())) for n, p in named}
+        exchange.enter_local()
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen))
+        # what the update exchange sends from: delta = p_after - (global + e_old), in float32
+        delta = {
+            n: p.detach().reshape(-1) - (g.reshape(-1) + e_old[n]) for (n, p), g in zip(named, before, strict=True)
+        }
+        exchange.exchange()
+        e_new = {n: (state.memory.get(n).clone() if n in state.memory else torch.zeros(p.numel())) for n, p in named}
+        sent = torch.cat([delta[n] + e_old[n] - e_new[n] for n in SHAPES])
+        every = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(every, sent)
+        steps.append(
+            {
+                "before": torch.cat([b.reshape(-1) for b in before]),
+                "after": torch.cat([p.detach().reshape(-1) for p in params]),
+                "mean_sent": torch.stack(every).mean(0),
+            }
+        )
+    received = [] if alpha is None else outer.received
+    return {"steps": steps, "received": received}
+
+
+def test_outer_step_plugs_in_without_touching_the_wire(dist2) -> None:
+    add = dist2.run(_worker, alpha=None)
+    half = dist2.run(_worker, alpha=0.5)
+    frozen = dist2.run(_worker, alpha=0.0)
+    for runs in (add, half, frozen):
+        for t in range(3):  # the global model is the same on every rank after every exchange
+            assert torch.equal(runs[0]["steps"][t]["after"], runs[1]["steps"][t]["after"])
+    for r in range(2):
+        for t, step in enumerate(half[r]["steps"]):
+            average = half[r]["received"][t]
+            # the outer step got the mean of what the ranks sent (to float rounding of the sum order)
+            assert torch.allclose(average, step["mean_sent"], rtol=0, atol=1e-6)
+            assert torch.equal(average, half[1 - r]["received"][t])
+            assert torch.equal(step["after"], step["before"] + 0.5 * average)
+        for step in frozen[r]["steps"]:
+            assert torch.equal(step["after"], step["before"])  # alpha 0: the global model never moves
+        for step in add[r]["steps"]:
+            # the default adds the mean of what was sent
+            assert torch.allclose(step["after"] - step["before"], step["mean_sent"], rtol=0, atol=1e-5)
+    # the first exchange starts from the same model in every run: the same average reaches every outer step
+    assert torch.allclose(
+        add[0]["steps"][0]["after"] - add[0]["steps"][0]["before"], half[0]["received"][0], rtol=0, atol=1e-6
+    )
