@@ -48,7 +48,7 @@ import torch
 
 from lightning_sparse._utils import end_process_group, free_port
 from lightning_sparse.bench._ranks import run_ranks
-from lightning_sparse.bench.step import model_shape
+from lightning_sparse.bench.step.worker import model_shape
 from lightning_sparse.hook import communicate, sparse_is_cheaper
 from lightning_sparse.schedules import k_for
 from lightning_sparse.state import Member, SparseState
