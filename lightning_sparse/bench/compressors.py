@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sparse.bench._json import write_json
 from lightning_sparse.compressors import COMPRESSORS, CompressContext, Compressor
 from lightning_sparse.compressors.topk import exact_topk_indices
 
@@ -196,6 +196,5 @@ def run(args: argparse.Namespace) -> int:
             "feedback_steps": args.feedback_steps,
             "rows": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+        write_json(args.json, payload)
     return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sparse._utils import free_port
+from lightning_sparse.bench._json import write_json
 from lightning_sparse.bench.peers import Peer
 from lightning_sparse.bench.step.launcher import _launch
 from lightning_sparse.bench.step.link import ShapedLink, describe_link
@@ -88,6 +89,5 @@ def run(args: argparse.Namespace) -> int:
     result["latency_s"] = delay
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -11,6 +10,7 @@ import time
 from typing import Any
 
 from lightning_sparse._utils import end_process_group
+from lightning_sparse.bench._json import write_json
 from lightning_sparse.bench.peers import CollectiveCounter, Peer
 from lightning_sparse.bench.step.options import DENSE, FALLBACKS, Exchange, parse_params
 
@@ -145,8 +145,7 @@ def worker(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "runs": summaries,
         }
-        with open(args.result, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.result, result)
     end_process_group(exit_code=0)  # on every rank together, then out: see its docstring
     return 0
 
