@@ -10,17 +10,21 @@ rank is :meth:`SparseConfig.fingerprint`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from torch.optim import Optimizer
 
 from lightning_sparse._utils import check_bool, check_int, resolve_value_dtype
 from lightning_sparse.compressors import Compressor, get_compressor
 from lightning_sparse.fallback import TimedFallback, as_fallback
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.wire import EXCHANGES
+from lightning_sparse.wire.quant import VALUE_BITS
 
 #: the places compression can happen
 COMPRESS_MODES = ("update", "gradient")
@@ -120,6 +124,34 @@ class SparseConfig:
             0.01 instead of 4) wherever that is smaller; ``False``: int32."""
         ),
     )
+    sync_every: int = field(
+        default=1,
+        metadata=_doc(
+            """update mode: each rank takes this many optimizer steps on its own, then exchanges the
+            compressed sum of its progress since the last exchange plus what it has not sent yet
+            (local SGD, DiLoCo's ``H``); 1 (default): every step. Between exchanges the module holds
+            the global model outside the rank's own steps."""
+        ),
+    )
+    outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | None = field(
+        default=None,
+        metadata=_doc(
+            """update mode: what the global parameters do with each exchange's average. None
+            (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
+            Nesterov, stepped with the negated average as the gradient; or any optimizer class or
+            factory (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
+            ``class_path``/``init_args`` in a CLI config). Its state is in every checkpoint."""
+        ),
+    )
+    value_bits: Literal[2, 4, 8] | None = field(
+        default=None,
+        metadata=_doc(
+            """send the selected values as codes of 2, 4 or 8 bits with a bfloat16 scale per 64
+            values (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual.
+            None (default): values in ``value_dtype``. Compressors that pick their own coordinates
+            (topk, rtopk, gaussiank, dgc) only."""
+        ),
+    )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
     static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
     gradient_as_bucket_view: bool | None = field(
@@ -135,6 +167,8 @@ class SparseConfig:
         default="popen",
         metadata=_doc('the launcher\'s start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.'),
     )
+    #: ``outer_optimizer`` resolved: a factory of optimizers (None: add the average)
+    outer_factory: Callable[[Iterable[Any]], Optimizer] | None = field(init=False, repr=False, compare=False)
     #: ``fallback_to_dense`` resolved: the byte rule on or off, and the timed fallback (None: off)
     byte_rule: bool = field(init=False, repr=False, compare=False)
     timed_fallback: TimedFallback | None = field(init=False, repr=False, compare=False)
@@ -190,6 +224,32 @@ class SparseConfig:
                 "own momentum there and only its update is compressed; use momentum_correction=0, or "
                 "compress='gradient' for DGC's momentum correction."
             )
+        check_int("sync_every", self.sync_every, minimum=1)
+        if self.compress == "gradient" and self.sync_every != 1:
+            raise ValueError(
+                f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
+                "at every optimizer step there; use compress='update' for local steps, or sync_every=1."
+            )
+        outer = resolve_outer_optimizer(self.outer_optimizer)
+        if outer is not None and self.compress == "gradient":
+            raise ValueError(
+                f"outer_optimizer={self.outer_optimizer!r} is not allowed with compress='gradient': the average of "
+                "the exchanged gradients goes to the optimizer itself there; use compress='update'."
+            )
+        if self.value_bits is not None:
+            if isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS:
+                raise ValueError(f"value_bits={self.value_bits!r} is not allowed: expected None, 2, 4 or 8.")
+            if compressor.pattern != "gather":
+                raise ValueError(
+                    f"value_bits={self.value_bits!r} is not allowed with compressor={compressor!r}: coded values are "
+                    "all-gathered with their coordinates, for compressors that pick their own (pattern 'gather': "
+                    f"topk, rtopk, gaussiank, dgc); this one's pattern is {compressor.pattern!r}."
+                )
+            if self.value_dtype is not None:
+                raise ValueError(
+                    f"value_bits={self.value_bits!r} is not allowed with value_dtype={self.value_dtype!r}: the codes "
+                    "replace the value dtype; set one of them."
+                )
         for name, value in (
             ("compressor", compressor),
             ("density", schedule),
@@ -197,6 +257,7 @@ class SparseConfig:
             ("momentum_correction", float(m)),
             ("byte_rule", byte_rule),
             ("timed_fallback", timed),
+            ("outer_factory", outer),
         ):
             object.__setattr__(self, name, value)
 
@@ -237,12 +298,66 @@ class SparseConfig:
             "compress": self.compress,
             "exchange": self.exchange,
             "compact_indices": self.compact_indices,
+            "sync_every": self.sync_every,
+            "outer_optimizer": describe_callable(self.outer_optimizer),
+            "value_bits": self.value_bits,
         }
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> SparseConfig:
         """The config of the settings among ``arguments`` (a shell's ``locals()``)."""
         return cls(**{name: arguments[name] for name in setting_names() if name in arguments})
+
+
+#: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)
+NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | None:
+    """``outer_optimizer`` as a factory of optimizers (None: add the average), else ValueError.
+
+    A class or factory is tried once on a one-element parameter list, so that something that does
+    not make a ``torch.optim.Optimizer`` is refused here rather than at the first exchange.
+
+    Example:
+        >>> resolve_outer_optimizer("nesterov")([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
+        0.7
+    """
+    if value is None:
+        return None
+    if value == "nesterov":
+        return functools.partial(torch.optim.SGD, **NESTEROV)
+    allowed = (
+        "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), or a torch.optim.Optimizer "
+        "class or a callable that makes one from a list of parameters"
+    )
+    if isinstance(value, str) or not callable(value):
+        raise ValueError(f"outer_optimizer={value!r} is not allowed: {allowed}.")
+    try:
+        made = value([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as error:
+        raise ValueError(
+            f"outer_optimizer={value!r} is not allowed: calling it on a parameter list failed ({error}); {allowed}."
+        ) from error
+    if not isinstance(made, Optimizer):
+        raise ValueError(f"outer_optimizer={value!r} is not allowed: it made a {type(made).__name__}; {allowed}.")
+    return typing.cast(Callable[[Iterable[Any]], Optimizer], value)
+
+
+def describe_callable(value: Any) -> Any:
+    """A description of a setting's value that is the same in every process (no addresses).
+
+    Example:
+        >>> describe_callable(functools.partial(torch.optim.SGD, lr=0.7))
+        'torch.optim.sgd.SGD(lr=0.7)'
+    """
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, functools.partial):
+        args = [repr(a) for a in value.args] + [f"{k}={v!r}" for k, v in sorted(value.keywords.items())]
+        return f"{describe_callable(value.func)}({', '.join(args)})"
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"{getattr(value, '__module__', None) or type(value).__module__}.{name}"
 
 
 def setting_names() -> tuple[str, ...]:

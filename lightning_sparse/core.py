@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.hook import sparse_comm_hook
+from lightning_sparse.outer import outer_step_for
 from lightning_sparse.state import SparseState
 from lightning_sparse.update import UpdateExchange, local_gradient_hook
 
@@ -93,7 +94,8 @@ class SparseCore:
         self.update: UpdateExchange | None = None
         if config.compress == "update":
             cap = 25.0 if config.bucket_cap_mb is None else float(config.bucket_cap_mb)
-            self.update = UpdateExchange(self.state, bucket_bytes=int(cap * 1024 * 1024))
+            outer = outer_step_for(config.outer_factory)
+            self.update = UpdateExchange(self.state, bucket_bytes=int(cap * 1024 * 1024), outer_step=outer)
         #: keyword arguments of DistributedDataParallel
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         self._pending_payload: dict[str, Any] | None = None
@@ -150,6 +152,8 @@ class SparseCore:
         rank 0 and None on the other ranks.
         """
         mine = self.state.state_dict()
+        if self.update is not None:
+            mine["outer_step"] = self.update.outer_step.state_dict()  # the same on every rank
         if self.update is not None and optimizer_states is not None:
             # each rank's optimizer followed its own gradients: Lightning keeps rank 0's only
             mine["optimizer_states"] = optimizer_states
@@ -221,6 +225,8 @@ class SparseCore:
                 "the error-feedback residuals (the gradient not sent yet) are kept and sent by the new compressor."
             )
         state.load_state_dict(mine, device=device)
+        if self.update is not None and "outer_step" in mine:
+            self.update.outer_step.load_state_dict(mine["outer_step"])
 
 
 def _check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:

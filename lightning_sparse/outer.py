@@ -9,9 +9,12 @@ an outer optimizer (a momentum step on the average, a scaled or decayed step) is
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_sparse.wire import Average
 
@@ -56,3 +59,63 @@ class AddAverage(OuterStep):
 
     def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
         average.add_to(target)
+
+
+class OptimizerStep(OuterStep):
+    """An optimizer stepped on the global parameters with the negated average as their gradient
+    (DiLoCo's outer step: ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``).
+
+    One optimizer per group of parameters exchanged together, made by ``factory`` on the group's
+    flat global values the first time it is applied; every rank applies the same averages, so the
+    optimizer states (momentum buffers) are the same on every rank. With plain SGD of learning rate
+    1 and no momentum this is adding the average.
+
+    Args:
+        factory: makes an optimizer from a list of parameters (an optimizer class, a partial).
+
+    Example:
+        >>> import functools, torch
+        >>> step = OptimizerStep(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+        >>> step.state_dict()
+        {}
+    """
+
+    def __init__(self, factory: Callable[[Iterable[Any]], Optimizer]) -> None:
+        self.factory = factory
+        self._groups: dict[tuple[str, ...], tuple[torch.nn.Parameter, Optimizer]] = {}
+        self._pending: dict[str, Any] = {}
+
+    def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
+        entry = self._groups.get(names)
+        if entry is None:
+            param = torch.nn.Parameter(target, requires_grad=True)  # shares target's storage
+            optimizer = self.factory([param])
+            saved = self._pending.pop(_key(names), None)
+            if saved is not None:
+                optimizer.load_state_dict(saved)
+            entry = self._groups[names] = (param, optimizer)
+        param, optimizer = entry
+        if param.data.data_ptr() != target.data_ptr() or param.shape != target.shape:
+            param.data = target  # the group's global values moved to a new buffer: follow them
+        param.grad = average.add_to(torch.zeros_like(target)).neg_()
+        optimizer.step()
+        param.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state of every group, by the group's parameter names (and any not yet
+        applied since a restore)."""
+        return {**self._pending, **{_key(names): opt.state_dict() for names, (_, opt) in self._groups.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (applied to each group when it is next used)."""
+        self._groups = {}
+        self._pending = dict(state)
+
+
+def _key(names: tuple[str, ...]) -> str:
+    return "|".join(names)
+
+
+def outer_step_for(factory: Callable[[Iterable[Any]], Optimizer] | None) -> OuterStep:
+    """The outer step of a resolved ``outer_optimizer`` setting (None: :class:`AddAverage`)."""
+    return AddAverage() if factory is None else OptimizerStep(factory)

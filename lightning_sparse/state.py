@@ -85,6 +85,8 @@ class SparseState:
         #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
         self.loss_scale: Callable[[], float] | None = None
         self.last_loss_scale: float | None = None
+        #: update mode: optimizer steps since the last exchange, per group of parameters
+        self.cycle: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
         self.wire = self._wire_context(Collectives())
@@ -99,6 +101,7 @@ class SparseState:
             seed=c.seed,
             exchange=c.exchange,
             compact_indices=c.compact_indices,
+            value_bits=c.value_bits,
             byte_rule=c.byte_rule,
             memory=self.memory,
             velocity=self.velocity,
@@ -213,6 +216,7 @@ class SparseState:
             "exchange": self.exchange,
             "compact_indices": self.compact_indices,
             "step": self.step,
+            "cycle": dict(self.cycle),
             "rank": self.rank,
             "world_size": self.world_size,
             "compressor": type(self.compressor).__name__,
@@ -231,6 +235,7 @@ class SparseState:
         if version != STATE_VERSION:
             raise ValueError(f"cannot load sparse hook state of version {version!r}; expected {STATE_VERSION}")
         self.step = int(state["step"])
+        self.cycle = {str(k): int(v) for k, v in state.get("cycle", {}).items()}
         self.schedule.load_state_dict(state["schedule"])
         self.memory.load_state_dict(state["residuals"], device=device)
         self.velocity.load_state_dict(state.get("velocity", {}), device=device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import check_bool
@@ -72,6 +74,19 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (from about 16 ranks), else the all-gather.
         compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
             0.01 instead of 4) wherever that is smaller; ``False``: int32.
+        sync_every: update mode: each rank takes this many optimizer steps on its own, then exchanges the
+            compressed sum of its progress since the last exchange plus what it has not sent yet (local SGD,
+            DiLoCo's ``H``); 1 (default): every step. Between exchanges the module holds the global model
+            outside the rank's own steps.
+        outer_optimizer: update mode: what the global parameters do with each exchange's average. None
+            (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
+            Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory
+            (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
+            ``class_path``/``init_args`` in a CLI config). Its state is in every checkpoint.
+        value_bits: send the selected values as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
+            (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
+            values in ``value_dtype``. Compressors that pick their own coordinates (topk, rtopk, gaussiank,
+            dgc) only.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
@@ -115,6 +130,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         momentum_correction: float = 0.0,
         exchange: Literal["auto", "allgather", "split"] = "auto",
         compact_indices: bool = True,
+        sync_every: int = 1,
+        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | None = None,
+        value_bits: Literal[2, 4, 8] | None = None,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,

@@ -35,7 +35,8 @@ from lightning_sparse._utils import all_finite
 from lightning_sparse.hook import exchange, local_gradient_hook
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
-from lightning_sparse.wire import Average
+from lightning_sparse.stats import Counters
+from lightning_sparse.wire import Average, count_dense
 
 __all__ = ["UpdateExchange", "local_gradient_hook"]
 
@@ -189,7 +190,8 @@ class UpdateExchange:
 
         Every rank must call it at the same point with the same parameters (the collectives are
         issued here, in one order, from this thread). Afterwards the module holds the new global
-        values of ``params``.
+        values of ``params``. With ``sync_every = H`` only every H-th call exchanges; the others
+        add the step's progress to the rank's residuals (what it has not sent yet).
         """
         if not self.active:
             return
@@ -199,6 +201,10 @@ class UpdateExchange:
         state = self.state
         memory = state.memory
         buckets = self._buckets_for(names)
+        cycle = "|".join(sorted(names))  # optimizer steps since this group's last exchange
+        position = state.cycle.get(cycle, 0) + 1
+        sync = position >= state.config.sync_every
+        state.cycle[cycle] = 0 if sync else position
         futures: list[Future[Average]] = []
         for i, bucket in enumerate(buckets):
             pos = 0
@@ -218,13 +224,35 @@ class UpdateExchange:
                     # (like a gradient scaler's skip, on this rank only); its residual is kept.
                     seg.zero_()
                     self._warn_nonfinite(name)
-            # every update is finite now (a non-finite one was dropped above): the patterns skip their check
-            futures.append(exchange(state, bucket.delta, bucket.params, i == len(buckets) - 1, inputs_finite=True))
+            if sync:
+                # every update is finite now (a non-finite one was dropped above): the patterns skip their check
+                futures.append(exchange(state, bucket.delta, bucket.params, i == len(buckets) - 1, inputs_finite=True))
+            else:
+                self._keep_local(bucket)
+        if not sync:
+            state.telemetry.end_step()
+            return
         for bucket, future in zip(buckets, futures, strict=True):
             self.outer_step.apply(future.wait(), bucket.glob, tuple(bucket.names))
             for name in bucket.names:
                 self._hold_global(name)
                 self._local.discard(name)
+
+    def _keep_local(self, bucket: _Bucket) -> None:
+        """A step between exchanges: its progress joins the rank's residuals (``e += delta``,
+        exactly) and the module goes back to the global values; telemetry counts what dense DDP
+        would have moved for it."""
+        memory = self.state.memory
+        pos = 0
+        for name, p in zip(bucket.names, bucket.params, strict=True):
+            memory.accumulate(name, bucket.delta[pos : pos + p.numel()])
+            pos += p.numel()
+            self._hold_global(name)
+            self._local.discard(name)
+        state = self.state
+        counters = Counters(numel=bucket.delta.numel())
+        count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
+        state.telemetry.record(state.plan(bucket.delta, bucket.params).label, counters, "local step")
 
     def _warn_nonfinite(self, name: str) -> None:
         self.nonfinite_updates += 1

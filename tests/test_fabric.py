@@ -210,3 +210,37 @@ def test_bad_arguments_rejected_like_the_trainer_strategy(kwargs: dict[str, Any]
     name = next(iter(kwargs))
     assert str(fabric_error.value).startswith(f"{name}="), "the message names the argument and its value"
     assert "not allowed" in str(fabric_error.value)
+
+
+LOCAL = {**UPDATE, "sync_every": 4, "outer_optimizer": "nesterov", "value_bits": 4}
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fabric_local")
+    return run_fabric(
+        {
+            "steps": 30,
+            "optimizer": "adamw",
+            "lr": 0.01,
+            "runs": [
+                # the checkpoint after step 14: two local steps into a cycle of four
+                {"name": "local", "strategy": LOCAL, "save_at": 14, "save_to": str(root / "local.ckpt")},
+                {"name": "local_resumed", "strategy": LOCAL, "resume_from": str(root / "local.ckpt")},
+            ],
+        },
+        root,
+    )
+
+
+def test_local_steps_with_an_outer_optimizer(local_runs: dict[str, Any]) -> None:
+    full, resumed = local_runs["local"], local_runs["local_resumed"]
+    assert_identical_replicas(full)
+    for f, r in zip(full, resumed, strict=True):
+        assert f["hook_step"] == r["hook_step"] == 30 // 4  # one exchange every 4 optimizer steps
+        assert f["final_acc"] > f["initial_acc"] + 0.15, (f["initial_acc"], f["final_acc"])
+        assert r["after_step"] == f["after_step"][14:]
+        for key, value in f["params"].items():
+            assert torch.equal(value, r["params"][key]), key
+        for key, value in f["residuals"].items():
+            assert torch.equal(value, r["residuals"][key]), key

@@ -13,6 +13,7 @@ traffic that does not rely on the package's own counters.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -253,6 +254,11 @@ def build_strategy(spec: Any) -> Any:
     if isinstance(density, dict):  # a schedule, written as the Lightning CLI writes it
         module, _, name = density["class_path"].rpartition(".")
         spec["density"] = getattr(importlib.import_module(module), name)(**density.get("init_args", {}))
+    outer = spec.get("outer_optimizer")
+    if isinstance(outer, dict):  # an optimizer factory, written as the Lightning CLI writes it
+        module, _, name = outer["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        spec["outer_optimizer"] = functools.partial(cls, **outer.get("init_args", {}))
     return SparseDDPStrategy(**spec)
 
 

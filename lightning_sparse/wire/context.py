@@ -62,6 +62,8 @@ class WireContext:
         seed: seed of every shared random choice.
         exchange: ``"auto"``, ``"allgather"`` or ``"split"`` (gather-pattern compressors).
         compact_indices: Rice-code indices wherever that is smaller than int32.
+        value_bits: values travel as codes of this many bits (2, 4 or 8) and a scale per 64
+            values; None: in ``value_dtype``.
         byte_rule: send a bucket dense where sparse would not move fewer bytes.
         memory: the error-feedback residuals, by parameter name.
         velocity: the local momenta of momentum correction, by parameter name.
@@ -82,6 +84,7 @@ class WireContext:
     seed: int = 0
     exchange: str = "auto"
     compact_indices: bool = True
+    value_bits: int | None = None
     byte_rule: bool = True
     memory: ErrorFeedback = field(default_factory=ErrorFeedback)
     velocity: LocalMomentum = field(default_factory=LocalMomentum)
@@ -93,7 +96,10 @@ class WireContext:
         return self.comm.world
 
     def vdtype(self, buffer: Tensor) -> torch.dtype:
-        """The dtype values of ``buffer`` travel in."""
+        """The dtype the values of ``buffer`` are selected in (float32 under ``value_bits``: the
+        message codes them)."""
+        if self.value_bits is not None:
+            return torch.float32
         return self.value_dtype or buffer.dtype
 
     def compress_context(self, step: int, m: Member) -> CompressContext:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketPlan
 from lightning_sparse.wire.indexcode import decode_indices, encode_indices, index_bytes, rice_capacity_bytes
 
@@ -85,9 +86,12 @@ class MessageLayout:
 
     ``[count: int32, 4 bytes of padding (with header)][values][to 4 bytes][indices][to 8 bytes]``:
     values first so that their views are aligned, indices as int32 or, with ``compact``, in the
-    Rice code of :mod:`lightning_sparse.wire.indexcode` wherever that is smaller. The size depends only
-    on ``(n, capacity, value dtype, compact, header)``: the same on every rank, as the
-    collectives need. Without a header the message always holds exactly ``capacity`` pairs.
+    Rice code of :mod:`lightning_sparse.wire.indexcode` wherever that is smaller. With
+    ``value_bits`` the values travel as a bfloat16 scale per 64 values and a ``value_bits`` code
+    each (:mod:`lightning_sparse.wire.quant`), and :meth:`unpack` gives back the float32 values the
+    codes stand for. The size depends only on ``(n, capacity, value dtype, value bits, compact,
+    header)``: the same on every rank, as the collectives need. Without a header the message always
+    holds exactly ``capacity`` pairs.
 
     Example:
         >>> import torch
@@ -105,6 +109,7 @@ class MessageLayout:
     value_dtype: torch.dtype
     compact: bool
     header: bool = False
+    value_bits: int | None = None
 
     @functools.cached_property
     def coding(self) -> str:
@@ -117,8 +122,14 @@ class MessageLayout:
         return 8 if self.header else 0
 
     @functools.cached_property
+    def _value_bytes(self) -> int:
+        if self.value_bits is None:
+            return self.capacity * self.value_dtype.itemsize
+        return quant.scale_bytes(self.capacity) + quant.code_bytes(self.capacity, self.value_bits)
+
+    @functools.cached_property
     def _index_at(self) -> int:
-        return _align(self._values_at + self.capacity * self.value_dtype.itemsize, 4)
+        return _align(self._values_at + self._value_bytes, 4)
 
     @functools.cached_property
     def _index_bytes(self) -> int:
@@ -139,10 +150,17 @@ class MessageLayout:
             out = torch.zeros(self.size, dtype=torch.uint8, device=coords.device)
         else:
             out.zero_()
-        vb = self.value_dtype.itemsize
         if self.header:
             out[:4].view(torch.int32).fill_(count)
-        out[self._values_at : self._values_at + count * vb].view(self.value_dtype).copy_(values)
+        at = self._values_at
+        bits = self.value_bits
+        if bits is None:
+            out[at : at + count * self.value_dtype.itemsize].view(self.value_dtype).copy_(values)
+        else:
+            codes, scales = quant.quantize(values, bits)
+            out[at : at + 2 * scales.numel()].view(torch.bfloat16).copy_(scales)
+            at += quant.scale_bytes(self.capacity)
+            quant.pack_codes(codes, bits, out[at : at + quant.code_bytes(count, bits)])
         index = out[self._index_at : self._index_at + self._index_bytes]
         if self.coding == "rice":
             encode_indices(coords, self.n, self.capacity, out=index)
@@ -151,10 +169,18 @@ class MessageLayout:
         return out
 
     def unpack(self, message: Tensor) -> tuple[Tensor, Tensor]:
-        """``(int64 coordinates, values in value_dtype)`` of a message :meth:`pack` wrote."""
+        """``(int64 coordinates, values)`` of a message :meth:`pack` wrote: in ``value_dtype``, or
+        float32 (what the codes stand for) with ``value_bits``."""
         count = int(message[:4].view(torch.int32)) if self.header else self.capacity
-        vb = self.value_dtype.itemsize
-        values = message[self._values_at : self._values_at + count * vb].view(self.value_dtype)
+        at = self._values_at
+        bits = self.value_bits
+        if bits is None:
+            values = message[at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
+        else:
+            scales = message[at : at + quant.scale_bytes(count)].view(torch.bfloat16)
+            at += quant.scale_bytes(self.capacity)
+            codes = quant.unpack_codes(message[at : at + quant.code_bytes(count, bits)], count, bits)
+            values = quant.dequantize(codes, scales, bits)
         index = message[self._index_at : self._index_at + self._index_bytes]
         if self.coding == "rice":
             coords = decode_indices(index, self.n, self.capacity, count)

@@ -32,7 +32,7 @@ from lightning_sparse.wire.comm import futures, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
-from lightning_sparse.wire.select import flush_residuals, select_sorted
+from lightning_sparse.wire.select import flush_residuals, select_sorted, settle
 from lightning_sparse.wire.split import launch_split, split_wire_bytes
 
 #: how a gather-pattern bucket crosses the wire (``exchange=...``)
@@ -59,6 +59,7 @@ class Sizes:
     compressor: Any = None
     exchange: str = "allgather"
     compact: bool = False
+    value_bits: int | None = None
 
 
 class WirePattern:
@@ -73,10 +74,11 @@ class WirePattern:
         compressor: Any = None,
         exchange: str = "allgather",
         compact: bool = False,
+        value_bits: int | None = None,
     ) -> float:
-        """Bytes through each rank for the sparse members of a bucket (ring model); ``exchange``
-        and ``compact`` (index coding) matter to the gather pattern only."""
-        return self.cost(Sizes(world, tuple(ks), vbytes, tuple(numels), compressor, exchange, compact))
+        """Bytes through each rank for the sparse members of a bucket (ring model); ``exchange``,
+        ``compact`` (index coding) and ``value_bits`` matter to the gather pattern only."""
+        return self.cost(Sizes(world, tuple(ks), vbytes, tuple(numels), compressor, exchange, compact, value_bits))
 
     def cost(self, sizes: Sizes) -> float:
         """:meth:`wire_bytes` of ``sizes``."""
@@ -93,7 +95,7 @@ def bucket_wire_bytes(
     """Ring-model bytes through each rank of a bucket's sparse exchange under ``ctx``'s settings."""
     pattern = PATTERNS[ctx.compressor.pattern]
     w = ctx.world_size if world is None else world
-    return pattern.wire_bytes(w, ks, vbytes, numels, ctx.compressor, ctx.exchange, ctx.compact_indices)
+    return pattern.wire_bytes(w, ks, vbytes, numels, ctx.compressor, ctx.exchange, ctx.compact_indices, ctx.value_bits)
 
 
 # --------------------------------------------------------------------------- gather
@@ -120,24 +122,32 @@ class GatherPattern(WirePattern):
     """
 
     def choose(
-        self, world: int, ks: list[int], vbytes: int, numels: list[int], exchange: str, compact: bool
+        self,
+        world: int,
+        ks: list[int],
+        vbytes: int,
+        numels: list[int],
+        exchange: str,
+        compact: bool,
+        value_bits: int | None = None,
     ) -> tuple[str, float]:
         """``(exchange, wire bytes per rank)`` for a bucket's sparse members.
 
         Asked up to three times per bucket and step (the byte fallback, the telemetry's label, the
         launch) and for every candidate of an adaptive density: the answer depends on sizes only
         and is kept."""
-        return _choose(world, sum(ks), vbytes, sum(numels), exchange, compact)
+        return _choose(world, sum(ks), vbytes, sum(numels), exchange, compact, value_bits)
 
     def cost(self, sizes: Sizes) -> float:
-        return self.choose(
-            sizes.world, list(sizes.ks), sizes.vbytes, list(sizes.numels), sizes.exchange, sizes.compact
-        )[1]
+        s = sizes
+        return self.choose(s.world, list(s.ks), s.vbytes, list(s.numels), s.exchange, s.compact, s.value_bits)[1]
 
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
         vdtype = ctx.vdtype(call.buffer)
         numels = [m.numel for m in call.plan.sparse_members]
-        how, _ = self.choose(ctx.world_size, ks, vdtype.itemsize, numels, ctx.exchange, ctx.compact_indices)
+        how, _ = self.choose(
+            ctx.world_size, ks, vdtype.itemsize, numels, ctx.exchange, ctx.compact_indices, ctx.value_bits
+        )
         if how == "split":
             return launch_split(ctx, call, ks, vdtype)
         return _launch_allgather(ctx, call, ks, vdtype)
@@ -147,12 +157,14 @@ _DTYPE_OF_SIZE = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(world: int, k: int, vbytes: int, n: int, exchange: str, compact: bool) -> tuple[str, float]:
+def _choose(
+    world: int, k: int, vbytes: int, n: int, exchange: str, compact: bool, bits: int | None
+) -> tuple[str, float]:
     vdtype = _DTYPE_OF_SIZE[vbytes]
-    gather = ring_all_gather_bytes(world, MessageLayout(n, k, vdtype, compact).size)
+    gather = ring_all_gather_bytes(world, MessageLayout(n, k, vdtype, compact, value_bits=bits).size)
     if exchange == "allgather" or world <= 1:
         return "allgather", gather
-    split = split_wire_bytes(world, n, k, vdtype, compact)
+    split = split_wire_bytes(world, n, k, vdtype, compact, bits)
     if exchange == "split" or split <= SPLIT_AUTO_RATIO * gather:
         return "split", split
     return "allgather", gather
@@ -161,9 +173,13 @@ def _choose(world: int, k: int, vbytes: int, n: int, exchange: str, compact: boo
 def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Pending:
     world = ctx.world_size
     space = SparseSpace.of(call.plan)
-    layout = MessageLayout(space.numel, sum(ks), vdtype, ctx.compact_indices)
-    sel = select_sorted(ctx, call, ks, vdtype, settle=True)
+    layout = MessageLayout(space.numel, sum(ks), vdtype, ctx.compact_indices, value_bits=ctx.value_bits)
+    coded = ctx.value_bits is not None
+    sel = select_sorted(ctx, call, ks, vdtype, settle=not coded)
     message = layout.pack(sel.coords, sel.sent)
+    if coded:  # what was sent is what the codes stand for: the rest stays in the residuals
+        sel.sent = layout.unpack(message)[1]
+        settle(ctx, call, space, sel, torch.arange(sel.coords.numel(), device=sel.coords.device))
     call.counters.sent_numel += sel.coords.numel()
     if world > 1:
         gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=call.buffer.device)

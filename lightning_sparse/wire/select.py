@@ -112,6 +112,13 @@ def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selectio
         m = call.plan.sparse_members[space.members[i]]
         if ctx.error_feedback:
             exact, sent = sel.exact[accepted[part]], sel.sent[accepted[part]]
-            ctx.memory.keep_unsent(m.name, idx, None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype))
+            if ctx.value_bits is not None:
+                # a chunk holding another member's non-finite value arrives non-finite (every rank
+                # skips the step): this member's coordinates in it keep what they had
+                remainder = torch.where(torch.isfinite(sent), exact - sent, exact)
+                ctx.memory.keep_unsent(m.name, idx, remainder)
+            else:
+                rounded = sent.dtype != exact.dtype
+                ctx.memory.keep_unsent(m.name, idx, exact - sent.to(exact.dtype) if rounded else None)
         if ctx.momentum_correction:
             ctx.velocity.mask(m.name, idx)

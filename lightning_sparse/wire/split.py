@@ -75,21 +75,23 @@ def split_capacities(n: int, k: int, world: int) -> tuple[int, int]:
 
 
 def split_layouts(
-    n: int, k: int, world: int, vdtype: torch.dtype, compact: bool
+    n: int, k: int, world: int, vdtype: torch.dtype, compact: bool, value_bits: int | None = None
 ) -> tuple[MessageLayout, MessageLayout]:
     send, keep = split_capacities(n, k, world)
     largest = Regions(n, world).largest
     return (
-        MessageLayout(largest, send, vdtype, compact, header=True),
-        MessageLayout(largest, keep, vdtype, compact, header=True),
+        MessageLayout(largest, send, vdtype, compact, header=True, value_bits=value_bits),
+        MessageLayout(largest, keep, vdtype, compact, header=True, value_bits=value_bits),
     )
 
 
-def split_wire_bytes(world: int, n: int, k: int, vdtype: torch.dtype, compact: bool) -> float:
+def split_wire_bytes(
+    world: int, n: int, k: int, vdtype: torch.dtype, compact: bool, value_bits: int | None = None
+) -> float:
     """Bytes through each rank for the split exchange of ``k`` coordinates per rank out of ``n``."""
     if world <= 1:
         return 0.0
-    first, second = split_layouts(n, k, world, vdtype, compact)
+    first, second = split_layouts(n, k, world, vdtype, compact, value_bits)
     return (world - 1) * first.size + ring_all_gather_bytes(world, second.size)
 
 
@@ -112,7 +114,8 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     world, rank, buffer, counters = ctx.world_size, ctx.rank, call.buffer, call.counters
     space = SparseSpace.of(call.plan)
     regions = Regions(space.numel, world)
-    first, second = split_layouts(space.numel, sum(ks), world, vdtype, ctx.compact_indices)
+    bits = ctx.value_bits
+    first, second = split_layouts(space.numel, sum(ks), world, vdtype, ctx.compact_indices, bits)
     sel = select_sorted(ctx, call, ks, vdtype, settle=False)
     owner = regions.owner(sel.coords)
     magnitude = sel.exact.abs().nan_to_num(nan=math.inf)
@@ -126,6 +129,8 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         mine = placed[pos : pos + count]
         pos += count
         first.pack(regions.local(sel.coords[mine]), sel.sent[mine], outgoing[j])
+        if bits is not None:  # what the owner receives is what the codes stand for
+            sel.sent[mine] = first.unpack(outgoing[j])[1]
     counters.sent_numel += placed.numel()
     incoming = torch.empty_like(outgoing)
     # waited for on this thread, and stage 2 issued right after: every collective of every bucket
@@ -143,8 +148,10 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     chosen_sums = sums[top]
     chosen = quantize(chosen_sums, vdtype)
     message = second.pack(unique[top], chosen)
+    if bits is not None:
+        chosen = second.unpack(message)[1]
     rounding = None
-    if ctx.error_feedback and chosen.dtype != torch.float32:
+    if ctx.error_feedback and (chosen.dtype != torch.float32 or bits is not None):
         # the sum's rounding to the value dtype stays with its owner, in its residual
         rounding = (regions.to_space(unique[top], rank), (chosen_sums - chosen.float()).nan_to_num(0.0, 0.0, 0.0))
     gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=buffer.device)

@@ -1,0 +1,91 @@
+"""Low-bit values (``value_bits``): a bfloat16 scale per chunk of 64 values and a signed code per value.
+
+A chunk's scale ``m`` is the largest magnitude in it; a value ``v`` travels as the code
+``c = round(v / (m / L))`` in ``[-L, L]`` (``L = 2**(bits-1) - 1``: 127, 7 and 1 for 8, 4 and 2
+bits; 2 bits is ternary, ``{-m, 0, m}``, as in TernGrad) and stands for ``c * (m / L)``. The grid
+holds zero and is uniform, so every value is within a factor of two of what it stands for, or
+stands for zero: ``v - dequantized`` is exact in float32 (Sterbenz), and a rank that keeps it in its
+residual conserves ``sent + e_new == e_old + delta`` bit for bit. A non-finite value makes its
+chunk's scale non-finite, so the whole chunk arrives non-finite on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: values share a scale in chunks of this many (in message order)
+CHUNK = 64
+#: the widths ``value_bits`` may take
+VALUE_BITS = (2, 4, 8)
+
+
+def levels(bits: int) -> int:
+    """The largest code: codes run from ``-L`` to ``L`` (2 bits: -1, 0, 1)."""
+    return (1 << (bits - 1)) - 1
+
+
+def code_bytes(count: int, bits: int) -> int:
+    """Bytes of ``count`` codes of ``bits`` bits, packed."""
+    return (count * bits + 7) // 8
+
+
+def scale_bytes(count: int) -> int:
+    """Bytes of the bfloat16 scales of ``count`` values."""
+    return 2 * ((count + CHUNK - 1) // CHUNK)
+
+
+def quantize(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """``(codes as int8, scales as bfloat16)`` of float values, chunk by chunk."""
+    n = values.numel()
+    chunks = (n + CHUNK - 1) // CHUNK
+    v = values.float()
+    padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=values.device)
+    padded[:n] = v
+    rows = padded.view(chunks, CHUNK)
+    scales = rows.abs().amax(dim=1).to(torch.bfloat16)  # NaN and inf stay: the chunk arrives non-finite
+    top = levels(bits)
+    step = scales.float() / top
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.round(rows / safe[:, None]).nan_to_num_(0.0).clamp_(-top, top)
+    codes = torch.where(step[:, None] > 0, codes, torch.zeros_like(codes))  # a zero scale: all zeros
+    return codes.reshape(-1)[:n].to(torch.int8), scales
+
+
+def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
+    """The float32 values ``codes`` and ``scales`` stand for (the same on every rank).
+
+    Example:
+        >>> import torch
+        >>> v = torch.tensor([0.6, -0.9, 0.01, 1.0])
+        >>> codes, scales = quantize(v, bits=2)
+        >>> d = dequantize(codes, scales, bits=2)
+        >>> d.tolist(), torch.equal(d + (v - d), v)
+        ([1.0, -1.0, 0.0, 1.0], True)
+    """
+    n = codes.numel()
+    step = scales.float() / levels(bits)
+    return (codes.float().view(-1) * step.repeat_interleave(CHUNK)[:n]) if n else codes.float()
+
+
+def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
+    """Write int8 codes (in ``[-L, L]``) into ``out`` (uint8, :func:`code_bytes` long), ``8 // bits`` per byte."""
+    per = 8 // bits
+    n = codes.numel()
+    u = (codes.to(torch.int16) + levels(bits)).to(torch.uint8)  # offset to [0, 2L]
+    padded = torch.zeros(code_bytes(n, bits) * per, dtype=torch.uint8, device=codes.device)
+    padded[:n] = u
+    groups = padded.view(-1, per)
+    packed = torch.zeros(groups.shape[0], dtype=torch.uint8, device=codes.device)
+    for j in range(per):
+        packed |= groups[:, j] << (bits * j)
+    out.copy_(packed)
+
+
+def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:
+    """The int8 codes :func:`pack_codes` wrote."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [(data >> (bits * j)) & mask for j in range(per)]
+    u = torch.stack(parts, dim=1).reshape(-1)[:count]
+    return (u.to(torch.int16) - levels(bits)).to(torch.int8)

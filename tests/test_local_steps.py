@@ -1,0 +1,178 @@
+"""Local steps (``sync_every``) and outer optimizers in update mode, on 2 real gloo processes:
+between exchanges the global model stays put and the rank's progress waits in its residual
+(exactly); at an exchange the average goes through the outer step; with density 1 and the Nesterov
+outer step this is DiLoCo, checked against a reference loop written with plain collectives."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_sparse import SparseConfig, SparseDDPStrategy
+
+SHAPES = {"w": (60, 50), "b": (500,)}
+
+
+def _model() -> list[tuple[str, torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(0)
+    return [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in SHAPES.items()]
+
+
+def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | None) -> dict[str, Any]:
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    named = _model()
+    params = [p for _, p in named]
+    config = SparseConfig(density=0.05, min_numel=1000, sync_every=3, outer_optimizer=outer, value_bits=bits)
+    state = SparseState(config)
+    from lightning_sparse.outer import outer_step_for
+
+    exchange = UpdateExchange(state, outer_step=outer_step_for(config.outer_factory))
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(100 + rank)
+    moved, kept, conserved = [], [], []
+    for step in range(7):
+        before = [p.detach().clone() for p in params]
+        e_old = {n: state.memory.get(n).clone() if n in state.memory else torch.zeros(p.numel()) for n, p in named}
+        exchange.enter_local()
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        delta = {
+            n: p.detach().reshape(-1) - (g.reshape(-1) + e_old[n]) for (n, p), g in zip(named, before, strict=True)
+        }
+        exchange.exchange()
+        after = [p.detach().clone() for p in params]
+        every = [torch.empty(sum(p.numel() for p in params)) for _ in range(world)]
+        dist.all_gather(every, torch.cat([a.reshape(-1) for a in after]))
+        kept.append(all(torch.equal(every[0], x) for x in every[1:]))  # one global model on every rank
+        moved.append(any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)))
+        if step % 3 != 2:  # a local step: e_new == e_old + delta, exactly
+            conserved.append(all(torch.equal(state.memory.get(n), e_old[n] + delta[n]) for n in SHAPES))
+    t = state.telemetry
+    return {
+        "moved": moved,
+        "kept": kept,
+        "conserved": conserved,
+        "hook_steps": state.step,
+        "telemetry_steps": t.steps,
+        "dense_bytes": t.total.dense_bytes,
+        "sent_bytes": t.total.sent_bytes,
+        "local": t.methods["local step"].dense_bytes,
+        "outer": exchange.outer_step.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("outer,bits", [(None, None), ("nesterov", None), ("nesterov", 2)])
+def test_local_steps_hold_the_global_model_and_keep_progress(dist2, outer: str | None, bits: int | None) -> None:
+    results = dist2.run(_local_steps_worker, outer=outer, bits=bits)
+    numel = sum(torch.Size(s).numel() for s in SHAPES.values())
+    for r in results:
+        assert r["kept"] == [True] * 7
+        # steps 3 and 6 exchange (and step 3 is the dense warm-up); the others move nothing global
+        assert r["moved"] == [False, False, True, False, False, True, False]
+        assert r["conserved"] == [True] * 5
+        assert r["hook_steps"] == 2 and r["telemetry_steps"] == 7
+        assert r["dense_bytes"] == 7 * 4 * numel  # dense DDP would have moved every step's gradients
+        assert r["local"] == 5 * 4 * numel
+    if outer == "nesterov":
+        a, b = results[0]["outer"], results[1]["outer"]
+        assert a.keys() == b.keys() and len(a) == 1
+        (key,) = a
+        buf = [r["outer"][key]["state"][0]["momentum_buffer"] for r in results]
+        assert torch.equal(buf[0], buf[1]) and bool(buf[0].abs().sum() > 0)  # the same outer momentum
+
+
+def _diloco_worker(rank: int, world: int, h: int, rounds: int) -> dict[str, Any]:
+    """The library (density 1, Nesterov outer step, sync_every=h) against DiLoCo written out."""
+    from lightning_sparse.outer import outer_step_for
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(10_000 * rank + step)
+        x = torch.randn(16, 50, generator=gen)
+        return x, x @ torch.linspace(-1, 1, 50 * 3).reshape(50, 3) + 0.1 * torch.randn(16, 3, generator=gen)
+
+    def train(exchange: Any, model: torch.nn.Module, step_hook: Any) -> torch.Tensor:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(h * rounds):
+            if exchange is not None:
+                exchange.enter_local()
+            x, y = batch(step)
+            inner.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            inner.step()
+            step_hook(step)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(50, 3)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(50, 3)
+    config = SparseConfig(density=1.0, min_numel=0, sync_every=h, outer_optimizer="nesterov")
+    state = SparseState(config)
+    exchange = UpdateExchange(state, outer_step=outer_step_for(config.outer_factory))
+    exchange.bind(ours.named_parameters())
+    mine = train(exchange, ours, lambda step: exchange.exchange())
+
+    # DiLoCo: H inner steps from the global model, outer gradient = global - mean(local), Nesterov SGD
+    global_params = [p.detach().clone() for p in ref.parameters()]
+    outer_params = [torch.nn.Parameter(g.clone()) for g in global_params]
+    outer = torch.optim.SGD(outer_params, lr=0.7, momentum=0.9, nesterov=True)
+
+    def sync(step: int) -> None:
+        if (step + 1) % h:
+            return
+        with torch.no_grad():
+            for p, o in zip(ref.parameters(), outer_params, strict=True):
+                pseudo = o.detach() - p.detach()
+                dist.all_reduce(pseudo)
+                o.grad = pseudo / world
+            outer.step()
+            for p, o in zip(ref.parameters(), outer_params, strict=True):
+                p.copy_(o)
+
+    theirs = train(None, ref, sync)
+    return {"ours": mine, "theirs": theirs, "start": torch.cat([g.reshape(-1) for g in global_params])}
+
+
+def test_sync_every_with_nesterov_at_density_1_is_diloco(dist2) -> None:
+    results = dist2.run(_diloco_worker, h=4, rounds=5)
+    for r in results:
+        assert not torch.equal(r["ours"], r["start"])
+        torch.testing.assert_close(r["ours"], r["theirs"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0]["ours"], results[1]["ours"])
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"sync_every": 0}, r"sync_every=0 is not allowed: expected an integer >= 1"),
+        ({"sync_every": 2.5}, r"sync_every=2.5 is not allowed: expected an integer"),
+        ({"sync_every": 4, "compress": "gradient"}, r"sync_every=4 is not allowed with compress='gradient'"),
+        ({"outer_optimizer": "adam"}, r"outer_optimizer='adam' is not allowed: expected None"),
+        ({"outer_optimizer": len}, r"outer_optimizer=<built-in function len> is not allowed: .*made a int"),
+        ({"outer_optimizer": torch.nn.Linear}, r"outer_optimizer=<class 'torch.nn.modules.linear.Linear'> is not"),
+        ({"outer_optimizer": "nesterov", "compress": "gradient"}, r"is not allowed with compress='gradient'"),
+    ],
+)
+def test_bad_local_step_arguments_are_refused(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SparseDDPStrategy(**settings)
+
+
+def test_outer_optimizer_accepts_classes_and_factories() -> None:
+    for value in (torch.optim.SGD, functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)):
+        config = SparseConfig(outer_optimizer=value)
+        assert config.outer_factory is value
+    assert "SGD(lr=0.7, momentum=0.9, nesterov=True)" in str(
+        SparseConfig(
+            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        ).fingerprint()
+    )
