@@ -11,7 +11,16 @@ from typing import Any
 
 from lightning_sparse.bench.convergence.launcher import launch
 from lightning_sparse.bench.convergence.results import report
-from lightning_sparse.bench.convergence.runs import _final, _fmt_bytes, _kind, _ok, run_label
+from lightning_sparse.bench.convergence.runs import (
+    LIBRARY_PEERS,
+    _final,
+    _fmt_bytes,
+    _kind,
+    _ok,
+    library_peer,
+    parse_variant,
+    run_label,
+)
 from lightning_sparse.bench.convergence.tasks import TASKS
 from lightning_sparse.bench.peers import PEER_HELP, Peer
 
@@ -53,12 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype of the values the sparse runs send (default: the gradient's)",
     )
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[""],
+        metavar="SETTINGS",
+        help="local steps, outer optimizer and coded values of the sparse runs, one variant each: "
+        "'sync_every=16,outer=nesterov,value_bits=2' ('' : none of them) (default: one plain variant)",
+    )
+    parser.add_argument(
         "--peers",
         nargs="*",
         default=DEFAULT_PEERS,
         metavar="PEER",
-        help=f"torch's DDP comm hooks as reference rows: {PEER_HELP}; bare powersgd: rank 4; "
-        "none: --peers with no value (default: %(default)s)",
+        help=f"reference rows: torch's DDP comm hooks, {PEER_HELP} (bare powersgd: rank 4); diloco:H "
+        "(DiLoCo: H local steps, dense average, Nesterov outer step 0.7/0.9); demo (DeMo, pytorch-optimizer's "
+        "optimizer, lr 1e-3); none: --peers with no value (default: %(default)s)",
     )
     parser.add_argument("--epochs", type=int, default=None, help="epochs of every run (default: the task's own)")
     parser.add_argument(
@@ -94,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     for d in args.densities:
         if not 0 < d <= 1:
             raise ValueError(f"--densities {d!r} is not allowed: expected numbers in (0, 1]")
-    peers = list(dict.fromkeys(Peer.parse(p).name for p in (getattr(args, "peers", None) or [])))
+    given = list(dict.fromkeys(getattr(args, "peers", None) or []))
+    frontier = [library_peer(p) for p in given if p.split(":")[0] in LIBRARY_PEERS]
+    peers = list(dict.fromkeys(Peer.parse(p).name for p in given if p.split(":")[0] not in LIBRARY_PEERS))
+    variants = [parse_variant(v) for v in dict.fromkeys(getattr(args, "variants", None) or [""])]
     modes = list(dict.fromkeys(getattr(args, "modes", None) or ["gradient"]))
     for flag, value, low in (
         ("--epochs", args.epochs, 1),
@@ -123,20 +144,23 @@ def run(args: argparse.Namespace) -> int:
             }
             specs: list[dict[str, Any]] = [] if args.no_dense else [{"compressor": None, "density": 1.0}]
             specs += [{"compressor": None, "density": None, "peer": p} for p in peers]
+            specs += frontier
             exchanges = list(dict.fromkeys(getattr(args, "exchanges", None) or ["auto"]))
             value_dtype = getattr(args, "value_dtype", None)
             specs += [
-                {"compressor": c, "density": d, "mode": m, "exchange": e, "value_dtype": value_dtype}
+                {"compressor": c, "density": d, "mode": m, "exchange": e, "value_dtype": value_dtype, **v}
                 for d in args.densities
                 for m in modes
                 for c in args.compressors
                 for e in (exchanges if COMPRESSORS[c].pattern == "gather" else ["auto"])
+                for v in variants
+                if m == "update" or not v
             ]
             results[task_name] = []
             for spec in specs:
                 config = {**base, "mode": None, "peer": None, **spec}
                 label = run_label(config)
-                if _kind(config) == "sparse":
+                if _kind(config) == "sparse" and not config.get("label"):
                     label = f"{config['compressor']} {config['density']:g} ({label.split(' (', 1)[1]}"
                 print(f"[{task_name}] {label} ...", end=" ", flush=True)
                 result = launch(config, Path(tmp), args.timeout)

@@ -54,9 +54,51 @@ ACCURACY = Metric("acc", "val_acc", "accuracy", True, "points", 100.0, "+.2f", "
 VAL_LOSS = Metric("loss", "val_loss", "val loss", False, "nats", 1.0, "+.3f", "validation loss (nats)")
 
 
+#: reference rows the benchmark builds itself: ``diloco:H`` (this library at density 1 with the Nesterov outer
+#: step, which tests/test_local_steps.py checks against DiLoCo written out) and ``demo`` (DeMo, the optimizer
+#: of the pytorch-optimizer package, each rank's gradients kept local)
+LIBRARY_PEERS = ("diloco", "demo")
+#: what ``--variants`` may set, and the strategy argument each sets
+VARIANT_KEYS = {"sync_every": "sync_every", "outer": "outer_optimizer", "value_bits": "value_bits"}
+
+
+def parse_variant(spec: str) -> dict[str, Any]:
+    """``"sync_every=16,outer=nesterov,value_bits=2"`` -> strategy arguments.
+
+    Example:
+        >>> parse_variant("sync_every=4,value_bits=2")
+        {'sync_every': 4, 'value_bits': 2}
+        >>> parse_variant("")
+        {}
+    """
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        if key not in VARIANT_KEYS or not value:
+            raise ValueError(f"--variants {spec!r} is not allowed: expected key=value pairs of {sorted(VARIANT_KEYS)}")
+        out[VARIANT_KEYS[key]] = value if key == "outer" else int(value)
+    return out
+
+
+def library_peer(spec: str) -> dict[str, Any]:
+    """The run of a ``diloco:H`` or ``demo`` reference row."""
+    kind, _, arg = spec.partition(":")
+    if kind == "diloco":
+        h = int(arg or 16)
+        return {
+            "compressor": "topk",
+            "density": 1.0,
+            "mode": "update",
+            "sync_every": h,
+            "outer_optimizer": "nesterov",
+            "label": f"DiLoCo H={h} (density 1, Nesterov 0.7/0.9)",
+        }
+    return {"compressor": None, "density": None, "peer": None, "demo": True, "label": "DeMo (pytorch-optimizer)"}
+
+
 def _kind(run: dict[str, Any]) -> str:
-    """``"dense"``, ``"sparse"`` or ``"peer"`` (torch's hook)."""
-    if run.get("peer"):
+    """``"dense"``, ``"sparse"`` or ``"peer"`` (torch's hook, or a reference row built here)."""
+    if run.get("peer") or run.get("demo") or (run.get("label") and run.get("compressor")):
         return "peer"
     return "dense" if run["compressor"] is None else "sparse"
 
@@ -74,6 +116,8 @@ def run_label(run: dict[str, Any]) -> str:
         'topk (update)'
     """
     kind = _kind(run)
+    if run.get("label"):
+        return str(run["label"])
     if kind == "dense":
         return DENSE
     if kind == "peer":
@@ -85,6 +129,12 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(run["exchange"])
     if run.get("value_dtype") not in (None, "float32"):
         extra.append(f"{run['value_dtype']} values")
+    if run.get("sync_every", 1) != 1:
+        extra.append(f"every {run['sync_every']} steps")
+    if run.get("outer_optimizer"):
+        extra.append(f"{run['outer_optimizer']} outer")
+    if run.get("value_bits"):
+        extra.append(f"{run['value_bits']}-bit values")
     return f"{run['compressor']} ({', '.join(extra)})"
 
 

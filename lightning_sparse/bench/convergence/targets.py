@@ -99,7 +99,7 @@ def gpt_target_check(runs: list[dict[str, Any]], metric: Metric = VAL_LOSS) -> d
             None,
         )
         peer = next(
-            (r for r in runs if _kind(r) == "peer" and _ok(r) and Peer.parse(r["peer"]).name == peer_name), None
+            (r for r in runs if r.get("peer") and _ok(r) and Peer.parse(r["peer"]).name == peer_name), None
         )
         if topk is None or peer is None or _final(topk, metric) is None or _final(peer, metric) is None:
             continue

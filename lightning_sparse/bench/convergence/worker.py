@@ -84,8 +84,31 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         density=config["density"],
         exchange=config.get("exchange") or "auto",
         value_dtype=config.get("value_dtype"),
+        sync_every=config.get("sync_every", 1),
+        outer_optimizer=config.get("outer_optimizer"),
+        value_bits=config.get("value_bits"),
         compression_monitor=False,
     )
+
+
+def _demo(model: Any) -> tuple[Any, CollectiveCounter]:
+    """DeMo (Peng, Quesnelle and Kingma, 2024) as pytorch-optimizer ships it: each rank keeps its own
+    gradient (DDP's hook sends nothing) and the optimizer all-gathers the top DCT components of each
+    rank's momentum itself; its collectives are counted."""
+    import torch
+    from pytorch_optimizer.optimizer import demo as demo_module
+
+    from lightning_sparse.hook import local_gradient_hook
+
+    def configure_optimizers() -> Any:
+        return demo_module.DeMo(model.parameters(), lr=1e-3, compression_top_k=32, compression_chunk=64)
+
+    model.configure_optimizers = configure_optimizers
+    counter = CollectiveCounter()
+    counter.install()
+    if getattr(demo_module, "all_gather", None) is not None:  # the optimizer imported the name itself
+        demo_module.all_gather = torch.distributed.all_gather
+    return CommHookDDPStrategy(ddp_comm_state=None, ddp_comm_hook=local_gradient_hook), counter
 
 
 def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -102,6 +125,8 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         strategy: Any = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
         counter = CollectiveCounter()
         counter.install()
+    elif config.get("demo"):
+        strategy, counter = _demo(model)
     elif config["compressor"] is None:
         strategy = "ddp"
     else:
