@@ -36,7 +36,7 @@ def _launch(
         "--world-size", str(args.world_size), "--params", str(args.params), "--layers", str(args.layers),
         "--batch-size", str(args.batch_size), "--density", str(args.density), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--fallback", args.fallback, "--compressors", *args.compressors,
-        "--modes", *args.modes, "--exchanges", *args.exchanges,
+        "--modes", *args.modes, "--exchanges", *args.exchanges, "--sync-every", *map(str, args.sync_every),
     ]  # fmt: skip
     if args.threads is not None:
         forwarded += ["--threads", str(args.threads)]

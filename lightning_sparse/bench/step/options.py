@@ -81,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run once (default: %(default)s)",
     )
     parser.add_argument(
+        "--sync-every",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="H",
+        help="update mode: exchange every H optimizer steps, SparseDDPStrategy(sync_every=H); one row each "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--fallback",
         choices=list(FALLBACKS),
         default="bytes",

@@ -52,10 +52,11 @@ def worker(args: argparse.Namespace) -> int:
     gather_exchanges: list[Exchange] = args.exchanges  # top-k-type compressors: each one asked for
     other_exchanges: list[Exchange] = ["auto"]
     for mode in [] if args.probe else args.modes:
-        for spec, how in [
-            (name, how)
+        for spec, how, sync in [
+            (name, how, sync)
             for name in args.compressors
             for how in (gather_exchanges if parse_compressor(name).pattern == "gather" else other_exchanges)
+            for sync in (getattr(args, "sync_every", None) or [1] if mode == "update" else [1])
         ]:
             # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
             # registered as SparseDDPStrategy._register_ddp_hooks does it.
@@ -66,6 +67,7 @@ def worker(args: argparse.Namespace) -> int:
                 density=args.density,
                 fallback_to_dense=fallback,
                 exchange=how,
+                sync_every=sync,
             )
             model = DistributedDataParallel(make_model(), **strategy._ddp_kwargs)
             state = strategy.sparse_state
@@ -76,7 +78,8 @@ def worker(args: argparse.Namespace) -> int:
             else:
                 state.bind(model.module.named_parameters(), process_group=model.process_group)
                 model.register_comm_hook(state, sparse_comm_hook)
-            runs.append((f"sparse_ddp {spec} ({mode}{'' if how == 'auto' else ', ' + how})", model, state))
+            extra = ("" if how == "auto" else ", " + how) + ("" if sync == 1 else f", every {sync} steps")
+            runs.append((f"sparse_ddp {spec} ({mode}{extra})", model, state))
             exchanges.append(exchange)
     # torch's hooks: their bytes are counted at the torch.distributed collectives, while they step
     counter = CollectiveCounter()
