@@ -25,7 +25,7 @@ from lightning_sparse.config import SparseConfig
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.outer import outer_step_for
 from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange, local_gradient_hook
+from lightning_sparse.update import UpdateExchange, average_optimizer_states, update_comm_hook
 
 #: key of the hook state inside Lightning checkpoints (Trainer and Fabric)
 CHECKPOINT_KEY = "lightning_sparse"
@@ -109,12 +109,20 @@ class SparseCore:
 
     # ------------------------------------------------------------------ the hook
     def register_hook(
-        self, model: torch.nn.Module | None, rank: int, world_size: int, device: torch.device, scaler: Any = None
+        self,
+        model: torch.nn.Module | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        scaler: Any = None,
+        optimizers: Callable[[], list[Any]] | None = None,
     ) -> None:
         """Apply a checkpoint payload that waited for the model, bind the state to the model's
         parameters and process group, and register the communication hook (on any device).
 
-        ``scaler``: the precision plugin's gradient scaler (fp16 AMP), if any.
+        ``scaler``: the precision plugin's gradient scaler (fp16 AMP), if any. ``optimizers``: the
+        strategy's optimizers (update mode: their states are averaged when a timed fallback takes the
+        ranks to plain DDP steps).
         """
         if not isinstance(model, DistributedDataParallel):
             raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
@@ -123,8 +131,12 @@ class SparseCore:
             self._pending_payload = None
         if self.update is not None:
             # each rank keeps its own gradient; the exchange runs after the optimizer step
-            self.update.bind(model.module.named_parameters(), process_group=model.process_group)
-            model.register_comm_hook(None, local_gradient_hook)
+            update = self.update
+            update.bind(model.module.named_parameters(), process_group=model.process_group)
+            group = model.process_group
+            if optimizers is not None:
+                update.on_dense = lambda: average_optimizer_states(optimizers(), group)
+            model.register_comm_hook(self.state, update_comm_hook)
             return
         self.state.loss_scale = None if scaler is None else _ScaleReader(scaler)
         self.state.bind(model.module.named_parameters(), process_group=model.process_group)

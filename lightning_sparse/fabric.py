@@ -181,6 +181,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             **self._core.ddp_kwargs,
         )
         self._ddp_model: DistributedDataParallel | None = None
+        self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
         # a training forward ran whose backward has not: its graph holds the rank's view
         self._graph_pending = False
 
@@ -190,7 +191,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         """Wrap the module in DDP and register the sparse communication on it (any device)."""
         model = super().setup_module(module)
         scaler = getattr(self.precision, "scaler", None)
-        self._core.register_hook(model, self.global_rank, self.world_size, self.root_device, scaler)
+        self._core.register_hook(
+            model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers
+        )
         if self._core.update is not None:
             model.register_forward_pre_hook(self._before_forward)
         self._ddp_model = model
@@ -200,6 +203,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
         self._core.check_optimizers([optimizer], self.world_size)
+        self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
     # ------------------------------------------------------------------ update mode

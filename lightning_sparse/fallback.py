@@ -156,6 +156,11 @@ class TimedFallback:
 
         return future.then(done)
 
+    def mark_end(self) -> None:
+        """The step's work ends now (update mode: after the exchange that follows the optimizer step)."""
+        if self._open is not None:
+            self._open[2].append(self._now())
+
     # ------------------------------------------------------------------ timing
     def _now(self) -> Any:
         if self._device.type == "cuda":

@@ -49,7 +49,16 @@ from lightning_sparse.wire import (
     sparse_pays,
 )
 
-__all__ = ["communicate", "exchange", "k_for", "local_gradient_hook", "sparse_comm_hook", "sparse_is_cheaper"]
+__all__ = [
+    "begin_step",
+    "communicate",
+    "exchange",
+    "k_for",
+    "local_gradient_hook",
+    "sparse_comm_hook",
+    "sparse_is_cheaper",
+    "update_comm_hook",
+]
 
 
 def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tensor]:
@@ -58,8 +67,16 @@ def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def local_gradient_hook(state: Any, bucket: dist.GradBucket) -> Future[Tensor]:
-    """DDP communication hook of update mode: keep this rank's own gradient, send nothing
-    (the exchange happens after the optimizer step, see :mod:`lightning_sparse.update`)."""
+    """DDP communication hook that keeps this rank's own gradient and sends nothing."""
+    return _done(bucket.buffer())
+
+
+def update_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tensor]:
+    """DDP communication hook of update mode: keep this rank's own gradient, send nothing (the
+    exchange happens after the optimizer step, see :mod:`lightning_sparse.update`); on the steps a
+    timed fallback sends dense (``state.ddp_mode``), all-reduce the gradient as plain DDP does."""
+    if state.ddp_mode:
+        return sparse_comm_hook(state, bucket)
     return _done(bucket.buffer())
 
 
@@ -82,7 +99,7 @@ def exchange(
     """
     start = time.perf_counter()
     if not state.in_step:
-        _begin_step(state)
+        begin_step(state)
     plan = state.plan(buffer, params)
     counters = Counters(numel=buffer.numel(), buckets=1)
     count_dense(counters, state.world_size, buffer.numel() * buffer.element_size())
@@ -169,8 +186,9 @@ def _apply_local_momentum(state: SparseState, call: BucketCall) -> None:
         call.sources[m.name] = u
 
 
-def _begin_step(state: SparseState) -> None:
-    """Once per optimizer step, before its first bucket."""
+def begin_step(state: SparseState) -> None:
+    """Once per optimizer step, before its first bucket (or, in update mode with a timed fallback,
+    before its forward: the way the step sends must be known then)."""
     state.in_step = True
     if state.loss_scale is not None:
         # With a gradient scaler the gradients (and so the residuals) carry the loss scale. When the

@@ -82,6 +82,8 @@ class SparseState:
         self.world_size = 1
         self.process_group: dist.ProcessGroup | None = None
         self.in_step = False
+        #: update mode, a timed fallback's dense steps: gradients are all-reduced as plain DDP does
+        self.ddp_mode = False
         #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
         self.loss_scale: Callable[[], float] | None = None
         self.last_loss_scale: float | None = None

@@ -193,7 +193,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self._core.register_hook(self.model, self.global_rank, self.world_size, self.root_device, scaler)
+        self._core.register_hook(
+            self.model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self.optimizers
+        )
 
     # ------------------------------------------------------------------ update mode
     @override

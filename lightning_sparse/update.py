@@ -23,7 +23,7 @@ optimizer step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,13 +32,15 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.hook import exchange, local_gradient_hook
+from lightning_sparse.fallback import DENSE, TRIAL_DENSE
+from lightning_sparse.hook import begin_step, exchange, local_gradient_hook, update_comm_hook
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
 from lightning_sparse.wire import Average, count_dense
+from lightning_sparse.wire.comm import wait
 
-__all__ = ["UpdateExchange", "local_gradient_hook"]
+__all__ = ["UpdateExchange", "average_optimizer_states", "local_gradient_hook", "update_comm_hook"]
 
 #: parameters per exchanged message at most (bytes of float32 updates), like DDP's 25 MB buckets
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -71,6 +73,9 @@ class UpdateExchange:
         self.state = state
         self.bucket_bytes = int(bucket_bytes)
         self.outer_step = AddAverage() if outer_step is None else outer_step
+        #: called when a timed fallback takes the ranks to plain DDP steps (with a ``sync_every`` of
+        #: 1): the strategy averages its optimizers' states there (see :func:`average_optimizer_states`)
+        self.on_dense: Callable[[], None] | None = None
         #: optimizer steps whose update this rank dropped because it was not finite
         self.nonfinite_updates = 0
         #: name -> parameter (trainable, bound)
@@ -128,6 +133,8 @@ class UpdateExchange:
         """
         if not self.active:
             return
+        if self._timed_dense():
+            return  # a plain DDP step: the module holds the replicas, identical on every rank
         memory = self.state.memory
         for name in self._names_of(params):
             if name in self._local:
@@ -195,10 +202,11 @@ class UpdateExchange:
         """
         if not self.active:
             return
-        names = [n for n in self._names_of(params) if n in self._local]
-        if not names:
-            return
         state = self.state
+        names = [n for n in self._names_of(params) if n in self._local]
+        if state.ddp_mode or not names:
+            self._mark_end()
+            return
         memory = state.memory
         buckets = self._buckets_for(names)
         cycle = "|".join(sorted(names))  # optimizer steps since this group's last exchange
@@ -237,6 +245,55 @@ class UpdateExchange:
             for name in bucket.names:
                 self._hold_global(name)
                 self._local.discard(name)
+        self._mark_end()
+
+    # ------------------------------------------------------------------ timed fallback to plain DDP
+    def _timed_dense(self) -> bool:
+        """With a timed fallback and a ``sync_every`` of 1, the step's way of sending is settled
+        before its forward: its trial's dense steps and a dense choice are plain DDP steps
+        (gradients all-reduced in DDP's hook, :func:`~lightning_sparse.hook.update_comm_hook`).
+        Entering them, every rank's unsent part is added to the global model (its mean, one dense
+        all-reduce) and the optimizer states are averaged, so that the replicas stay identical.
+        Returns whether this step is a plain DDP step."""
+        state = self.state
+        if state.timed_fallback is None or state.config.sync_every != 1:
+            return False
+        if not state.in_step:
+            begin_step(state)
+            dense = state.timed_fallback.kind(state.step) in (DENSE, TRIAL_DENSE)
+            if dense and not state.ddp_mode:
+                self._flush_to_global()
+                if self.on_dense is not None:
+                    self.on_dense()
+            state.ddp_mode = dense
+        return state.ddp_mode
+
+    @torch.no_grad()
+    def _flush_to_global(self) -> None:
+        """Add the mean over ranks of every rank's unsent part to the global model (which the module
+        holds now); the residuals are then empty."""
+        self.leave_local()
+        state = self.state
+        names = list(self._params)
+        parts = [
+            (state.memory.get(n) if n in state.memory else None, self._params[n]) for n in names
+        ]  # fmt: skip
+        flat = torch.cat([e if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts])
+        counters = Counters(numel=flat.numel(), buckets=1, dense_buckets=1)
+        wait(state.wire.comm.all_reduce(flat, counters))
+        flat.div_(state.world_size)
+        pos = 0
+        for name, (_, p) in zip(names, parts, strict=True):
+            p.add_(flat[pos : pos + p.numel()].view_as(p).to(p.dtype))
+            pos += p.numel()
+            self._synced.pop(name, None)
+        state.memory.clear()
+        state.telemetry.record("unsent parts", counters, "dense (flush)")
+
+    def _mark_end(self) -> None:
+        timed = self.state.timed_fallback
+        if timed is not None and self.state.config.sync_every == 1:
+            timed.mark_end()
 
     def _keep_local(self, bucket: _Bucket) -> None:
         """A step between exchanges: its progress joins the rank's residuals (``e += delta``,
@@ -290,3 +347,35 @@ class _Bucket:
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         """Whether the global values of its parameters still live in this bucket."""
         return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
+
+
+@torch.no_grad()
+def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup | None = None) -> None:
+    """Replace every floating tensor of the optimizers' states by its mean over the ranks (one
+    all-reduce per optimizer, in parameter order, the same on every rank).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+        >>> average_optimizer_states([opt])  # one process: nothing to average
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return
+    world = dist.get_world_size(group)
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        tensors = [
+            value
+            for g in inner.param_groups
+            for p in g["params"]
+            for _, value in sorted(inner.state.get(p, {}).items())
+            if isinstance(value, Tensor) and value.is_floating_point()
+        ]
+        if not tensors:
+            continue
+        flat = torch.cat([t.reshape(-1).double() for t in tensors])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        pos = 0
+        for t in tensors:
+            t.copy_(flat[pos : pos + t.numel()].view_as(t))
+            pos += t.numel()

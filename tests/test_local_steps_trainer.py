@@ -119,3 +119,50 @@ def test_cli_config_with_an_outer_optimizer(tmp_path: Path) -> None:
     assert config_.sync_every == 8 and config_.value_bits == 4
     made = config_.outer_factory([torch.nn.Parameter(torch.zeros(1))])
     assert isinstance(made, torch.optim.SGD) and made.defaults["lr"] == 0.7 and made.defaults["nesterov"]
+
+
+# update mode, sync_every 1, a timed fallback: the trial's dense steps (1-5) and a dense choice are plain
+# DDP steps (gradients all-reduced in DDP's hook); entering them flushes every rank's unsent part into
+# the global model and averages the optimizer states, so the replicas stay identical.
+TIMED_UPDATE: dict[str, Any] = {"compressor": "topk", "density": 0.05, "fallback_to_dense": "time"}
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("timed_update")
+    base = {**BASE, "max_steps": 24, "slow_sparse": 0.05}  # sparse made slow for real: the trial picks dense
+    first = run_trainer(
+        {
+            **base,
+            "runs": [{"name": "full", "strategy": TIMED_UPDATE, "ckpt_at_epoch": 1, "ckpt_out": str(root / "t.ckpt")}],
+        },
+        root / "first",
+    )
+    second = run_trainer(
+        {**base, "runs": [{"name": "resumed", "strategy": TIMED_UPDATE, "ckpt_path": str(root / "t.ckpt")}]},
+        root / "second",
+    )
+    return {"full": first["full"], "resumed": second["resumed"]}
+
+
+def test_timed_fallback_in_update_mode_goes_to_plain_ddp(timed: dict[str, Any]) -> None:
+    full = timed["full"]
+    for r in full:
+        (decision,) = r["timed_fallback"]["decisions"]
+        assert decision["step"] == 11 and decision["choice"] == "dense"
+        assert decision["sparse_s"] > decision["dense_s"]
+        methods = r["methods"]
+        # the unsent parts are flushed on entering plain DDP steps: the trial's dense half, then the choice
+        assert methods["dense (flush)"] == 2
+        assert methods["dense (timing trial)"] == 5 and methods["dense (timed fallback)"] == 24 - 11
+        assert all(not bool(v.abs().sum()) for v in r["residuals"].values()), "nothing left unsent"
+        assert r["hook_step"] == 24
+    a, b = full
+    for key in a["params"]:
+        assert torch.equal(a["params"][key], b["params"][key]), f"replicas differ in {key}"
+    for pid, slot in a["optimizer_state"].items():  # the optimizer states were averaged, then stayed equal
+        for key, value in slot.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer_state"][pid][key])), key
+    for f, r in zip(full, timed["resumed"], strict=True):
+        for key in f["params"]:
+            assert torch.equal(f["params"][key], r["params"][key]), f"{key} differs after resume"

@@ -335,10 +335,20 @@ def fit_once(cfg: dict[str, Any]) -> None:
             return real_all_reduce(t, group)
 
         lightning_sparse.wire.comm.all_reduce = slow_all_reduce
+    slow_sparse = cfg.get("slow_sparse")  # seconds of sleep before every sparse message's all-gather
+    real_all_gather = lightning_sparse.wire.comm.all_gather
+    if slow_sparse:
+
+        def slow_all_gather(out: torch.Tensor, t: torch.Tensor, group: Any = None) -> Any:
+            time.sleep(slow_sparse)
+            return real_all_gather(out, t, group)
+
+        lightning_sparse.wire.comm.all_gather = slow_all_gather
     try:
         trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("ckpt_path"))
     finally:
         lightning_sparse.wire.comm.all_reduce = real_all_reduce
+        lightning_sparse.wire.comm.all_gather = real_all_gather
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     extra: dict[str, Any] = {}
     if cfg.get("test"):
@@ -373,6 +383,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["sent_numel"] = model.sent_numel
         result["schedule_state"] = state.schedule.state_dict()
         result["methods"] = {k: v.buckets for k, v in state.telemetry.methods.items()}
+        result["optimizer_state"] = trainer.optimizers[0].state_dict()["state"] if trainer.optimizers else {}
         if state.timed_fallback is not None:
             result["timed_fallback"] = state.timed_fallback.state_dict()
     prefix = f"{cfg['name']}_" if cfg.get("name") else ""

@@ -98,9 +98,7 @@ def gpt_target_check(runs: list[dict[str, Any]], metric: Metric = VAL_LOSS) -> d
             ),
             None,
         )
-        peer = next(
-            (r for r in runs if r.get("peer") and _ok(r) and Peer.parse(r["peer"]).name == peer_name), None
-        )
+        peer = next((r for r in runs if r.get("peer") and _ok(r) and Peer.parse(r["peer"]).name == peer_name), None)
         if topk is None or peer is None or _final(topk, metric) is None or _final(peer, metric) is None:
             continue
         if tolerance is not None and ref is None:

@@ -28,7 +28,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
     from lightning_sparse.bench.compressors import parse_compressor
-    from lightning_sparse.hook import local_gradient_hook
+    from lightning_sparse.hook import update_comm_hook
 
     world = args.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> int:
             exchange = strategy.update_exchange
             if exchange is not None:
                 exchange.bind(model.module.named_parameters(), process_group=model.process_group)
-                model.register_comm_hook(None, local_gradient_hook)
+                model.register_comm_hook(state, update_comm_hook)
             else:
                 state.bind(model.module.named_parameters(), process_group=model.process_group)
                 model.register_comm_hook(state, sparse_comm_hook)
