@@ -48,6 +48,7 @@ from lightning_sparse.wire import (
     count_dense,
     sparse_pays,
 )
+from lightning_sparse.wire.comm import CollectiveError, first_line
 
 __all__ = [
     "begin_step",
@@ -136,15 +137,19 @@ def exchange(
             if _exchange_of(state, buffer, sparse, ks) == "split":
                 method += " (split)"  # what exchange="auto" picked shows in the telemetry's rows
     ctx = state.wire
-    if send_sparse:
-        parts = [
-            PATTERNS[state.compressor.pattern].launch(ctx, call, ks),
-            DENSE_PATTERN.launch_members(ctx, call, plan.dense_members),
-        ]
-    else:
-        counters.dense_buckets = 1
-        parts = [DENSE_PATTERN.launch(ctx, call)]
-    future = _average(buffer, parts)
+    where = f"the exchange of {plan.label} ({method}) at optimizer step {state.step}"
+    try:
+        if send_sparse:
+            parts = [
+                PATTERNS[state.compressor.pattern].launch(ctx, call, ks),
+                DENSE_PATTERN.launch_members(ctx, call, plan.dense_members),
+            ]
+        else:
+            counters.dense_buckets = 1
+            parts = [DENSE_PATTERN.launch(ctx, call)]
+    except CollectiveError as error:  # a collective waited for on this thread (split, sketch)
+        raise ExchangeError(state, where, error.what, error.cause) from error
+    future = _average(state, buffer, parts, where)
     if timed is not None:
         future = timed.track(future)
     counters.compress_seconds = time.perf_counter() - start
@@ -154,20 +159,38 @@ def exchange(
     return future
 
 
-def _average(buffer: Tensor, parts: list[Pending]) -> Future[Average]:
-    """A future of the bucket's :class:`Average`, once every collective of its parts completed."""
-    futures = [f for part in parts for f in part.futures]
+class ExchangeError(RuntimeError):
+    """A collective of the sparse exchange failed or timed out: the message says where (the bucket,
+    the way it was sent, the optimizer step, the collective, the rank) and what to check."""
+
+    def __init__(self, state: SparseState, where: str, what: str, cause: str) -> None:
+        super().__init__(
+            f"lightning_sparse: rank {state.rank} of {state.world_size} ({state.compress} mode): {where} failed in "
+            f"its {what}: {cause}. Another rank did not take part in time: one may have stopped, crashed or be "
+            "stalled (look at its log for an earlier error and at the last step it reached), or the process "
+            "group's timeout is too short for this link (SparseDDPStrategy(timeout=datetime.timedelta(...)); "
+            "Lightning's default is 30 minutes)."
+        )
+
+
+def _average(state: SparseState, buffer: Tensor, parts: list[Pending], where: str) -> Future[Average]:
+    """A future of the bucket's :class:`Average`, once every collective of its parts completed (an
+    Average that raises :class:`ExchangeError` when used, if one failed)."""
+    issued = [f for part in parts for f in part.futures]
 
     def finish(_: Any) -> Average:
-        for f in futures:
-            f.value()  # re-raises a failed collective
+        for f in issued:
+            try:
+                f.future.value()
+            except Exception as error:
+                return Average(buffer, parts, ExchangeError(state, where, f.what, first_line(error)))
         return Average(buffer, parts)
 
-    if not futures:
+    if not issued:
         return _done(finish(None))
-    if len(futures) == 1:
-        return futures[0].then(finish)
-    return torch.futures.collect_all(futures).then(finish)
+    if len(issued) == 1:
+        return issued[0].future.then(finish)
+    return torch.futures.collect_all([f.future for f in issued]).then(finish)
 
 
 def _apply_local_momentum(state: SparseState, call: BucketCall) -> None:

@@ -13,10 +13,12 @@ traffic that does not rely on the package's own counters.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import importlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -254,6 +256,8 @@ def build_strategy(spec: Any) -> Any:
     if isinstance(density, dict):  # a schedule, written as the Lightning CLI writes it
         module, _, name = density["class_path"].rpartition(".")
         spec["density"] = getattr(importlib.import_module(module), name)(**density.get("init_args", {}))
+    if "timeout_s" in spec:  # a short process-group timeout (stall tests)
+        spec["timeout"] = datetime.timedelta(seconds=spec.pop("timeout_s"))
     outer = spec.get("outer_optimizer")
     if isinstance(outer, dict):  # an optimizer factory, written as the Lightning CLI writes it
         module, _, name = outer["class_path"].rpartition(".")
@@ -271,6 +275,27 @@ class _SaveAtEpochEnd(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.current_epoch == self.epoch:
             trainer.save_checkpoint(self.path)
+
+
+class _Stall(L.Callback):
+    """At a given optimizer step, one rank stops (SIGSTOP, as a hung process would) or raises inside
+    the exchange (its compressor fails), so that the other ranks wait in a collective."""
+
+    def __init__(self, step: int, rank: int, how: str) -> None:
+        self.step, self.rank, self.how = step, rank, how
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            state = trainer.strategy.sparse_state
+
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("the compressor failed on purpose")
+
+            state.compressor.select = broken  # type: ignore[method-assign]
 
 
 def fit_once(cfg: dict[str, Any]) -> None:
@@ -304,6 +329,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
     logger: Any = False
     if cfg.get("logger") == "csv":
         logger = CSVLogger(save_dir=".", name="csv", version=0)
+    if cfg.get("stall_at_step") is not None:
+        callbacks.append(_Stall(cfg["stall_at_step"], cfg.get("stall_rank", 1), cfg.get("stall", "stop")))
     trainer = L.Trainer(
         accelerator=cfg.get("accelerator", "cpu"),
         devices=cfg.get("devices", 2),

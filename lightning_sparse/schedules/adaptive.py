@@ -18,11 +18,11 @@ from lightning_sparse._utils import bad_argument, check_density, check_int, scra
 from lightning_sparse.compressors import TopK
 from lightning_sparse.schedules.base import DensitySchedule, k_for
 from lightning_sparse.wire import Collectives, WireContext, bucket_wire_bytes, sparse_pays
-from lightning_sparse.wire.comm import wait
+from lightning_sparse.wire.comm import Issued, wait
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 
 if TYPE_CHECKING:
-    from torch.futures import Future
+    pass
 
 
 _EXACT_NUMEL = 1 << 16  # tensors up to this size get their exact top-k energy curve (one sort)
@@ -223,7 +223,7 @@ class AdaptiveDensity(DensitySchedule):
         self._comm = Collectives()
         self._rows: dict[str, Tensor] = {}
         self._sizes: dict[str, list[int]] = {}
-        self._pending: tuple[int, list[tuple[str, tuple[int, ...]]], Tensor, Future[Any] | None] | None = None
+        self._pending: tuple[int, list[tuple[str, tuple[int, ...]]], Tensor, Issued | None] | None = None
         self._ks: dict[int, list[int]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -348,7 +348,7 @@ class AdaptiveDensity(DensitySchedule):
         step, layout, gathered, future = self._pending
         self._pending = None
         if future is not None:
-            future.wait()
+            wait(future)
         g = len(self.grid) + 1
         world = gathered.numel() // (len(layout) * g)
         per_rank = gathered.reshape(world, len(layout), g).cpu().tolist()

@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.futures import Future
 
 from lightning_sparse.compressors import CompressContext, Compressor
 from lightning_sparse.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.stats import Counters
-from lightning_sparse.wire.comm import Collectives
+from lightning_sparse.wire.comm import Collectives, Issued
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ class Pending:
     ``dense`` (the dense pattern only) instead returns that average as the bucket's buffer itself.
     """
 
-    futures: list[Future[Any]]
+    futures: list[Issued]
     apply: Callable[[Tensor], Any]
     dense: Callable[[], Tensor] | None = None
 
@@ -165,19 +164,25 @@ class Average:
     parameters, or into a buffer of zeros for an outer optimizer to take as its gradient).
     """
 
-    def __init__(self, buffer: Tensor, parts: list[Pending]) -> None:
+    def __init__(self, buffer: Tensor, parts: list[Pending], error: Exception | None = None) -> None:
         self.buffer = buffer
         self.parts = parts
+        #: the exchange failed (a collective failed or timed out): using the average raises it
+        self.error = error
 
     def add_to(self, out: Tensor) -> Tensor:
         """Add the average into ``out`` (a flat tensor laid out like the bucket; only the
         coordinates that were sent are touched) and return ``out``."""
+        if self.error is not None:
+            raise self.error
         for part in self.parts:
             part.apply(out)
         return out
 
     def as_dense(self) -> Tensor:
         """The average as a dense tensor: the bucket's buffer, overwritten."""
+        if self.error is not None:
+            raise self.error
         if len(self.parts) == 1 and self.parts[0].dense is not None:
             return self.parts[0].dense()
         return self.add_to(self.buffer.zero_())

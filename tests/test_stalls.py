@@ -1,0 +1,102 @@
+"""A stalled exchange says where it was: when a rank stops (SIGSTOP) or fails inside the exchange,
+the other rank's error names the bucket, the way it was sent, the optimizer step, the collective
+and the rank, and says what to check (2 real processes, a 15-second process-group timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+TIMEOUT_S = 15
+STALL_STEP = 5
+
+
+def _launch(config: dict[str, Any], out_dir: Path, limit: float = 120) -> str:
+    """Run tests/trainer_worker.py in its own session; after the launcher ends (or ``limit``), kill
+    whatever is left of the session (a stopped rank) and return everything the ranks printed."""
+    from lightning_sparse._utils import free_port
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = out_dir / "config.json"
+    cfg_path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    env["MASTER_PORT"] = str(free_port())
+    log = out_dir / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "trainer_worker.py"), str(cfg_path)],
+            cwd=out_dir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=limit)
+            # a rank that outlives the launcher reports its own timeout: wait for its message
+            deadline = time.monotonic() + 2 * TIMEOUT_S
+            while time.monotonic() < deadline and "Another rank did not take part" not in log.read_text(
+                errors="replace"
+            ):
+                time.sleep(0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return log.read_text(errors="replace")
+
+
+CASES = {
+    # (mode, exchange or path, how the other rank fails)
+    "update_allgather_stop": ("update", {"exchange": "allgather"}, "stop", "all-gather"),
+    "update_split_raise": ("update", {"exchange": "split"}, "raise", "all-to-all"),
+    "update_dense_stop": ("update", {"min_numel": 10**9}, "stop", "all-reduce"),
+    "gradient_allgather_raise": ("gradient", {"exchange": "allgather"}, "raise", "all-gather"),
+    "gradient_split_stop": ("gradient", {"exchange": "split"}, "stop", "all-to-all"),
+    "gradient_dense_stop": ("gradient", {"min_numel": 10**9}, "stop", "all-reduce"),
+}
+
+
+# two cases in the default run (a stopped rank, a failing one; ~30 s each); the rest with -m slow
+FAST = ("update_allgather_stop", "gradient_allgather_raise")
+
+
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+def test_a_stalled_exchange_says_where_it_was(tmp_path: Path, case: str) -> None:
+    mode, extra, how, collective = CASES[case]
+    # "raise": rank 0 fails inside its exchange, rank 1 waits; "stop": rank 1 stops, rank 0 waits
+    stalled = 0 if how == "raise" else 1
+    config = {
+        "n": 256,
+        "max_steps": 12,
+        "data_by_step": True,
+        "strategy": {
+            "compressor": "topk", "density": 0.05, "fallback_to_dense": False, "compress": mode,
+            "timeout_s": TIMEOUT_S, **extra,
+        },
+        "stall_at_step": STALL_STEP,
+        "stall_rank": stalled,
+        "stall": how,
+    }  # fmt: skip
+    started = time.perf_counter()
+    text = _launch(config, tmp_path)
+    waiting = 1 - stalled
+    pattern = (
+        rf"lightning_sparse: rank {waiting} of 2 \({mode} mode\): the exchange of .+ at optimizer step "
+        rf"{STALL_STEP} failed in its {collective} of [\d,]+ bytes: .+\. Another rank did not take part in time"
+    )
+    assert re.search(pattern, text), text[-6000:]
+    assert "SparseDDPStrategy(timeout=datetime.timedelta(...))" in text
+    assert time.perf_counter() - started < 150, "the waiting rank ends within seconds of the timeout"
