@@ -75,7 +75,10 @@ class SparseConfig:
     min_numel: int = field(default=1024, metadata=_doc("tensors with fewer elements (biases, norms) are sent dense."))
     warmup_steps: int = field(
         default=1,
-        metadata=_doc("the first optimizer steps sent dense (>= 1: DDP learns its bucket order in the first step)."),
+        metadata=_doc(
+            """the first exchanges sent dense (gradient mode: >= 1, DDP learns its bucket order in the
+            first step; update mode, whose messages are its own: >= 0)."""
+        ),
     )
     value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = field(
         default=None,
@@ -211,7 +214,7 @@ class SparseConfig:
         schedule = as_schedule(self.density)
         check_bool("error_feedback", self.error_feedback)
         check_int("min_numel", self.min_numel, minimum=0)
-        check_int("warmup_steps", self.warmup_steps, minimum=1)
+        check_int("warmup_steps", self.warmup_steps, minimum=0 if self.compress == "update" else 1)
         value_dtype = resolve_value_dtype(self.value_dtype)
         check_int("seed", self.seed, minimum=0)
         byte_rule, timed = as_fallback(self.fallback_to_dense)

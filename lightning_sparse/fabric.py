@@ -75,8 +75,8 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
         error_feedback: keep what was not sent and send it later.
         min_numel: tensors with fewer elements (biases, norms) are sent dense.
-        warmup_steps: the first optimizer steps sent dense (>= 1: DDP learns its bucket order in the first
-            step).
+        warmup_steps: the first exchanges sent dense (gradient mode: >= 1, DDP learns its bucket order in
+            the first step; update mode, whose messages are its own: >= 0).
         value_dtype: dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None sends the
             gradient's dtype. Rounding errors go into the residual.
         seed: seed of every random choice (shared coordinates, samples).

@@ -176,3 +176,27 @@ def test_outer_optimizer_accepts_classes_and_factories() -> None:
             outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
         ).fingerprint()
     )
+
+
+def _no_warmup_worker(rank: int, world: int) -> dict[str, Any]:
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    named = _model()
+    state = SparseState(SparseConfig(density=0.05, min_numel=1000, warmup_steps=0, sync_every=2))
+    exchange = UpdateExchange(state)
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        exchange.enter_local()
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(torch.randn(p.shape, generator=gen))
+        exchange.exchange()
+    return {k: v.buckets for k, v in state.telemetry.methods.items()}
+
+
+def test_update_mode_may_skip_the_dense_warm_up(dist2) -> None:
+    # update mode's messages are its own (not DDP's buckets): its first exchange may be sparse
+    for methods in dist2.run(_no_warmup_worker):
+        assert methods.get("topk") == 1 and "dense (warm-up)" not in methods

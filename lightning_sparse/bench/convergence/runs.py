@@ -59,7 +59,12 @@ VAL_LOSS = Metric("loss", "val_loss", "val loss", False, "nats", 1.0, "+.3f", "v
 #: of the pytorch-optimizer package, each rank's gradients kept local)
 LIBRARY_PEERS = ("diloco", "demo")
 #: what ``--variants`` may set, and the strategy argument each sets
-VARIANT_KEYS = {"sync_every": "sync_every", "outer": "outer_optimizer", "value_bits": "value_bits"}
+VARIANT_KEYS = {
+    "sync_every": "sync_every",
+    "outer": "outer_optimizer",
+    "value_bits": "value_bits",
+    "warmup": "warmup_steps",
+}
 
 
 def parse_variant(spec: str) -> dict[str, Any]:
@@ -135,6 +140,8 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"{run['outer_optimizer']} outer")
     if run.get("value_bits"):
         extra.append(f"{run['value_bits']}-bit values")
+    if run.get("warmup_steps") is not None:
+        extra.append(f"{run['warmup_steps']} warm-up")
     return f"{run['compressor']} ({', '.join(extra)})"
 
 

@@ -87,6 +87,7 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         sync_every=config.get("sync_every", 1),
         outer_optimizer=config.get("outer_optimizer"),
         value_bits=config.get("value_bits"),
+        warmup_steps=config.get("warmup_steps", 1),
         compression_monitor=False,
     )
 
