@@ -465,3 +465,32 @@ def test_exchange_and_value_dtype_are_passed_to_the_strategy() -> None:
     strategy = _sparse_strategy({**config, "exchange": "split", "value_dtype": "bfloat16"})
     assert strategy.sparse_state.exchange == "split" and strategy.sparse_state.value_dtype == torch.bfloat16
     assert _sparse_strategy(config).sparse_state.exchange == "auto"  # a run saved before exchanges existed
+
+
+def test_convergence_variants_and_library_peers(tmp_path: Path) -> None:
+    """--variants (local steps, an outer step, coded values, no warm-up) and the DiLoCo and DeMo rows
+    (DeMo needs the optional pytorch-optimizer package: without it, its row says it failed)."""
+    out = tmp_path / "out"
+    argv = ["convergence", "--tasks", "gpt", "--tiny", "--compressors", "topk", "--densities", "0.01", "--no-dense"]
+    argv += ["--modes", "update", "--variants", "sync_every=4,outer=nesterov,value_bits=2,warmup=0"]
+    argv += ["--peers", "diloco:4", "demo", "--epochs", "1", "--limit-train-batches", "8"]
+    argv += ["--timeout", "240", "--out", str(out)]
+    assert main(argv) == 0
+    md = (out / "convergence.md").read_text()
+    assert "| DiLoCo H=4 (density 1, Nesterov 0.7/0.9) | - |" in md and "| DeMo (pytorch-optimizer) | - |" in md
+    assert "| topk (update, every 4 steps, nesterov outer, 2-bit values, 0 warm-up) | 0.01 |" in md
+    runs = {
+        r.get("label") or r["compressor"]: r for r in json.loads((out / "convergence.json").read_text())["runs"]["gpt"]
+    }
+    diloco, demo, ours = (
+        runs["DiLoCo H=4 (density 1, Nesterov 0.7/0.9)"],
+        runs["DeMo (pytorch-optimizer)"],
+        runs["topk"],
+    )
+    for r in (diloco, ours):
+        assert r["status"] == "ok", r
+        assert r["steps"] == 8 and r["dense_bytes"] == 8 * r["param_bytes"]
+    # DiLoCo sends everything, once every 4 steps (its first exchange dense either way)
+    assert 2 * diloco["param_bytes"] <= diloco["sent_bytes"] < 8 * diloco["param_bytes"]
+    assert ours["sent_bytes"] < diloco["sent_bytes"] / 10  # top-k 1%, 2-bit values (the tiny model: biases dense)
+    assert demo["status"] == "ok" or demo["status"].startswith("failed")
