@@ -90,6 +90,17 @@ COMMANDS = {
     "--modes update gradient --exchanges allgather split --peers powersgd:4": (
         "tests/test_bench_step.py::test_step_bench_exchanges_on_4_ranks"
     ),
+    # Results: exchanging rarely and in few bits (the test: --tiny, the variants and the library's peers)
+    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    '--variants "" "value_bits=2" "sync_every=4,value_bits=2" "sync_every=4,outer=nesterov,value_bits=2" '
+    '"sync_every=16,outer=nesterov,value_bits=2" --peers powersgd:1 diloco:16 demo': (
+        "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
+    ),
+    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    '--no-dense --peers --variants "sync_every=4,value_bits=2,warmup=0" "sync_every=8,value_bits=2,warmup=0" '
+    '"sync_every=16,outer=nesterov,value_bits=2,warmup=0"': (
+        "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
+    ),
     # Wire bytes at scale (the test: a small model, 2 and 4 processes)
     "python -m lightning_sparse.bench scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
         "tests/test_bench_scale.py::test_measured_equals_model"

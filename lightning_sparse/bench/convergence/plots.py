@@ -13,6 +13,14 @@ def _variant(run: dict[str, Any]) -> tuple[str, str, str]:
     return (run["compressor"], run.get("exchange") or "auto", run.get("value_dtype") or "")
 
 
+def _key(run: dict[str, Any]) -> str | tuple[str, str, str]:
+    """What gets its own color: the compressor and way of sending, and a run's own settings of local
+    steps, outer step, coded values or warm-up."""
+    if any(run.get(k) not in (None, 1) for k in ("sync_every", "outer_optimizer", "value_bits", "warmup_steps")):
+        return run_label(run)
+    return _variant(run)
+
+
 def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | None = None) -> bool:
     """The validation metric against cumulative bytes sent (log x), one panel per density; dense DDP and
     torch's hooks in every panel; False without matplotlib."""
@@ -27,7 +35,7 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | Non
     sparse = [r for r in runs if _kind(r) == "sparse"]
     densities = sorted({r["density"] for r in sparse}, reverse=True) or [1.0]
     # one color per compressor and way of sending (exchange, value dtype)
-    compressors = list(dict.fromkeys(_variant(r) for r in sparse))
+    compressors = list(dict.fromkeys(_key(r) for r in sparse))
     modes = list(dict.fromkeys(_mode(r) for r in sparse))
     cmap = plt.get_cmap("tab10")
     colors = {c: cmap(i % 10) for i, c in enumerate(compressors)}
@@ -61,7 +69,7 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | Non
             if r["density"] != density or not r.get("points"):
                 continue
             pts = [p for p in r["points"] if metric.key in p]
-            c = _variant(r)
+            c = _key(r)
             ax.plot(
                 [p["sent_bytes"] for p in pts],
                 [p[metric.key] for p in pts],
@@ -83,9 +91,16 @@ def plot(task: str, runs: list[dict[str, Any]], path: Path, metric: Metric | Non
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="center right", frameon=False)
     fig.suptitle(f"{task}: {(metric.axis or metric.title).split(' (')[0]} vs bytes sent (error feedback on)")
-    fig.tight_layout(rect=(0, 0, 0.8, 1))
+    if len(labels) > 8:  # many rows: the legend goes below the plots, one line each
+        width, height = fig.get_size_inches()
+        legend_height = 0.2 * len(labels)
+        fig.set_size_inches(max(width, 7.5), height + legend_height)
+        fig.legend(handles, labels, loc="lower center", frameon=False, fontsize="small")
+        fig.tight_layout(rect=(0, legend_height / (height + legend_height), 1, 1))
+    else:
+        fig.legend(handles, labels, loc="center right", frameon=False)
+        fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
