@@ -266,9 +266,7 @@ def _exchange_of(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...],
     """The exchange a gather-pattern bucket takes (None for the other patterns)."""
     if state.compressor.pattern != "gather":
         return None
-    vbytes = state.wire.vdtype(buffer).itemsize
-    numels = [m.numel for m in sparse]
-    return GATHER.choose(state.world_size, ks, vbytes, numels, state.exchange, state.compact_indices)[0]
+    return GATHER.exchange_for(state.wire, ks, [m.numel for m in sparse], state.wire.vdtype(buffer).itemsize)
 
 
 def _done(value: Any) -> Future[Any]:

@@ -256,7 +256,7 @@ class UpdateExchange:
         all-reduce) and the optimizer states are averaged, so that the replicas stay identical.
         Returns whether this step is a plain DDP step."""
         state = self.state
-        if state.timed_fallback is None or state.config.sync_every != 1:
+        if not self._timed_steps:
             return False
         if not state.in_step:
             begin_step(state)
@@ -290,9 +290,14 @@ class UpdateExchange:
         state.memory.clear()
         state.telemetry.record("unsent parts", counters, "dense (flush)")
 
+    @property
+    def _timed_steps(self) -> bool:
+        """A timed fallback times whole steps here (``sync_every`` 1), and may make them plain DDP steps."""
+        return self.state.timed_fallback is not None and self.state.config.sync_every == 1
+
     def _mark_end(self) -> None:
         timed = self.state.timed_fallback
-        if timed is not None and self.state.config.sync_every == 1:
+        if timed is not None and self._timed_steps:
             timed.mark_end()
 
     def _keep_local(self, bucket: _Bucket) -> None:

@@ -138,6 +138,10 @@ class GatherPattern(WirePattern):
         and is kept."""
         return _choose(world, sum(ks), vbytes, sum(numels), exchange, compact, value_bits)
 
+    def exchange_for(self, ctx: WireContext, ks: list[int], numels: list[int], vbytes: int) -> str:
+        """The exchange a bucket takes under ``ctx``'s settings (what the launch and the telemetry use)."""
+        return self.choose(ctx.world_size, ks, vbytes, numels, ctx.exchange, ctx.compact_indices, ctx.value_bits)[0]
+
     def cost(self, sizes: Sizes) -> float:
         s = sizes
         return self.choose(s.world, list(s.ks), s.vbytes, list(s.numels), s.exchange, s.compact, s.value_bits)[1]
@@ -145,10 +149,7 @@ class GatherPattern(WirePattern):
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
         vdtype = ctx.vdtype(call.buffer)
         numels = [m.numel for m in call.plan.sparse_members]
-        how, _ = self.choose(
-            ctx.world_size, ks, vdtype.itemsize, numels, ctx.exchange, ctx.compact_indices, ctx.value_bits
-        )
-        if how == "split":
+        if self.exchange_for(ctx, ks, numels, vdtype.itemsize) == "split":
             return launch_split(ctx, call, ks, vdtype)
         return _launch_allgather(ctx, call, ks, vdtype)
 
