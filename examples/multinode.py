@@ -7,6 +7,9 @@ the launcher starts: ``--nnodes`` and ``--nproc-per-node`` for torchrun, the nod
 
     torchrun --nnodes 1 --nproc-per-node 2 examples/multinode.py --devices 2
 
+``--save-checkpoint`` and ``--ckpt-path`` write and resume a checkpoint, also on another number of
+processes (see the resize rule in docs/guarantees.md).
+
 ``--compress`` picks the mode: ``update`` (the default, as with ``strategy="sparse_ddp"``) or
 ``gradient``. With ``--digest-dir DIR`` every rank writes ``DIR/rank{global_rank}.json`` after
 training: a SHA-256 of the model's parameters and the rank's place (global, node and local rank,
@@ -44,6 +47,10 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
     parser.add_argument("--compress", choices=("update", "gradient"), default="update", help="what is compressed")
     parser.add_argument("--digest-dir", type=Path, help="every rank writes rank{global_rank}.json here")
+    parser.add_argument("--save-checkpoint", type=Path, help="write a checkpoint here after training")
+    parser.add_argument(
+        "--ckpt-path", type=Path, help="resume from this checkpoint (it may come from another number of processes)"
+    )
     args = parser.parse_args()
 
     if args.accelerator == "cpu":
@@ -62,11 +69,16 @@ def main() -> None:
         logger=False,
     )
     model, data = DigitsClassifier(hidden=(128,)), DigitsDataModule(batch_size=32)
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=args.ckpt_path)
+    if args.save_checkpoint is not None:
+        trainer.save_checkpoint(args.save_checkpoint)  # every rank's residuals go in it
     (metrics,) = trainer.validate(model, data, verbose=False)  # the global model, on every rank
     if trainer.global_rank == 0:
         env = type(trainer.strategy.cluster_environment).__name__
-        print(f"world size {trainer.world_size} ({env}), compress {args.compress}: val_acc {metrics['val_acc']:.4f}")
+        print(
+            f"world size {trainer.world_size} ({env}), compress {args.compress}: step {trainer.global_step}, "
+            f"val_loss {metrics['val_loss']:.4f}, val_acc {metrics['val_acc']:.4f}"
+        )
     if args.digest_dir is not None:
         args.digest_dir.mkdir(parents=True, exist_ok=True)
         record = {

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_sparse.amp import SkippedSteps
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.outer import outer_step_for
@@ -129,6 +130,8 @@ class SparseCore:
         if self._pending_payload is not None:
             self._apply(self._pending_payload, rank, world_size, device)
             self._pending_payload = None
+        enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
+        self.state.skips = SkippedSteps(scaler) if enabled else None
         if self.update is not None:
             # each rank keeps its own gradient; the exchange runs after the optimizer step
             update = self.update
@@ -181,14 +184,16 @@ class SparseCore:
     def restore(self, payload: dict[str, Any], rank: int, world_size: int, device: torch.device, now: bool) -> None:
         """Restore a payload written by :meth:`gather_payload`: this rank's residuals, step,
         schedule and telemetry (at once if ``now``, else when the hook is registered), and keep
-        every rank's optimizer state for :meth:`take_optimizer_states` (update mode, same world size)."""
+        every rank's optimizer state for :meth:`take_optimizer_states` (update mode; on another
+        world size, their mean for every rank)."""
         ranks = payload["ranks"]
-        if (
-            self.update is not None
-            and int(payload["world_size"]) == world_size
-            and all("optimizer_states" in r for r in ranks)
-        ):
-            self._pending_optimizer_states = [r["optimizer_states"] for r in ranks]
+        if self.update is not None and all("optimizer_states" in r for r in ranks):
+            states = [r["optimizer_states"] for r in ranks]
+            if int(payload["world_size"]) != world_size:
+                # another number of processes: every rank starts from the mean of the saved states
+                # (as the mean of the residuals below), the same on every rank
+                states = [mean_states(states)] * world_size
+            self._pending_optimizer_states = states
         if now:
             self._apply(payload, rank, world_size, device)
             self._pending_payload = None
@@ -213,7 +218,13 @@ class SparseCore:
             rank_zero_warn(
                 f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
                 f"{world_size}; each rank starts from the mean of the saved error-feedback residuals, "
-                "which keeps the total delayed gradient but not each rank's share of it."
+                "which keeps the total delayed "
+                + (
+                    "update (nothing is dropped) but not each rank's share of it, and from the mean of the "
+                    "saved ranks' optimizer states."
+                    if self.update is not None
+                    else "gradient (nothing is dropped) but not each rank's share of it."
+                )
             )
             mine = dict(ranks[0])
             for key in ("residuals", "velocity"):  # local momenta, like residuals, are summed over ranks
@@ -239,6 +250,30 @@ class SparseCore:
         state.load_state_dict(mine, device=device)
         if self.update is not None and "outer_step" in mine:
             self.update.outer_step.load_state_dict(mine["outer_step"])
+
+
+def mean_states(states: list[Any]) -> Any:
+    """The element-wise mean of structurally equal states (dicts, lists, tuples of tensors and
+    other values): floating tensors are averaged (in float64, then cast back), anything else is
+    taken from the first.
+
+    Example:
+        >>> import torch
+        >>> mean_states([{"step": 3, "m": torch.tensor([1.0, 2.0])}, {"step": 3, "m": torch.tensor([3.0, 0.0])}])
+        {'step': 3, 'm': tensor([2., 1.])}
+    """
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        if not first.is_floating_point():
+            return first
+        total = torch.stack([s.to(device=first.device, dtype=torch.float64) for s in states]).mean(0)
+        return total.to(first.dtype)
+    if isinstance(first, dict):
+        return {key: mean_states([s[key] for s in states]) for key in first}
+    if isinstance(first, (list, tuple)):
+        items = [mean_states([s[i] for s in states]) for i in range(len(first))]
+        return type(first)(items) if isinstance(first, tuple) else items
+    return first
 
 
 def _check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
@@ -333,7 +368,11 @@ class SparseShell:
         the exchange: afterwards the module holds the new global values of those parameters."""
         update = self._core.update
         if update is None:
-            return step()
+            output = step()
+            state = self._core.state
+            if state.skips is not None:  # fp16 AMP: a skipped step gives back what it took from the residuals
+                state.skips.after_step(state.memory, state.velocity)
+            return output
         params = [p for group in optimizer.param_groups for p in group["params"]]
         update.enter_local(params)
         self._in_optimizer_step = True

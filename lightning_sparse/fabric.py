@@ -280,8 +280,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         """Load a checkpoint like Fabric's ``DDPStrategy`` and restore this rank's sparse state.
 
         In update mode every optimizer in the checkpoint is restored to the state *this rank*
-        saved (also in the returned checkpoint when ``state`` is empty), if the world size is the
-        one that saved it. The ``"lightning_sparse"`` entry is consumed, not returned.
+        saved (also in the returned checkpoint when ``state`` is empty); on another number of
+        processes, to the mean of the saved ranks' states. The ``"lightning_sparse"`` entry is
+        consumed, not returned.
         """
         self._core.hold_global()  # what the module held is replaced: it becomes the global model
         io = self.checkpoint_io

@@ -78,6 +78,19 @@ def update_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tens
     timed fallback sends dense (``state.ddp_mode``), all-reduce the gradient as plain DDP does."""
     if state.ddp_mode:
         return sparse_comm_hook(state, bucket)
+    if state.skips is not None:  # fp16 AMP: every rank skips a step that overflowed on one
+        counters = Counters()
+        where = f"the overflow check of optimizer step {state.step}"
+        future = state.skips.agree(
+            state.wire.comm,
+            bucket.buffer(),
+            bucket.is_last(),
+            counters,
+            lambda what, cause: ExchangeError(state, where, what, cause),
+        )
+        if bucket.is_last():
+            state.telemetry.record("overflow check", counters, "overflow check")
+        return future
     return _done(bucket.buffer())
 
 
@@ -112,6 +125,9 @@ def exchange(
         inputs_finite=inputs_finite,
         observe=state.schedule.observe if state.schedule.observes else None,
     )
+    if state.skips is not None and state.compress == "gradient":
+        # fp16 AMP: what the exchange takes from the residuals comes back if the scaler skips the step
+        state.skips.keep(state.memory, state.velocity, [m.name for m in plan.members])
     if state.momentum_correction:
         _apply_local_momentum(state, call)
     sparse = plan.sparse_members
@@ -213,6 +229,8 @@ def begin_step(state: SparseState) -> None:
     """Once per optimizer step, before its first bucket (or, in update mode with a timed fallback,
     before its forward: the way the step sends must be known then)."""
     state.in_step = True
+    if state.skips is not None:
+        state.skips.begin()
     if state.loss_scale is not None:
         # With a gradient scaler the gradients (and so the residuals) carry the loss scale. When the
         # scaler changes it (halved after an overflow, doubled after a run of good steps), bring the

@@ -93,6 +93,21 @@ class ErrorFeedback:
         e.sub_(sent.to(torch.float32))
         return sent
 
+    def copy(self, name: str) -> Tensor | None:
+        """A copy of the residual of ``name`` (None if it has no buffer), for :meth:`put`."""
+        e = self._residuals.get(name)
+        if e is None:
+            return None
+        return torch.zeros_like(e) if name in self._zero else e.clone()
+
+    def put(self, name: str, residual: Tensor | None) -> None:
+        """Set the residual of ``name`` to ``residual`` (a :meth:`copy`; None: no buffer)."""
+        self._zero.discard(name)
+        if residual is None:
+            self._residuals.pop(name, None)
+        else:
+            self._residuals[name] = residual
+
     def scale_(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (e.g. when a gradient scaler changes its scale)."""
         for name, e in self._residuals.items():
@@ -156,6 +171,13 @@ class LocalMomentum:
         else:
             u.mul_(momentum).add_(grad)
         return u
+
+    def put(self, name: str, velocity: Tensor | None) -> None:
+        """Set the local momentum of ``name`` (None: none)."""
+        if velocity is None:
+            self._velocity.pop(name, None)
+        else:
+            self._velocity[name] = velocity
 
     def mask(self, name: str, indices: Tensor) -> None:
         """Zero the momentum at the coordinates just sent."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse._utils import stable_key
+from lightning_sparse.amp import SkippedSteps
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.memory import ErrorFeedback, LocalMomentum
@@ -87,6 +88,8 @@ class SparseState:
         #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
         self.loss_scale: Callable[[], float] | None = None
         self.last_loss_scale: float | None = None
+        #: what a step that the fp16 gradient scaler skips does (set by the strategy under fp16 AMP)
+        self.skips: SkippedSteps | None = None
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
         self._names: dict[int, str] = {}
@@ -116,6 +119,7 @@ class SparseState:
         state = self.__dict__.copy()
         state["process_group"] = None
         state["loss_scale"] = None
+        state["skips"] = None
         state["_names"] = {}
         state["_plans"] = {}
         state["wire"] = dataclasses.replace(self.wire, comm=Collectives())

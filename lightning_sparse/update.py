@@ -207,6 +207,15 @@ class UpdateExchange:
         if state.ddp_mode or not names:
             self._mark_end()
             return
+        if state.skips is not None and state.skips.overflowed:
+            # fp16 AMP: every rank's scaler skipped this step (agreed in the hook): nothing moved,
+            # nothing is sent; the residuals, the global model and the cycle stay as they were
+            for name in names:
+                self._hold_global(name)
+                self._local.discard(name)
+            state.telemetry.end_step()
+            self._mark_end()
+            return
         memory = state.memory
         buckets = self._buckets_for(names)
         cycle = "|".join(sorted(names))  # optimizer steps since this group's last exchange

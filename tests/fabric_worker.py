@@ -46,7 +46,12 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def run(cfg: dict[str, Any]) -> None:
     spec = cfg.get("strategy", "sparse_ddp")
     strategy = spec if isinstance(spec, str) else FabricSparseDDPStrategy(**spec)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    plugins: list[Any] = []
+    if cfg.get("fp16"):  # fp16 AMP with a real gradient scaler (on CPU too)
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12)))
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
     fabric.launch()
     fabric.seed_everything(cfg.get("seed", 0), verbose=False)
     model = MLP()
@@ -67,6 +72,7 @@ def run(cfg: dict[str, Any]) -> None:
     at_eval: list[float] = []
     rank, world = fabric.global_rank, fabric.world_size
     batch = 0
+    records: dict[int, dict[str, Any]] = {}
     for step in range(start, steps):
         for micro in range(accumulate):
             # data as a pure function of (step, micro-batch, rank): a resumed run sees the same batches
@@ -74,7 +80,9 @@ def run(cfg: dict[str, Any]) -> None:
             idx = torch.arange(first, first + bs) % len(data)
             x, y = x_all[idx], y_all[idx]
             with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
-                loss = nn.functional.cross_entropy(model(x), y)
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+                if step == cfg.get("nan_at") and rank == 1:
+                    loss = loss * float("nan")  # an overflow on one rank
                 fabric.backward(loss)
             batch += 1
             if cfg.get("eval_every") and batch % cfg["eval_every"] == 0:
@@ -87,6 +95,16 @@ def run(cfg: dict[str, Any]) -> None:
         opt.step()
         opt.zero_grad()
         after_step.append(fingerprint(model))
+        if step + 1 in cfg.get("record_steps", []):  # the state after the step
+            sparse = fabric.strategy.sparse_state  # type: ignore[attr-defined]
+            scaler = getattr(fabric.strategy.precision, "scaler", None)
+            records[step + 1] = {
+                "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "residuals": sparse.memory.state_dict(),
+                "cycle": dict(sparse.cycle),
+                "scale": None if scaler is None else float(scaler.get_scale()),
+                "sent_bytes": sparse.telemetry.last.sent_bytes,
+            }
         if cfg.get("save_at") == step + 1:
             fabric.save(cfg["save_to"], {"model": model, "optimizer": opt, "step": step + 1})
     state = fabric.strategy.sparse_state  # type: ignore[attr-defined]
@@ -103,6 +121,8 @@ def run(cfg: dict[str, Any]) -> None:
         "final_acc": accuracy(model, x_all, y_all),
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "compress": fabric.strategy.compress,  # type: ignore[attr-defined]
+        "records": records,
+        "skipped_steps": 0 if state.skips is None else state.skips.skipped,
     }
     torch.save(result, f"{cfg['name']}_rank{rank}.pt")
     fabric.barrier()

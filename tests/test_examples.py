@@ -145,7 +145,8 @@ def _run_together(cmds: list[list[str]], cwd: Path, env: dict[str, str], logs: l
 def test_multinode_two_nodes_under_torchrun(tmp_path: Path, compress: str) -> None:
     """`torchrun --nnodes 2 ... examples/multinode.py --num-nodes 2`, both "nodes" on this machine:
     two torchrun launchers of 2 processes each (node ranks 0 and 1) meet over loopback, and the 4
-    replicas end with identical parameters."""
+    replicas end with identical parameters. Then the checkpoint of those 4 processes resumes on one
+    node of 2 (the resize rule): the replicas end identical again and training went on."""
     port, digests = str(free_port()), tmp_path / "digests"
     env = _env()
     env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -154,6 +155,7 @@ def test_multinode_two_nodes_under_torchrun(tmp_path: Path, compress: str) -> No
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
         cmd += ["--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", port]
         cmd += [str(ROOT / "examples" / "multinode.py"), "--num-nodes", "2", "--devices", "2", "--max-steps", "6"]
+        cmd += ["--save-checkpoint", str(tmp_path / "four.ckpt")]
         cmds.append(cmd + ["--compress", compress, "--digest-dir", str(digests)])
     logs = [tmp_path / "node0", tmp_path / "node1"]
     codes = _run_together(cmds, tmp_path, env, logs, timeout=240)
@@ -175,3 +177,15 @@ def test_multinode_two_nodes_under_torchrun(tmp_path: Path, compress: str) -> No
     assert sorted((r["node_rank"], r["local_rank"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)], report()
     assert len({r["sha256"] for r in records}) == 1, f"the replicas differ: {records}"
     assert f"world size 4 (TorchElasticEnvironment), compress {compress}" in Path(f"{logs[0]}.stdout").read_text()
+
+    # 2 nodes x 2 -> 1 node x 2
+    resumed = tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(ROOT / "examples" / "multinode.py"), "--devices", "2"]
+    cmd += ["--compress", compress, "--max-steps", "12", "--ckpt-path", str(tmp_path / "four.ckpt")]
+    out = _run(cmd + ["--digest-dir", str(resumed)], tmp_path, env={**_env(), "PYTHONWARNINGS": "default"})
+    records = [json.loads(path.read_text()) for path in sorted(resumed.glob("rank*.json"))]
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert len({r["sha256"] for r in records}) == 1, f"the replicas differ after the resize: {records}"
+    assert "written by 4 processes and is resumed on 2" in out
+    assert f"world size 2 (TorchElasticEnvironment), compress {compress}: step 12" in out

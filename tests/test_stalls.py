@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 15
@@ -100,3 +101,36 @@ def test_a_stalled_exchange_says_where_it_was(tmp_path: Path, case: str) -> None
     assert re.search(pattern, text), text[-6000:]
     assert "SparseDDPStrategy(timeout=datetime.timedelta(...))" in text
     assert time.perf_counter() - started < 150, "the waiting rank ends within seconds of the timeout"
+
+
+@pytest.mark.parametrize("mode", ["update", pytest.param("gradient", marks=pytest.mark.slow)])
+def test_a_killed_rank_ends_the_others_and_the_fit_resumes(tmp_path: Path, mode: str) -> None:
+    """Rank 1 dies (SIGKILL) at step 10 of a fit that writes last.ckpt every 4 steps: rank 0 ends
+    within seconds, not after the process group's timeout (60 s here), and the fit resumed from
+    last.ckpt equals the uninterrupted fit to the bit, with identical replicas."""
+    strategy = {"compressor": "topk", "density": 0.05, "compress": mode, "timeout_s": 60}
+    base = {"n": 256, "max_steps": 16, "data_by_step": True, "strategy": strategy}
+    killed = tmp_path / "killed"
+    text = _launch({**base, "checkpoint_every": 4, "stall_at_step": 10, "stall_rank": 1, "stall": "kill"}, killed)
+    ended = time.time()
+    match = re.search(r"rank 1 killed at ([\d.]+)", text)
+    assert match, text[-6000:]
+    assert ended - float(match.group(1)) < 30, f"rank 0 took {ended - float(match.group(1)):.0f} s to end"
+    assert "lightning_sparse: rank 0 of 2" in text and "Another rank did not take part" in text, text[-6000:]
+    last = killed / "ckpts" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 8
+
+    from conftest import run_trainer
+
+    runs = run_trainer(
+        {**base, "runs": [{"name": "resumed", "ckpt_path": str(last)}, {"name": "uninterrupted"}]},
+        tmp_path / "resumed",
+    )
+    resumed, uninterrupted = runs["resumed"], runs["uninterrupted"]
+    for rank in (0, 1):
+        assert resumed[rank]["global_step"] == 16
+        for key, value in uninterrupted[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][key], value), f"rank {rank}: {key} differs"
+            assert torch.equal(resumed[1 - rank]["params"][key], value), "the replicas differ"
+        for key, value in uninterrupted[rank]["residuals"].items():
+            assert torch.equal(resumed[rank]["residuals"][key], value), f"rank {rank}: residual {key} differs"

@@ -56,6 +56,9 @@ class Net(L.LightningModule):
         self.skipped_steps = 0
         self.residual_norms: list[float] = []
         self.sent_numel: list[int] = []
+        #: global steps at whose batch end the module, residuals, cycle and loss scale are recorded
+        self.record_steps: set[int] = set()
+        self.records: dict[int, dict[str, Any]] = {}
         self.body = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
         self.head = nn.Linear(64, 4)
         if variant == "unused":
@@ -102,6 +105,17 @@ class Net(L.LightningModule):
         if isinstance(strategy, SparseDDPStrategy):
             self.residual_norms.append(strategy.sparse_state.memory.norm_sq() ** 0.5)
             self.sent_numel.append(strategy.sparse_state.telemetry.last.sent_numel)
+            if self.global_step in self.record_steps:  # the state after the step global_step - 1
+                state = strategy.sparse_state
+                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+                self.records[self.global_step] = {
+                    "params": {k: v.detach().clone() for k, v in self.state_dict().items()},
+                    "residuals": state.memory.state_dict(),
+                    "cycle": dict(state.cycle),
+                    "scale": None if scaler is None else float(scaler.get_scale()),
+                    "sent_bytes": state.telemetry.last.sent_bytes,
+                    "methods": sorted(state.telemetry.methods),
+                }
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
@@ -166,6 +180,16 @@ class Snapshots(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.validation_start.append(self.fingerprint(pl_module))
+
+
+def _precision(precision: str) -> dict[str, Any]:
+    """Trainer arguments for ``precision``; "16-mixed-scaler" is fp16 AMP with a real gradient
+    scaler on any device (Lightning turns "16-mixed" into bf16 on CPU)."""
+    if precision != "16-mixed-scaler":
+        return {"precision": precision}
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))]}
 
 
 def make_data(seed: int = 0, n: int = 1024) -> TensorDataset:
@@ -278,8 +302,8 @@ class _SaveAtEpochEnd(L.Callback):
 
 
 class _Stall(L.Callback):
-    """At a given optimizer step, one rank stops (SIGSTOP, as a hung process would) or raises inside
-    the exchange (its compressor fails), so that the other ranks wait in a collective."""
+    """At a given optimizer step, one rank stops (SIGSTOP, as a hung process would), dies (SIGKILL) or
+    raises inside the exchange (its compressor fails), so that the other ranks wait in a collective."""
 
     def __init__(self, step: int, rank: int, how: str) -> None:
         self.step, self.rank, self.how = step, rank, how
@@ -289,6 +313,9 @@ class _Stall(L.Callback):
             return
         if self.how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.how == "kill":  # a rank that dies at once (OOM killer, a lost node)
+            print(f"rank {trainer.global_rank} killed at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         else:
             state = trainer.strategy.sparse_state
 
@@ -305,6 +332,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
     model.momentum = cfg.get("momentum", 0.9)
     model.optimizer_name = cfg.get("optimizer", "sgd")
     model.scheduler = cfg.get("scheduler", False)
+    model.record_steps = set(cfg.get("record_steps", []))
     data = make_data(cfg.get("seed", 0), cfg.get("n", 1024))
     initial_acc = _accuracy(model, data)
     if cfg.get("data_by_step"):
@@ -339,7 +367,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
         max_epochs=-1,
         accumulate_grad_batches=cfg.get("accumulate_grad_batches", 1),
         gradient_clip_val=cfg.get("gradient_clip_val"),
-        precision=cfg.get("precision", "32-true"),
+        **_precision(cfg.get("precision", "32-true")),
         logger=logger,
         log_every_n_steps=cfg.get("log_every_n_steps", 50),
         enable_checkpointing=bool(cfg.get("checkpoint_every")),
@@ -390,6 +418,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
         "initial_acc": initial_acc,
         "train_acc": _accuracy(model, data),
         "skipped_steps": model.skipped_steps,
+        "records": model.records,
         "callback_metrics": fit_metrics,
         "cwd": os.getcwd(),
         "snapshots": {"batch_end": snapshots.batch_end, "validation_start": snapshots.validation_start},

@@ -1,0 +1,155 @@
+"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state.
+
+Under plain DDP the gradients are all-reduced before the scaler looks at them, so an overflow on
+one rank makes every rank skip the step, alike. :class:`SkippedSteps` keeps that in both modes:
+
+- **gradient mode**: the exchange runs in DDP's hook, before the scaler can know whether the step
+  will be skipped (a rank that overflowed sends NaN, so every rank does skip). The residuals (and
+  local momenta) of the step's buckets are copied before the exchange takes from them; when the
+  scaler skipped the step (its scale went down), they are put back, so that the step's gradient is
+  dropped as a whole, as plain DDP drops it, and no rank loses what it sent in the skipped step.
+  The cost: one copy of the residuals per step, only while a gradient scaler is active.
+- **update mode**: each rank keeps its own gradient, so one rank's overflow would reach no other
+  rank. The hook agrees on it instead: one all-reduce of one number per step, after the step's last
+  bucket; on an overflow anywhere every rank's gradient is made NaN, so every scaler skips the step
+  and backs off alike (the scales stay identical on every rank), and the exchange after the step
+  does nothing: nothing is sent, the residuals, the global model, the outer optimizer and the
+  local-step cycle are left as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_sparse._utils import all_finite
+from lightning_sparse.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.stats import Counters
+from lightning_sparse.wire.comm import Collectives, first_line
+
+__all__ = ["SkippedSteps"]
+
+
+class SkippedSteps:
+    """What the strategies do about the steps an fp16 gradient scaler skips (see the module).
+
+    Args:
+        scaler: the precision plugin's gradient scaler (``torch.amp.GradScaler``).
+
+    Example:
+        >>> import torch
+        >>> from lightning_sparse.memory import ErrorFeedback, LocalMomentum
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        >>> _ = scaler.scale(torch.ones(()))          # the step's loss, scaled
+        >>> skips = SkippedSteps(scaler)
+        >>> memory = ErrorFeedback()
+        >>> _ = memory.accumulate("w", torch.tensor([1.0, 2.0]))
+        >>> skips.begin()
+        >>> skips.keep(memory, LocalMomentum(), ["w"])   # before the exchange takes from "w"
+        >>> _ = memory.accumulate("w", torch.tensor([5.0, 5.0]))
+        >>> scaler.update(4.0)                            # the scaler backed off: the step was skipped
+        >>> skips.after_step(memory, LocalMomentum())
+        True
+        >>> memory.get("w")
+        tensor([1., 2.])
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        #: optimizer steps that every rank skipped because a gradient overflowed somewhere
+        self.skipped = 0
+        self._scale: float | None = None
+        self._saved: dict[str, tuple[Tensor | None, Tensor | None]] = {}
+        # update mode: this step's bucket buffers, whether one of them overflowed here, and the
+        # agreed outcome (every rank's gradient overflowed somewhere)
+        self._buffers: list[Tensor] = []
+        self._local_overflow = False
+        self._agreed_overflow = False
+
+    def scale(self) -> float:
+        """The scaler's current loss scale."""
+        return float(self.scaler.get_scale())
+
+    def begin(self) -> None:
+        """At the start of an optimizer step (before its first bucket): note the scale."""
+        self._scale = self.scale()
+        self._saved.clear()
+
+    # ------------------------------------------------------------------ gradient mode
+    def keep(self, memory: ErrorFeedback, velocity: LocalMomentum, names: list[str]) -> None:
+        """Copy the residuals (and local momenta) of ``names`` before the exchange takes from them."""
+        for name in names:
+            if name in self._saved:
+                continue
+            v = velocity.get(name)
+            self._saved[name] = (memory.copy(name), None if v is None else v.clone())
+
+    def after_step(self, memory: ErrorFeedback, velocity: LocalMomentum) -> bool:
+        """After the optimizer step: if the scaler skipped it (its scale went down), put the copied
+        residuals and local momenta back. Returns whether it did."""
+        saved, self._saved = self._saved, {}
+        if self._scale is None or not self.scale() < self._scale:
+            return False
+        self._scale = None  # once per step (a second optimizer's step finds nothing more to do)
+        self.skipped += 1
+        for name, (e, v) in saved.items():
+            memory.put(name, e)
+            velocity.put(name, v)
+        return True
+
+    # ------------------------------------------------------------------ update mode
+    @property
+    def overflowed(self) -> bool:
+        """Update mode: whether a gradient overflowed on some rank in this step (agreed by every
+        rank in the hook), so that every rank's scaler skipped it."""
+        return self._agreed_overflow
+
+    def agree(
+        self,
+        comm: Collectives,
+        buffer: Tensor,
+        is_last: bool,
+        counters: Counters,
+        error: Callable[[str, str], Exception],
+    ) -> Future[Tensor]:
+        """Update mode's DDP hook under a gradient scaler: keep this rank's gradient ``buffer``; after
+        the step's last bucket, agree with every rank on whether a gradient overflowed anywhere
+        (one all-reduce of one number, counted into ``counters``) and if so, make every bucket's
+        gradient NaN so that every rank's scaler skips the step. ``error(what, cause)``: the
+        exception raised if that all-reduce fails."""
+        if not self._buffers:  # the step's first bucket
+            self._agreed_overflow = False
+        self._buffers.append(buffer)
+        self._local_overflow = self._local_overflow or not all_finite(buffer)
+        if not is_last:
+            return _done(buffer)
+        flag = torch.tensor([1.0 if self._local_overflow else 0.0], device=buffer.device)
+        buffers, self._buffers, self._local_overflow = self._buffers, [], False
+        issued = comm.all_reduce(flag, counters)
+
+        def settle(done: Future[Any] | None = None) -> Tensor:
+            if done is not None and issued is not None:
+                try:
+                    done.value()
+                except Exception as failure:
+                    raise error(issued.what, first_line(failure)) from failure
+            if float(flag[0]) > 0:
+                self._agreed_overflow = True
+                self.skipped += 1
+                for b in buffers:
+                    b.fill_(float("nan"))
+            return buffer
+
+        if issued is None:
+            return _done(settle())
+        return issued.future.then(settle)
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
