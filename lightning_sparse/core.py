@@ -87,8 +87,16 @@ class SparseCore:
     def __init__(self, config: SparseConfig, ddp_kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(ddp_kwargs or {})
         for name, why in _CONFLICTING_DDP_ARGS.items():
-            if name in extra:
+            if extra.get(name) is not None:
                 raise ValueError(f"{name}={extra[name]!r} is not allowed with SparseDDPStrategy: {why}.")
+            extra.pop(name, None)  # None: none of it (what the Lightning CLI passes)
+        allowed = _ddp_arguments()
+        for name in extra:
+            if name not in allowed:
+                raise ValueError(
+                    f"{name}={extra[name]!r} is not allowed: it is an argument of neither SparseDDPStrategy nor "
+                    f"DistributedDataParallel, which takes {', '.join(sorted(allowed))}."
+                )
         self.config = config
         self.state = SparseState(config)
         #: the update exchange (``compress="update"``), else None
@@ -250,6 +258,13 @@ class SparseCore:
         state.load_state_dict(mine, device=device)
         if self.update is not None and "outer_step" in mine:
             self.update.outer_step.load_state_dict(mine["outer_step"])
+
+
+def _ddp_arguments() -> set[str]:
+    """The keyword arguments DistributedDataParallel takes (but the module)."""
+    import inspect
+
+    return set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 
 
 def mean_states(states: list[Any]) -> Any:

@@ -197,6 +197,7 @@ def test_same_configuration_as_the_trainer_strategy() -> None:
         {"mixed_precision": object()},
         {"ddp_comm_hook": print},
         {"model_averaging_period": 4},
+        {"bucket_cap": 4},
         {"exchange": "ring"},
         {"exchange": "split", "compressor": "randomk"},
         {"compact_indices": "yes"},

@@ -64,11 +64,19 @@ def test_defaults_and_ddp_kwargs() -> None:
         ({"mixed_precision": object()}, r"mixed_precision=.* is not allowed with SparseDDPStrategy: DDP's mixed"),
         ({"ddp_comm_hook": print}, r"ddp_comm_hook=.* is not allowed with SparseDDPStrategy"),
         ({"model_averaging_period": 4}, r"model_averaging_period=4 is not allowed"),
+        # a misspelt argument is refused here, not by DistributedDataParallel at setup
+        ({"bucket_cap": 4}, r"bucket_cap=4 is not allowed: it is an argument of neither SparseDDPStrategy nor"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
         SparseDDPStrategy(**kwargs)
+
+
+def test_none_for_a_conflicting_ddp_argument_means_none() -> None:
+    # the Lightning CLI passes DDPStrategy's own arguments, None when not given
+    s = SparseDDPStrategy(ddp_comm_hook=None, ddp_comm_state=None, model_averaging_period=None)
+    assert "ddp_comm_hook" not in s._ddp_kwargs
 
 
 def test_state_pickles_for_spawn() -> None:
