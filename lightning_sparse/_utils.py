@@ -120,14 +120,22 @@ def end_process_group(exit_code: int | None = None) -> None:
     """End the default process group on every rank together (a barrier, then destroy), if one
     exists; with ``exit_code``, then flush stdout and stderr and leave the process at once.
 
-    Left to interpreter exit, a rank sometimes aborts after its training has finished
-    (``terminate called without an active exception``, exit code -6; dense DDP included). Core
-    dumps show why: a gloo worker thread is still destroying the work object of a last collective,
-    which holds tensors owned by Python; freeing them needs the interpreter lock, which the
-    interpreter's shutdown no longer hands out, and the thread is ended inside a destructor. The
-    barrier and destroy narrow that window; only leaving before the interpreter's shutdown
-    (``exit_code``, ``os._exit``) closes it. ``os._exit`` skips ``atexit`` handlers and the
-    finalizers of live objects: call it last, after everything was written.
+    Why: left to interpreter exit, a rank could abort after its training had finished
+    (``terminate called without an active exception``, exit code -6; dense DDP and any gloo
+    script included). The core dump of such an abort (the race forced; docs/guarantees.md,
+    "Exit code") shows the thread that aborts: one of gloo's worker threads
+    (``ProcessGroupGloo::runLoop``), destroying the work object of a collective that had just
+    completed (``~AsyncAllreduceWork``). That work holds tensors Python also holds; dropping a
+    C++ reference to such a tensor decrements its Python object (``TensorImpl::decref_pyobject``),
+    which takes the interpreter lock. If the main thread has begun the interpreter's shutdown
+    meanwhile, taking the lock ends the thread (``pthread_exit``) inside that ``noexcept``
+    destructor, and the C++ runtime calls ``std::terminate``. The barrier waits for every
+    collective issued before it, with the lock released, so the worker threads finish their last
+    works first, and its own work holds no tensor; after ``destroy_process_group`` nothing can
+    issue another collective on the group. The strategies do this at exit for the group they ran
+    on (:func:`end_process_group_at_exit`). ``exit_code`` (``os._exit``) also skips the
+    interpreter's shutdown, and with it ``atexit`` handlers and the finalizers of live objects:
+    call it last, after everything was written.
 
     Example:
         >>> end_process_group()  # no process group: nothing to do
@@ -144,6 +152,74 @@ def end_process_group(exit_code: int | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+class _ExitPlan:
+    """What the exit handler of :func:`end_process_group_at_exit` acts on."""
+
+    registered = False
+    group: Any = None  # the default process group a strategy ran on
+    created = False  # a strategy's setup created that group
+    failed = False  # the last run's teardown saw an exception on its way out
+
+
+_EXIT = _ExitPlan()
+
+
+def end_process_group_at_exit(created: bool) -> None:
+    """Have the default process group a strategy runs on ended at interpreter exit, before
+    Python's shutdown begins: a barrier of every rank, then (if ``created``: the strategy's setup
+    created it) ``destroy_process_group``. Registers one ``atexit`` handler per process; called
+    by the strategies once the group is set up.
+
+    The handler does nothing if by then the group was destroyed or replaced, or the process is
+    leaving on an error (an uncaught exception, or a Trainer run that ended with one, see
+    :func:`note_run_end`): the other ranks may never reach their barrier. If the barrier fails (a
+    rank is gone), the group is left as it is. See :func:`end_process_group` for why.
+
+    Example:
+        >>> end_process_group_at_exit(created=False)  # no process group: remembers nothing
+    """
+    import atexit
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = dist.group.WORLD
+    if group is not _EXIT.group:
+        _EXIT.group, _EXIT.created = group, created
+    else:
+        _EXIT.created = _EXIT.created or created
+    if not _EXIT.registered:
+        atexit.register(_end_at_exit)
+        _EXIT.registered = True
+
+
+def note_run_end(failed: bool) -> None:
+    """Record whether the run that is being torn down ended with an exception (then the exit
+    handler of :func:`end_process_group_at_exit` leaves the process group alone)."""
+    _EXIT.failed = failed
+
+
+def _end_at_exit() -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    leaving_on_error = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    if _EXIT.failed or leaving_on_error:
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.group.WORLD is not _EXIT.group:
+        return
+    try:
+        dist.barrier()
+        if _EXIT.created:
+            dist.destroy_process_group()
+    except Exception:  # a rank is gone or failed: there is nothing to end together
+        return
+    finally:
+        _EXIT.group = None
 
 
 def free_port() -> int:

@@ -27,6 +27,7 @@ step adds the rank's part back (exactly: nothing is lost).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.nn import Module
@@ -44,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sparse._utils import end_process_group_at_exit, note_run_end
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, SparseShell, register_names
@@ -184,6 +187,26 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
         # a training forward ran whose backward has not: its graph holds the rank's view
         self._graph_pending = False
+
+    # ------------------------------------------------------------------ start and end
+    @override
+    def setup_environment(self) -> None:
+        """Fabric's setup (``fabric.launch()``); the process group is then ended at interpreter exit.
+
+        Fabric calls no teardown when the user's loop ends, so the end is registered here: at
+        exit, before Python's shutdown, a barrier of every rank and (if this setup created the
+        group) ``destroy_process_group``; nothing when the process leaves on an uncaught
+        exception (``lightning_sparse._utils.end_process_group_at_exit``)."""
+        created = not _distributed_is_initialized()
+        super().setup_environment()
+        end_process_group_at_exit(created=created)
+
+    @override
+    def teardown(self) -> None:
+        """Fabric's teardown, for a caller that runs it; an exception on its way out keeps the exit
+        handler from ending the process group (the other ranks may never get there)."""
+        note_run_end(failed=sys.exc_info()[1] is not None)
+        super().teardown()
 
     # ------------------------------------------------------------------ setup
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal
@@ -10,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -19,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse._utils import check_bool
+from lightning_sparse._utils import check_bool, end_process_group_at_exit, note_run_end
 from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
@@ -162,6 +164,25 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             **self._core.ddp_kwargs,
         )
         self.compression_monitor = compression_monitor
+
+    # ------------------------------------------------------------------ start and end
+    @override
+    def setup_environment(self) -> None:
+        created = not _distributed_is_initialized()
+        super().setup_environment()
+        # ended on every rank together at interpreter exit, before Python's shutdown begins
+        end_process_group_at_exit(created=created)
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown (at the end of every fit, validate, test and predict, also after an
+        error). The process group stays for the Trainer's next run and for what the script does
+        after it (``trainer.save_checkpoint`` gathers every rank's residuals); every collective
+        the strategy issued was waited for within its step. At interpreter exit the group is
+        ended on every rank together (``lightning_sparse._utils.end_process_group_at_exit``),
+        unless this run ended with an exception: then the other ranks may never get there."""
+        note_run_end(failed=sys.exc_info()[1] is not None)
+        super().teardown()
 
     # ------------------------------------------------------------------ telemetry
     @override
