@@ -26,7 +26,7 @@ MODES = {
     "update": {"strategy": {"compress": "update", "density": 0.05}, "optimizer": "adamw", "lr": 0.01},
     "gradient": {"strategy": {"compress": "gradient", "density": 0.05}, "optimizer": "sgd", "lr": 0.05},
 }
-SAVED_AT, STEPS = 10, 40
+SAVED_AT, STEPS = 8, 28
 BASE = {"n": 512, "data_by_step": True}
 
 
