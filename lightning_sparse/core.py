@@ -149,7 +149,7 @@ class SparseCore:
                 update.on_dense = lambda: average_optimizer_states(optimizers(), group)
             model.register_comm_hook(self.state, update_comm_hook)
             return
-        self.state.loss_scale = None if scaler is None else _ScaleReader(scaler)
+        self.state.loss_scale = None if self.state.skips is None else self.state.skips.scale
         self.state.bind(model.module.named_parameters(), process_group=model.process_group)
         model.register_comm_hook(self.state, sparse_comm_hook)
 
@@ -338,16 +338,6 @@ def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
     # Random coordinates in update mode were measured to train well (GPT with AdamW: random-k 1.985 and
     # random-block 1.996 nats against 1.844 dense; digits 98%), so that combination gets no warning.
     return advice
-
-
-class _ScaleReader:
-    """Reads a gradient scaler's current loss scale (the hook rescales residuals when it changes)."""
-
-    def __init__(self, scaler: Any) -> None:
-        self.scaler = scaler
-
-    def __call__(self) -> float:
-        return float(self.scaler.get_scale())
 
 
 class SparseShell:

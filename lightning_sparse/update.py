@@ -161,9 +161,13 @@ class UpdateExchange:
         For validation, checkpoints and the end of fit in the middle of a gradient-accumulation
         cycle; after an exchange the module already holds them.
         """
-        for name in list(self._local):
+        self._leave_local(list(self._local))
+
+    def _leave_local(self, names: Iterable[str]) -> None:
+        """Put the global values of ``names`` back in the module."""
+        for name in names:
             self._hold_global(name)
-        self._local.clear()
+            self._local.discard(name)
 
     def _hold_global(self, name: str) -> None:
         p = self._params[name]
@@ -210,9 +214,7 @@ class UpdateExchange:
         if state.skips is not None and state.skips.overflowed:
             # fp16 AMP: every rank's scaler skipped this step (agreed in the hook): nothing moved,
             # nothing is sent; the residuals, the global model and the cycle stay as they were
-            for name in names:
-                self._hold_global(name)
-                self._local.discard(name)
+            self._leave_local(names)
             state.telemetry.end_step()
             self._mark_end()
             return
@@ -251,9 +253,7 @@ class UpdateExchange:
             return
         for bucket, future in zip(buckets, futures, strict=True):
             self.outer_step.apply(future.wait(), bucket.glob, tuple(bucket.names))
-            for name in bucket.names:
-                self._hold_global(name)
-                self._local.discard(name)
+            self._leave_local(bucket.names)
         self._mark_end()
 
     # ------------------------------------------------------------------ timed fallback to plain DDP
@@ -318,8 +318,7 @@ class UpdateExchange:
         for name, p in zip(bucket.names, bucket.params, strict=True):
             memory.accumulate(name, bucket.delta[pos : pos + p.numel()])
             pos += p.numel()
-            self._hold_global(name)
-            self._local.discard(name)
+        self._leave_local(bucket.names)
         state = self.state
         counters = Counters(numel=bucket.delta.numel())
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())

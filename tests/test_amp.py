@@ -24,6 +24,20 @@ CASES = {
 }
 
 
+def _assert_nothing_changed(results: list[dict[str, Any]], step: int) -> None:
+    """Every rank skipped ``step``, and its module, residuals and cycle are as they were before it."""
+    assert [r["skipped_steps"] for r in results] == [1, 1], "every rank's scaler skipped the step"
+    for r in results:
+        before, after = r["records"][step], r["records"][step + 1]
+        for key, value in before["params"].items():
+            assert torch.equal(after["params"][key], value), f"{key} moved in a skipped step"
+        assert before["residuals"].keys() == after["residuals"].keys()
+        for key, value in before["residuals"].items():
+            assert torch.equal(after["residuals"][key], value), f"the residual of {key} changed in a skipped step"
+        assert after["cycle"] == before["cycle"]
+        assert after["scale"] == before["scale"] / 2  # the scaler backed off once
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("amp")
@@ -46,16 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_skipped_step_changes_nothing(runs: dict[str, Any], name: str) -> None:
     step = CASES[name][1]
     results = runs[name]
-    assert [r["skipped_steps"] for r in results] == [1, 1], "every rank's scaler skipped the step"
-    for r in results:
-        before, after = r["records"][step], r["records"][step + 1]
-        for key, value in before["params"].items():
-            assert torch.equal(after["params"][key], value), f"{key} moved in a skipped step"
-        assert before["residuals"].keys() == after["residuals"].keys()
-        for key, value in before["residuals"].items():
-            assert torch.equal(after["residuals"][key], value), f"the residual of {key} changed in a skipped step"
-        assert after["cycle"] == before["cycle"]
-        assert after["scale"] == before["scale"] / 2  # the scaler backed off once
+    _assert_nothing_changed(results, step)
     assert results[0]["records"][step + 1]["scale"] == results[1]["records"][step + 1]["scale"]
     if name.startswith("update"):
         for r in results:
@@ -96,14 +101,7 @@ FABRIC_CASES = {
 def test_skipped_step_changes_nothing_under_fabric(fabric_runs: dict[str, Any], name: str) -> None:
     step = FABRIC_CASES[name][1]
     results = fabric_runs[name]
-    assert [r["skipped_steps"] for r in results] == [1, 1]
-    for r in results:
-        before, after = r["records"][step], r["records"][step + 1]
-        for key, value in before["params"].items():
-            assert torch.equal(after["params"][key], value), f"{key} moved in a skipped step"
-        for key, value in before["residuals"].items():
-            assert torch.equal(after["residuals"][key], value), f"the residual of {key} changed in a skipped step"
-        assert after["cycle"] == before["cycle"] and after["scale"] == before["scale"] / 2
+    _assert_nothing_changed(results, step)
     for key, value in results[0]["params"].items():
         assert torch.equal(results[1]["params"][key], value)
     for r in results:
