@@ -149,7 +149,8 @@ class SparseConfig:
     value_bits: Literal[2, 4, 8] | None = field(
         default=None,
         metadata=_doc(
-            """send the selected values as codes of 2, 4 or 8 bits with a bfloat16 scale per 64
+            """send the values of a sparse exchange (the selected ones and those of the small
+            tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64
             values (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual.
             None (default): values in ``value_dtype``. Compressors that pick their own coordinates
             (topk, rtopk, gaussiank, dgc) only."""

@@ -85,7 +85,8 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory
             (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
             ``class_path``/``init_args`` in a CLI config). Its state is in every checkpoint.
-        value_bits: send the selected values as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
+        value_bits: send the values of a sparse exchange (the selected ones and those of the small
+            tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
             (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
             values in ``value_dtype``. Compressors that pick their own coordinates (topk, rtopk, gaussiank,
             dgc) only.

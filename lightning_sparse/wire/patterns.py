@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.compressors import CompressContext, CountSketch
+from lightning_sparse.wire import quant
 from lightning_sparse.wire.comm import futures, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
@@ -324,7 +325,7 @@ class DensePattern(WirePattern):
 
     :meth:`launch` sends the whole bucket (warm-up, fallback, a bucket of small tensors);
     :meth:`launch_members` the members below ``min_numel`` of a bucket sent sparse, packed into
-    one message.
+    one message (with ``value_bits``, coded like the selected values and all-gathered).
     """
 
     def cost(self, sizes: Sizes) -> float:
@@ -351,6 +352,8 @@ class DensePattern(WirePattern):
         values = torch.cat([call.segment(m) for m in members])
         world = ctx.world_size
         call.counters.sent_numel += values.numel()
+        if ctx.value_bits is not None:
+            return _launch_coded_members(ctx, call, members, values)
         issued = futures(ctx.comm.all_reduce(values, call.counters))
 
         def apply(out: Tensor) -> None:
@@ -361,6 +364,41 @@ class DensePattern(WirePattern):
                 pos += m.numel
 
         return Pending(issued, apply)
+
+
+def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Member, ...], values: Tensor) -> Pending:
+    """The small tensors of a sparse send with ``value_bits``: their values (residuals flushed in)
+    travel as codes like the selected ones, all-gathered (codes of different scales do not add up
+    in an all-reduce), and each rank keeps its rounding error in its residuals: ``sent + e_new ==
+    g + e_old`` exactly. A non-finite value arrives non-finite on every rank (the step is skipped
+    alike); its member's residual and its chunk's other values keep what they had."""
+    bits = typing.cast(int, ctx.value_bits)
+    world, n = ctx.world_size, values.numel()
+    message, sent = quant.pack(values, bits)
+    if ctx.error_feedback:
+        pos = 0
+        for m in members:
+            exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
+            pos += m.numel
+            if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
+                ctx.memory.accumulate(m.name, torch.where(torch.isfinite(got), exact - got, exact))
+    if world > 1:
+        gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=values.device)
+        issued = futures(ctx.comm.all_gather(gathered, message, call.counters))
+    else:
+        ctx.comm.all_gather(message, message, call.counters)  # counted; nothing crosses the wire
+        gathered, issued = message, []
+
+    def apply(out: Tensor) -> None:
+        size = message.numel()
+        for r in range(world):  # in rank order: identical bits on every rank
+            part = quant.unpack(gathered[r * size : (r + 1) * size], n, bits)
+            pos = 0
+            for m in members:
+                out[m.offset : m.offset + m.numel].add_(part[pos : pos + m.numel].to(out.dtype), alpha=1.0 / world)
+                pos += m.numel
+
+    return Pending(issued, apply)
 
 
 #: the gather pattern (it also says which exchange a bucket takes: :meth:`GatherPattern.choose`)

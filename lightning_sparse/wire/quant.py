@@ -68,6 +68,37 @@ def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     return (codes.float().view(-1) * step.repeat_interleave(CHUNK)[:n]) if n else codes.float()
 
 
+def message_bytes(count: int, bits: int) -> int:
+    """Bytes of :func:`pack`'s message of ``count`` values: the scales, then the codes, to 8 bytes."""
+    return -(-(scale_bytes(count) + code_bytes(count, bits)) // 8) * 8
+
+
+def pack(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """``(message, stands_for)``: ``values`` as one uint8 message of :func:`message_bytes` (their
+    scales, then their packed codes), and the float32 values the message stands for.
+
+    Example:
+        >>> import torch
+        >>> message, d = pack(torch.tensor([0.6, -0.9, 0.01, 1.0]), bits=2)
+        >>> message.numel(), torch.equal(unpack(message, 4, bits=2), d)
+        (8, True)
+    """
+    n = values.numel()
+    codes, scales = quantize(values, bits)
+    message = torch.zeros(message_bytes(n, bits), dtype=torch.uint8, device=values.device)
+    at = scale_bytes(n)
+    message[:at].view(torch.bfloat16).copy_(scales)
+    pack_codes(codes, bits, message[at : at + code_bytes(n, bits)])
+    return message, dequantize(codes, scales, bits)
+
+
+def unpack(message: Tensor, count: int, bits: int) -> Tensor:
+    """The float32 values a :func:`pack` message of ``count`` values stands for."""
+    at = scale_bytes(count)
+    codes = unpack_codes(message[at : at + code_bytes(count, bits)], count, bits)
+    return dequantize(codes, message[:at].view(torch.bfloat16), bits)
+
+
 def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
     """Write int8 codes (in ``[-L, L]``) into ``out`` (uint8, :func:`code_bytes` long), ``8 // bits`` per byte."""
     per = 8 // bits
