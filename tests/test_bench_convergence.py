@@ -468,12 +468,13 @@ def test_exchange_and_value_dtype_are_passed_to_the_strategy() -> None:
 
 
 def test_convergence_variants_and_library_peers(tmp_path: Path) -> None:
-    """--variants (local steps, an outer step, coded values, no warm-up) and the DiLoCo and DeMo rows
-    (DeMo needs the optional pytorch-optimizer package: without it, its row says it failed)."""
+    """--variants (local steps, an outer step, coded values, no warm-up) and the DiLoCo, torchft and DeMo
+    rows (torchft and DeMo need the optional packages of the bench extra: without them, their rows say
+    they failed; with torchft, its DiLoCo ends where this library's DiLoCo row does, to the bit)."""
     out = tmp_path / "out"
     argv = ["convergence", "--tasks", "gpt", "--tiny", "--compressors", "topk", "--densities", "0.01", "--no-dense"]
     argv += ["--modes", "update", "--variants", "sync_every=4,outer=nesterov,value_bits=2,warmup=0"]
-    argv += ["--peers", "diloco:4", "demo", "--epochs", "1", "--limit-train-batches", "8"]
+    argv += ["--peers", "diloco:4", "torchft:4", "demo", "--epochs", "1", "--limit-train-batches", "8"]
     argv += ["--timeout", "240", "--out", str(out)]
     assert main(argv) == 0
     md = (out / "convergence.md").read_text()
@@ -494,3 +495,10 @@ def test_convergence_variants_and_library_peers(tmp_path: Path) -> None:
     assert 2 * diloco["param_bytes"] <= diloco["sent_bytes"] < 8 * diloco["param_bytes"]
     assert ours["sent_bytes"] < diloco["sent_bytes"] / 10  # top-k 1%, 2-bit values (the tiny model: biases dense)
     assert demo["status"] == "ok" or demo["status"].startswith("failed")
+    torchft = runs["DiLoCo H=4 (torchft)"]
+    if torchft["status"] == "ok":
+        assert torchft["final_loss"] == diloco["final_loss"] and torchft["sent_bytes"] == diloco["sent_bytes"]
+    else:
+        assert torchft["status"].startswith("failed")
+        with pytest.raises(ImportError):
+            import torchft  # noqa: F401

@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PEERS,
         metavar="PEER",
         help=f"reference rows: torch's DDP comm hooks, {PEER_HELP} (bare powersgd: rank 4); diloco:H "
-        "(DiLoCo: H local steps, dense average, Nesterov outer step 0.7/0.9); demo (DeMo, pytorch-optimizer's "
+        "(DiLoCo: H local steps, dense average, Nesterov outer step 0.7/0.9); torchft:H (DiLoCo of the torchft "
+        "package); demo (DeMo, pytorch-optimizer's "
         "optimizer, lr 1e-3); none: --peers with no value (default: %(default)s)",
     )
     parser.add_argument("--epochs", type=int, default=None, help="epochs of every run (default: the task's own)")

@@ -55,9 +55,10 @@ VAL_LOSS = Metric("loss", "val_loss", "val loss", False, "nats", 1.0, "+.3f", "v
 
 
 #: reference rows the benchmark builds itself: ``diloco:H`` (this library at density 1 with the Nesterov outer
-#: step, which tests/test_local_steps.py checks against DiLoCo written out) and ``demo`` (DeMo, the optimizer
-#: of the pytorch-optimizer package, each rank's gradients kept local)
-LIBRARY_PEERS = ("diloco", "demo")
+#: step, which tests/test_local_steps.py checks against DiLoCo written out), ``torchft:H`` (DiLoCo of the
+#: torchft package) and ``demo`` (DeMo, the optimizer of the pytorch-optimizer package, each rank's
+#: gradients kept local)
+LIBRARY_PEERS = ("diloco", "torchft", "demo")
 #: what ``--variants`` may set, and the strategy argument each sets
 VARIANT_KEYS = {
     "sync_every": "sync_every",
@@ -86,8 +87,11 @@ def parse_variant(spec: str) -> dict[str, Any]:
 
 
 def library_peer(spec: str) -> dict[str, Any]:
-    """The run of a ``diloco:H`` or ``demo`` reference row."""
+    """The run of a ``diloco:H``, ``torchft:H`` or ``demo`` reference row."""
     kind, _, arg = spec.partition(":")
+    if kind == "torchft":
+        h = int(arg or 16)
+        return {"compressor": None, "density": None, "peer": None, "torchft": h, "label": f"DiLoCo H={h} (torchft)"}
     if kind == "diloco":
         h = int(arg or 16)
         return {
@@ -103,7 +107,7 @@ def library_peer(spec: str) -> dict[str, Any]:
 
 def _kind(run: dict[str, Any]) -> str:
     """``"dense"``, ``"sparse"`` or ``"peer"`` (torch's hook, or a reference row built here)."""
-    if run.get("peer") or run.get("demo") or (run.get("label") and run.get("compressor")):
+    if run.get("peer") or run.get("demo") or run.get("torchft") or (run.get("label") and run.get("compressor")):
         return "peer"
     return "dense" if run["compressor"] is None else "sparse"
 

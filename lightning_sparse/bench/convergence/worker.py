@@ -121,6 +121,7 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
     L.seed_everything(config["seed"], verbose=False)
     model, data = task.build(config["seed"], bool(config.get("tiny")))
     counter: CollectiveCounter | None = None
+    callbacks: list[L.Callback] = []
     if config.get("peer"):
         state, hook = Peer.parse(config["peer"]).registered_hook()
         strategy: Any = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
@@ -128,11 +129,19 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         counter.install()
     elif config.get("demo"):
         strategy, counter = _demo(model)
+    elif config.get("torchft"):
+        from lightning_sparse.bench.torchft_peer import TorchftDiLoCo
+        from lightning_sparse.hook import local_gradient_hook
+
+        diloco = TorchftDiLoCo(config["torchft"])
+        callbacks.append(diloco)
+        strategy, counter = CommHookDDPStrategy(ddp_comm_hook=local_gradient_hook), diloco.counter
     elif config["compressor"] is None:
         strategy = "ddp"
     else:
         strategy = _sparse_strategy(config)
     recorder = _Recorder(counter)
+    callbacks.append(recorder)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=config["devices"],
@@ -144,7 +153,7 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder],
+        callbacks=callbacks,
     )
     start = time.perf_counter()
     try:
