@@ -92,13 +92,19 @@ COMMANDS = {
     ),
     # Results: exchanging rarely and in few bits (the test: --tiny, the variants and the library's peers)
     "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
-    '--variants "" "value_bits=2" "sync_every=4,value_bits=2" "sync_every=4,outer=nesterov,value_bits=2" '
-    '"sync_every=16,outer=nesterov,value_bits=2" --peers powersgd:1 diloco:16 demo': (
+    '--variants "" --peers powersgd:1 diloco:16 demo': (
         "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
     ),
     "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
-    '--no-dense --peers --variants "sync_every=4,value_bits=2,warmup=0" "sync_every=8,value_bits=2,warmup=0" '
-    '"sync_every=16,outer=nesterov,value_bits=2,warmup=0"': (
+    '--no-dense --peers torchft:16 --variants "value_bits=2" "sync_every=4,value_bits=2,warmup=0" '
+    '"sync_every=8,value_bits=2,warmup=0" "sync_every=16,outer=nesterov,value_bits=2,warmup=0" '
+    '"sync_every=4,value_bits=2" "sync_every=4,outer=nesterov,value_bits=2" '
+    '"sync_every=16,outer=nesterov,value_bits=2"': (
+        "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
+    ),
+    "python -m lightning_sparse.bench convergence --tasks text digits --compressors topk --densities 0.01 --modes "
+    'update --peers diloco:16 torchft:16 --variants "" "value_bits=2" "sync_every=4,value_bits=2,warmup=0" '
+    '"sync_every=8,value_bits=2,warmup=0" "sync_every=16,outer=nesterov,value_bits=2,warmup=0"': (
         "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
     ),
     # Wire bytes at scale (the test: a small model, 2 and 4 processes)
