@@ -430,6 +430,7 @@ def test_mode_is_passed_as_compress() -> None:
     assert _sparse_strategy(config).compress == "gradient"  # a run saved before modes existed
 
 
+@pytest.mark.slow  # ~50 s; the exchanges on 4 processes are tested in tests/test_trainer_dist.py too
 def test_convergence_exchanges_on_4_processes(tmp_path: Path) -> None:
     """`--exchanges allgather split --devices 4 --value-dtype bfloat16`: one run per exchange (each
     forced), both on 4 processes; the split moves fewer wire bytes; a compressor of another pattern
