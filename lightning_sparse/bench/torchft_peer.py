@@ -8,7 +8,7 @@ momentum 0.9, Nesterov). Rank 0 runs torchft's lighthouse on the loopback; each 
 ``Manager`` (synchronous quorum, as DiLoCo requires). Validation sees the global parameters, as for
 this library's rows: the parameters right after the last outer step are swapped in for it.
 
-Bytes: the tensors handed to torchft's process group (counted by :class:`CountingGloo`); the quorum's
+Bytes: the tensors handed to torchft's process group (counted as they are handed over); the quorum's
 small gRPC messages to the lighthouse are not counted. Needs the optional package:
 ``pip install -e ".[bench]"``.
 """
@@ -16,6 +16,7 @@ small gRPC messages to the lighthouse are not counted. Needs the optional packag
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -102,24 +103,18 @@ class TorchftDiLoCo(L.Callback):
         steps = self._manager.current_step()  # outer steps committed
         if steps != self._outer_steps:  # right after an outer step the module holds the global parameters
             self._outer_steps = steps
-            with torch.no_grad():
-                for g, p in zip(self._global, pl_module.parameters(), strict=True):
-                    g.copy_(p)
+            _copy(self._global, pl_module.parameters())
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._diloco is None:
             return
-        with torch.no_grad():
-            self._local = [p.detach().clone() for p in pl_module.parameters()]
-            for g, p in zip(self._global, pl_module.parameters(), strict=True):
-                p.copy_(g)
+        self._local = [p.detach().clone() for p in pl_module.parameters()]
+        _copy(pl_module.parameters(), self._global)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._local:
             return
-        with torch.no_grad():
-            for mine, p in zip(self._local, pl_module.parameters(), strict=True):
-                p.copy_(mine)
+        _copy(pl_module.parameters(), self._local)
         self._local = []
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -138,6 +133,12 @@ class TorchftDiLoCo(L.Callback):
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
             self._lighthouse = None
+
+
+@torch.no_grad()
+def _copy(targets: Iterable[torch.Tensor], sources: Iterable[torch.Tensor]) -> None:
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
 
 
 def _counting_gloo(counter: CollectiveCounter, timeout: timedelta) -> Any:

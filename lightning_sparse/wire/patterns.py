@@ -29,7 +29,7 @@ from torch import Tensor
 from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.compressors import CompressContext, CountSketch
 from lightning_sparse.wire import quant
-from lightning_sparse.wire.comm import futures, wait
+from lightning_sparse.wire.comm import Issued, futures, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
@@ -183,12 +183,7 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
         sel.sent = layout.unpack(message)[1]
         settle(ctx, call, space, sel, torch.arange(sel.coords.numel(), device=sel.coords.device))
     call.counters.sent_numel += sel.coords.numel()
-    if world > 1:
-        gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=call.buffer.device)
-        issued = futures(ctx.comm.all_gather(gathered, message, call.counters))
-    else:
-        ctx.comm.all_gather(message, message, call.counters)  # counted; nothing crosses the wire
-        gathered, issued = message, []
+    gathered, issued = _all_gather(ctx, call, message)
 
     def apply(out: Tensor) -> None:
         size = layout.size
@@ -199,6 +194,16 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
             out.index_add_(0, space.to_bucket(coords), values.to(out.dtype), alpha=1.0 / world)
 
     return Pending(issued, apply)
+
+
+def _all_gather(ctx: WireContext, call: BucketCall, message: Tensor) -> tuple[Tensor, list[Issued]]:
+    """All-gather every rank's ``message`` (counted): the gathered bytes in rank order, and the futures."""
+    world = ctx.world_size
+    if world <= 1:
+        ctx.comm.all_gather(message, message, call.counters)  # counted; nothing crosses the wire
+        return message, []
+    gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=message.device)
+    return gathered, futures(ctx.comm.all_gather(gathered, message, call.counters))
 
 
 # --------------------------------------------------------------------------- shared
@@ -396,13 +401,8 @@ def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Mem
             exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
             pos += m.numel
             if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
-                ctx.memory.accumulate(m.name, torch.where(torch.isfinite(got), exact - got, exact))
-    if world > 1:
-        gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=values.device)
-        issued = futures(ctx.comm.all_gather(gathered, message, call.counters))
-    else:
-        ctx.comm.all_gather(message, message, call.counters)  # counted; nothing crosses the wire
-        gathered, issued = message, []
+                ctx.memory.accumulate(m.name, quant.remainder(exact, got))
+    gathered, issued = _all_gather(ctx, call, message)
 
     def apply(out: Tensor) -> None:
         size = message.numel()

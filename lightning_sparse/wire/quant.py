@@ -68,6 +68,19 @@ def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     return (codes.float().view(-1) * step.repeat_interleave(CHUNK)[:n]) if n else codes.float()
 
 
+def remainder(exact: Tensor, sent: Tensor) -> Tensor:
+    """What stays in the residual after ``exact`` travelled as the codes standing for ``sent``:
+    ``exact - sent`` (exact in float32), or all of ``exact`` where ``sent`` is not finite (a chunk
+    holding a non-finite value arrives non-finite and every rank skips the step).
+
+    Example:
+        >>> import torch
+        >>> remainder(torch.tensor([0.75, 0.75]), torch.tensor([1.0, float("nan")])).tolist()
+        [-0.25, 0.75]
+    """
+    return torch.where(torch.isfinite(sent), exact - sent, exact)
+
+
 def message_bytes(count: int, bits: int) -> int:
     """Bytes of :func:`pack`'s message of ``count`` values: the scales, then the codes, to 8 bytes."""
     return -(-(scale_bytes(count) + code_bytes(count, bits)) // 8) * 8

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import all_finite
+from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, Member, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 
@@ -115,8 +116,7 @@ def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selectio
             if ctx.value_bits is not None:
                 # a chunk holding another member's non-finite value arrives non-finite (every rank
                 # skips the step): this member's coordinates in it keep what they had
-                remainder = torch.where(torch.isfinite(sent), exact - sent, exact)
-                ctx.memory.keep_unsent(m.name, idx, remainder)
+                ctx.memory.keep_unsent(m.name, idx, quant.remainder(exact, sent))
             else:
                 rounded = sent.dtype != exact.dtype
                 ctx.memory.keep_unsent(m.name, idx, exact - sent.to(exact.dtype) if rounded else None)
