@@ -1,0 +1,60 @@
+"""Start a benchmark's ranks as processes and wait for them under one deadline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+#: the checkout that holds this package (it is not installed): the processes a benchmark starts
+#: with ``python -m benchmarks ...`` import it from there
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds right now (for ``MASTER_PORT``; another process
+    may take it before it is used).
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def checkout_env(env: dict[str, str]) -> dict[str, str]:
+    """A copy of ``env`` with the checkout first on ``PYTHONPATH``: a process started with it finds
+    the ``benchmarks`` package from any working directory."""
+    paths = [str(CHECKOUT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def run_ranks(cmds: list[list[str]], env: dict[str, str], logs: list[Path], timeout: float) -> tuple[list[int], bool]:
+    """Run one process per command (the checkout on their ``PYTHONPATH``), each writing its output to
+    its log; wait at most ``timeout`` seconds for all of them and kill those still running then (a
+    hung collective).
+
+    Returns the exit codes and whether the deadline passed.
+    """
+    env = checkout_env(env)
+    procs = []
+    for cmd, path in zip(cmds, logs, strict=True):
+        with open(path, "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [proc.returncode for proc in procs], timed_out

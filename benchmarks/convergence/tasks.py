@@ -1,0 +1,112 @@
+"""The tasks the convergence benchmark trains: a model, its data, its training length and its metric."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+
+from benchmarks.convergence.runs import ACCURACY, VAL_LOSS, Metric
+from benchmarks.convergence.targets import gpt_target_check, target_check
+
+
+@dataclass(frozen=True)
+class ConvergenceTask:
+    """A model, its data and its training length, as the convergence benchmark trains it.
+
+    Args:
+        name: the task's name on the command line.
+        description: one line for the tables.
+        epochs: default number of epochs (``--epochs`` overrides it).
+        build: ``build(seed, tiny) -> (LightningModule, LightningDataModule)``; the module logs the
+            metric (and ``val_acc``/``val_loss`` where it has them); ``tiny``: a much smaller
+            model/data for smoke runs (``--tiny``), where the task has one.
+        metric: the figure the task is judged by (default: validation accuracy).
+        limit_train_batches: default batches per epoch (``None``: the whole training set;
+            ``--limit-train-batches`` overrides it).
+        target: ``target(runs) -> check`` of the task's goal (default: ``target_check``).
+        tiny_description: what ``--tiny`` changes, for the tables (``None``: the task has no tiny size).
+
+    Example:
+        >>> task = TASKS["digits"]
+        >>> task.epochs, task.metric.title, TASKS["gpt"].metric.higher_is_better
+        (30, 'accuracy', False)
+    """
+
+    name: str
+    description: str
+    epochs: int
+    build: Callable[[int, bool], tuple[L.LightningModule, L.LightningDataModule]]
+    metric: Metric = ACCURACY
+    limit_train_batches: int | None = None
+    target: Callable[[list[dict[str, Any]]], dict[str, Any]] = field(default=lambda runs: target_check(runs))
+    tiny_description: str | None = None
+
+
+def _digits(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
+
+    return DigitsClassifier(), DigitsDataModule(batch_size=32, seed=0)
+
+
+def _text(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from lightning_sparse.demos import NextCharClassifier, TextDataModule
+
+    return NextCharClassifier(), TextDataModule(batch_size=64, seed=0)
+
+
+#: the gpt task's context (characters): 64 costs ~3x the step time of 32 on one CPU thread
+GPT_CONTEXT = 32
+
+
+def _gpt(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from lightning_sparse.demos import GPTDataModule, TinyGPT
+
+    if tiny:
+        return TinyGPT(context=16, width=32, layers=1, heads=2), GPTDataModule(16, context=16, n_train=4096, n_val=64)
+    return TinyGPT(context=GPT_CONTEXT), GPTDataModule(batch_size=16, context=GPT_CONTEXT, n_val=1024, seed=0)
+
+
+def _gpt_target(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return gpt_target_check(runs)
+
+
+TASKS: dict[str, ConvergenceTask] = {
+    "digits": ConvergenceTask(
+        "digits",
+        "MLP 64-512-256-10 on scikit-learn's 8x8 digits (1,438 train / 359 validation images), "
+        "batch 32 per process, SGD lr 0.05 momentum 0.9",
+        epochs=30,
+        build=_digits,
+    ),
+    "text": ConvergenceTask(
+        "text",
+        "GRU next-character prediction on Python standard-library source (embedding 97x64, GRU 128, "
+        "context 16; 32,768 train / 8,192 validation windows), batch 64 per process, SGD lr 0.2 momentum 0.9 "
+        "annealed to 0 (cosine), gradient norm clipped at 1",
+        epochs=5,
+        build=_text,
+    ),
+    "gpt": ConvergenceTask(
+        "gpt",
+        f"GPT (4 pre-LayerNorm blocks, width 256, 4 heads, context {GPT_CONTEXT}, tied embeddings; "
+        "3.2M parameters) predicting the next character of Python standard-library source (32,768 train "
+        "windows drawn with the seed, 1,024 validation windows of other modules), batch 16 per process, "
+        "100 batches per epoch, AdamW lr 1e-3 betas (0.9, 0.95) weight decay 0.01 on matrices, 10% linear "
+        "warm-up then cosine to 1e-4, gradient norm clipped at 1",
+        epochs=6,
+        build=_gpt,
+        metric=VAL_LOSS,
+        limit_train_batches=100,
+        target=_gpt_target,
+        tiny_description="--tiny: width 32, 1 block, 2 heads, context 16, 4,096 train / 64 validation windows",
+    ),
+}
+
+
+def _metric_of(task: str, metric: Metric | None) -> Metric:
+    if metric is not None:
+        return metric
+    return TASKS[task].metric if task in TASKS else ACCURACY

@@ -1,0 +1,200 @@
+"""One fit of the convergence benchmark: what runs inside every rank of a worker subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from benchmarks.convergence.runs import ACCURACY, VAL_LOSS
+from benchmarks.convergence.tasks import TASKS
+from benchmarks.peers import CollectiveCounter, CommHookDDPStrategy, Peer, local_gradient_hook
+from lightning_sparse import end_process_group
+
+
+class _Recorder(L.Callback):
+    """Per validation: optimizer steps, the validation figures, and this rank's cumulative bytes.
+
+    ``counter``: for torch's hooks, the collective counter; it counts during training batches only
+    (validation's metric syncs are not gradient traffic).
+    """
+
+    def __init__(self, counter: CollectiveCounter | None = None) -> None:
+        self.points: list[dict[str, float]] = []
+        self.param_bytes = 0
+        self.counter = counter
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self.counter is not None:
+            self.counter.start()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if self.counter is not None:
+            self.counter.stop()
+
+    def bytes_so_far(self, trainer: L.Trainer) -> tuple[int, int]:
+        """(bytes sent, bytes plain DDP all-reduces) by this rank since the start of the fit."""
+        dense = trainer.global_step * self.param_bytes  # dense DDP all-reduces every gradient each step
+        if self.counter is not None:
+            return self.counter.bytes, dense
+        state = getattr(trainer.strategy, "sparse_state", None)
+        if state is None:
+            return dense, dense
+        total = state.telemetry.total
+        return int(total.sent_bytes), int(total.dense_bytes)
+
+    def wire_so_far(self, trainer: L.Trainer) -> float:
+        """Bytes through this rank since the start of the fit, under the ring model of each collective
+        (dense DDP and torch's hooks all-reduce: 2 (W-1)/W of what they hand over)."""
+        from lightning_sparse.wire import ring_all_reduce_bytes
+
+        state = getattr(trainer.strategy, "sparse_state", None)
+        if state is not None and self.counter is None:
+            return float(state.telemetry.total.wire_bytes)
+        return ring_all_reduce_bytes(trainer.world_size, self.bytes_so_far(trainer)[0])
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        sent, dense = self.bytes_so_far(trainer)
+        point: dict[str, float] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        for metric in (ACCURACY, VAL_LOSS):
+            if metric.logged in trainer.callback_metrics:
+                point[metric.key] = float(trainer.callback_metrics[metric.logged])
+        wire = self.wire_so_far(trainer)
+        self.points.append({**point, "sent_bytes": sent, "dense_bytes": dense, "wire_bytes": wire})
+
+
+def _sparse_strategy(config: dict[str, Any]) -> Any:
+    """``SparseDDPStrategy`` of a sparse run, in the run's mode (runs without one compressed gradients)."""
+    import lightning_sparse
+
+    return lightning_sparse.SparseDDPStrategy(
+        compress=config.get("mode") or "gradient",
+        compressor=config["compressor"],
+        density=config["density"],
+        exchange=config.get("exchange") or "auto",
+        value_dtype=config.get("value_dtype"),
+        sync_every=config.get("sync_every", 1),
+        outer_optimizer=config.get("outer_optimizer"),
+        value_bits=config.get("value_bits"),
+        warmup_steps=config.get("warmup_steps", 1),
+        compression_monitor=False,
+    )
+
+
+def _demo(model: Any) -> tuple[Any, CollectiveCounter]:
+    """DeMo (Peng, Quesnelle and Kingma, 2024) as pytorch-optimizer ships it: each rank keeps its own
+    gradient (DDP's hook sends nothing) and the optimizer all-gathers the top DCT components of each
+    rank's momentum itself; its collectives are counted."""
+    import torch
+    from pytorch_optimizer.optimizer import demo as demo_module
+
+    def configure_optimizers() -> Any:
+        return demo_module.DeMo(model.parameters(), lr=1e-3, compression_top_k=32, compression_chunk=64)
+
+    model.configure_optimizers = configure_optimizers
+    counter = CollectiveCounter()
+    counter.install()
+    if getattr(demo_module, "all_gather", None) is not None:  # the optimizer imported the name itself
+        demo_module.all_gather = torch.distributed.all_gather
+    return CommHookDDPStrategy(ddp_comm_state=None, ddp_comm_hook=local_gradient_hook), counter
+
+
+def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Train one run as ``config`` says; returns its figures on global rank 0, ``None`` elsewhere."""
+    import torch
+
+    torch.set_num_threads(1)  # N processes on N cores
+    task = TASKS[config["task"]]
+    L.seed_everything(config["seed"], verbose=False)
+    model, data = task.build(config["seed"], bool(config.get("tiny")))
+    counter: CollectiveCounter | None = None
+    callbacks: list[L.Callback] = []
+    if config.get("peer"):
+        state, hook = Peer.parse(config["peer"]).registered_hook()
+        strategy: Any = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
+        counter = CollectiveCounter()
+        counter.install()
+    elif config.get("demo"):
+        strategy, counter = _demo(model)
+    elif config.get("torchft"):
+        from benchmarks.torchft_peer import TorchftDiLoCo
+
+        diloco = TorchftDiLoCo(config["torchft"])
+        callbacks.append(diloco)
+        strategy, counter = CommHookDDPStrategy(ddp_comm_hook=local_gradient_hook), diloco.counter
+    elif config["compressor"] is None:
+        strategy = "ddp"
+    else:
+        strategy = _sparse_strategy(config)
+    recorder = _Recorder(counter)
+    callbacks.append(recorder)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=config["devices"],
+        strategy=strategy,
+        max_epochs=config["epochs"],
+        limit_train_batches=config.get("limit_train_batches"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    start = time.perf_counter()
+    try:
+        trainer.fit(model, datamodule=data)
+    finally:
+        if counter is not None:
+            counter.uninstall()
+    seconds = time.perf_counter() - start
+    if not trainer.is_global_zero:
+        return None
+    sent, dense = recorder.bytes_so_far(trainer)
+    last = recorder.points[-1] if recorder.points else {}
+    result: dict[str, Any] = {
+        "status": "ok",
+        "final_acc": last.get("acc"),
+        "final_loss": last.get("loss"),
+        "steps": trainer.global_step,
+        "sent_bytes": sent,
+        "dense_bytes": dense,
+        "wire_bytes": recorder.wire_so_far(trainer),
+        "world_size": trainer.world_size,
+        "param_bytes": recorder.param_bytes,
+        "fit_seconds": seconds,
+        "points": recorder.points,
+    }
+    if counter is not None:
+        result["collective_calls"] = counter.calls
+    state = getattr(trainer.strategy, "sparse_state", None)
+    if state is not None:
+        total = state.telemetry.total
+        result["coordinate_density"] = total.density
+        result["fallback_buckets"] = total.fallback_buckets
+        result["buckets"] = total.buckets
+        result["sent_as"] = {name: c.sent_bytes for name, c in sorted(state.telemetry.methods.items())}
+    return result
+
+
+def _worker_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="one run of the convergence benchmark (started by it)")
+    parser.add_argument("--worker", required=True, metavar="CONFIG", help="JSON file with the run's config")
+    args = parser.parse_args(argv)
+    config = json.loads(Path(args.worker).read_text())
+    result = fit_run(config)
+    if result is not None:
+        Path(config["result"]).write_text(json.dumps(result))
+    end_process_group(exit_code=0)  # on every rank together, then out: see its docstring
+    return 0

@@ -1,0 +1,191 @@
+"""One rank of a timed run: it builds every run's DDP model, steps them round-robin and reports the figures."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+from benchmarks._json import write_json
+from benchmarks.peers import CollectiveCounter, Peer
+from benchmarks.step.options import DENSE, FALLBACKS, Exchange, parse_params
+from lightning_sparse import end_process_group
+
+
+def model_shape(params: int, layers: int) -> int:
+    """Width of ``layers`` square Linear layers holding about ``params`` parameters."""
+    return max(8, round(math.sqrt(params / layers)))
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.compressors import parse_compressor
+    from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
+    from lightning_sparse.hook import update_comm_hook
+
+    world = args.world_size
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=args.rank, world_size=world)
+    params = parse_params(args.params)
+    width = model_shape(params, args.layers)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)  # same initial weights in every run and on every rank
+        layers: list[nn.Module] = []
+        for _ in range(args.layers):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        return nn.Sequential(*layers[:-1])
+
+    runs: list[tuple[str, DistributedDataParallel, Any]] = []
+    exchanges: list[Any] = []  # per run: its UpdateExchange (update mode), else None
+    if not args.no_dense:
+        runs.append((DENSE, DistributedDataParallel(make_model()), None))
+        exchanges.append(None)
+    gather_exchanges: list[Exchange] = args.exchanges  # top-k-type compressors: each one asked for
+    other_exchanges: list[Exchange] = ["auto"]
+    for mode in [] if args.probe else args.modes:
+        for spec, how, sync in [
+            (name, how, sync)
+            for name in args.compressors
+            for how in (gather_exchanges if parse_compressor(name).pattern == "gather" else other_exchanges)
+            for sync in (getattr(args, "sync_every", None) or [1] if mode == "update" else [1])
+        ]:
+            # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
+            # registered as SparseDDPStrategy._register_ddp_hooks does it.
+            fallback = FALLBACKS[args.fallback]
+            strategy = SparseDDPStrategy(
+                compress=mode,
+                compressor=parse_compressor(spec),
+                density=args.density,
+                fallback_to_dense=fallback,
+                exchange=how,
+                sync_every=sync,
+            )
+            model = DistributedDataParallel(make_model(), **strategy._ddp_kwargs)
+            state = strategy.sparse_state
+            exchange = strategy.update_exchange
+            if exchange is not None:
+                exchange.bind(model.module.named_parameters(), process_group=model.process_group)
+                model.register_comm_hook(state, update_comm_hook)
+            else:
+                state.bind(model.module.named_parameters(), process_group=model.process_group)
+                model.register_comm_hook(state, sparse_comm_hook)
+            extra = ("" if how == "auto" else ", " + how) + ("" if sync == 1 else f", every {sync} steps")
+            runs.append((f"sparse_ddp {spec} ({mode}{extra})", model, state))
+            exchanges.append(exchange)
+    # torch's hooks: their bytes are counted at the torch.distributed collectives, while they step
+    counter = CollectiveCounter()
+    peer_bytes: dict[int, int] = {}  # run index -> bytes its timed steps handed to collectives
+    for name in args.peers:
+        peer = Peer.parse(name)
+        model = DistributedDataParallel(make_model())
+        model.register_comm_hook(*peer.registered_hook())
+        peer_bytes[len(runs)] = 0
+        runs.append((peer.label, model, None))
+        exchanges.append(None)
+    if peer_bytes:
+        counter.install()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for _, m, _ in runs]
+    gen = torch.Generator().manual_seed(1 + args.rank)
+    times: list[list[float]] = [[] for _ in runs]
+    before: list[Any] = [None for _ in runs]
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:  # the figures of the timed steps only
+            before = [None if state is None else state.telemetry.total.copy() for _, _, state in runs]
+        x = torch.randn(args.batch_size, width, generator=gen)
+        y = torch.randn(args.batch_size, width, generator=gen)
+        for i, ((_, model, _), opt, exchange) in enumerate(zip(runs, optimizers, exchanges, strict=True)):
+            counted = step >= args.warmup and i in peer_bytes
+            dist.barrier()
+            start = time.perf_counter()
+            if counted:
+                mark = counter.bytes
+                counter.start()
+            if exchange is not None:
+                exchange.hold_local()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()  # DDP waits for every bucket's future (callbacks' collectives included)
+            opt.step()
+            if exchange is not None:
+                exchange.exchange()
+            opt.zero_grad(set_to_none=False)
+            elapsed = time.perf_counter() - start
+            if counted:
+                counter.stop()
+                peer_bytes[i] += counter.bytes - mark
+            if step >= args.warmup:
+                times[i].append(elapsed)
+    counter.uninstall()
+    # A step lasts as long as its slowest rank.
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    summaries = []
+    for i, ((name, _, state), ts, snapshot) in enumerate(zip(runs, t.tolist(), before, strict=True)):
+        counters = None if state is None else state.telemetry.total - snapshot
+        summaries.append(_summary(name, counters, ts, args, width, peer_bytes.get(i)))
+        if state is not None and state.config.timed_fallback is not None:
+            summaries[-1]["timed_fallback"] = state.config.timed_fallback.decisions
+    if args.rank == 0 and args.result:
+        result = {
+            "world_size": world,
+            "params": args.layers * (width * width + width),
+            "layers": args.layers,
+            "width": width,
+            "batch_size": args.batch_size,
+            "threads": threads,
+            "density": args.density,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "fallback": args.fallback,
+            "torch": torch.__version__,
+            "runs": summaries,
+        }
+        write_json(args.result, result)
+    end_process_group(exit_code=0)  # on every rank together, then out: see its docstring
+    return 0
+
+
+def _summary(
+    name: str, counters: Any, times: list[float], args: argparse.Namespace, width: int, counted: int | None = None
+) -> dict[str, Any]:
+    """One run's figures over its timed steps (``counters``: the hook's telemetry then, None for dense
+    and the peers; ``counted``: the bytes a peer's hook handed to the collectives then)."""
+    from lightning_sparse.wire import ring_all_reduce_bytes
+
+    params = args.layers * (width * width + width)
+    row: dict[str, Any] = {
+        "name": name,
+        "status": "ok",
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "bytes_per_step": float(params * 4),
+        # through each rank under the ring model: dense DDP and torch's hooks all-reduce
+        "wire_bytes_per_step": ring_all_reduce_bytes(args.world_size, params * 4),
+        "compression_ratio": None,
+        "hook_ms": None,
+        "buckets": None,
+        "dense_buckets": None,
+    }
+    if counters is not None:
+        steps = len(times)
+        row.update(
+            bytes_per_step=counters.sent_bytes / steps,
+            wire_bytes_per_step=counters.wire_bytes / steps,
+            compression_ratio=counters.message_ratio,  # bytes per step are bytes sent: same basis as the peers'
+            hook_ms=1e3 * counters.compress_seconds / steps,
+            buckets=counters.buckets,
+            dense_buckets=counters.dense_buckets,
+        )
+    if counted is not None:
+        row["bytes_per_step"] = counted / len(times)
+        row["wire_bytes_per_step"] = ring_all_reduce_bytes(args.world_size, row["bytes_per_step"])
+        row["compression_ratio"] = params * 4 / row["bytes_per_step"] if counted else None
+    return row
