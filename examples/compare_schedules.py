@@ -43,7 +43,9 @@ class Recorder(L.Callback):
         if last.fallback_buckets or last.dense_buckets == last.buckets:
             self.densities.append(1.0)
         else:
-            sparse_numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.numel() >= state.min_numel)
+            sparse_numel = sum(
+                p.numel() for p in trainer.lightning_module.parameters() if p.numel() >= state.config.min_numel
+            )
             dense_numel = last.numel - sparse_numel
             self.densities.append((last.sent_numel - dense_numel) / sparse_numel)
 

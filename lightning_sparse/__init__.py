@@ -24,6 +24,8 @@ from lightning_sparse.compressors import (
     register_compressor,
 )
 from lightning_sparse.config import SparseConfig
+from lightning_sparse.cost import exchange_cost
+from lightning_sparse.exchange import ExchangeError
 from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
 from lightning_sparse.fabric import register_fabric_strategies
 from lightning_sparse.fallback import TimedFallback
@@ -48,6 +50,7 @@ __all__ = [
     "CountSketch",
     "DGC",
     "DensitySchedule",
+    "ExchangeError",
     "FabricSparseDDPStrategy",
     "GaussianK",
     "OuterStep",
@@ -62,6 +65,7 @@ __all__ = [
     "WarmupDensity",
     "__version__",
     "end_process_group",
+    "exchange_cost",
     "register_compressor",
     "register_fabric_strategies",
     "register_strategies",

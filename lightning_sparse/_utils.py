@@ -1,5 +1,6 @@
-"""Small helpers shared by the package: argument checks, deterministic seeding, scratch buffers
-and a finiteness check."""
+"""Small helpers shared by the package.
+
+Argument checks, deterministic seeding, scratch buffers and a finiteness check."""
 
 from __future__ import annotations
 

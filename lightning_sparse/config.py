@@ -20,8 +20,9 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_sparse._utils import check_bool, check_int, resolve_value_dtype
-from lightning_sparse.compressors import Compressor, get_compressor
+from lightning_sparse.compressors import Compressor, compressors_of_pattern, get_compressor
 from lightning_sparse.fallback import TimedFallback, as_fallback
+from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.wire import EXCHANGES
 from lightning_sparse.wire.quant import VALUE_BITS
@@ -112,7 +113,7 @@ class SparseConfig:
     exchange: Literal["auto", "allgather", "split"] = field(
         default="auto",
         metadata=_doc(
-            """how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined:
+            """how the selections of compressors that pick their own coordinates (pattern ``"gather"``) are combined:
             ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
             number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about
             flat in the number of ranks; the global selection keeps about ``k`` coordinates per
@@ -136,14 +137,16 @@ class SparseConfig:
             the global model outside the rank's own steps."""
         ),
     )
-    outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | None = field(
+    outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = field(
         default=None,
         metadata=_doc(
             """update mode: what the global parameters do with each exchange's average. None
             (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or
             factory (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
-            ``class_path``/``init_args`` in a CLI config). Its state is in every checkpoint."""
+            ``class_path``/``init_args`` in a CLI config); or an
+            :class:`~lightning_sparse.outer.OuterStep` of your own. Its state is in every
+            checkpoint."""
         ),
     )
     value_bits: Literal[2, 4, 8] | None = field(
@@ -153,7 +156,7 @@ class SparseConfig:
             tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64
             values (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual.
             None (default): values in ``value_dtype``. Compressors that pick their own coordinates
-            (topk, rtopk, gaussiank, dgc) only."""
+            (pattern ``"gather"``) only."""
         ),
     )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
@@ -171,8 +174,10 @@ class SparseConfig:
         default="popen",
         metadata=_doc('the launcher\'s start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.'),
     )
-    #: ``outer_optimizer`` resolved: a factory of optimizers (None: add the average)
-    outer_factory: Callable[[Iterable[Any]], Optimizer] | None = field(init=False, repr=False, compare=False)
+    #: ``outer_optimizer`` resolved: a factory of optimizers or an outer step (None: add the average)
+    outer_factory: Callable[[Iterable[Any]], Optimizer] | OuterStep | None = field(
+        init=False, repr=False, compare=False
+    )
     #: ``fallback_to_dense`` resolved: the byte rule on or off, and the timed fallback (None: off)
     byte_rule: bool = field(init=False, repr=False, compare=False)
     timed_fallback: TimedFallback | None = field(init=False, repr=False, compare=False)
@@ -208,7 +213,8 @@ class SparseConfig:
         if self.exchange == "split" and compressor.pattern != "gather":
             raise ValueError(
                 f"exchange='split' is not allowed with compressor={compressor!r}: it combines compressors "
-                "that pick their own coordinates on each rank (pattern 'gather': topk, rtopk, gaussiank, dgc); "
+                "that pick their own coordinates on each rank (pattern 'gather': "
+                f"{', '.join(compressors_of_pattern('gather'))}); "
                 f"this one's pattern is {compressor.pattern!r}. Use exchange='auto' or 'allgather'."
             )
         check_bool("compact_indices", self.compact_indices)
@@ -247,7 +253,7 @@ class SparseConfig:
                 raise ValueError(
                     f"value_bits={self.value_bits!r} is not allowed with compressor={compressor!r}: coded values are "
                     "all-gathered with their coordinates, for compressors that pick their own (pattern 'gather': "
-                    f"topk, rtopk, gaussiank, dgc); this one's pattern is {compressor.pattern!r}."
+                    f"{', '.join(compressors_of_pattern('gather'))}); this one's pattern is {compressor.pattern!r}."
                 )
             if self.value_dtype is not None:
                 raise ValueError(
@@ -317,8 +323,9 @@ class SparseConfig:
 NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
-def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | None:
-    """``outer_optimizer`` as a factory of optimizers (None: add the average), else ValueError.
+def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
+    """``outer_optimizer`` as a factory of optimizers or an outer step (None: add the average), else
+    ValueError.
 
     A class or factory is tried once on a one-element parameter list, so that something that does
     not make a ``torch.optim.Optimizer`` is refused here rather than at the first exchange.
@@ -329,11 +336,13 @@ def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] 
     """
     if value is None:
         return None
+    if isinstance(value, OuterStep):
+        return value
     if value == "nesterov":
         return functools.partial(torch.optim.SGD, **NESTEROV)
     allowed = (
-        "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), or a torch.optim.Optimizer "
-        "class or a callable that makes one from a list of parameters"
+        "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), a torch.optim.Optimizer "
+        "class or a callable that makes one from a list of parameters, or an OuterStep instance"
     )
     if isinstance(value, str) or not callable(value):
         raise ValueError(f"outer_optimizer={value!r} is not allowed: {allowed}.")

@@ -47,11 +47,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import end_process_group_at_exit, note_run_end
+from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, SparseShell, register_names
+from lightning_sparse.core import SparseCore, register_names
 from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.shell import SparseShell
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
 
@@ -93,12 +96,12 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (momentum factor masking), so coordinates that wait long do not hit an optimizer momentum all at
             once. Use it with an optimizer without momentum (``SGD(momentum=0)``; checked at setup). 0
             (default) turns it off.
-        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined: ``"allgather"``
-            (every rank gets every rank's pairs; traffic per rank grows with the number of ranks),
-            ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in the number of
-            ranks; the global selection keeps about ``k`` coordinates per bucket tensor), ``"auto"``
-            (default): per bucket, the split where it moves at most a quarter of the all-gather's bytes
-            (from about 16 ranks), else the all-gather.
+        exchange: how the selections of compressors that pick their own coordinates (pattern ``"gather"``) are
+            combined: ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
+            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in
+            the number of ranks; the global selection keeps about ``k`` coordinates per bucket tensor),
+            ``"auto"`` (default): per bucket, the split where it moves at most a quarter of the all-gather's
+            bytes (from about 16 ranks), else the all-gather.
         compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
             0.01 instead of 4) wherever that is smaller; ``False``: int32.
         sync_every: update mode: each rank takes this many optimizer steps on its own, then exchanges the
@@ -109,12 +112,13 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory
             (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
-            ``class_path``/``init_args`` in a CLI config). Its state is in every checkpoint.
+            ``class_path``/``init_args`` in a CLI config); or an :class:`~lightning_sparse.outer.OuterStep`
+            of your own. Its state is in every checkpoint.
         value_bits: send the values of a sparse exchange (the selected ones and those of the small
             tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
             (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
-            values in ``value_dtype``. Compressors that pick their own coordinates (topk, rtopk, gaussiank,
-            dgc) only.
+            values in ``value_dtype``. Compressors that pick their own coordinates (pattern
+            ``"gather"``) only.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -156,7 +160,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         exchange: Literal["auto", "allgather", "split"] = "auto",
         compact_indices: bool = True,
         sync_every: int = 1,
-        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | None = None,
+        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -236,10 +240,10 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         if update is None:
             return
         if module.training and torch.is_grad_enabled():
-            update.enter_local()  # this rank's forward/backward run at global + its residual
+            update.hold_local()  # this rank's forward/backward run at global + its residual
             self._graph_pending = True
         elif not self._graph_pending and not self._in_optimizer_step:
-            update.leave_local()  # evaluation sees the global model
+            update.hold_global()  # evaluation sees the global model
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -288,7 +292,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]
         optimizer_states = {k: converted[k] for k in optimizers}
-        payload = self._core.gather_payload(optimizer_states)
+        payload = self._core.checkpoint.gather(optimizer_states)
         if self.is_global_zero:
             converted[CHECKPOINT_KEY] = payload
             self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
@@ -322,8 +326,8 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         payload = checkpoint.pop(CHECKPOINT_KEY, None) if isinstance(checkpoint, dict) else None
         if payload is not None:
             now = self._ddp_model is not None
-            self._core.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
-            mine = self._core.take_optimizer_states(self.global_rank)
+            self._core.checkpoint.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
+            mine = self._core.checkpoint.take_optimizer_states(self.global_rank)
             for key, value in (mine or {}).items():
                 if key in checkpoint:
                     checkpoint[key] = value  # this rank's own optimizer state

@@ -11,17 +11,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import bad_argument, check_int
 
 #: the CPU clock (a module attribute so that a test can stand in its own)
 clock: Callable[[], float] = time.perf_counter
+
+T = TypeVar("T")
 
 SPARSE: Literal["sparse"] = "sparse"
 DENSE: Literal["dense"] = "dense"
@@ -50,7 +51,7 @@ class TimedFallback:
     Example:
         >>> from lightning_sparse import SparseDDPStrategy
         >>> strategy = SparseDDPStrategy(compressor="topk", fallback_to_dense="time")
-        >>> strategy.sparse_state.timed_fallback.trial_steps
+        >>> strategy.sparse_state.config.timed_fallback.trial_steps
         5
         >>> TimedFallback(trial_steps=3, recheck_every=1000).trial_length
         6
@@ -143,13 +144,13 @@ class TimedFallback:
             self._open = (DENSE if trial < self.trial_steps else SPARSE, self._now(), [])
         return sent
 
-    def track(self, future: Future[Tensor]) -> Future[Tensor]:
+    def track(self, future: Future[T]) -> Future[T]:
         """Chain ``future`` so that its completion time joins the open window (if any)."""
         if self._open is None:
             return future
         ends = self._open[2]
 
-        def done(fut: Future[Tensor]) -> Tensor:
+        def done(fut: Future[T]) -> T:
             value = fut.value()
             ends.append(self._now())  # list.append: safe from the process group's threads
             return value

@@ -45,7 +45,7 @@ class OuterStep:
         """The step's state (empty when it has none)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
 
@@ -116,6 +116,14 @@ def _key(names: tuple[str, ...]) -> str:
     return "|".join(names)
 
 
-def outer_step_for(factory: Callable[[Iterable[Any]], Optimizer] | None) -> OuterStep:
-    """The outer step of a resolved ``outer_optimizer`` setting (None: :class:`AddAverage`)."""
-    return AddAverage() if factory is None else OptimizerStep(factory)
+def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None) -> OuterStep:
+    """The outer step of a resolved ``outer_optimizer`` setting: an :class:`OuterStep` as it is, a
+    factory of optimizers as an :class:`OptimizerStep`, None as :class:`AddAverage`.
+
+    Example:
+        >>> type(outer_step_for(None)).__name__, type(outer_step_for(torch.optim.SGD)).__name__
+        ('AddAverage', 'OptimizerStep')
+    """
+    if isinstance(setting, OuterStep):
+        return setting
+    return AddAverage() if setting is None else OptimizerStep(setting)

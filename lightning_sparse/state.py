@@ -1,10 +1,9 @@
-"""SparseState: what the communication hook keeps between steps on one rank."""
+"""What the sparse exchange keeps between steps on one rank: settings, residuals, layout, telemetry."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -12,9 +11,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse._utils import stable_key
-from lightning_sparse.amp import SkippedSteps
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
+from lightning_sparse.exchange import StepExchange
 from lightning_sparse.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.stats import Telemetry
@@ -27,17 +26,14 @@ STATE_VERSION = 1
 HOOK_DEFAULTS: dict[str, Any] = {"compress": "gradient"}
 
 
-def _setting(name: str, doc: str) -> Any:
-    return property(lambda self: getattr(self.config, name), doc=doc)
-
-
 class SparseState:
     """The state of the sparse communication hook on one rank.
 
-    Holds the :class:`~lightning_sparse.config.SparseConfig`, the error-feedback residuals (by
-    parameter name), the step counter and the telemetry. It contains no process group, so it
-    pickles (``ddp_spawn``); :meth:`bind` attaches it to a DDP model's parameters and process
-    group, and builds the :class:`~lightning_sparse.wire.WireContext` the wire code works with.
+    Holds the :class:`~lightning_sparse.config.SparseConfig` (every setting is read there), the
+    error-feedback residuals (by parameter name), the telemetry and the
+    :class:`~lightning_sparse.exchange.StepExchange` that runs each optimizer step's exchange. It
+    contains no process group, so it pickles (``ddp_spawn``); :meth:`bind` attaches it to a DDP
+    model's parameters and process group.
 
     Args:
         config: the settings; or give them as keyword arguments (those of
@@ -48,21 +44,9 @@ class SparseState:
 
     Example:
         >>> state = SparseState(compressor="topk", density=0.01)
-        >>> state.step, state.compress
+        >>> state.step, state.config.compress
         (0, 'gradient')
     """
-
-    compress = _setting("compress", '``"update"`` or ``"gradient"``.')
-    error_feedback = _setting("error_feedback", "whether residuals are kept.")
-    min_numel = _setting("min_numel", "tensors with fewer elements are sent dense.")
-    warmup_steps = _setting("warmup_steps", "the first optimizer steps sent dense.")
-    value_dtype = _setting("value_dtype", "dtype of the values sent (None: the gradient's).")
-    seed = _setting("seed", "seed of every random choice.")
-    momentum_correction = _setting("momentum_correction", "DGC's momentum factor (0: off).")
-    exchange = _setting("exchange", "how gather-pattern selections are combined.")
-    compact_indices = _setting("compact_indices", "whether indices are Rice-coded where smaller.")
-    fallback_to_dense = _setting("byte_rule", "the byte rule: dense where sparse moves no fewer bytes.")
-    timed_fallback = _setting("timed_fallback", "the timed fallback (None: off).")
 
     def __init__(self, config: SparseConfig | None = None, **settings: Any) -> None:
         if config is None:
@@ -74,55 +58,33 @@ class SparseState:
         self.schedule: DensitySchedule = config.schedule
         self.memory = ErrorFeedback()
         self.velocity = LocalMomentum()
-        self.step = 0
         self.telemetry = Telemetry()
-        #: the hook measures the residual norm every this many steps (0: never; CompressionMonitor
-        #: measures it itself when it logs)
-        self.residual_norm_interval = 50
+        #: one optimizer step of the exchange: the step counter, the step's bookkeeping, the buckets
+        self.step_exchange = StepExchange(config, self.memory, self.velocity, self.telemetry)
         self.rank = 0
         self.world_size = 1
         self.process_group: dist.ProcessGroup | None = None
-        self.in_step = False
-        #: update mode, a timed fallback's dense steps: gradients are all-reduced as plain DDP does
-        self.ddp_mode = False
-        #: returns the gradient scaler's current loss scale (set by the strategy under fp16 AMP)
-        self.loss_scale: Callable[[], float] | None = None
-        self.last_loss_scale: float | None = None
-        #: what a step that the fp16 gradient scaler skips does (set by the strategy under fp16 AMP)
-        self.skips: SkippedSteps | None = None
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
-        self.wire = self._wire_context(Collectives())
 
-    def _wire_context(self, comm: Collectives) -> WireContext:
-        c = self.config
-        return WireContext(
-            compressor=self.compressor,
-            error_feedback=c.error_feedback,
-            momentum_correction=c.momentum_correction,
-            value_dtype=c.value_dtype,  # type: ignore[arg-type]
-            seed=c.seed,
-            exchange=c.exchange,
-            compact_indices=c.compact_indices,
-            value_bits=c.value_bits,
-            byte_rule=c.byte_rule,
-            memory=self.memory,
-            velocity=self.velocity,
-            comm=comm,
-            rank=self.rank,
-        )
+    @property
+    def step(self) -> int:
+        """Optimizer steps this rank finished exchanging (:attr:`StepExchange.step`)."""
+        return self.step_exchange.step
+
+    @property
+    def wire(self) -> WireContext:
+        """What the wire code works with on this rank (settings, stores, counted collectives)."""
+        return self.step_exchange.wire
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["process_group"] = None
-        state["loss_scale"] = None
-        state["skips"] = None
         state["_names"] = {}
         state["_plans"] = {}
-        state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
         return state
 
     # ------------------------------------------------------------------ binding
@@ -148,14 +110,15 @@ class SparseState:
             self.world_size = dist.get_world_size(process_group)
         else:
             self.rank, self.world_size = 0, 1
-        self.wire = self._wire_context(Collectives(process_group, self.world_size))
+        self.step_exchange.bind(Collectives(process_group, self.world_size), self.rank)
         if check_consistency and self.world_size > 1:
             self._check_consistency()
         first = trainable[0][1] if trainable else None
         device = first.device if first is not None else torch.device("cpu")
         self.schedule.setup(self.wire, device, first.dtype if first is not None else torch.float32)
-        if self.timed_fallback is not None:
-            self.timed_fallback.setup(process_group, self.world_size, self.config.warmup_steps, device)
+        timed = self.config.timed_fallback
+        if timed is not None:
+            timed.setup(process_group, self.world_size, self.config.warmup_steps, device)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank, with the step and the parameter names."""
@@ -193,7 +156,7 @@ class SparseState:
                         "call SparseState.bind() with the model's named_parameters()"
                     )
                 n = p.numel()
-                members.append(Member(name, stable_key(name), offset, n, n >= self.min_numel and n > 0))
+                members.append(Member(name, stable_key(name), offset, n, n >= self.config.min_numel and n > 0))
                 offset += n
             if offset != buffer.numel():
                 raise RuntimeError(f"bucket buffer has {buffer.numel()} elements but its parameters have {offset}")
@@ -216,12 +179,13 @@ class SparseState:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: residuals by parameter name, step, schedule and telemetry totals."""
+        timed = self.config.timed_fallback
         return {
             "version": STATE_VERSION,
-            "compress": self.compress,
-            "exchange": self.exchange,
-            "compact_indices": self.compact_indices,
-            "step": self.step,
+            "compress": self.config.compress,
+            "exchange": self.config.exchange,
+            "compact_indices": self.config.compact_indices,
+            **self.step_exchange.state_dict(),
             "cycle": dict(self.cycle),
             "rank": self.rank,
             "world_size": self.world_size,
@@ -230,9 +194,8 @@ class SparseState:
             "schedule": self.schedule.state_dict(),
             "residuals": self.memory.state_dict(),
             "velocity": self.velocity.state_dict(),
-            "last_loss_scale": self.last_loss_scale,
             "telemetry": self.telemetry.state_dict(),
-            "timed_fallback": None if self.timed_fallback is None else self.timed_fallback.state_dict(),
+            "timed_fallback": None if timed is None else timed.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -240,13 +203,13 @@ class SparseState:
         version = state.get("version")
         if version != STATE_VERSION:
             raise ValueError(f"cannot load sparse hook state of version {version!r}; expected {STATE_VERSION}")
-        self.step = int(state["step"])
+        self.step_exchange.load_state_dict(state)
         self.cycle = {str(k): int(v) for k, v in state.get("cycle", {}).items()}
         self.schedule.load_state_dict(state["schedule"])
         self.memory.load_state_dict(state["residuals"], device=device)
         self.velocity.load_state_dict(state.get("velocity", {}), device=device)
-        self.last_loss_scale = state.get("last_loss_scale")
         self.telemetry.load_state_dict(state["telemetry"])
-        timed = state.get("timed_fallback")
-        if self.timed_fallback is not None and timed is not None:
-            self.timed_fallback.load_state_dict(timed)
+        saved_timed = state.get("timed_fallback")
+        timed = self.config.timed_fallback
+        if timed is not None and saved_timed is not None:
+            timed.load_state_dict(saved_timed)

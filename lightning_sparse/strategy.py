@@ -22,12 +22,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import check_bool, end_process_group_at_exit, note_run_end
+from lightning_sparse.advice import training_advice
 from lightning_sparse.callbacks import CompressionMonitor
+from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.core import CHECKPOINT_KEY, SparseCore, SparseShell, register_names, training_advice
+from lightning_sparse.core import SparseCore, register_names
 from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.shell import SparseShell
 
 __all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
 
@@ -68,12 +72,12 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (momentum factor masking), so coordinates that wait long do not hit an optimizer momentum all at
             once. Use it with an optimizer without momentum (``SGD(momentum=0)``; checked at setup). 0
             (default) turns it off.
-        exchange: how top-k-type selections (topk, rtopk, gaussiank, dgc) are combined: ``"allgather"``
-            (every rank gets every rank's pairs; traffic per rank grows with the number of ranks),
-            ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in the number of
-            ranks; the global selection keeps about ``k`` coordinates per bucket tensor), ``"auto"``
-            (default): per bucket, the split where it moves at most a quarter of the all-gather's bytes
-            (from about 16 ranks), else the all-gather.
+        exchange: how the selections of compressors that pick their own coordinates (pattern ``"gather"``) are
+            combined: ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
+            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in
+            the number of ranks; the global selection keeps about ``k`` coordinates per bucket tensor),
+            ``"auto"`` (default): per bucket, the split where it moves at most a quarter of the all-gather's
+            bytes (from about 16 ranks), else the all-gather.
         compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
             0.01 instead of 4) wherever that is smaller; ``False``: int32.
         sync_every: update mode: each rank takes this many optimizer steps on its own, then exchanges the
@@ -84,12 +88,13 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory
             (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
-            ``class_path``/``init_args`` in a CLI config). Its state is in every checkpoint.
+            ``class_path``/``init_args`` in a CLI config); or an :class:`~lightning_sparse.outer.OuterStep`
+            of your own. Its state is in every checkpoint.
         value_bits: send the values of a sparse exchange (the selected ones and those of the small
             tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
             (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
-            values in ``value_dtype``. Compressors that pick their own coordinates (topk, rtopk, gaussiank,
-            dgc) only.
+            values in ``value_dtype``. Compressors that pick their own coordinates (pattern
+            ``"gather"``) only.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
@@ -134,7 +139,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         exchange: Literal["auto", "allgather", "split"] = "auto",
         compact_indices: bool = True,
         sync_every: int = 1,
-        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | None = None,
+        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
@@ -222,8 +227,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     # ------------------------------------------------------------------ update mode
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._core.update is not None:
-            self._core.update.enter_local()  # this rank's forward/backward run at global + its residual
+        self._core.hold_local()  # update mode: this rank's forward/backward run at global + its residual
         return super().training_step(*args, **kwargs)
 
     @override
@@ -278,7 +282,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Runs on every rank, so the residuals of all ranks can be gathered to rank 0 here.
-        payload = self._core.gather_payload(checkpoint.get("optimizer_states"))
+        payload = self._core.checkpoint.gather(checkpoint.get("optimizer_states"))
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = payload
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -290,12 +294,12 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         if payload is not None:
             # Restored before DDP wraps the model; applied when the hook is registered.
             now = isinstance(self.model, DistributedDataParallel)
-            self._core.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
+            self._core.checkpoint.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
         return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        mine = self._core.take_optimizer_states(self.global_rank)
+        mine = self._core.checkpoint.take_optimizer_states(self.global_rank)
         if mine is not None:
             # update mode: this rank's own optimizer state, as it was in this rank when saved
             checkpoint = {**checkpoint, "optimizer_states": mine}

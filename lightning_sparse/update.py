@@ -4,14 +4,14 @@ With ``compress="update"`` DDP's communication hook sends nothing: every rank's 
 on its own gradient. After the step, :class:`UpdateExchange` sends, per parameter, the
 coordinates the compressor selects of ``u = e + delta`` (``delta``: what this rank's optimizer
 just did to the parameter; ``e``: what the rank has not sent yet), through the same
-:func:`~lightning_sparse.hook.exchange` as the gradient hook (same wire patterns, value
-dtypes, density schedules, fallbacks and telemetry). The average of what the ranks sent goes to
-the outer step (:mod:`lightning_sparse.outer`; by default it is added to the *global*
-parameters), and every rank keeps the unsent part as its residual ``e``.
+:class:`~lightning_sparse.exchange.StepExchange` as the gradient hook (same wire patterns, value
+dtypes, density schedules, fallbacks and telemetry); nothing here goes through DDP's hook. The
+average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.outer`; by default
+it is added to the *global* parameters), and every rank keeps the unsent part as its residual ``e``.
 
 Between optimizer steps the module holds the global parameters, identical on every rank, so
 validation, callbacks, checkpoints and the end of fit all see one model. For its own forward,
-backward and optimizer step each rank adds its residual back (:meth:`UpdateExchange.enter_local`):
+backward and optimizer step each rank adds its residual back (:meth:`UpdateExchange.hold_local`):
 gradients are taken at ``global + e``, the rank's own view of the model, which is what trains
 best (the unsent progress is not lost from the rank's view, only delayed for the others).
 
@@ -32,15 +32,13 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.fallback import DENSE, TRIAL_DENSE
-from lightning_sparse.hook import begin_step, exchange, local_gradient_hook, update_comm_hook
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.comm import wait
 
-__all__ = ["UpdateExchange", "average_optimizer_states", "local_gradient_hook", "update_comm_hook"]
+__all__ = ["UpdateExchange", "average_optimizer_states"]
 
 #: parameters per exchanged message at most (bytes of float32 updates), like DDP's 25 MB buckets
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -125,7 +123,7 @@ class UpdateExchange:
 
     # ------------------------------------------------------------------ the rank's own view
     @torch.no_grad()
-    def enter_local(self, params: Iterable[Tensor] | None = None) -> None:
+    def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
         """Let the module hold this rank's view ``global + e`` of ``params`` (default: all).
 
         Called before the rank's forward/backward/optimizer step; parameters that already hold
@@ -155,24 +153,21 @@ class UpdateExchange:
             self._local.add(name)
 
     @torch.no_grad()
-    def leave_local(self) -> None:
-        """Put the global parameters back in the module (exact: the residuals keep the rest).
+    def hold_global(self, params: Iterable[Tensor] | None = None) -> None:
+        """Put the global values of ``params`` (default: all) back in the module (exact: the
+        residuals keep the rest); parameters that already hold them are left as they are.
 
         For validation, checkpoints and the end of fit in the middle of a gradient-accumulation
         cycle; after an exchange the module already holds them.
         """
-        self._leave_local(list(self._local))
+        self._hold_global([n for n in self._names_of(params) if n in self._local])
 
-    def _leave_local(self, names: Iterable[str]) -> None:
-        """Put the global values of ``names`` back in the module."""
+    def _hold_global(self, names: Iterable[str]) -> None:
         for name in names:
-            self._hold_global(name)
+            p = self._params[name]
+            p.copy_(self._global[name])
+            self._synced[name] = p._version
             self._local.discard(name)
-
-    def _hold_global(self, name: str) -> None:
-        p = self._params[name]
-        p.copy_(self._global[name])
-        self._synced[name] = p._version
 
     # ------------------------------------------------------------------ the exchange
     def _buckets_for(self, names: list[str]) -> list[_Bucket]:
@@ -207,16 +202,17 @@ class UpdateExchange:
         if not self.active:
             return
         state = self.state
+        steps = state.step_exchange
         names = [n for n in self._names_of(params) if n in self._local]
-        if state.ddp_mode or not names:
-            self._mark_end()
+        if steps.plain_ddp or not names:
+            steps.mark_end()
             return
-        if state.skips is not None and state.skips.overflowed:
+        if steps.skips is not None and steps.skips.overflowed:
             # fp16 AMP: every rank's scaler skipped this step (agreed in the hook): nothing moved,
             # nothing is sent; the residuals, the global model and the cycle stay as they were
-            self._leave_local(names)
-            state.telemetry.end_step()
-            self._mark_end()
+            self._hold_global(names)
+            steps.end_unexchanged()
+            steps.mark_end()
             return
         memory = state.memory
         buckets = self._buckets_for(names)
@@ -245,43 +241,41 @@ class UpdateExchange:
                     self._warn_nonfinite(name)
             if sync:
                 # every update is finite now (a non-finite one was dropped above): the patterns skip their check
-                futures.append(exchange(state, bucket.delta, bucket.params, i == len(buckets) - 1, inputs_finite=True))
+                plan = state.plan(bucket.delta, bucket.params)
+                futures.append(steps.bucket(bucket.delta, plan, last=i == len(buckets) - 1, inputs_finite=True))
             else:
                 self._keep_local(bucket)
         if not sync:
-            state.telemetry.end_step()
+            steps.end_unexchanged()
             return
         for bucket, future in zip(buckets, futures, strict=True):
             self.outer_step.apply(future.wait(), bucket.glob, tuple(bucket.names))
-            self._leave_local(bucket.names)
-        self._mark_end()
+            self._hold_global(bucket.names)
+        steps.mark_end()
 
     # ------------------------------------------------------------------ timed fallback to plain DDP
     def _timed_dense(self) -> bool:
         """With a timed fallback and a ``sync_every`` of 1, the step's way of sending is settled
         before its forward: its trial's dense steps and a dense choice are plain DDP steps
-        (gradients all-reduced in DDP's hook, :func:`~lightning_sparse.hook.update_comm_hook`).
-        Entering them, every rank's unsent part is added to the global model (its mean, one dense
-        all-reduce) and the optimizer states are averaged, so that the replicas stay identical.
-        Returns whether this step is a plain DDP step."""
+        (gradients all-reduced in DDP's hook, as plain DDP does). Entering them, every rank's
+        unsent part is added to the global model (its mean, one dense all-reduce) and the optimizer
+        states are averaged, so that the replicas stay identical. Returns whether this step is a
+        plain DDP step."""
         state = self.state
-        if not self._timed_steps:
+        if not (state.config.timed_fallback is not None and state.config.sync_every == 1):
             return False
-        if not state.in_step:
-            begin_step(state)
-            dense = state.timed_fallback.kind(state.step) in (DENSE, TRIAL_DENSE)
-            if dense and not state.ddp_mode:
-                self._flush_to_global()
-                if self.on_dense is not None:
-                    self.on_dense()
-            state.ddp_mode = dense
-        return state.ddp_mode
+        dense, entering = state.step_exchange.begin_timed()
+        if entering:
+            self._flush_to_global()
+            if self.on_dense is not None:
+                self.on_dense()
+        return dense
 
     @torch.no_grad()
     def _flush_to_global(self) -> None:
         """Add the mean over ranks of every rank's unsent part to the global model (which the module
         holds now); the residuals are then empty."""
-        self.leave_local()
+        self.hold_global()
         state = self.state
         names = list(self._params)
         parts = [
@@ -299,16 +293,6 @@ class UpdateExchange:
         state.memory.clear()
         state.telemetry.record("unsent parts", counters, "dense (flush)")
 
-    @property
-    def _timed_steps(self) -> bool:
-        """A timed fallback times whole steps here (``sync_every`` 1), and may make them plain DDP steps."""
-        return self.state.timed_fallback is not None and self.state.config.sync_every == 1
-
-    def _mark_end(self) -> None:
-        timed = self.state.timed_fallback
-        if timed is not None and self._timed_steps:
-            timed.mark_end()
-
     def _keep_local(self, bucket: _Bucket) -> None:
         """A step between exchanges: its progress joins the rank's residuals (``e += delta``,
         exactly) and the module goes back to the global values; telemetry counts what dense DDP
@@ -318,7 +302,7 @@ class UpdateExchange:
         for name, p in zip(bucket.names, bucket.params, strict=True):
             memory.accumulate(name, bucket.delta[pos : pos + p.numel()])
             pos += p.numel()
-        self._leave_local(bucket.names)
+        self._hold_global(bucket.names)
         state = self.state
         counters = Counters(numel=bucket.delta.numel())
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())

@@ -122,7 +122,7 @@ def run(cfg: dict[str, Any]) -> None:
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "compress": fabric.strategy.compress,  # type: ignore[attr-defined]
         "records": records,
-        "skipped_steps": 0 if state.skips is None else state.skips.skipped,
+        "skipped_steps": 0 if state.step_exchange.skips is None else state.step_exchange.skips.skipped,
     }
     torch.save(result, f"{cfg['name']}_rank{rank}.pt")
     fabric.barrier()

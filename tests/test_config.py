@@ -66,8 +66,8 @@ def test_shell_builds_the_config_it_was_given(shell: type) -> None:
 def test_defaults_are_declared_once() -> None:
     # the shells' defaults are the config's; the hook alone declares one difference, on purpose
     assert SparseDDPStrategy().compress == FabricSparseDDPStrategy().compress == SparseConfig().compress == "update"
-    assert SparseState().compress == "gradient"
-    assert SparseState(SparseConfig()).compress == "update"
+    assert SparseState().config.compress == "gradient"
+    assert SparseState(SparseConfig()).config.compress == "update"
     with pytest.raises(ValueError, match="a config or settings, not both"):
         SparseState(SparseConfig(), density=0.5)
 
@@ -94,3 +94,17 @@ def test_fingerprint_and_ddp_kwargs() -> None:
     assert SparseConfig(compress="gradient").ddp_kwargs["gradient_as_bucket_view"] is False
     assert SparseConfig(bucket_cap_mb=4).ddp_kwargs["bucket_cap_mb"] == 4
     assert "bucket_cap_mb" not in SparseConfig().ddp_kwargs
+
+
+def test_sparse_state_mirrors_no_setting() -> None:
+    """Every setting has one home, the config: no property of SparseState returns one of them."""
+    from lightning_sparse.config import setting_names
+
+    state = SparseState(compress="update", compressor="topk", density=0.25, sync_every=3, value_bits=2)
+    config_values = {name: getattr(state.config, name) for name in setting_names()}
+    properties = [n for n, v in vars(SparseState).items() if isinstance(v, property)]
+    assert properties  # step and wire: the exchange's, not settings
+    for name in properties:
+        assert name not in config_values, name
+        value = getattr(state, name)
+        assert all(value is not v for v in config_values.values() if not isinstance(v, (bool, int, type(None)))), name

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from _dist import DistPool
 
+pytestmark = pytest.mark.dist
+
 SHAPES = {"a.weight": (60, 70), "a.bias": (60,), "b.weight": (5000,), "c.weight": (64, 80), "c.bias": (9,)}
 
 

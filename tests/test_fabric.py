@@ -71,6 +71,7 @@ def assert_identical_replicas(results: list[dict[str, Any]]) -> None:
     assert a["after_step"] == b["after_step"], "the global model after every optimizer step is the same on both ranks"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["update", "gradient", "named", "split"])
 def test_trains_with_identical_replicas_and_compresses(runs: dict[str, Any], name: str) -> None:
     results = runs[name]
@@ -92,18 +93,21 @@ def test_trains_with_identical_replicas_and_compresses(runs: dict[str, Any], nam
     assert any(not torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.dist
 def test_named_strategy_defaults(runs: dict[str, Any]) -> None:
     r = runs["named"][0]
     # top-k 1%: a larger ratio than density 0.05 gives
     assert r["compression_ratio"] > runs["update"][0]["compression_ratio"]
 
 
+@pytest.mark.dist
 def test_evaluation_mid_accumulation_sees_the_global_model(runs: dict[str, Any]) -> None:
     a, b = runs["named"]
     assert len(a["at_eval"]) == 40 // 3
     assert a["at_eval"] == b["at_eval"], "evaluations see the same (global) model on both ranks"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", ["update", "gradient"])
 def test_resume_is_exact(runs: dict[str, Any], mode: str) -> None:
     full, resumed = runs[mode], runs[f"{mode}_resumed"]
@@ -124,6 +128,7 @@ def test_resume_is_exact(runs: dict[str, Any], mode: str) -> None:
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(r["optimizer"]["state"][pid][key])), key
 
 
+@pytest.mark.dist
 def test_checkpoint_carries_every_ranks_state(runs: dict[str, Any]) -> None:
     ckpt = torch.load(runs["root"] / "update.ckpt", weights_only=False)
     assert ckpt["step"] == 15 and "model" in ckpt and "optimizer" in ckpt
@@ -155,7 +160,7 @@ def test_registers_names_with_fabric_idempotently() -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
     assert isinstance(fabric.strategy, FabricDDPStrategy)
     assert type(fabric.strategy).__name__ == "SparseDDPStrategy" and fabric.strategy._start_method == "popen"
-    assert fabric.strategy.sparse_state.compress == "update"
+    assert fabric.strategy.sparse_state.config.compress == "update"
     fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp_find_unused_parameters_true")
     assert fabric.strategy._ddp_kwargs["find_unused_parameters"] is True
 
@@ -235,6 +240,7 @@ def local_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
 
 
+@pytest.mark.dist
 def test_local_steps_with_an_outer_optimizer(local_runs: dict[str, Any]) -> None:
     full, resumed = local_runs["local"], local_runs["local_resumed"]
     assert_identical_replicas(full)

@@ -50,7 +50,7 @@ def test_fallback_values() -> None:
     mine = TimedFallback(trial_steps=3)
     assert as_fallback(mine) == (True, mine)
     state = SparseDDPStrategy(fallback_to_dense="time").sparse_state
-    assert state.fallback_to_dense is True and isinstance(state.timed_fallback, TimedFallback)
+    assert state.config.byte_rule is True and isinstance(state.config.timed_fallback, TimedFallback)
     assert "TimedFallback(trial_steps=5, recheck_every=0)" in str(state.fingerprint())
 
 

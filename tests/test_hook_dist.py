@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.dist
+
 # d.weight is large enough for the count-sketch's blockwise paths (rows * numel above its direct-path limit)
 SHAPES = {
     "a.weight": (40, 50),
@@ -50,14 +52,14 @@ def _decode(
         return first.float()
     sparse, dense = plan.sparse_members, plan.dense_members
     total_k = sum(ks)
-    vdtype = state.value_dtype or captured_dtype
+    vdtype = state.config.value_dtype or captured_dtype
     compressor = state.compressor
     used = 1
     if kind == "gather":
         from lightning_sparse.wire import MessageLayout, SparseSpace
 
         space = SparseSpace.of(plan)
-        layout = MessageLayout(space.numel, total_k, vdtype, state.compact_indices)
+        layout = MessageLayout(space.numel, total_k, vdtype, state.config.compact_indices)
         assert first.numel() == layout.size
         coords, vals = layout.unpack(first)
         assert bool((coords[1:] > coords[:-1]).all()), "coordinates travel sorted"
@@ -74,7 +76,7 @@ def _decode(
         for m, k in zip(sparse, ks, strict=True):
             rows, cols = compressor.table_shape(m.numel, k)
             table = tables[pos_t : pos_t + rows * cols].view(rows, cols)
-            ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
+            ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.config.seed)
             cand = compressor.candidates(table, m.numel, k, ctx)
             n = cand.numel()
             assert n == compressor.num_candidates(m.numel, k) and cand.unique().numel() == n
@@ -91,7 +93,7 @@ def _decode(
         pos = 0
         for i in SparseSpace.of(plan).members:  # the values travel by tensor name, coordinates ascending
             m, k = sparse[i], ks[i]
-            ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
+            ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.config.seed)
             idx = compressor.select(torch.zeros(m.numel), k, ctx).sort().values
             sent[m.offset + idx] = vals[pos : pos + k]
             pos += k
@@ -142,7 +144,7 @@ def _check_sketch_tables(state: Any, captured: list, step: int, plan: Any, ks: l
     for m, k in zip(plan.sparse_members, ks, strict=True):
         shape = state.compressor.table_shape(m.numel, k)
         table = torch.zeros(shape)
-        ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.seed)
+        ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.config.seed)
         state.compressor.sketch(ps[m.name], k, ctx, table)
         assert torch.equal(mine[pos : pos + table.numel()], table.view(-1)), f"{m.name}: round 1 is not the sketch"
         pos += table.numel()
@@ -159,7 +161,8 @@ def _conservation_worker(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse.hook import communicate, k_for
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.schedules import k_for
     from lightning_sparse.state import SparseState
 
     dtype = getattr(torch, grad_dtype)
@@ -197,7 +200,7 @@ def _conservation_worker(
                 ps = {m.name: g[m.offset : m.offset + m.numel] for m in plan.sparse_members}
             out = communicate(state, g.clone(), params, is_last=True).wait()
             sent = _decode(captured, state, step, plan, ks, numel, dtype)
-            sparse_step = step >= state.warmup_steps
+            sparse_step = step >= state.config.warmup_steps
             if sparse_step and state.compressor.pattern == "sketch":
                 _check_sketch_tables(state, captured, step, plan, ks, ps)
             checked_sparse_steps += sparse_step
@@ -208,7 +211,7 @@ def _conservation_worker(
                     assert m.name not in state.memory
                     if m.sparse and sparse_step:
                         nz = sent[seg] != 0
-                        assert torch.equal(sent[seg][nz], g[seg][nz].to(state.value_dtype or dtype).float())
+                        assert torch.equal(sent[seg][nz], g[seg][nz].to(state.config.value_dtype or dtype).float())
                     continue
                 new = state.memory.get(m.name) if m.name in state.memory else torch.zeros(m.numel)
                 # conservation, exactly: sent + e_new == g + e_old
@@ -362,7 +365,7 @@ def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:
             methods.append([k for k in after if after[k] != before.get(k, 0)])
     finally:
         comm.all_reduce = real_all_reduce
-    return {"methods": methods, "outs": outs, "fallback": state.timed_fallback.state_dict()}
+    return {"methods": methods, "outs": outs, "fallback": state.config.timed_fallback.state_dict()}
 
 
 @pytest.mark.parametrize("slow", ["sparse", "dense"])

@@ -110,24 +110,42 @@ def _deps(graph: dict[str, set[str]], module: str) -> set[str]:
 
 
 def test_layers() -> None:
-    """shells (strategy, fabric) -> core -> update -> hook, outer -> state -> config -> schedules,
-    fallback -> wire -> compressors, memory, stats, _utils. No module reaches a layer above its own."""
+    """shells (strategy, fabric) -> core, shell -> checkpoint, advice, ddp_args -> update, hook ->
+    outer, state -> exchange -> config -> schedules, fallback -> wire -> compressors, memory, stats,
+    _utils. No module reaches a layer above its own."""
     graph = _graph()
     pkg = "lightning_sparse."
-    assert pkg + "wire" in graph[pkg + "hook"] and pkg + "wire" in _deps(graph, pkg + "schedules")
+    assert pkg + "wire" in graph[pkg + "exchange"] and pkg + "wire" in _deps(graph, pkg + "schedules")
     wire = [m for m in graph if m.startswith(pkg + "wire")]
     assert len(wire) >= 7
     above_wire = {pkg + n for n in ("state", "config", "schedules", "fallback", "hook", "outer", "update", "core")}
-    above_wire |= {pkg + "strategy", pkg + "fabric"}
+    above_wire |= {pkg + n for n in ("exchange", "checkpoint", "shell", "strategy", "fabric")}
     for module in wire:
         assert not _deps(graph, module) & above_wire, module
     for name in ["schedules", "fallback"]:
-        assert not _deps(graph, pkg + name) & {pkg + "state", pkg + "config", pkg + "hook"}, name
+        assert not _deps(graph, pkg + name) & {pkg + "state", pkg + "config", pkg + "hook", pkg + "exchange"}, name
     assert not _deps(graph, pkg + "config") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
+    # the step's exchange sits below the state that owns it and below both of DDP's hooks and update mode
+    assert not _deps(graph, pkg + "exchange") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
     assert not _deps(graph, pkg + "state") & {pkg + "hook", pkg + "update", pkg + "core"}
     for name in ["hook", "outer"]:
         assert not _deps(graph, pkg + name) & {pkg + "update", pkg + "core", pkg + "strategy", pkg + "fabric"}
+    # update mode drives the exchange itself: nothing of it goes through DDP's hook module
+    assert pkg + "hook" not in _deps(graph, pkg + "update")
+    for name in ["update", "checkpoint", "advice", "ddp_args"]:
+        assert not _deps(graph, pkg + name) & {pkg + "core", pkg + "shell", pkg + "strategy", pkg + "fabric"}, name
     assert not _deps(graph, pkg + "core") & {pkg + "strategy", pkg + "fabric"}
+
+
+def test_each_module_says_its_one_job() -> None:
+    """Every module opens with a docstring whose first line is one sentence naming what it is for."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        first = (doc or "").split("\n", 1)[0]
+        if not first.strip() or not first.rstrip().endswith("."):
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, missing
 
 
 def test_no_module_over_500_lines() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pickle
@@ -187,20 +188,26 @@ def test_gaussiank_pads_a_short_count_with_a_small_shortlist(monkeypatch: pytest
     assert short > 0  # the seeds above include counts below k
 
 
+@functools.lru_cache(maxsize=8)
+def _feedback_tensor(d: int, k: int, seed: int) -> torch.Tensor:
+    """``g + e`` after 150 steps of top-k error feedback (built once, shared by both selectors)."""
+    from benchmarks.compressors import feedback_tensor
+
+    return feedback_tensor(d, k, 150, torch.Generator().manual_seed(seed), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("name", ["gaussiank", "dgc"])
 def test_threshold_selectors_stay_cheap_under_error_feedback(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Under error feedback p = g + e piles up just below the threshold, far from normal. The
     selection stays the exact top-k, with few passes over p and no shortlist much larger than k
     (halving Gaussian-k's threshold shortlisted a fifth of p there, ~50k; DGC's own quantile
     needed a lowering, a second pass, on about half of the steps)."""
-    from lightning_sparse.bench.compressors import feedback_tensor
-
     d, k = 250_000, 2500
     sizes = _record_shortlists(monkeypatch)
     compressor = get_compressor(name)
     passes = []
     for seed in range(6):
-        x = feedback_tensor(d, k, 150, torch.Generator().manual_seed(seed), torch.device("cpu"))
+        x = _feedback_tensor(d, k, seed)
         sizes.clear()
         idx = compressor.select(x, k, ctx(step=seed))
         assert_is_topk(x, idx, k)
@@ -408,6 +415,7 @@ _MEMORY_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
 @pytest.mark.parametrize("p1", [0, 10])
 def test_countsketch_memory_is_rows_times_cols_plus_k_not_rows_times_d(p1) -> None:
@@ -451,9 +459,8 @@ def test_exact_topk_on_large_tensor_matches_torch_topk() -> None:
 
 
 def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
-    from lightning_sparse.hook import sparse_is_cheaper
     from lightning_sparse.state import SparseState
-    from lightning_sparse.wire import PATTERNS, ring_all_reduce_bytes
+    from lightning_sparse.wire import PATTERNS, Collectives, ring_all_reduce_bytes
 
     cs = CountSketch(rows=5, width=10.0, p2=4.0)
     expected = ring_all_reduce_bytes(4, 5 * 1000 * 4) + ring_all_reduce_bytes(4, 400 * 2)
@@ -464,9 +471,9 @@ def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
     for width, cheaper in ((10.0, True), (40.0, False)):  # 5 x 40k tables exceed the 10k tensor
         state = SparseState(compressor=CountSketch(width=width), density=0.01)
         state.bind(named)
-        state.world_size = 2
+        state.step_exchange.bind(Collectives(world=2), rank=0)
         plan = state.plan(torch.zeros(10_000), [p for _, p in named])
-        assert sparse_is_cheaper(state, torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
+        assert state.step_exchange.sparse_is_cheaper(torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
 
 
 def test_countsketch_candidates_when_few_coordinates_are_non_zero() -> None:

@@ -39,7 +39,7 @@ def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | No
     for step in range(7):
         before = [p.detach().clone() for p in params]
         e_old = {n: state.memory.get(n).clone() if n in state.memory else torch.zeros(p.numel()) for n, p in named}
-        exchange.enter_local()
+        exchange.hold_local()
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.01)
@@ -68,6 +68,7 @@ def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | No
     }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("outer,bits", [(None, None), ("nesterov", None), ("nesterov", 2)])
 def test_local_steps_hold_the_global_model_and_keep_progress(dist2, outer: str | None, bits: int | None) -> None:
     results = dist2.run(_local_steps_worker, outer=outer, bits=bits)
@@ -103,7 +104,7 @@ def _diloco_worker(rank: int, world: int, h: int, rounds: int) -> dict[str, Any]
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(h * rounds):
             if exchange is not None:
-                exchange.enter_local()
+                exchange.hold_local()
             x, y = batch(step)
             inner.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -142,6 +143,7 @@ def _diloco_worker(rank: int, world: int, h: int, rounds: int) -> dict[str, Any]
     return {"ours": mine, "theirs": theirs, "start": torch.cat([g.reshape(-1) for g in global_params])}
 
 
+@pytest.mark.dist
 def test_sync_every_with_nesterov_at_density_1_is_diloco(dist2) -> None:
     results = dist2.run(_diloco_worker, h=4, rounds=5)
     for r in results:
@@ -188,7 +190,7 @@ def _no_warmup_worker(rank: int, world: int) -> dict[str, Any]:
     exchange.bind(named)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(2):
-        exchange.enter_local()
+        exchange.hold_local()
         with torch.no_grad():
             for _, p in named:
                 p.add_(torch.randn(p.shape, generator=gen))
@@ -196,6 +198,7 @@ def _no_warmup_worker(rank: int, world: int) -> dict[str, Any]:
     return {k: v.buckets for k, v in state.telemetry.methods.items()}
 
 
+@pytest.mark.dist
 def test_update_mode_may_skip_the_dense_warm_up(dist2) -> None:
     # update mode's messages are its own (not DDP's buckets): its first exchange may be sparse
     for methods in dist2.run(_no_warmup_worker):

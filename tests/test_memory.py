@@ -66,8 +66,8 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
     scaler.scale(torch.tensor(1.0))  # the scaler creates its scale tensor on first use
     named = [("w", torch.zeros(5000, requires_grad=True))]
     state = SparseState(density=0.01, min_numel=0, fallback_to_dense=False)
-    state.loss_scale = lambda: scaler.get_scale()
     state.bind(named)
+    state.step_exchange.use_scaler(scaler, rescale_residuals=True)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         communicate(state, torch.randn(5000, generator=gen) * 1024, [named[0][1]]).wait()
@@ -77,4 +77,4 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
     out = communicate(state, g.clone(), [named[0][1]]).wait()
     # the old residual entered this step at the new scale (x 1/4, exact), then conservation as usual
     assert torch.equal(out + state.memory.get("w"), before * 0.25 + g)
-    assert state.last_loss_scale == 256.0
+    assert state.step_exchange.last_loss_scale == 256.0

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.wire import Average
+
+pytestmark = pytest.mark.dist
 
 SHAPES = {"w": (60, 50), "b": (500,)}  # one tensor sent sparse, one below min_numel (dense)
 
@@ -45,7 +48,7 @@ def _worker(rank: int, world: int, alpha: float | None) -> dict[str, Any]:
     for _ in range(3):
         before = [p.detach().clone() for p in params]
         e_old = {n: (state.memory.get(n).clone() if n in state.memory else torch.zeros(p.numel())) for n, p in named}
-        exchange.enter_local()
+        exchange.hold_local()
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen))
@@ -92,3 +95,19 @@ def test_outer_step_plugs_in_without_touching_the_wire(dist2) -> None:
     assert torch.allclose(
         add[0]["steps"][0]["after"] - add[0]["steps"][0]["before"], half[0]["received"][0], rtol=0, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("shell", ["trainer", "fabric"])
+def test_outer_step_instance_is_an_outer_optimizer(shell: str) -> None:
+    """``outer_optimizer`` takes an OuterStep of one's own: the strategy's exchange applies that very object."""
+    from lightning_sparse import FabricSparseDDPStrategy, SparseConfig, SparseDDPStrategy
+
+    outer = ScaledAdd(0.5)
+    cls = SparseDDPStrategy if shell == "trainer" else FabricSparseDDPStrategy
+    strategy = cls(outer_optimizer=outer)
+    assert strategy.update_exchange is not None and strategy.update_exchange.outer_step is outer
+    assert SparseConfig(outer_optimizer=outer).fingerprint()["outer_optimizer"].endswith("ScaledAdd")
+    with pytest.raises(ValueError, match="outer_optimizer=.* is not allowed with compress='gradient'"):
+        cls(compress="gradient", outer_optimizer=outer)
+    with pytest.raises(ValueError, match="or an OuterStep instance"):
+        SparseConfig(outer_optimizer=42)  # type: ignore[arg-type]

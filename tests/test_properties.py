@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from lightning_sparse import SparseState
 from lightning_sparse.compressors import COMPRESSORS, CompressContext, get_compressor
-from lightning_sparse.hook import communicate, k_for
+from lightning_sparse.hook import communicate
+from lightning_sparse.schedules import k_for
 
 NAMES = sorted(COMPRESSORS)
 
@@ -74,10 +75,10 @@ def test_conservation_shapes_and_counts(setup: dict) -> None:
         for m in plan.members:
             seg = slice(m.offset, m.offset + m.numel)
             src = source[m.name]
-            if mc and dtype != torch.float32 and not (m.sparse and step >= state.warmup_steps):
+            if mc and dtype != torch.float32 and not (m.sparse and step >= state.config.warmup_steps):
                 src = src.to(dtype).float()  # a dense send carries u in the bucket's dtype
             p = src + old[m.name] if m.name in old else src
-            if not (m.sparse and step >= state.warmup_steps):
+            if not (m.sparse and step >= state.config.warmup_steps):
                 assert torch.equal(out[seg], p.to(dtype)), "dense tensors arrive as they are"
                 continue
             if mc:  # momentum factor masking: what was sent is gone from u too
@@ -89,7 +90,7 @@ def test_conservation_shapes_and_counts(setup: dict) -> None:
                 assert torch.isfinite(new).all()
             else:
                 nz = out[seg] != 0
-                wire = state.value_dtype or dtype
+                wire = state.config.value_dtype or dtype
                 expected = p[nz].clamp(-65504, 65504) if wire == torch.float16 else p[nz]  # fp16 saturates
                 assert torch.equal(out[seg][nz].float(), expected.to(wire).float())
 

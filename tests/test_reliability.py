@@ -14,6 +14,8 @@ from conftest import run_trainer
 
 from lightning_sparse.compressors import COMPRESSORS
 
+pytestmark = pytest.mark.dist
+
 NAMES = sorted(COMPRESSORS)
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch; the checkpoint is written at the end of epoch 1.
 # Batches are a function of (step, rank) ("data_by_step"), so a resumed run sees the same data as an

@@ -18,7 +18,9 @@ from test_trainer_dist import assert_replicas_identical
 from torch import nn
 from trainer_worker import Net, make_data
 
-from lightning_sparse.core import mean_states
+from lightning_sparse.checkpoint import mean_states
+
+pytestmark = pytest.mark.dist
 
 # update mode with AdamW (every rank's own optimizer state); gradient mode with SGD and momentum,
 # what it is for (the optimizer states are the same on every rank)

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.dist
+
 SHAPES = {"a.weight": (40, 50), "a.bias": (40,), "b.weight": (3000,), "c.weight": (64, 64), "c.bias": (7,)}
 BIG = {"big.weight": (300, 250)}  # 75,000 elements: the histogram estimate, not the exact sort
 
@@ -34,7 +36,8 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
     import torch.distributed as dist
 
     from lightning_sparse import AdaptiveDensity
-    from lightning_sparse.hook import communicate, k_for
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.schedules import k_for
     from lightning_sparse.state import SparseState
     from lightning_sparse.wire import comm
 
@@ -93,7 +96,7 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
             if step > 0:
                 ks = [k_for(m.numel, densities[-1]) for m in sparse]
                 n = sum(m.numel for m in sparse)
-                size = MessageLayout(n, sum(ks), torch.float32, state.compact_indices).size
+                size = MessageLayout(n, sum(ks), torch.float32, state.config.compact_indices).size
                 assert gathered_sizes == [size], "the wire must carry the chosen k"
                 sizes.append(gathered_sizes[0])
             # the exact energy per bit of every candidate, from all ranks' p
@@ -251,7 +254,8 @@ def test_resume_from_state_dict_continues_exactly(dist2, schedule_name: str) -> 
 
 def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
     from lightning_sparse import WarmupDensity
-    from lightning_sparse.hook import communicate, k_for, sparse_is_cheaper
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.schedules import k_for
     from lightning_sparse.state import SparseState
 
     named = _params(SHAPES)
@@ -267,7 +271,7 @@ def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
         g = _gradient(numel, rank, step)
         plan = state.plan(g, params)
         ks = [k_for(m.numel, schedule.density(step)) for m in plan.sparse_members]
-        rule_says_dense = not sparse_is_cheaper(state, g, plan.sparse_members, ks)
+        rule_says_dense = not state.step_exchange.sparse_is_cheaper(g, plan.sparse_members, ks)
         out = communicate(state, g.clone(), params).wait()
         last = state.telemetry.last
         rows.append((rule_says_dense, last.fallback_buckets, last.dense_buckets, last.sent_bytes, out.clone()))

@@ -29,12 +29,12 @@ def test_defaults_and_ddp_kwargs() -> None:
     assert isinstance(s, DDPStrategy)
     st = s.sparse_state
     assert isinstance(st.compressor, TopK) and st.schedule.density(0) == 0.01
-    assert st.error_feedback and st.warmup_steps == 1 and st.value_dtype is None
+    assert st.config.error_feedback and st.config.warmup_steps == 1 and st.config.value_dtype is None
     s = SparseDDPStrategy(compressor=RandomK(), density=ConstantDensity(0.1), static_graph=True, bucket_cap_mb=5)
     assert isinstance(s.sparse_state.compressor, RandomK)
     assert s._ddp_kwargs["static_graph"] is True and s._ddp_kwargs["bucket_cap_mb"] == 5
-    assert SparseDDPStrategy(value_dtype="bfloat16").sparse_state.value_dtype is torch.bfloat16
-    assert SparseDDPStrategy(value_dtype=torch.float16).sparse_state.value_dtype is torch.float16
+    assert SparseDDPStrategy(value_dtype="bfloat16").sparse_state.config.value_dtype is torch.bfloat16
+    assert SparseDDPStrategy(value_dtype=torch.float16).sparse_state.config.value_dtype is torch.float16
 
 
 @pytest.mark.parametrize(

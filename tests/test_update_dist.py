@@ -20,7 +20,7 @@ from test_hook_dist import COMPRESSORS_ON_THE_WIRE, _compressor, _decode, _param
 def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | None, steps: int = 4) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse.hook import k_for
+    from lightning_sparse.schedules import k_for
     from lightning_sparse.state import SparseState
     from lightning_sparse.update import UpdateExchange
 
@@ -53,7 +53,7 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
             glob = torch.cat([p.detach().reshape(-1).clone() for p in params])
             plan = state.plan(torch.empty(numel), params)
             old = {m.name: state.memory.get(m.name).clone() for m in plan.members if m.name in state.memory}
-            exchange.enter_local()
+            exchange.hold_local()
             before = torch.cat([p.detach().reshape(-1).clone() for p in params])
             for m in plan.members:  # the module holds global + e during the rank's own step
                 seg = slice(m.offset, m.offset + m.numel)
@@ -72,7 +72,7 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
             captured.clear()
             exchange.exchange()
             sent = _decode(captured, state, step, plan, ks, numel, torch.float32)
-            sparse_step = step >= state.warmup_steps
+            sparse_step = step >= state.config.warmup_steps
             sparse_steps += sparse_step
             new_global = torch.cat([p.detach().reshape(-1).clone() for p in params])
             delta = after - before
@@ -113,6 +113,7 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
 CASES = [(c, None) for c in COMPRESSORS_ON_THE_WIRE] + [("topk", "bfloat16"), ("randomk", "float16")]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("compressor,value_dtype", CASES)
 def test_update_conservation_and_global_average(dist2, compressor: str, value_dtype: str | None) -> None:
     results = dist2.run(_update_worker, compressor=_compressor(compressor), value_dtype=value_dtype)
@@ -134,16 +135,16 @@ def _leave_local_worker(rank: int, world: int) -> dict[str, Any]:
     exchange.bind(named)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):  # builds residuals
-        exchange.enter_local()
+        exchange.hold_local()
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen))
         exchange.exchange()
     glob = [p.detach().clone() for p in params]
-    exchange.enter_local()
+    exchange.hold_local()
     moved = any(not torch.equal(p, g) for p, g in zip(params, glob, strict=True))
-    exchange.enter_local()  # a second call changes nothing
-    exchange.leave_local()  # e.g. validation in the middle of gradient accumulation
+    exchange.hold_local()  # a second call changes nothing
+    exchange.hold_global()  # e.g. validation in the middle of gradient accumulation
     back = all(torch.equal(p, g) for p, g in zip(params, glob, strict=True))
     return {"moved": moved, "back": back, "messages": state.telemetry.steps}
 
@@ -161,7 +162,7 @@ def _outside_writes_worker(rank: int, world: int) -> dict[str, Any]:
     exchange.bind(named)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(2):
-        exchange.enter_local()
+        exchange.hold_local()
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen))
@@ -170,11 +171,11 @@ def _outside_writes_worker(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         params[0].mul_(0.5)
     written = params[0].detach().clone()
-    exchange.enter_local()
-    exchange.leave_local()
+    exchange.hold_local()
+    exchange.hold_global()
     kept = torch.equal(params[0], written)
     # one rank's optimizer blows up: its update is dropped there, the global model stays finite
-    exchange.enter_local()
+    exchange.hold_local()
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn(p.shape, generator=gen))
@@ -194,6 +195,7 @@ def _outside_writes_worker(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.dist
 def test_writes_between_steps_and_nonfinite_updates(dist2) -> None:
     r0, r1 = dist2.run(_outside_writes_worker)
     assert r0["kept"] and r1["kept"]
@@ -202,6 +204,7 @@ def test_writes_between_steps_and_nonfinite_updates(dist2) -> None:
     assert r0["residuals_finite"] and r1["residuals_finite"]
 
 
+@pytest.mark.dist
 def test_leave_local_restores_global_exactly(dist2) -> None:
     for r in dist2.run(_leave_local_worker):
         assert r["moved"] and r["back"]
@@ -217,7 +220,7 @@ def test_one_process_is_plain_training() -> None:
     exchange.bind(named)
     assert not exchange.active
     before = [p.detach().clone() for _, p in named]
-    exchange.enter_local()
+    exchange.hold_local()
     with torch.no_grad():
         for _, p in named:
             p.add_(1.0)
@@ -237,7 +240,7 @@ def test_arguments() -> None:
     with pytest.raises(ValueError, match=r"momentum_correction=0.9 is not allowed with compress='update'"):
         SparseDDPStrategy(momentum_correction=0.9)
     SparseDDPStrategy(compress="gradient", momentum_correction=0.9)
-    assert SparseState().compress == "gradient"
+    assert SparseState().config.compress == "gradient"
 
 
 def test_training_advice_names_what_to_change() -> None:

@@ -133,6 +133,7 @@ def dist4():
     pool.stop()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("exchange", ["allgather", "split"])
 @pytest.mark.parametrize("world", [2, 4])
@@ -158,6 +159,7 @@ def _bytes_worker(rank: int, world: int, bits: int | None) -> float:
     return state.telemetry.last.sent_bytes
 
 
+@pytest.mark.dist
 def test_telemetry_counts_the_packed_bytes(dist2) -> None:
     plain = dist2.run(_bytes_worker, bits=None)[0]
     coded = {bits: dist2.run(_bytes_worker, bits=bits)[0] for bits in (2, 4, 8)}

@@ -14,6 +14,8 @@ import torch
 from _dist import DistPool
 from test_hook_dist import capture_collectives
 
+pytestmark = pytest.mark.dist
+
 SHAPES = {"a.weight": (40, 50), "a.bias": (40,), "b.weight": (3000,), "c.weight": (64, 64), "c.bias": (7,)}
 DENSITY = 0.02
 STEPS = 4  # step 0 is the dense warm-up
@@ -38,7 +40,8 @@ def _ring_bytes(kind: str, world: int, nbytes: int) -> float:
 def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     from lightning_sparse import AdaptiveDensity
     from lightning_sparse.compressors import CountSketch
-    from lightning_sparse.hook import communicate, k_for
+    from lightning_sparse.hook import communicate
+    from lightning_sparse.schedules import k_for
     from lightning_sparse.state import SparseState
     from lightning_sparse.wire import PATTERNS
 
@@ -88,7 +91,13 @@ def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                 sparse = plan.sparse_members
                 ks = [k_for(m.numel, DENSITY) for m in sparse]
                 model = PATTERNS[state.compressor.pattern].wire_bytes(
-                    world, ks, 4, [m.numel for m in sparse], state.compressor, state.exchange, state.compact_indices
+                    world,
+                    ks,
+                    4,
+                    [m.numel for m in sparse],
+                    state.compressor,
+                    state.config.exchange,
+                    state.config.compact_indices,
                 )
                 row["model"] = model + _ring_bytes("reduce", world, 4 * sum(m.numel for m in plan.dense_members))
             steps.append(row)

@@ -84,7 +84,7 @@ class Net(L.LightningModule):
             n, bs, world = len(self.data), x.shape[0], self.trainer.world_size
             start = (self.global_step * world + self.global_rank) * bs
             idx = torch.arange(start, start + bs) % n
-            x, y = self.data.tensors[0][idx], self.data.tensors[1][idx]
+            x, y = self.data.tensors[0][idx].to(x.device), self.data.tensors[1][idx].to(y.device)
         loss = nn.functional.cross_entropy(self(x).float(), y)
         if self.global_step == self.nan_at_step and self.nan_rank in (-1, self.global_rank):
             loss = loss * float("nan")
@@ -203,8 +203,8 @@ def make_data(seed: int = 0, n: int = 1024) -> TensorDataset:
 @torch.no_grad()
 def _accuracy(model: nn.Module, data: TensorDataset) -> float:
     x, y = data.tensors
-    dtype = next(model.parameters()).dtype
-    return (model(x.to(dtype)).argmax(1) == y).float().mean().item()
+    first = next(model.parameters())
+    return (model(x.to(first.device, first.dtype)).argmax(1).cpu() == y).float().mean().item()
 
 
 class WireTap(L.Callback):
@@ -440,8 +440,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["schedule_state"] = state.schedule.state_dict()
         result["methods"] = {k: v.buckets for k, v in state.telemetry.methods.items()}
         result["optimizer_state"] = trainer.optimizers[0].state_dict()["state"] if trainer.optimizers else {}
-        if state.timed_fallback is not None:
-            result["timed_fallback"] = state.timed_fallback.state_dict()
+        if state.config.timed_fallback is not None:
+            result["timed_fallback"] = state.config.timed_fallback.state_dict()
     prefix = f"{cfg['name']}_" if cfg.get("name") else ""
     torch.save(result, f"{prefix}rank{trainer.global_rank}.pt")
 

@@ -9,6 +9,7 @@ from lightning_sparse.compressors.base import (
     CompressContext,
     Compressor,
     Pattern,
+    compressors_of_pattern,
     get_compressor,
     register_compressor,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "RandomBlock",
     "RandomK",
     "TopK",
+    "compressors_of_pattern",
     "exact_topk_indices",
     "get_compressor",
     "random_subset",

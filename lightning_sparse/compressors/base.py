@@ -122,6 +122,17 @@ def register_compressor(cls: type[Compressor]) -> type[Compressor]:
     return cls
 
 
+def compressors_of_pattern(pattern: str) -> list[str]:
+    """The registered compressors' names whose ``pattern`` is ``pattern``, sorted: ``"gather"`` names
+    those that pick their own coordinates on each rank (by magnitude: top-k and its kind).
+
+    Example:
+        >>> compressors_of_pattern("shared")
+        ['randomblock', 'randomk']
+    """
+    return sorted(name for name, cls in COMPRESSORS.items() if cls.pattern == pattern)
+
+
 def get_compressor(spec: str | Compressor) -> Compressor:
     """Resolve a compressor name or instance; unknown names raise ValueError listing the known ones."""
     if isinstance(spec, Compressor):

@@ -1,5 +1,7 @@
-"""The digits task: an MLP on the 8x8 handwritten digits that scikit-learn ships inside its wheel
-(``pip install "lightning_sparse[examples]"``), so nothing is fetched at run time."""
+"""The digits task: an MLP on the 8x8 handwritten digits that scikit-learn ships.
+
+The data lie inside scikit-learn's wheel (``pip install "lightning_sparse[examples]"``), so nothing
+is fetched at run time."""
 
 from __future__ import annotations
 

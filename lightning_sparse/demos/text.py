@@ -1,7 +1,9 @@
-"""The text task: next-character prediction on Python source code, read from the ``.py`` files of
-the Python standard library that runs it (``sysconfig.get_paths()["stdlib"]``): no extra package,
-no download. Its data depend on the Python version (the standard library changes between
-versions) and, given that and the seed, on nothing else."""
+"""The text task: next-character prediction on Python source code.
+
+The text is read from the ``.py`` files of the Python standard library that runs it
+(``sysconfig.get_paths()["stdlib"]``): no extra package, no download. Its data depend on the Python
+version (the standard library changes between versions) and, given that and the seed, on nothing
+else."""
 
 from __future__ import annotations
 

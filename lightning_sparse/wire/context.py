@@ -69,22 +69,26 @@ class WireContext:
         comm: the counted collectives of this rank's process group.
         rank: this rank.
 
+    Built from a :class:`~lightning_sparse.config.SparseConfig` in one place
+    (``lightning_sparse.exchange.wire_context``), so that each setting keeps one home and one default.
+
     Example:
         >>> from lightning_sparse.compressors import TopK
-        >>> ctx = WireContext(compressor=TopK())
+        >>> ctx = WireContext(TopK(), True, 0.0, None, 0, "auto", True, None, True)
         >>> ctx.world_size, ctx.vdtype(torch.zeros(1, dtype=torch.bfloat16))
         (1, torch.bfloat16)
     """
 
+    # the settings: no defaults here, they are the config's (``lightning_sparse.exchange.wire_context``)
     compressor: Compressor
-    error_feedback: bool = True
-    momentum_correction: float = 0.0
-    value_dtype: torch.dtype | None = None
-    seed: int = 0
-    exchange: str = "auto"
-    compact_indices: bool = True
-    value_bits: int | None = None
-    byte_rule: bool = True
+    error_feedback: bool
+    momentum_correction: float
+    value_dtype: torch.dtype | None
+    seed: int
+    exchange: str
+    compact_indices: bool
+    value_bits: int | None
+    byte_rule: bool
     memory: ErrorFeedback = field(default_factory=ErrorFeedback)
     velocity: LocalMomentum = field(default_factory=LocalMomentum)
     comm: Collectives = field(default_factory=Collectives)

@@ -1,5 +1,7 @@
-"""Message coding: the sparse space a bucket's messages address, and fixed-size messages of
-(value, coordinate) pairs with int32 or Rice-coded indices (:mod:`lightning_sparse.wire.indexcode`)."""
+"""Message coding: how a bucket's selected values and their coordinates are laid out on the wire.
+
+The sparse space a bucket's messages address, and fixed-size messages of (value, coordinate) pairs
+with int32 or Rice-coded indices (:mod:`lightning_sparse.wire.indexcode`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Selection with error feedback: what every pattern that picks coordinates does to a bucket's
-sparse members before their values cross the wire, and what it does to the residuals after."""
+"""Selection with error feedback, for every pattern that picks coordinates.
+
+What such a pattern does to a bucket's sparse members before their values cross the wire, and what
+it does to the residuals after."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The split exchange (after Ok-Topk's sparse all-reduce, Li and Hoefler, PPoPP 2022): owners of
-block-cyclic regions of a bucket's sparse space sum what the ranks selected there, keep the largest
-sums, and the owners' choices are all-gathered. Traffic per rank about flat in the number of ranks.
+"""The split exchange, after Ok-Topk's sparse all-reduce (Li and Hoefler, PPoPP 2022).
+
+Owners of block-cyclic regions of a bucket's sparse space sum what the ranks selected there, keep
+the largest sums, and the owners' choices are all-gathered. Traffic per rank about flat in the
+number of ranks.
 """
 
 from __future__ import annotations

@@ -1,0 +1,58 @@
+"""Training advice: the combinations of mode, compressor and optimizer measured to train far from dense."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_sparse.state import SparseState
+
+__all__ = ["check_no_optimizer_momentum", "training_advice"]
+
+
+def check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
+    """Momentum correction moves the momentum into the hook: a second one in the optimizer would
+    apply it twice, so refuse optimizers that keep one."""
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        for group in inner.param_groups:
+            if group.get("momentum", 0) or "betas" in group:
+                found = f"momentum={group['momentum']}" if group.get("momentum", 0) else f"betas={group['betas']}"
+                raise ValueError(
+                    f"momentum_correction={momentum} is not allowed with {type(inner).__name__}({found}): the hook "
+                    "already applies the momentum, so the optimizer must have none (e.g. SGD(momentum=0)); "
+                    "or set momentum_correction=0 to keep the optimizer's momentum."
+                )
+
+
+def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
+    """Combinations of mode, compressor and optimizer measured to train far from dense, each with
+    what to change (the strategies warn with these at setup).
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+        >>> [a[:40] for a in training_advice(SparseState(compress="gradient"), [opt])]
+        ["compress='gradient' with AdamW trains fa"]
+    """
+    advice = []
+    inner = [getattr(o, "_optimizer", o) for o in optimizers]
+    adaptive = sorted({type(o).__name__ for o in inner if any("betas" in g for g in o.param_groups)})
+    momentum = any(g.get("momentum", 0) for o in inner for g in o.param_groups)
+    name = state.compressor.name or type(state.compressor).__name__
+    random = state.compressor.pattern == "shared"
+    if state.config.compress == "gradient" and adaptive:
+        advice.append(
+            f"compress='gradient' with {', '.join(adaptive)} trains far from dense: the optimizer normalises "
+            "each coordinate's rare error-feedback bursts away (measured on a small GPT with AdamW: validation "
+            "loss 2.40 against 1.84 for dense DDP at density 0.01). Use compress='update' (the default)."
+        )
+    if state.config.compress == "gradient" and random and momentum:
+        advice.append(
+            f"compressor={name!r} with compress='gradient' and an optimizer momentum can diverge: a coordinate's "
+            "whole residual enters the momentum at once when it is finally drawn (measured on the digits MLP with "
+            "SGD momentum 0.9 at density 0.01: random-block 14% and random-k 64% accuracy against 97% for dense "
+            "DDP; 98% in update mode). Use compress='update' (the default), or 'topk'."
+        )
+    # Random coordinates in update mode were measured to train well (GPT with AdamW: random-k 1.985 and
+    # random-block 1.996 nats against 1.844 dense; digits 98%), so that combination gets no warning.
+    return advice

@@ -1,0 +1,64 @@
+"""The shell the Trainer and the Fabric strategies share: their properties and the update-mode optimizer step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning_sparse.state import SparseState
+from lightning_sparse.update import UpdateExchange
+
+if TYPE_CHECKING:
+    from lightning_sparse.core import SparseCore
+
+__all__ = ["SparseShell"]
+
+
+class SparseShell:
+    """What the Trainer and the Fabric strategies share on top of :class:`SparseCore`: the
+    properties they expose and the update-mode optimizer step.
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> isinstance(SparseDDPStrategy(), SparseShell)
+        True
+    """
+
+    _core: SparseCore
+    _in_optimizer_step: bool = False
+
+    @property
+    def sparse_state(self) -> SparseState:
+        """The sparse state on this rank: settings, residuals, step, telemetry."""
+        return self._core.state
+
+    @property
+    def compress(self) -> str:
+        """``"update"`` or ``"gradient"``: what is compressed."""
+        return self._core.config.compress
+
+    @property
+    def update_exchange(self) -> UpdateExchange | None:
+        """The update exchange (``compress="update"``), else None."""
+        return self._core.update
+
+    def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
+        """Run the optimizer ``step``; in update mode on this rank's view of its parameters, then
+        the exchange: afterwards the module holds the new global values of those parameters."""
+        update = self._core.update
+        if update is None:
+            output = step()
+            state = self._core.state
+            skips = state.step_exchange.skips
+            if skips is not None:  # fp16 AMP: a skipped step gives back what it took from the residuals
+                skips.after_step(state.memory, state.velocity)
+            return output
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        update.hold_local(params)
+        self._in_optimizer_step = True
+        try:
+            output = step()
+        finally:
+            self._in_optimizer_step = False
+        update.exchange(params)
+        return output
