@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters, Telemetry
-from lightning_sparse.summary import CompressionSummary
+from lightning_sparse.summary import CompressionSummary, fit_title
 
 #: the metric names CompressionMonitor logs
 METRIC_NAMES = (
@@ -150,8 +150,8 @@ class CompressionMonitor(Callback):
         self._epoch_start_steps = telemetry.steps
         self._step_seconds = 0.0
         # The residual norm costs a read of every residual: measure it only when logging.
-        self._saved_interval = state.residual_norm_interval
-        state.residual_norm_interval = 0
+        self._saved_interval = state.step_exchange.residual_norm_interval
+        state.step_exchange.residual_norm_interval = 0
 
     # ------------------------------------------------------------------ steps
     def on_train_batch_start(
@@ -212,7 +212,7 @@ class CompressionMonitor(Callback):
         if state is None:
             return
         if self._saved_interval is not None:
-            state.residual_norm_interval = self._saved_interval
+            state.step_exchange.residual_norm_interval = self._saved_interval
             self._saved_interval = None
         if not self.summary:
             return
@@ -226,10 +226,7 @@ class CompressionMonitor(Callback):
         assert state is not None
         start = self._fit_start
         steps = state.telemetry.steps - (start.steps if start is not None else 0)
-        title = (
-            f"Sparse {state.compress} communication: {state.compressor!r}, {state.schedule!r}; "
-            f"{steps} steps, rank {trainer.global_rank} of {trainer.world_size}"
-        )
+        title = fit_title(state.config, steps, trainer.global_rank, trainer.world_size)
         summary = CompressionSummary.from_telemetry(
             state.telemetry, start, step_seconds=self._step_seconds or None, title=title
         )
@@ -238,8 +235,8 @@ class CompressionMonitor(Callback):
             "for a dense all-reduce; ratio = dense wire / wire bytes; msg ratio = dense bytes / bytes put "
             "into the collectives; % of step = time in the hook / training step time."
         )
-        if state.timed_fallback is not None and state.timed_fallback.describe():
-            summary.notes.append(str(state.timed_fallback.describe()))
+        if state.config.timed_fallback is not None and state.config.timed_fallback.describe():
+            summary.notes.append(str(state.config.timed_fallback.describe()))
         return summary
 
 

@@ -2,14 +2,19 @@
 
 :class:`CompressionSummary` holds the rows (plain :class:`~lightning_sparse.stats.Counters`) and
 renders them as a rich table on a terminal, or as plain text otherwise (logs, CI, pipes).
+:func:`fit_title` is its header: the mode, the compressor, the density and every other setting
+that differs from its default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from lightning_sparse._utils import resolve_value_dtype
+from lightning_sparse.config import SparseConfig, describe_callable
 from lightning_sparse.stats import Counters, Telemetry
 
 #: the table's columns, after the row name
@@ -23,6 +28,18 @@ COLUMNS = (
     "compress s",
     "% of step",
 )
+
+#: the row names of ways of sending that are not the compressor's name
+_METHOD_NAMES = {"local step": "not sent (local steps)"}
+
+#: what :meth:`CompressionSummary.from_telemetry` adds below the table
+ADDS_UP = (
+    "Each section's rows add up to the total row: buckets, bytes and times are totals over all the steps "
+    "summarised, not per step."
+)
+
+#: the settings the title names before the others (mode, compressor, density), whatever their values
+_TITLE_SETTINGS = ("compress", "compressor", "density")
 
 _TWO_LINE_HEADERS = {
     "dense wire": "dense\nwire",
@@ -50,12 +67,69 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _describe_value(value: Any) -> str:
+    """A setting's value as the title shows it: ``repr`` of plain values and objects, the import
+    path of classes and factories (``torch.optim.sgd.SGD(lr=0.7)``)."""
+    if callable(value):
+        return str(describe_callable(value))
+    return repr(value)
+
+
+def changed_settings(config: SparseConfig) -> dict[str, str]:
+    """The settings of ``config`` that differ from their defaults, with their values as text, in
+    declaration order; the mode, the compressor and the density, which the title always names,
+    are left out.
+
+    Example:
+        >>> changed_settings(SparseConfig(sync_every=4, value_bits=2, outer_optimizer="nesterov"))
+        {'sync_every': '4', 'outer_optimizer': "'nesterov'", 'value_bits': '2'}
+        >>> changed_settings(SparseConfig(density=0.001))
+        {}
+    """
+    out = {}
+    for f in dataclasses.fields(config):
+        if not f.init or f.name in _TITLE_SETTINGS:
+            continue
+        value = getattr(config, f.name)
+        default = f.default
+        if f.name == "value_dtype":  # normalised to a torch dtype: compare with the default's
+            default = resolve_value_dtype(default)
+        if default is dataclasses.MISSING or type(value) is not type(default) or value != default:
+            out[f.name] = _describe_value(value)
+    return out
+
+
+def fit_title(config: SparseConfig, steps: int, rank: int, world_size: int) -> str:
+    """The summary's header: mode, compressor, density schedule, every other setting that differs
+    from its default (:func:`changed_settings`), then the steps and the rank.
+
+    Example:
+        >>> fit_title(SparseConfig(), 110, 0, 2)
+        'Sparse update communication: TopK(fast=True), ConstantDensity(density=0.01); 110 steps, rank 0 of 2'
+        >>> fit_title(SparseConfig(sync_every=4, value_bits=2), 44, 0, 2)  # doctest: +ELLIPSIS
+        'Sparse update communication: TopK(fast=True), ...; sync_every=4, value_bits=2; 44 steps, rank 0 of 2'
+    """
+    title = f"Sparse {config.compress} communication: {config.compressor!r}, {config.schedule!r}"
+    changed = changed_settings(config)
+    if changed:
+        title += "; " + ", ".join(f"{name}={value}" for name, value in changed.items())
+    return f"{title}; {steps} steps, rank {rank} of {world_size}"
+
+
+def _ratio(ratio: float, dense: float, sent: float) -> str:
+    """A ratio cell; ``-`` where one side is 0 and the other not (steps between exchanges send
+    nothing; a small collective of its own has no dense counterpart)."""
+    return "-" if (dense == 0) != (sent == 0) else f"{ratio:.1f}x"
+
+
 def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[str, Counters]:
+    """The counters accumulated since ``start``; rows with nothing in them are left out (rows
+    without buckets are kept: steps between exchanges, small collectives, so that the rows add up)."""
     start = start or {}
     out = {}
     for name, c in now.items():
         d = c - start[name] if name in start else c.copy()
-        if d.buckets:
+        if any(d.as_dict().values()):
             out[name] = d
     return out
 
@@ -63,6 +137,10 @@ def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[s
 @dataclass
 class CompressionSummary:
     """Compression figures of one rank over a span of steps, ready to print.
+
+    Each section (per way of sending, per bucket group) holds every row with something in it, so
+    its rows add up to the total: ``not sent (local steps)`` (``sync_every`` > 1) counts what dense
+    DDP would have moved in the steps between exchanges, with nothing on the wire.
 
     Columns: buckets; dense wire (what a dense all-reduce of the same gradients would move through
     this rank) and wire bytes (what the collectives this rank issued moved through it), both under
@@ -102,7 +180,8 @@ class CompressionSummary:
         step_seconds: float | None = None,
         title: str = "Sparse communication",
     ) -> CompressionSummary:
-        """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them)."""
+        """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them),
+        with a note (:data:`ADDS_UP`) that each section adds up to the total."""
         total = telemetry.total - start.total if start is not None else telemetry.total.copy()
         return cls(
             title=title,
@@ -110,6 +189,7 @@ class CompressionSummary:
             groups=_diff(telemetry.groups, start.groups if start is not None else None),
             total=total,
             step_seconds=step_seconds,
+            notes=[ADDS_UP],
         )
 
     # ------------------------------------------------------------------ rows
@@ -122,18 +202,20 @@ class CompressionSummary:
             str(c.buckets),
             format_bytes(c.dense_wire_bytes),
             format_bytes(c.wire_bytes),
-            f"{c.compression_ratio:.1f}x",
-            f"{c.message_ratio:.1f}x",
-            f"{c.density:.4f}",
+            _ratio(c.compression_ratio, c.dense_wire_bytes, c.wire_bytes),
+            _ratio(c.message_ratio, c.dense_bytes, c.sent_bytes),
+            f"{c.density:.4f}" if c.numel else "-",
             f"{c.compress_seconds:.3f}",
             share,
         ]
 
     def sections(self) -> list[tuple[str, list[tuple[str, list[str]]]]]:
         """(heading, [(row name, cells)]) in display order: by compressor, by bucket group, total."""
-        by_method = sorted(self.methods.items(), key=lambda kv: (-kv[1].wire_bytes, -kv[1].sent_bytes))
+        by_method = sorted(
+            self.methods.items(), key=lambda kv: (-kv[1].wire_bytes, -kv[1].sent_bytes, -kv[1].dense_bytes)
+        )
         return [
-            ("sent as", [(name, self._cells(c)) for name, c in by_method]),
+            ("sent as", [(_METHOD_NAMES.get(name, name), self._cells(c)) for name, c in by_method]),
             ("bucket group", [(name, self._cells(c)) for name, c in self.groups.items()]),
             ("total", [("all buckets", self._cells(self.total))]),
         ]

@@ -77,20 +77,24 @@ def test_config_parses_into_the_configured_strategy(config: Path) -> None:
             assert type(state.schedule).__name__ == density["class_path"].rsplit(".", 1)[-1]
         for key in ("error_feedback", "min_numel", "warmup_steps", "seed"):
             if key in args:
-                assert getattr(state, key) == args[key], key
+                assert getattr(state.config, key) == args[key], key
         fallback = args.get("fallback_to_dense", True)
         if isinstance(fallback, dict):
-            assert type(state.timed_fallback).__name__ == fallback["class_path"].rsplit(".", 1)[-1]
-            assert state.timed_fallback.config() == {**state.timed_fallback.config(), **fallback.get("init_args", {})}
+            assert type(state.config.timed_fallback).__name__ == fallback["class_path"].rsplit(".", 1)[-1]
+            assert state.config.timed_fallback.config() == {
+                **state.config.timed_fallback.config(),
+                **fallback.get("init_args", {}),
+            }
         else:
-            assert state.fallback_to_dense == (fallback is not False)
-            assert (state.timed_fallback is not None) == (fallback == "time")
+            assert state.config.byte_rule == (fallback is not False)
+            assert (state.config.timed_fallback is not None) == (fallback == "time")
         if args.get("value_dtype") is not None:
-            assert str(state.value_dtype) == f"torch.{args['value_dtype']}"
+            assert str(state.config.value_dtype) == f"torch.{args['value_dtype']}"
         if "compression_monitor" in args:
             assert strategy.compression_monitor == args["compression_monitor"]
 
 
+@pytest.mark.dist
 def test_configs_fit_on_two_processes(tmp_path: Path) -> None:
     """One 2-process launch fits from every config in turn (popen launcher, under a timeout)."""
     from lightning_sparse._utils import free_port
@@ -137,6 +141,34 @@ def test_print_config_shows_every_strategy_and_compressor_argument(capsys) -> No
         if name not in given and isinstance(param.default, (bool, int, float, str, type(None))):
             assert args[name] == param.default, name
     assert args["compressor"] == {"class_path": "lightning_sparse.compressors.TopK", "init_args": {"fast": True}}
+
+
+def test_topk_config_lists_every_strategy_argument_with_its_default(capsys) -> None:
+    """docs/cli.md shows topk.yaml as the config with every argument: its init_args are the strategy's
+    arguments, in the signature's order, each at its default (the compressor as the class of the default
+    name, with that class's defaults), and the CLI reads them back unchanged."""
+    import importlib
+
+    from lightning_sparse.compressors import get_compressor
+
+    config = ROOT / "examples" / "configs" / "topk.yaml"
+    given = yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]
+    params = _strategy_args()
+    assert list(given) == list(params), f"missing: {set(params) - set(given)}, unknown: {set(given) - set(params)}"
+    for name, param in params.items():
+        value = given[name]
+        if name == "compressor":
+            module, _, cls = value["class_path"].rpartition(".")
+            default = get_compressor(param.default)
+            assert getattr(importlib.import_module(module), cls) is type(default)
+            assert value.get("init_args", {}) == default.config()
+        elif name == "timeout":  # a timedelta, written as the CLI prints it
+            assert value == str(param.default)
+        else:
+            assert value == param.default and type(value) is type(param.default), (name, value, param.default)
+    with pytest.raises(SystemExit):
+        _cli_module().main(["fit", "--config", str(config), "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"] == given
 
 
 def test_strategy_help_shows_type_and_default_of_every_argument(capsys) -> None:

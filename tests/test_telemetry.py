@@ -17,7 +17,7 @@ from conftest import run_trainer
 from lightning_sparse import COMPRESSORS, CompressionMonitor, SparseDDPStrategy
 from lightning_sparse.callbacks import METRIC_NAMES
 from lightning_sparse.stats import Counters, Telemetry
-from lightning_sparse.summary import CompressionSummary, format_bytes
+from lightning_sparse.summary import ADDS_UP, CompressionSummary, format_bytes
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -89,6 +89,7 @@ def _wire_worker(rank: int, world: int, compressor: str) -> dict[str, Any]:
     return {"wire": wire, "per_step": per_step, "total": state.telemetry.total, "methods": state.telemetry.methods}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
 def test_counted_bytes_are_the_bytes_handed_to_collectives(dist2, compressor: str) -> None:
     """Every registered compressor: the counters equal the input bytes of the collectives, step by step."""
@@ -106,6 +107,7 @@ def test_counted_bytes_are_the_bytes_handed_to_collectives(dist2, compressor: st
         assert sum(c.sent_bytes for c in methods.values()) == total.sent_bytes
 
 
+@pytest.mark.dist
 def test_fit_logs_the_figures_through_the_logger(tmp_path: Path) -> None:
     """2-process fit, no callback given: the strategy's own monitor writes the figures to CSV, and
     they agree with the bytes the hook handed to torch.distributed (intercepted in the worker)."""
@@ -150,6 +152,9 @@ def test_fit_logs_the_figures_through_the_logger(tmp_path: Path) -> None:
     # the summary: once, on rank 0, in plain text (the output is a pipe), with the fit's totals
     out = (tmp_path / "log.txt").read_text()
     assert out.count("Sparse update communication: TopK(fast=True)") == 1
+    # the header names every setting given a value other than its default, in declaration order
+    title = "ConstantDensity(density=0.05); min_numel=256, bucket_cap_mb=0.02; 12 steps, rank 0 of 2"
+    assert title in out
     t = r0["telemetry"]
     total_line = next(line for line in out.splitlines() if line.startswith("all buckets"))
     assert format_bytes(t["dense_bytes"]) in total_line and format_bytes(t["sent_bytes"]) in total_line
@@ -184,6 +189,7 @@ def _run_spawn_worker(config: dict[str, Any], out_dir: Path, timeout: float = 30
     return torch.load(out_dir / "rank0.pt", weights_only=False)
 
 
+@pytest.mark.dist
 def test_spawn_figures_reach_the_main_process(tmp_path: Path) -> None:
     cfg = {"max_steps": 6, "strategy": "sparse_ddp_spawn", "logger": "csv", "log_every_n_steps": 1}
     r0 = _run_spawn_worker(cfg, tmp_path)
@@ -392,6 +398,106 @@ def test_summary_as_rich_table_on_a_terminal() -> None:
         assert figure in text, figure
 
 
+def _local_steps_telemetry() -> Telemetry:
+    """A 2-rank run with ``sync_every=4``: 1 dense warm-up step, then an exchange every 4 steps; the
+    steps between record what dense DDP would have moved with no bucket and nothing sent; an adaptive
+    density adds one small collective per exchange."""
+    t = Telemetry()
+    group = "fc.weight .. fc.bias (2 tensors)"
+    step = {"dense_bytes": 400_000, "dense_wire_bytes": 400_000.0, "numel": 100_000}
+    warm = {"sent_bytes": 400_000, "wire_bytes": 400_000.0, "sent_numel": 100_000, "buckets": 1, "dense_buckets": 1}
+    t.record(group, Counters(**step, **warm), "dense (warm-up)")
+    t.end_step()
+    sparse = {"sent_bytes": 2_000, "wire_bytes": 2_000.0, "sent_numel": 1_000, "buckets": 1, "compress_seconds": 0.01}
+    for i in range(1, 13):
+        if i % 4:
+            t.record(group, Counters(**step), "local step")
+        else:
+            t.record(group, Counters(**step, **sparse), "topk")
+            t.record("density schedule", Counters(sent_bytes=8, wire_bytes=8.0), "density schedule")
+        t.end_step()
+    return t
+
+
+def test_summary_rows_add_up_to_the_total() -> None:
+    """Rows without buckets (steps between exchanges, small collectives) are rows too: every section
+    adds up to the total, and the table says so."""
+    import dataclasses
+
+    t = _local_steps_telemetry()
+    summary = CompressionSummary.from_telemetry(t, step_seconds=1.0, title="fit summary")
+    assert set(summary.methods) == {"dense (warm-up)", "topk", "local step", "density schedule"}
+    for section in (summary.methods, summary.groups):
+        for f in dataclasses.fields(Counters):
+            added = sum(getattr(c, f.name) for c in section.values())
+            assert added == pytest.approx(getattr(summary.total, f.name)), f.name
+    text = summary.to_text()
+    rows = {re.split(r"\s{2,}", line)[0]: re.split(r"\s{2,}", line)[1:] for line in text.splitlines()}
+    # 9 steps between exchanges: 3.6 MB a dense all-reduce would have moved, nothing on the wire, no ratio
+    assert rows["not sent (local steps)"] == ["0", "3.60 MB", "0 B", "-", "-", "0.0000", "0.000", "0.0%"]
+    assert rows["topk"][:5] == ["3", "1.20 MB", "6.00 kB", "200.0x", "200.0x"]
+    # a small collective of its own: bytes on the wire, no dense counterpart, no coordinates
+    assert rows["density schedule"][:6] == ["0", "0 B", "24 B", "-", "-", "-"]
+    assert rows["all buckets"][:3] == ["4", "5.20 MB", "406.02 kB"]
+    assert text.splitlines()[-1] == ADDS_UP and "not per step" in ADDS_UP
+    rich = io.StringIO()
+    summary.print(file=rich, force_terminal=True, width=200)
+    assert "not sent (local steps)" in rich.getvalue() and "add up to the total row" in rich.getvalue()
+
+
+#: for every setting the header does not always name, keyword arguments of SparseConfig that change it
+_CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
+    "error_feedback": {"error_feedback": False},
+    "min_numel": {"min_numel": 256},
+    "warmup_steps": {"warmup_steps": 0},
+    "value_dtype": {"value_dtype": "bfloat16"},
+    "seed": {"seed": 7},
+    "fallback_to_dense": {"fallback_to_dense": "time"},
+    "momentum_correction": {"compress": "gradient", "momentum_correction": 0.9},
+    "exchange": {"exchange": "split"},
+    "compact_indices": {"compact_indices": False},
+    "sync_every": {"sync_every": 4},
+    "outer_optimizer": {"outer_optimizer": "nesterov"},
+    "value_bits": {"value_bits": 2},
+    "find_unused_parameters": {"find_unused_parameters": True},
+    "static_graph": {"static_graph": True},
+    "gradient_as_bucket_view": {"gradient_as_bucket_view": False},
+    "bucket_cap_mb": {"bucket_cap_mb": 10.0},
+    "start_method": {"start_method": "spawn"},
+}
+
+
+def test_summary_header_names_every_setting_that_differs_from_its_default() -> None:
+    import functools
+
+    from lightning_sparse.config import SparseConfig, setting_names
+    from lightning_sparse.fallback import TimedFallback
+    from lightning_sparse.summary import changed_settings, fit_title
+
+    # the mode, the compressor and the density are always named; every other setting is covered here
+    assert set(_CHANGED_SETTINGS) == set(setting_names()) - {"compress", "compressor", "density"}
+    default = "Sparse update communication: TopK(fast=True), ConstantDensity(density=0.01); 110 steps, rank 0 of 2"
+    assert fit_title(SparseConfig(), 110, 0, 2) == default
+    assert fit_title(SparseConfig(seed=0, min_numel=1024, value_dtype=None, sync_every=1), 110, 0, 2) == default
+    for name, kwargs in _CHANGED_SETTINGS.items():
+        config = SparseConfig(**kwargs)
+        assert list(changed_settings(config)) == [name], name
+        assert f"; {name}=" in fit_title(config, 5, 0, 2), name
+    config = SparseConfig(sync_every=4, value_bits=2, outer_optimizer="nesterov", compressor="rtopk", density=0.001)
+    assert fit_title(config, 44, 1, 4) == (
+        "Sparse update communication: RTopK(r_factor=4.0), ConstantDensity(density=0.001); "
+        "sync_every=4, outer_optimizer='nesterov', value_bits=2; 44 steps, rank 1 of 4"
+    )
+    # values as they were given, objects by their repr, optimizer factories by their import path
+    assert changed_settings(SparseConfig(value_dtype="bfloat16")) == {"value_dtype": "torch.bfloat16"}
+    assert changed_settings(SparseConfig(fallback_to_dense=TimedFallback(trial_steps=3))) == {
+        "fallback_to_dense": repr(TimedFallback(trial_steps=3))
+    }
+    outer = functools.partial(torch.optim.SGD, lr=0.5)
+    assert changed_settings(SparseConfig(outer_optimizer=outer)) == {"outer_optimizer": "torch.optim.sgd.SGD(lr=0.5)"}
+    assert changed_settings(SparseConfig(compress="gradient")) == {}  # the mode is in the title's first words
+
+
 def test_format_bytes() -> None:
     assert format_bytes(999) == "999 B"
     assert format_bytes(1000) == "1.00 kB"
@@ -440,6 +546,7 @@ def _metrics_worker(rank: int, world: int) -> dict[str, float]:
     }
 
 
+@pytest.mark.dist
 def test_metrics_synchronise_across_ranks(dist2) -> None:
     results = dist2.run(_metrics_worker)
     assert results[0] == results[1]
