@@ -12,6 +12,8 @@ import torch
 from conftest import run_trainer
 from test_trainer_dist import assert_replicas_identical
 
+pytestmark = pytest.mark.dist
+
 # (run name, strategy settings, the step that overflows on rank 1)
 CASES = {
     "update": ({"compress": "update", "density": 0.05}, 10),

@@ -35,8 +35,8 @@ PENDING_FILES: dict[str, str] = {}
 COMMANDS = {
     # README / getting started: the two set-up commands
     'pip install torch==2.13.0 && pip install -e ".[examples]" && python examples/train_digits.py': ".ci/run",
-    'pip install torch==2.13.0 && pip install -e ".[dev]" && ruff check . && mypy && python -m pytest '
-    "&& python -m pytest --doctest-modules lightning_sparse": ".ci/run",
+    'pip install torch==2.13.0 && pip install -e ".[dev]" && ruff check . && ruff format --check . && mypy '
+    "&& python -m pytest && python -m pytest --doctest-modules lightning_sparse": ".ci/run",
     'pip install -e ".[docs]" && mkdocs build --strict': ".ci/run",
     # Lightning CLI
     "python examples/cli.py fit --config examples/configs/topk.yaml": (
@@ -55,61 +55,61 @@ COMMANDS = {
         "tests/test_cli.py::test_compressor_help_shows_its_arguments"
     ),
     # Results: step time (the tests shape the link too, when they can; small model, 2 steps)
-    "python -m lightning_sparse.bench step --bandwidth 1gbit --params 25e6 --compressors topk randomblock "
-    "--modes update gradient --peers powersgd:4 fp16": "tests/test_bench_step.py::test_step_bench_shaped",
-    "python -m lightning_sparse.bench step --bandwidth 1gbit --params 25e6 --compressors topk randomblock "
+    "python -m benchmarks step --bandwidth 1gbit --params 25e6 --compressors topk randomblock "
+    "--modes update gradient --peers powersgd:4 fp16": "benchmarks/tests/test_bench_step.py::test_step_bench_shaped",
+    "python -m benchmarks step --bandwidth 1gbit --params 25e6 --compressors topk randomblock "
     "--modes update gradient --peers powersgd:4 fp16 --fallback time": (
-        "tests/test_bench_step.py::test_step_bench_timed_fallback"
+        "benchmarks/tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
-    "python -m lightning_sparse.bench step --bandwidth none --params 25e6 --compressors topk randomblock "
-    "--modes update gradient --peers powersgd:4 fp16": "tests/test_bench_step.py::test_step_bench_peers",
-    "python -m lightning_sparse.bench step --bandwidth none --params 25e6 --compressors topk randomblock "
+    "python -m benchmarks step --bandwidth none --params 25e6 --compressors topk randomblock "
+    "--modes update gradient --peers powersgd:4 fp16": "benchmarks/tests/test_bench_step.py::test_step_bench_peers",
+    "python -m benchmarks step --bandwidth none --params 25e6 --compressors topk randomblock "
     "--modes update gradient --peers powersgd:4 fp16 --fallback time --steps 30": (
-        "tests/test_bench_step.py::test_step_bench_timed_fallback"
+        "benchmarks/tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
     # Results: accuracy against bytes (the test: --tiny)
-    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
+    "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (
-        "tests/test_bench_convergence.py::test_convergence_gpt_tiny_with_peers"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_gpt_tiny_with_peers"
     ),
-    "python -m lightning_sparse.bench convergence --tasks digits --densities 0.01 0.001 --modes update gradient "
+    "python -m benchmarks convergence --tasks digits --densities 0.01 0.001 --modes update gradient "
     "--peers powersgd:1 powersgd:4 --out docs/convergence/digits": (
-        "tests/test_bench_convergence.py::test_convergence_tiny_run"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_tiny_run"
     ),
-    "python -m lightning_sparse.bench convergence --tasks text --densities 0.01 --modes update gradient "
+    "python -m benchmarks convergence --tasks text --densities 0.01 --modes update gradient "
     "--peers powersgd:1 powersgd:4 --out docs/convergence/text": (
-        "tests/test_bench_convergence.py::test_convergence_tiny_run"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_tiny_run"
     ),
-    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
     "--exchanges allgather split --devices 4 --peers powersgd:4": (
-        "tests/test_bench_convergence.py::test_convergence_exchanges_on_4_processes"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_exchanges_on_4_processes"
     ),
-    "python -m lightning_sparse.bench step --bandwidth 1gbit --params 25e6 --compressors topk --modes update "
-    "gradient --peers powersgd:4": "tests/test_bench_step.py::test_step_bench_peers",
-    "python -m lightning_sparse.bench step --bandwidth 1gbit --world-size 4 --params 25e6 --compressors topk "
+    "python -m benchmarks step --bandwidth 1gbit --params 25e6 --compressors topk --modes update "
+    "gradient --peers powersgd:4": "benchmarks/tests/test_bench_step.py::test_step_bench_peers",
+    "python -m benchmarks step --bandwidth 1gbit --world-size 4 --params 25e6 --compressors topk "
     "--modes update gradient --exchanges allgather split --peers powersgd:4": (
-        "tests/test_bench_step.py::test_step_bench_exchanges_on_4_ranks"
+        "benchmarks/tests/test_bench_step.py::test_step_bench_exchanges_on_4_ranks"
     ),
     # Results: exchanging rarely and in few bits (the test: --tiny, the variants and the library's peers)
-    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
     '--variants "" --peers powersgd:1 diloco:16 demo': (
-        "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
     ),
-    "python -m lightning_sparse.bench convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
     '--no-dense --peers torchft:16 --variants "value_bits=2" "sync_every=4,value_bits=2,warmup=0" '
     '"sync_every=8,value_bits=2,warmup=0" "sync_every=16,outer=nesterov,value_bits=2,warmup=0" '
     '"sync_every=4,value_bits=2" "sync_every=4,outer=nesterov,value_bits=2" '
     '"sync_every=16,outer=nesterov,value_bits=2"': (
-        "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
     ),
-    "python -m lightning_sparse.bench convergence --tasks text digits --compressors topk --densities 0.01 --modes "
+    "python -m benchmarks convergence --tasks text digits --compressors topk --densities 0.01 --modes "
     'update --peers diloco:16 torchft:16 --variants "" "value_bits=2" "sync_every=4,value_bits=2,warmup=0" '
     '"sync_every=8,value_bits=2,warmup=0" "sync_every=16,outer=nesterov,value_bits=2,warmup=0"': (
-        "tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
     ),
     # Wire bytes at scale (the test: a small model, 2 and 4 processes)
-    "python -m lightning_sparse.bench scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
-        "tests/test_bench_scale.py::test_measured_equals_model"
+    "python -m benchmarks scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
+        "benchmarks/tests/test_bench_scale.py::test_measured_equals_model"
     ),
     # Results: density schedules (the test: one seed, one epoch)
     "python examples/compare_schedules.py --c0 3000 10000 100000": (
@@ -262,6 +262,7 @@ def test_not_run_blocks_name_what_covers_them(block: Block) -> None:
             assert file in PENDING_FILES, f"{block.where}: {file} does not exist"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("code", list(TO_RUN), ids=[b.where for b in TO_RUN.values()])
 def test_python_block_runs(code: str, tmp_path: Path) -> None:
     block = TO_RUN[code]

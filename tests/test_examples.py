@@ -19,6 +19,8 @@ import pytest
 
 from lightning_sparse._utils import free_port
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("sklearn")
 
 ROOT = Path(__file__).resolve().parent.parent

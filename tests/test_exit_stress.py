@@ -32,7 +32,7 @@ pytest.importorskip("jsonargparse")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 MODES = ("update", "gradient")
 # (processes, repeats): the examples 200 process exits in all, the users' case (2 processes) most often

@@ -12,6 +12,8 @@ import torch
 import yaml
 from conftest import run_trainer
 
+pytestmark = pytest.mark.dist
+
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch; the checkpoint at the end of epoch 1 is step 16,
 # the middle of a cycle of 3 local steps (15 + 1).
 BASE: dict[str, Any] = {"n": 256, "max_steps": 30, "data_by_step": True, "optimizer": "adamw", "lr": 0.01}

@@ -11,6 +11,8 @@ from conftest import run_trainer
 
 from lightning_sparse.compressors import COMPRESSORS
 
+pytestmark = pytest.mark.dist
+
 STEPS = 2000
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.dist
+
 HERE = Path(__file__).parent
 TIMEOUT_S = 15
 STALL_STEP = 5

@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import run_trainer
 
+pytestmark = pytest.mark.dist
+
 
 def assert_replicas_identical(results: list[dict]) -> None:
     p0, p1 = results[0]["params"], results[1]["params"]

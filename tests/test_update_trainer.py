@@ -18,6 +18,8 @@ from test_trainer_dist import assert_replicas_identical
 from torch import nn
 from trainer_worker import Net, make_data
 
+pytestmark = pytest.mark.dist
+
 UPDATE = {"compress": "update", "density": 0.05}
 
 

@@ -1,101 +1,32 @@
-"""AdaptiveDensity: every step, the density that maximises the objective improvement per
-communicated bit (Khirirat, Magnusson, Aytekin and Johansson), the same on every rank."""
+"""The decision rule: AdaptiveDensity, each step's density with the most objective improvement per bit.
+
+Every step, the density that maximises the objective improvement per communicated bit (Khirirat,
+Magnusson, Aytekin and Johansson), the same on every rank. The energy it weighs comes from
+:func:`~lightning_sparse.schedules.energy.topk_energy`, the link it prices from
+:func:`~lightning_sparse.schedules.link.measure_link`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse._utils import bad_argument, check_density, check_int, scratch
+from lightning_sparse._utils import bad_argument, check_density, check_int
 from lightning_sparse.compressors import TopK
 from lightning_sparse.schedules.base import DensitySchedule, k_for
+from lightning_sparse.schedules.energy import topk_energy
+from lightning_sparse.schedules.link import measure_link
 from lightning_sparse.wire import Collectives, WireContext, bucket_wire_bytes, sparse_pays
 from lightning_sparse.wire.comm import Issued, wait
-from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
+from lightning_sparse.wire.cost import ring_all_reduce_bytes
 
-if TYPE_CHECKING:
-    pass
-
-
-_EXACT_NUMEL = 1 << 16  # tensors up to this size get their exact top-k energy curve (one sort)
-_BINS_PER_OCTAVE = 16  # larger ones: a histogram of p^2 in bins 2**(1/16) wide, over ...
-_OCTAVES = 64  # ... the 64 octaves below max(p^2) (everything smaller shares the lowest bin)
-_SHORTLIST = 4096  # and the exact curve of (about) the largest 4096 entries
 _W1_ALPHA, _W1_BETA = 1e-5, 1e-9  # placeholders on one process, where nothing crosses a network
-_MEASURE_BYTES = (8, 1 << 14, 1 << 17, 1 << 20)  # message sizes timed to fit alpha + beta * bytes
-_MEASURE_REPEATS = 7
-
-
-def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
-    """``||Top_k(p)||^2`` for each ``k`` in ``ks``, and ``||p||^2`` last (float64, on p's device).
-
-    Tensors of up to 65,536 elements get exact values (one sort). Larger ones get a histogram of
-    ``p^2`` on a log scale (16 bins per factor 2, a few passes, no sort): the entries at or above
-    a bin edge are exactly the top-c entries (c their count), so every bin edge is an exact point
-    (c, top-c energy) of the curve, and the value at each requested ``k`` is interpolated
-    linearly between the two points around it. Inside one bin the values differ by less than
-    4.4%, so the interpolation errs by less than that (low: the curve is concave), in practice
-    by far less; the largest few thousand entries (whole bins) are sorted, so the curve is exact
-    for k up to there. Deterministic. Non-finite entries give non-finite values.
-
-    Example:
-        >>> import torch
-        >>> topk_energy(torch.tensor([3.0, -1.0, 2.0]), [1, 2]).tolist()
-        [9.0, 13.0, 14.0]
-    """
-    d = p.numel()
-    dev = p.device
-    x = p.detach().reshape(-1)
-    kt = torch.tensor([min(max(int(k), 1), d) for k in ks], dtype=torch.long, device=dev)
-    if d <= _EXACT_NUMEL:
-        a2 = x.float().square()
-        total = a2.sum(dtype=torch.float64).reshape(1)
-        curve = a2.sort(descending=True).values.cumsum(0, dtype=torch.float64)
-        return torch.cat([curve[kt - 1], total])
-    # reused buffers: fresh multi-MB allocations every step cost page faults
-    a2 = scratch("energy.sq", d, torch.float32, dev)
-    torch.mul(x, x, out=a2) if x.dtype == torch.float32 else a2.copy_(x).square_()
-    total = a2.sum().double().reshape(1)  # float32 (pairwise) sum: a float64 sum costs 10x more
-    nb = _BINS_PER_OCTAVE * _OCTAVES
-    # bin = floor(S * (log2(a2) - log2(max a2)) + nb), clamped to [0, nb - 1]: monotone in a2
-    v = torch.log2(a2, out=scratch("energy.bin", d, torch.float32, dev))
-    v.mul_(_BINS_PER_OCTAVE).add_(nb - _BINS_PER_OCTAVE * torch.log2(a2.max()))
-    torch.nan_to_num_(v, nan=0.0, posinf=nb - 1, neginf=0.0).clamp_(0, nb - 1)
-    bins = v.to(torch.int32)
-    counts = torch.bincount(bins, minlength=nb).to(torch.float64)
-    energy = torch.bincount(bins, weights=a2, minlength=nb).to(torch.float64)
-    # entries in bins >= j: the top-c entries; points from the highest bin edge down to all of p
-    above_c = counts.flip(0).cumsum(0)
-    above_e = energy.flip(0).cumsum(0)
-    zero = torch.zeros(1, dtype=torch.float64, device=dev)
-    xs = torch.cat([zero, above_c])
-    ys = torch.cat([zero, above_e])
-    curve = _interp(kt.to(torch.float64), xs, ys)
-    # The top bins hold few entries each, so interpolation is coarsest at small k: sort the
-    # largest few thousand entries (whole bins) and take their exact curve wherever it reaches.
-    top_bins = min(nb - 1, int(torch.searchsorted(above_c, torch.tensor([float(_SHORTLIST)], device=dev).double())))
-    if float(above_c[top_bins]) <= 16 * _SHORTLIST:  # (unless a top bin is crowded: then interpolate)
-        shortlist = a2[bins >= nb - 1 - top_bins]
-        exact = shortlist.sort(descending=True).values.cumsum(0, dtype=torch.float64)
-        curve = torch.where(kt <= exact.numel(), exact[(kt - 1).clamp(max=exact.numel() - 1)], curve)
-    return torch.cat([curve, total])
-
-
-def _interp(q: Tensor, xs: Tensor, ys: Tensor) -> Tensor:
-    """Piecewise-linear interpolation of (xs ascending, ys) at q, on the tensors' device."""
-    hi = torch.searchsorted(xs, q, right=False).clamp(1, xs.numel() - 1)
-    x0, x1, y0, y1 = xs[hi - 1], xs[hi], ys[hi - 1], ys[hi]
-    span = x1 - x0
-    w = torch.where(span > 0, (q - x0) / span.clamp(min=1e-300), torch.ones_like(q))
-    return y0 + w.clamp(0.0, 1.0) * (y1 - y0)
 
 
 class AdaptiveDensity(DensitySchedule):
@@ -215,12 +146,21 @@ class AdaptiveDensity(DensitySchedule):
         self._density = self.initial_density
         self._decided_step: int | None = None
         self._measured: dict[str, float] | None = None
-        # set up by setup() (not saved, not pickled)
-        self._wire: dict[str, Any] = {}
-        # what a message costs is asked of the wire under these settings (before setup: one
-        # process, an int32 all-gather)
-        self._ctx = WireContext(compressor=TopK(), exchange="allgather", compact_indices=False)
-        self._comm = Collectives()
+        # set up by setup(): what a message costs is asked of the wire under these settings, and the
+        # statistics are gathered over its process group (before setup: one process, an int32
+        # all-gather of float32 gradients); a pickled copy keeps the settings, not the group
+        self._ctx = WireContext(
+            compressor=TopK(),
+            error_feedback=True,
+            momentum_correction=0.0,
+            value_dtype=None,
+            seed=0,
+            exchange="allgather",
+            compact_indices=False,
+            value_bits=None,
+            byte_rule=True,
+        )
+        self._grad_dtype = torch.float32
         self._rows: dict[str, Tensor] = {}
         self._sizes: dict[str, list[int]] = {}
         self._pending: tuple[int, list[tuple[str, tuple[int, ...]]], Tensor, Issued | None] | None = None
@@ -229,14 +169,14 @@ class AdaptiveDensity(DensitySchedule):
     def __getstate__(self) -> dict[str, Any]:
         self._resolve()
         state = self.__dict__.copy()
-        state.update(_comm=Collectives(), _rows={}, _sizes={}, _pending=None)
+        state.update(_rows={}, _sizes={}, _pending=None)
         state["_ctx"] = dataclasses.replace(self._ctx, comm=Collectives())
         return state
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
         """The process group the statistics are gathered over (None until set up, and once pickled)."""
-        return self._comm.group
+        return self._ctx.comm.group
 
     # ------------------------------------------------------------------ public API
     def density(self, step: int) -> float:
@@ -284,26 +224,14 @@ class AdaptiveDensity(DensitySchedule):
 
     # ------------------------------------------------------------------ hook API
     def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:
-        world = ctx.world_size
-        vdtype = ctx.value_dtype or grad_dtype
-        self._wire = {
-            "world": world,
-            "rank": ctx.rank,
-            "seed": ctx.seed,
-            "pattern": ctx.compressor.pattern,
-            "exchange": ctx.exchange,
-            "compact": ctx.compact_indices,
-            "fallback": ctx.byte_rule,
-            "vbytes": vdtype.itemsize,
-            "gbytes": grad_dtype.itemsize,
-        }
         self._ctx = ctx
-        self._comm = ctx.comm
+        self._grad_dtype = grad_dtype
         self._rows, self._sizes, self._pending = {}, {}, None
+        world = ctx.world_size
         needs_measure = self.cost_model == "latency_bandwidth" and (self.alpha is None or self.beta is None)
         if needs_measure and world > 1:
             if self._measured is None or self._measured.get("world_size") != world:
-                self._measured = self._measure(device)
+                self._measured = measure_link(ctx.comm, ctx.compressor.pattern, device)
 
     def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:
         if step % self.interval:
@@ -330,11 +258,11 @@ class AdaptiveDensity(DensitySchedule):
         local = torch.stack([self._rows[b] for b in labels]).reshape(-1).float()
         layout = [(b, tuple(self._sizes[b])) for b in labels]
         self._rows, self._sizes = {}, {}
-        world = int(self._wire.get("world", 1))
+        comm = self._ctx.comm
         future = None
-        if world > 1:
-            gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-            future = self._comm.all_gather(gathered, local)
+        if comm.world > 1:
+            gathered = torch.empty(comm.world * local.numel(), dtype=local.dtype, device=local.device)
+            future = comm.all_gather(gathered, local)
         else:
             gathered = local
         self._pending = (step, layout, gathered, future)
@@ -368,7 +296,7 @@ class AdaptiveDensity(DensitySchedule):
         """
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
-        shared = self._wire.get("pattern") == "shared"
+        shared = self._ctx.compressor.pattern == "shared"
         best, best_ratio = self._density, -math.inf
         for j, density in enumerate(self.grid):
             gain = cost = 0.0
@@ -390,25 +318,23 @@ class AdaptiveDensity(DensitySchedule):
     def message_costs(self, ks: Sequence[int], sizes: Sequence[int]) -> tuple[float, float | None]:
         """Cost of a bucket's sparse message sending ``ks`` of tensors of ``sizes``, and the cost of
         its dense all-reduce if the strategy would fall back to one (else None), in the model's unit."""
-        w = self._wire
-        world = int(w.get("world", 1))
-        vbytes, gbytes = int(w.get("vbytes", 4)), int(w.get("gbytes", 4))
+        ctx = self._ctx
+        world = ctx.world_size
+        vbytes, gbytes = (ctx.value_dtype or self._grad_dtype).itemsize, self._grad_dtype.itemsize
         ks, sizes = list(ks), list(sizes)
-        wire = bucket_wire_bytes(self._ctx, ks, sizes, vbytes)
+        wire = bucket_wire_bytes(ctx, ks, sizes, vbytes)
         dense_wire = ring_all_reduce_bytes(world, sum(sizes) * gbytes)
         if self.cost_model == "bits":
             assert self.c0 is not None
             # c1 None: the bits this rank hands to the collectives (a 2-rank ring moves each byte once)
             payload = (
-                self.c1 * sum(ks)
-                if self.c1 is not None
-                else 8 * bucket_wire_bytes(self._ctx, ks, sizes, vbytes, world=2)
+                self.c1 * sum(ks) if self.c1 is not None else 8 * bucket_wire_bytes(ctx, ks, sizes, vbytes, world=2)
             )
             sparse, dense = self.c0 + payload, self.c0 + 8 * gbytes * sum(sizes)
         else:
             alpha, beta = self._alpha_beta()
             sparse, dense = alpha + beta * wire, alpha + beta * dense_wire
-        falls_back = w.get("fallback", True) and not sparse_pays(wire, world, sum(sizes) * gbytes)
+        falls_back = ctx.byte_rule and not sparse_pays(wire, world, sum(sizes) * gbytes)
         return sparse, dense if falls_back else None
 
     def _alpha_beta(self) -> tuple[float, float]:
@@ -416,56 +342,6 @@ class AdaptiveDensity(DensitySchedule):
         alpha = self.alpha if self.alpha is not None else m.get("alpha", _W1_ALPHA)
         beta = self.beta if self.beta is not None else m.get("beta", _W1_BETA)
         return float(alpha), float(beta)
-
-    # ------------------------------------------------------------------ measurement
-    def _measure(self, device: torch.device) -> dict[str, float]:
-        """Fit ``seconds = alpha + beta * wire bytes`` to this process group's own collectives."""
-        world = int(self._wire["world"])
-        gather = self._wire["pattern"] == "gather"
-        comm = self._comm
-        medians = []
-        xs = []
-        for nbytes in _MEASURE_BYTES:
-            if gather:
-                msg = torch.ones(nbytes, dtype=torch.uint8, device=device)
-                out = torch.empty(world * nbytes, dtype=torch.uint8, device=device)
-                xs.append(ring_all_gather_bytes(world, nbytes))
-            else:
-                msg = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-                xs.append(ring_all_reduce_bytes(world, msg.numel() * 4))
-            times = []
-            for rep in range(_MEASURE_REPEATS + 1):
-                _sync(device)
-                start = time.perf_counter()
-                wait(comm.all_gather(out, msg) if gather else comm.all_reduce(msg))
-                _sync(device)
-                if rep:  # the first one is a warm-up
-                    times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times))
-        # the slowest rank sets the pace of a collective; max is exact, so all ranks agree bit for bit
-        t = torch.tensor(medians, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
-        ts = t.cpu().tolist()
-        alpha, beta = _fit_line(xs, ts)
-        return {"alpha": alpha, "beta": beta, "world_size": world}
-
-
-def _fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``t = alpha + beta * x``, with alpha and beta kept positive."""
-    n = len(xs)
-    mx, mt = sum(xs) / n, sum(ts) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    beta = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sxx if sxx > 0 else 0.0
-    beta = max(beta, 1e-13)
-    alpha = mt - beta * mx
-    if alpha <= 0:
-        alpha = max(min(ts), 1e-7)
-    return float(alpha), float(beta)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check_positive(name: str, value: Any) -> float | None:

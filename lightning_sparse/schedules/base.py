@@ -152,7 +152,7 @@ class WarmupDensity(DensitySchedule):
         return {"start": self.start, "end": self.end, "steps": self.steps, "mode": self.mode}
 
 
-# --------------------------------------------------------------------------- adaptive
+# --------------------------------------------------------------------------- density= parsing
 
 
 def as_schedule(density: float | DensitySchedule) -> DensitySchedule:
