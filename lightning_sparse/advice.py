@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from lightning_sparse.state import SparseState
 
 __all__ = ["check_no_optimizer_momentum", "training_advice"]
@@ -24,7 +26,7 @@ def check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
                 )
 
 
-def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
+def training_advice(state: SparseState, optimizers: list[Any], module: Any = None) -> list[str]:
     """Combinations of mode, compressor and optimizer measured to train far from dense, each with
     what to change (the strategies warn with these at setup).
 
@@ -53,6 +55,18 @@ def training_advice(state: SparseState, optimizers: list[Any]) -> list[str]:
             "SGD momentum 0.9 at density 0.01: random-block 14% and random-k 64% accuracy against 97% for dense "
             "DDP; 98% in update mode). Use compress='update' (the default), or 'topk'."
         )
+    config = state.config
+    batchnorm = module is not None and any(isinstance(m, _BatchNorm) for m in module.modules())
+    if config.compress == "update" and batchnorm and config.batchnorm_batches == 0:
+        share = state.schedule.density(max(config.warmup_steps, 0)) / config.sync_every
+        if share < 0.01:
+            advice.append(
+                f"the model has BatchNorm and batchnorm_batches=0: with density/sync_every = {share:g} of each "
+                "step's progress reaching the global model, the running statistics, gathered with each process's "
+                "own view, stop fitting the global parameters that validation and checkpoints see (measured on a "
+                "ResNet-18-shaped CNN at sync_every=4: 0.19 validation accuracy against 0.99 with the statistics "
+                "recomputed). Leave batchnorm_batches at its default (16)."
+            )
     # Random coordinates in update mode were measured to train well (GPT with AdamW: random-k 1.985 and
     # random-block 1.996 nats against 1.844 dense; digits 98%), so that combination gets no warning.
     return advice

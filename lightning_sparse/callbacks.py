@@ -25,9 +25,13 @@ METRIC_NAMES = (
     "sparse/residual_norm",
     "sparse/compress_ms",
 )
+#: logged in update mode too: how far the global model lags this rank's own view
+UPDATE_METRIC_NAMES = ("sparse/unsent_ratio",)
 
 
-def compression_figures(interval: Counters, steps: int, total: Counters, residual_norm: float) -> dict[str, float]:
+def compression_figures(
+    interval: Counters, steps: int, total: Counters, residual_norm: float, unsent_ratio: float | None = None
+) -> dict[str, float]:
     """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval``.
 
     - ``sparse/compression_ratio``: dense wire bytes / wire bytes over those steps (the traffic a
@@ -40,6 +44,8 @@ def compression_figures(interval: Counters, steps: int, total: Counters, residua
     - ``sparse/bytes_sent``: bytes this rank put into collectives, per step;
     - ``sparse/wire_bytes``: bytes those collectives moved through this rank (ring model), per step;
     - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
+    - ``sparse/unsent_ratio`` (update mode): that norm over the norm of the global parameters, how
+      far the model that validation and checkpoints see lags this rank's own view;
     - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch).
 
     Example:
@@ -59,6 +65,7 @@ def compression_figures(interval: Counters, steps: int, total: Counters, residua
         "sparse/wire_bytes": interval.wire_bytes / steps,
         "sparse/residual_norm": float(residual_norm),
         "sparse/compress_ms": 1000.0 * interval.compress_seconds / steps,
+        **({} if unsent_ratio is None else {"sparse/unsent_ratio": float(unsent_ratio)}),
     }
 
 
@@ -194,7 +201,7 @@ class CompressionMonitor(Callback):
         state = self._state
         assert state is not None
         norm = state.measure_residual_norm()
-        figures = compression_figures(interval, steps, state.telemetry.total, norm)
+        figures = compression_figures(interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio())
         for name, value in figures.items():
             pl_module.log(
                 name,

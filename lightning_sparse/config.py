@@ -159,6 +159,18 @@ class SparseConfig:
             (pattern ``"gather"``) only."""
         ),
     )
+    batchnorm_batches: int = field(
+        default=16,
+        metadata=_doc(
+            """update mode: where the module is given the global model for something other than
+            training (validation, testing, prediction, checkpoints, the end of fit), the running
+            statistics of its BatchNorm layers are recomputed under the global parameters from the
+            inputs of this many of the latest training forward passes (kept by reference), and
+            averaged over the processes: gathered in the forward passes of each process's own
+            view, they fit the view, not the global model. 0 turns it off; a module without
+            BatchNorm is not touched."""
+        ),
+    )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
     static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
     gradient_as_bucket_view: bool | None = field(
@@ -235,6 +247,7 @@ class SparseConfig:
                 "compress='gradient' for DGC's momentum correction."
             )
         check_int("sync_every", self.sync_every, minimum=1)
+        check_int("batchnorm_batches", self.batchnorm_batches, minimum=0)
         if self.compress == "gradient" and self.sync_every != 1:
             raise ValueError(
                 f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
@@ -311,6 +324,7 @@ class SparseConfig:
             "sync_every": self.sync_every,
             "outer_optimizer": describe_callable(self.outer_optimizer),
             "value_bits": self.value_bits,
+            "batchnorm_batches": self.batchnorm_batches,
         }
 
     @classmethod

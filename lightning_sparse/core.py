@@ -21,6 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.advice import check_no_optimizer_momentum, training_advice
+from lightning_sparse.batchnorm import GlobalBatchNorm
 from lightning_sparse.checkpoint import CheckpointPayload
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.ddp_args import check_ddp_kwargs
@@ -88,6 +89,9 @@ class SparseCore:
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         #: this rank's sparse state in the strategy's checkpoints
         self.checkpoint = CheckpointPayload(self.state, self.update)
+        #: update mode: the BatchNorm statistics of the global model
+        self.batchnorm = GlobalBatchNorm(config.batchnorm_batches) if self.update is not None else None
+        self._warned_batchnorm = False
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -99,11 +103,13 @@ class SparseCore:
         device: torch.device,
         scaler: Any = None,
         optimizers: Callable[[], list[Any]] | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         """Bind the exchange to the parameters it exchanges and the process group it exchanges over,
         for any front end: apply a checkpoint payload that waited for the model, attach the gradient
         scaler (fp16 AMP) and, in update mode, the optimizers (their states are averaged when a timed
-        fallback takes the ranks to plain DDP steps)."""
+        fallback takes the ranks to plain DDP steps) and the ``module`` whose BatchNorm statistics
+        :meth:`global_model` recomputes."""
         self.checkpoint.apply_pending(rank, world_size, device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
@@ -113,6 +119,8 @@ class SparseCore:
             return
         # each rank keeps its own gradient; the exchange runs after the optimizer step
         self.update.bind(named_parameters, process_group=process_group)
+        if module is not None and self.batchnorm is not None:
+            self.batchnorm.attach(module)
         if optimizers is not None:
             self.update.on_dense = lambda: average_optimizer_states(optimizers(), process_group)
 
@@ -131,17 +139,17 @@ class SparseCore:
         if not isinstance(model, DistributedDataParallel):
             raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
         group = model.process_group
-        self.bind(model.module.named_parameters(), group, rank, world_size, device, scaler, optimizers)
+        self.bind(model.module.named_parameters(), group, rank, world_size, device, scaler, optimizers, model.module)
         model.register_comm_hook(self.state, sparse_comm_hook if self.update is None else update_comm_hook)
 
-    def check_optimizers(self, optimizers: list[Any], world_size: int) -> None:
+    def check_optimizers(self, optimizers: list[Any], world_size: int, module: torch.nn.Module | None = None) -> None:
         """Refuse an optimizer momentum under momentum correction; warn (rank 0) about combinations
         measured to train far from dense."""
         momentum = self.config.momentum_correction
         if momentum:
             check_no_optimizer_momentum(optimizers, momentum)
         if world_size > 1:
-            for advice in training_advice(self.state, optimizers):
+            for advice in training_advice(self.state, optimizers, module):
                 rank_zero_warn(f"lightning_sparse: {advice}")
 
     def hold_local(self) -> None:
@@ -153,3 +161,25 @@ class SparseCore:
         """Update mode: put the global parameters back in the module (no-op otherwise)."""
         if self.update is not None:
             self.update.hold_global()
+
+    def global_model(self, together: bool = True) -> None:
+        """Update mode: give the module the global model for something other than training
+        (validation, testing, prediction, checkpoints, the end of fit): the global parameters, and
+        BatchNorm statistics recomputed under them (:class:`~lightning_sparse.batchnorm.GlobalBatchNorm`).
+        ``together``: every process calls it at this point, and the statistics are averaged over
+        them; else each process recomputes its own."""
+        self.hold_global()
+        norms = self.batchnorm
+        if norms is None or not norms.attached:
+            return
+        state = self.state
+        if norms.stale:
+            norms.recompute(state.process_group, state.world_size if together else 1, state.telemetry)
+        elif norms.kept == 0 and state.step > 0 and not self._warned_batchnorm:
+            self._warned_batchnorm = True
+            rank_zero_warn(
+                "lightning_sparse: the model has BatchNorm layers but its forward was not called in training "
+                "(a training_step that calls submodules only?), so the global model's BatchNorm statistics "
+                "cannot be recomputed and stay those gathered with each process's own view (see "
+                "docs/guarantees.md, 'BatchNorm statistics of the global model')."
+            )

@@ -119,6 +119,12 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
             values in ``value_dtype``. Compressors that pick their own coordinates (pattern
             ``"gather"``) only.
+        batchnorm_batches: update mode: where the module is given the global model for something other than
+            training (validation, testing, prediction, checkpoints, the end of fit), the running statistics of
+            its BatchNorm layers are recomputed under the global parameters from the inputs of this many of the
+            latest training forward passes (kept by reference), and averaged over the processes: gathered in
+            the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
+            off; a module without BatchNorm is not touched.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -162,6 +168,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         sync_every: int = 1,
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
+        batchnorm_batches: int = 16,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool | None = None,
@@ -230,7 +237,8 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
-        self._core.check_optimizers([optimizer], self.world_size)
+        module = self._ddp_model.module if self._ddp_model is not None else None
+        self._core.check_optimizers([optimizer], self.world_size, module)
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
@@ -243,7 +251,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             update.hold_local()  # this rank's forward/backward run at global + its residual
             self._graph_pending = True
         elif not self._graph_pending and not self._in_optimizer_step:
-            update.hold_global()  # evaluation sees the global model
+            # evaluation sees the global model; its BatchNorm statistics are recomputed on this rank
+            # (a collective here could hang: a user may evaluate on one rank only)
+            self._core.global_model(together=False)
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -265,7 +275,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any | Tensor]:
         """The module's state with the global parameters (update mode)."""
-        self._core.hold_global()
+        self._core.global_model(together=False)
         return super().get_module_state_dict(module)
 
     # ------------------------------------------------------------------ checkpoints
@@ -288,7 +298,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
                 f"state[{CHECKPOINT_KEY!r}] is not allowed with SparseDDPStrategy: the strategy saves its own "
                 "state under that key; use another name."
             )
-        self._core.hold_global()  # the checkpoint holds the global model
+        self._core.global_model()  # the checkpoint holds the global model (every rank saves together)
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]
         optimizer_states = {k: converted[k] for k in optimizers}

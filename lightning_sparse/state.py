@@ -67,6 +67,7 @@ class SparseState:
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        self._params: list[Tensor] = []
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
 
     @property
@@ -84,6 +85,7 @@ class SparseState:
         state = self.__dict__.copy()
         state["process_group"] = None
         state["_names"] = {}
+        state["_params"] = []
         state["_plans"] = {}
         return state
 
@@ -103,6 +105,7 @@ class SparseState:
         """
         trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
         self._names = {id(p): name for name, p in trainable}
+        self._params = [p for _, p in trainable]
         self._plans = {}
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
@@ -175,6 +178,22 @@ class SparseState:
         self.telemetry.residual_norm = norm
         self.telemetry.residual_norm_step = self.step - 1
         return norm
+
+    @torch.no_grad()
+    def measure_unsent_ratio(self) -> float | None:
+        """Update mode: the norm of this rank's unsent part over the norm of the parameters the
+        module holds (the global model between steps), how far the global model lags this rank's
+        own view; None in gradient mode (its residuals are gradients) or before :meth:`bind`.
+
+        Records it in ``telemetry.unsent_ratio`` and returns it (one read of the residuals and of
+        the parameters).
+        """
+        if self.config.compress != "update" or not self._params:
+            return None
+        params_sq = sum(float(p.detach().float().pow(2).sum()) for p in self._params)
+        ratio = (self.memory.norm_sq() / params_sq) ** 0.5 if params_sq > 0 else 0.0
+        self.telemetry.unsent_ratio = ratio
+        return ratio
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

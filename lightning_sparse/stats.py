@@ -100,6 +100,8 @@ class Telemetry:
     steps: int = 0
     residual_norm: float | None = None
     residual_norm_step: int | None = None
+    #: update mode: the unsent part's norm over the parameters' norm, when last measured
+    unsent_ratio: float | None = None
 
     def record(self, group: str, counters: Counters, method: str = "dense") -> None:
         """Add one bucket's figures: to the step in progress, its group and the way it was sent."""

@@ -95,6 +95,12 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
             values in ``value_dtype``. Compressors that pick their own coordinates (pattern
             ``"gather"``) only.
+        batchnorm_batches: update mode: where the module is given the global model for something other than
+            training (validation, testing, prediction, checkpoints, the end of fit), the running statistics of
+            its BatchNorm layers are recomputed under the global parameters from the inputs of this many of the
+            latest training forward passes (kept by reference), and averaged over the processes: gathered in
+            the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
+            off; a module without BatchNorm is not touched.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
@@ -141,6 +147,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         sync_every: int = 1,
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
+        batchnorm_batches: int = 16,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -194,7 +201,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        self._core.check_optimizers(self.optimizers, self.world_size)
+        self._core.check_optimizers(self.optimizers, self.world_size, self.lightning_module)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -252,30 +259,31 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             # rank's view; callbacks at batch ends and validation then see the global model.
             self._core.hold_global()
 
-    # Validation, testing, prediction, the end of fit and checkpoints see the global model.
+    # Validation, testing, prediction, the end of fit and checkpoints see the global model, with
+    # BatchNorm statistics recomputed for it (every rank is at these points together).
     @override
     def on_validation_start(self) -> None:
-        self._core.hold_global()
+        self._core.global_model()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
-        self._core.hold_global()
+        self._core.global_model()
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
-        self._core.hold_global()
+        self._core.global_model()
         super().on_predict_start()
 
     @override
     def on_train_end(self) -> None:
-        self._core.hold_global()
+        self._core.global_model()
         super().on_train_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._core.hold_global()
+        self._core.global_model()
         return super().lightning_module_state_dict()
 
     # ------------------------------------------------------------------ checkpoints

@@ -141,6 +141,7 @@ def test_fit_logs_the_figures_through_the_logger(tmp_path: Path) -> None:
             assert figures["sparse/compression_ratio"] > 3
             assert 0.05 <= figures["sparse/density"] < 0.2
             assert figures["sparse/residual_norm"] > 0
+            assert 0 < float(row["sparse/unsent_ratio"]) < 1  # the unsent part against the global model
     # the cumulative ratio against the one computed independently from the intercepted bytes
     independent = steps * r0["param_bytes"] / sum(wire.values())
     logged = float(rows[-1]["sparse/compression_ratio_cumulative"])
@@ -250,6 +251,25 @@ def test_monitor_pickles_for_spawn() -> None:
 
 
 # --------------------------------------------------------------------------- counters and telemetry
+def test_unsent_ratio_is_the_unsent_part_over_the_parameters() -> None:
+    """Update mode: ||e|| / ||global parameters||, both read where they are; gradient mode has none."""
+    from lightning_sparse.state import SparseState
+
+    named = [("w", torch.nn.Parameter(torch.full((3, 4), 2.0))), ("b", torch.nn.Parameter(torch.zeros(5)))]
+    state = SparseState(compress="update")
+    assert state.measure_unsent_ratio() is None  # not bound yet
+    state.bind(named)
+    assert state.measure_unsent_ratio() == 0.0
+    state.memory.accumulate("w", torch.full((12,), 0.5))
+    state.memory.accumulate("b", torch.ones(5))
+    expected = math.sqrt(12 * 0.25 + 5) / math.sqrt(12 * 4.0)
+    assert state.measure_unsent_ratio() == pytest.approx(expected, rel=1e-12)
+    assert state.telemetry.unsent_ratio == pytest.approx(expected, rel=1e-12)
+    gradient = SparseState(compress="gradient")
+    gradient.bind(named)
+    assert gradient.measure_unsent_ratio() is None
+
+
 def test_telemetry_keeps_methods_through_state_dict() -> None:
     t = Telemetry()
     t.record(
@@ -452,6 +472,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "warmup_steps": {"warmup_steps": 0},
     "value_dtype": {"value_dtype": "bfloat16"},
     "seed": {"seed": 7},
+    "batchnorm_batches": {"batchnorm_batches": 0},
     "fallback_to_dense": {"fallback_to_dense": "time"},
     "momentum_correction": {"compress": "gradient", "momentum_correction": 0.9},
     "exchange": {"exchange": "split"},

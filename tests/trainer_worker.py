@@ -60,6 +60,10 @@ class Net(L.LightningModule):
         self.record_steps: set[int] = set()
         self.records: dict[int, dict[str, Any]] = {}
         self.body = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
+        if variant == "batchnorm":
+            self.body = nn.Sequential(
+                nn.Linear(32, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 64), nn.BatchNorm1d(64), nn.ReLU()
+            )
         self.head = nn.Linear(64, 4)
         if variant == "unused":
             self.unused = nn.Linear(64, 64)  # never in the graph

@@ -57,6 +57,14 @@ def _text(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.Lightning
     return NextCharClassifier(), TextDataModule(batch_size=64, seed=0)
 
 
+def _vision(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from lightning_sparse.demos import DigitImagesDataModule, ResNetClassifier
+
+    if tiny:
+        return ResNetClassifier(width=4, blocks=(1, 1)), DigitImagesDataModule(batch_size=32, size=16, seed=0)
+    return ResNetClassifier(), DigitImagesDataModule(batch_size=32, seed=0)
+
+
 #: the gpt task's context (characters): 64 costs ~3x the step time of 32 on one CPU thread
 GPT_CONTEXT = 32
 
@@ -88,6 +96,16 @@ TASKS: dict[str, ConvergenceTask] = {
         "annealed to 0 (cosine), gradient norm clipped at 1",
         epochs=5,
         build=_text,
+    ),
+    "vision": ConvergenceTask(
+        "vision",
+        "ResNet-18 (CIFAR-style, BatchNorm; 11.2M parameters) on scikit-learn's digits upsampled to 32x32 "
+        "(1,438 train / 359 validation images), batch 32 per process, 20 batches per epoch, SGD lr 0.05 "
+        "momentum 0.9 weight decay 5e-4",
+        epochs=10,
+        build=_vision,
+        limit_train_batches=20,
+        tiny_description="--tiny: width 4, one block in each of two stages, 16x16 images",
     ),
     "gpt": ConvergenceTask(
         "gpt",

@@ -509,3 +509,18 @@ def test_convergence_variants_and_library_peers(tmp_path: Path) -> None:
         assert torchft["status"].startswith("failed")
         with pytest.raises(ImportError):
             import torchft  # noqa: F401
+
+
+@pytest.mark.dist
+def test_convergence_vision_tiny_with_local_steps(tmp_path: Path) -> None:
+    """The BatchNorm CNN task runs, dense and with local steps, and reports validation accuracy."""
+    out = tmp_path / "out"
+    argv = ["convergence", "--tasks", "vision", "--tiny", "--compressors", "topk", "--densities", "0.01"]
+    argv += ["--modes", "update", "--peers", "--variants", "sync_every=4,warmup=0", "--epochs", "1"]
+    argv += ["--limit-train-batches", "8", "--timeout", "240", "--out", str(out)]
+    assert main(argv) == 0
+    runs = json.loads((out / "convergence.json").read_text())["runs"]["vision"]
+    assert len(runs) == 2  # dense DDP and the local-steps row
+    for r in runs:
+        assert r["status"] == "ok", r
+        assert r["steps"] == 8 and 0.0 <= r["final_acc"] <= 1.0

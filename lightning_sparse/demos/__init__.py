@@ -10,6 +10,9 @@ read from the ``.py`` files of the Python standard library that runs it
 version (the standard library changes between versions) and, given that and the seed, on nothing
 else. ``lightning_sparse.demos.gpt`` trains a small GPT on the same source.
 
+The vision task (``lightning_sparse.demos.vision``) trains a ResNet-18-shaped CNN with BatchNorm,
+SGD momentum and weight decay on the same digits, upsampled to 32x32.
+
 Example:
     >>> from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
     >>> model, data = DigitsClassifier(), DigitsDataModule(batch_size=32)
@@ -29,6 +32,7 @@ from lightning_sparse.demos.text import (
     load_text_tensors,
     stdlib_source,
 )
+from lightning_sparse.demos.vision import DigitImagesDataModule, ResNetClassifier, load_digit_images
 
 __all__ = [
     "load_digits_tensors",
@@ -49,4 +53,7 @@ __all__ = [
     "GPTDataModule",
     "warmup_cosine",
     "TinyGPT",
+    "load_digit_images",
+    "DigitImagesDataModule",
+    "ResNetClassifier",
 ]
