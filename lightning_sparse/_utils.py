@@ -117,6 +117,31 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+@torch.no_grad()
+def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, dtype: torch.dtype) -> int:
+    """Replace each of ``tensors`` by its mean over the ``world_size`` processes of ``group``: one
+    all-reduce of them flattened in ``dtype``, in their order (the same on every process). Returns the
+    bytes handed to it (0 when there is nothing to average).
+
+    Example:
+        >>> t = torch.ones(3)
+        >>> all_reduce_mean_([t], None, 1, torch.float64), t  # one process: nothing to average
+        (0, tensor([1., 1., 1.]))
+    """
+    if world_size <= 1 or not tensors:
+        return 0
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat.div_(world_size)
+    pos = 0
+    for t in tensors:
+        t.copy_(flat[pos : pos + t.numel()].view_as(t))
+        pos += t.numel()
+    return flat.numel() * flat.element_size()
+
+
 def end_process_group(exit_code: int | None = None) -> None:
     """End the default process group on every rank together (a barrier, then destroy), if one
     exists; with ``exit_code``, then flush stdout and stderr and leave the process at once.

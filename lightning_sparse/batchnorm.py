@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sparse._utils import all_reduce_mean_
 from lightning_sparse.stats import Counters, Telemetry
 from lightning_sparse.wire import count_all_reduce
 
@@ -131,18 +132,9 @@ class GlobalBatchNorm:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         self.stale = False
-        if world_size <= 1:
-            return 0
         stats = [t for m in self._norms for t in (m.running_mean, m.running_var) if t is not None]
-        flat = torch.cat([t.reshape(-1).float() for t in stats])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world_size)
-        pos = 0
-        for t in stats:
-            t.copy_(flat[pos : pos + t.numel()].view_as(t))
-            pos += t.numel()
-        nbytes = flat.numel() * flat.element_size()
-        if telemetry is not None:
+        nbytes = all_reduce_mean_(stats, group, world_size, torch.float32)
+        if nbytes and telemetry is not None:
             counters = Counters()
             count_all_reduce(counters, world_size, nbytes)
             telemetry.record("BatchNorm statistics", counters, "BatchNorm statistics")

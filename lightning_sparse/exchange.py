@@ -211,10 +211,17 @@ class StepExchange:
         between exchanges, a step every rank's scaler skipped); the step counter stays."""
         self.telemetry.end_step()
 
+    @property
+    def times_whole_steps(self) -> bool:
+        """Update mode with a timed fallback and a ``sync_every`` of 1: the fallback times whole steps
+        (up to :meth:`mark_end`) and may make them plain DDP steps (:meth:`begin_timed`)."""
+        c = self.config
+        return c.timed_fallback is not None and c.compress == "update" and c.sync_every == 1
+
     def mark_end(self) -> None:
         """The optimizer step's exchange is over (the timed fallback's window closes here)."""
         timed = self.config.timed_fallback
-        if timed is not None and self.config.compress == "update" and self.config.sync_every == 1:
+        if timed is not None and self.times_whole_steps:
             timed.mark_end()
 
     def error(self, where: str, what: str, cause: str) -> ExchangeError:

@@ -61,8 +61,6 @@ class SparseState:
         self.telemetry = Telemetry()
         #: one optimizer step of the exchange: the step counter, the step's bookkeeping, the buckets
         self.step_exchange = StepExchange(config, self.memory, self.velocity, self.telemetry)
-        self.rank = 0
-        self.world_size = 1
         self.process_group: dist.ProcessGroup | None = None
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
@@ -74,6 +72,16 @@ class SparseState:
     def step(self) -> int:
         """Optimizer steps this rank finished exchanging (:attr:`StepExchange.step`)."""
         return self.step_exchange.step
+
+    @property
+    def rank(self) -> int:
+        """This rank in the process group the state is bound to (0 before :meth:`bind`)."""
+        return self.step_exchange.wire.rank
+
+    @property
+    def world_size(self) -> int:
+        """The processes of that group (1 before :meth:`bind`)."""
+        return self.step_exchange.world_size
 
     @property
     def wire(self) -> WireContext:
@@ -109,11 +117,10 @@ class SparseState:
         self._plans = {}
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
+            rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         else:
-            self.rank, self.world_size = 0, 1
-        self.step_exchange.bind(Collectives(process_group, self.world_size), self.rank)
+            rank, world = 0, 1
+        self.step_exchange.bind(Collectives(process_group, world), rank)
         if check_consistency and self.world_size > 1:
             self._check_consistency()
         first = trainable[0][1] if trainable else None

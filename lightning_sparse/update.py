@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse._utils import all_finite
+from lightning_sparse._utils import all_finite, all_reduce_mean_
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
@@ -261,10 +261,10 @@ class UpdateExchange:
         unsent part is added to the global model (its mean, one dense all-reduce) and the optimizer
         states are averaged, so that the replicas stay identical. Returns whether this step is a
         plain DDP step."""
-        state = self.state
-        if not (state.config.timed_fallback is not None and state.config.sync_every == 1):
+        steps = self.state.step_exchange
+        if not steps.times_whole_steps:
             return False
-        dense, entering = state.step_exchange.begin_timed()
+        dense, entering = steps.begin_timed()
         if entering:
             self._flush_to_global()
             if self.on_dense is not None:
@@ -367,12 +367,4 @@ def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup
             for _, value in sorted(inner.state.get(p, {}).items())
             if isinstance(value, Tensor) and value.is_floating_point()
         ]
-        if not tensors:
-            continue
-        flat = torch.cat([t.reshape(-1).double() for t in tensors])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        pos = 0
-        for t in tensors:
-            t.copy_(flat[pos : pos + t.numel()].view_as(t))
-            pos += t.numel()
+        all_reduce_mean_(tensors, group, world, torch.float64)
