@@ -10,4 +10,5 @@ COMMANDS: dict[str, str] = {
     "step": "benchmarks.step",
     "convergence": "benchmarks.convergence",
     "scale": "benchmarks.scale",
+    "checkpoint": "benchmarks.checkpoint",
 }

@@ -1,129 +1,236 @@
-"""The checkpoint payload: every rank's sparse state, written at a save and restored per rank.
+"""The checkpoint payload: each process's sparse state, written by that process beside the checkpoint.
 
-At a save every rank's state (residuals, step, schedule, telemetry; in update mode its optimizer
-states and the outer step's state) is gathered to rank 0 and written under
-:data:`CHECKPOINT_KEY`; at a load each rank takes its own again, or, on another number of
-processes, the mean of the saved ones (``docs/guarantees.md``). Both front ends carry it through
-:class:`CheckpointPayload`.
+At a save every process writes its own state (residuals, step, schedule, telemetry; in update mode
+its optimizer states) to a file of its own in a folder beside the checkpoint,
+``<checkpoint>.sparse/rank00001-of-00004.pt``; the checkpoint itself (written by rank 0, a plain
+``torch.save`` file loadable without this library) holds only a small entry under
+:data:`CHECKPOINT_KEY` that names the folder. Nothing is gathered: no process holds another's
+state. Rank 0's optimizer states are the ones Lightning writes into the checkpoint, so no file
+holds them twice. At a load each process reads its own file again or, on another number of
+processes, the mean of the saved ones, reading one file at a time (``docs/guarantees.md``). Both
+front ends carry it through :class:`CheckpointPayload`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
 
 from lightning_sparse.state import SparseState
 from lightning_sparse.update import UpdateExchange
 
-__all__ = ["CHECKPOINT_KEY", "CheckpointPayload", "mean_states"]
+__all__ = ["CHECKPOINT_KEY", "CheckpointPayload", "mean_states", "read_rank_states", "rank_files_dir"]
 
-#: key of the sparse state inside Lightning checkpoints (Trainer and Fabric)
+#: key of the sparse state's entry inside Lightning checkpoints (Trainer and Fabric)
 CHECKPOINT_KEY = "lightning_sparse"
+#: version of the checkpoint entry: 2 is one file per process beside the checkpoint
+PAYLOAD_FORMAT = 2
+
+
+def rank_files_dir(path: _PATH) -> str:
+    """The folder that holds the per-process files of the checkpoint at ``path``.
+
+    Example:
+        >>> rank_files_dir("ckpts/epoch=0-step=3.ckpt")
+        'ckpts/epoch=0-step=3.ckpt.sparse'
+    """
+    return f"{os.fspath(path)}.sparse"
+
+
+def _rank_file(folder: str, rank: int, world_size: int) -> str:
+    return f"{folder}/rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+def _folder_of(path: _PATH, entry: dict[str, Any]) -> str:
+    """The folder an entry names, next to the real file behind ``path`` (``last.ckpt`` may be a link)."""
+    path = os.fspath(path)
+    if "://" not in path and os.path.islink(path):
+        path = os.path.realpath(path)
+    parent = os.path.dirname(path)
+    return f"{parent}/{entry['files']}" if parent else str(entry["files"])
+
+
+def _write(record: dict[str, Any], file: str, io: CheckpointIO, storage_options: Any | None) -> None:
+    """Write one process's record. Lightning's own writer first serializes a whole checkpoint into
+    memory; a local file written with the default writer is streamed to disk instead (and renamed
+    into place when complete), so a save costs no second copy of the state in memory."""
+    if type(io) is TorchCheckpointIO and storage_options is None and "://" not in file:
+        os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
+        partial = f"{file}.partial"
+        torch.save(record, partial)
+        os.replace(partial, file)
+    else:
+        io.save_checkpoint(record, file, storage_options=storage_options)
 
 
 class CheckpointPayload:
-    """Saves and restores one rank's sparse state through the strategy's checkpoints.
+    """Saves and restores one process's sparse state through the strategy's checkpoints.
 
     Args:
-        state: this rank's :class:`~lightning_sparse.state.SparseState`.
+        state: this process's :class:`~lightning_sparse.state.SparseState`.
         update: the update exchange (update mode), else None.
 
     Example:
+        >>> import tempfile
+        >>> from lightning.fabric.plugins import TorchCheckpointIO
         >>> payload = CheckpointPayload(SparseState(compressor="topk"), None)
-        >>> saved = payload.gather()          # one process: its own state
-        >>> saved["world_size"], saved["ranks"][0]["step"]
-        (1, 0)
+        >>> path = tempfile.mkdtemp() + "/model.ckpt"
+        >>> entry = payload.save(path, 0, 1, None, TorchCheckpointIO())   # this process's file, beside path
+        >>> entry["world_size"], entry["files"]
+        (1, 'model.ckpt.sparse')
+        >>> [r["state"]["step"] for r in read_rank_states(path, entry)]
+        [0]
     """
 
     def __init__(self, state: SparseState, update: UpdateExchange | None) -> None:
         self.state = state
         self.update = update
-        self._pending_payload: dict[str, Any] | None = None
-        #: every rank's optimizer states from a loaded checkpoint (update mode), by rank
-        self._pending_optimizer_states: list[Any] | None = None
+        #: this process's restored state, applied when the model is set up (once)
+        self._pending: dict[str, Any] | None = None
 
-    def gather(self, optimizer_states: Any = None) -> dict[str, Any] | None:
-        """This rank's state (and, in update mode, its ``optimizer_states``) gathered to rank 0.
+    def save(
+        self,
+        path: _PATH,
+        rank: int,
+        world_size: int,
+        optimizer_states: dict[str, Any] | None,
+        io: CheckpointIO,
+        storage_options: Any | None = None,
+    ) -> dict[str, Any]:
+        """Write this process's file beside ``path``; return the entry for the checkpoint itself.
 
-        A collective on every rank; returns ``{"world_size": W, "ranks": [state of rank r]}`` on
-        rank 0 and None on the other ranks.
+        Runs on every process, with no collective. ``optimizer_states`` maps the checkpoint's keys
+        to this process's optimizer states (e.g. ``{"optimizer_states": [...]}`` for the Trainer);
+        in update mode every process's are kept (each optimizer followed its own gradients), rank
+        0's in the checkpoint itself and the others' in their files. Rank 0 writes the returned
+        entry under :data:`CHECKPOINT_KEY`.
         """
-        mine = self.state.state_dict()
-        if self.update is not None:
-            mine["outer_step"] = self.update.outer_step.state_dict()  # the same on every rank
-        if self.update is not None and optimizer_states is not None:
-            # each rank's optimizer followed its own gradients: Lightning keeps rank 0's only
-            mine["optimizer_states"] = optimizer_states
-        if _distributed_is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(mine, gathered, dst=0)
-        else:
-            gathered = [mine]
-        if gathered is None:
-            return None
-        return {"world_size": len(gathered), "ranks": gathered}
-
-    def restore(self, payload: dict[str, Any], rank: int, world_size: int, device: torch.device, now: bool) -> None:
-        """Restore a payload written by :meth:`gather`: this rank's residuals, step,
-        schedule and telemetry (at once if ``now``, else when the hook is registered), and keep
-        every rank's optimizer state for :meth:`take_optimizer_states` (update mode; on another
-        world size, their mean for every rank)."""
-        ranks = payload["ranks"]
-        if self.update is not None and all("optimizer_states" in r for r in ranks):
-            states = [r["optimizer_states"] for r in ranks]
-            if int(payload["world_size"]) != world_size:
-                # another number of processes: every rank starts from the mean of the saved states
-                # (as the mean of the residuals below), the same on every rank
-                states = [mean_states(states)] * world_size
-            self._pending_optimizer_states = states
-        if now:
-            self._apply(payload, rank, world_size, device)
-            self._pending_payload = None
-        else:
-            self._pending_payload = payload
-
-    def apply_pending(self, rank: int, world_size: int, device: torch.device) -> None:
-        """Apply a payload that :meth:`restore` held until the model was set up (once)."""
-        if self._pending_payload is not None:
-            self._apply(self._pending_payload, rank, world_size, device)
-            self._pending_payload = None
-
-    def take_optimizer_states(self, rank: int) -> Any:
-        """The optimizer states rank ``rank`` saved in the restored checkpoint (once), or None."""
-        pending = self._pending_optimizer_states
-        self._pending_optimizer_states = None
-        return None if pending is None else pending[rank]
-
-    def _apply(self, payload: dict[str, Any], rank: int, world_size: int, device: torch.device) -> None:
-        ranks: list[dict[str, Any]] = payload["ranks"]
-        saved_world = int(payload["world_size"])
         state = self.state
-        if saved_world == world_size:
-            mine = ranks[rank]
-        else:
-            # Every new rank takes the mean of the old residuals: the total delayed gradient,
-            # sum(e_r) / world_size, is then the same as before the change.
-            rank_zero_warn(
-                f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
-                f"{world_size}; each rank starts from the mean of the saved error-feedback residuals, "
-                "which keeps the total delayed "
-                + (
-                    "update (nothing is dropped) but not each rank's share of it, and from the mean of the "
-                    "saved ranks' optimizer states."
-                    if self.update is not None
-                    else "gradient (nothing is dropped) but not each rank's share of it."
-                )
+        keep_optimizers = self.update is not None and optimizer_states is not None
+        record: dict[str, Any] = {"rank": rank, "world_size": world_size, "state": state.state_dict(copy=False)}
+        if keep_optimizers and rank != 0:
+            record["optimizer_states"] = optimizer_states
+        folder = rank_files_dir(path)
+        _write(record, _rank_file(folder, rank, world_size), io, storage_options)
+        entry: dict[str, Any] = {
+            "format": PAYLOAD_FORMAT,
+            "world_size": world_size,
+            "files": os.path.basename(folder),
+            "step": record["state"]["step"],
+            "optimizer_keys": sorted(optimizer_states) if keep_optimizers and optimizer_states else [],
+        }
+        if self.update is not None:
+            entry["outer_step"] = self.update.outer_step.state_dict()  # the same on every process
+        return entry
+
+    @staticmethod
+    def remove(path: _PATH) -> None:
+        """Remove the per-process files of the checkpoint at ``path`` (rank 0, with the checkpoint)."""
+        folder = rank_files_dir(path)
+        fs = get_filesystem(folder)
+        if fs.exists(folder):
+            fs.rm(folder, recursive=True)
+
+    def restore(
+        self,
+        checkpoint: dict[str, Any],
+        path: _PATH,
+        rank: int,
+        world_size: int,
+        io: CheckpointIO,
+        device: torch.device,
+        now: bool,
+        weights_only: bool | None = None,
+    ) -> None:
+        """Take :data:`CHECKPOINT_KEY` out of a loaded ``checkpoint`` and restore this process's state.
+
+        Reads this process's file (on another number of processes, the mean of every saved one, a
+        file at a time). The residuals, step, schedule and telemetry are applied at once if
+        ``now``, else when the model is set up (:meth:`apply_pending`). In update mode the
+        checkpoint's optimizer states are replaced, in place, by the ones this process saved (on
+        another number of processes, their mean over the saved processes).
+        """
+        entry = checkpoint.pop(CHECKPOINT_KEY)
+        if entry.get("format") != PAYLOAD_FORMAT:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} holds lightning_sparse state of format {entry.get('format')!r}; this "
+                f"version reads format {PAYLOAD_FORMAT} (one file per process beside the checkpoint)."
             )
-            mine = dict(ranks[0])
-            for key in ("residuals", "velocity"):  # local momenta, like residuals, are summed over ranks
-                names = {n for r in ranks for n in r.get(key, {})}
-                mine[key] = {
-                    n: sum(r[key][n] for r in ranks if n in r.get(key, {})) / saved_world for n in sorted(names)
-                }
+        saved_world = int(entry["world_size"])
+        folder = _folder_of(path, entry)
+        keys: list[str] = entry.get("optimizer_keys", [])
+        in_checkpoint = {k: checkpoint[k] for k in keys if k in checkpoint}
+
+        def read(r: int) -> dict[str, Any]:
+            file = _rank_file(folder, r, saved_world)
+            if not get_filesystem(file).exists(file):
+                raise FileNotFoundError(
+                    f"lightning_sparse: {file!r} is missing: the checkpoint {os.fspath(path)!r} was written by "
+                    f"{saved_world} processes, each with its own file in {folder!r}; copy that folder with the "
+                    "checkpoint."
+                )
+            record = io.load_checkpoint(file, map_location="cpu", weights_only=weights_only)
+            if record["state"]["step"] != entry["step"]:
+                raise ValueError(
+                    f"lightning_sparse: {file!r} is from step {record['state']['step']}, the checkpoint "
+                    f"{os.fspath(path)!r} from step {entry['step']}: a process did not finish writing that save."
+                )
+            if r == 0 and keys:
+                record["optimizer_states"] = in_checkpoint
+            return record
+
+        if saved_world == world_size:
+            record = read(rank)
+            mine = record["state"]
+            optimizers = record.get("optimizer_states")
+        else:
+            mine, optimizers = self._mean_of_saved(read, saved_world, world_size)
+        if optimizers:
+            checkpoint.update(optimizers)  # this process's own optimizer states (rank 0's are there already)
+        mine = self._checked(mine)
+        self._pending = {"state": mine, "outer_step": entry.get("outer_step")}
+        if now:
+            self.apply_pending(device)
+
+    def _mean_of_saved(self, read: Any, saved_world: int, world_size: int) -> tuple[dict[str, Any], Any]:
+        # Every new process takes the mean of the old residuals: the total delayed gradient,
+        # sum(e_r) / world_size, is then the same as before the change.
+        rank_zero_warn(
+            f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
+            f"{world_size}; each rank starts from the mean of the saved error-feedback residuals, "
+            "which keeps the total delayed "
+            + (
+                "update (nothing is dropped) but not each rank's share of it, and from the mean of the "
+                "saved ranks' optimizer states."
+                if self.update is not None
+                else "gradient (nothing is dropped) but not each rank's share of it."
+            )
+        )
+        first: dict[str, Any] = {}
+        # local momenta are summed like residuals, in float32 (the mean they always had)
+        sums = {key: _Mean(wide=False) for key in ("residuals", "velocity")}
+        optimizers = _Mean()
+        for r in range(saved_world):
+            record = read(r)
+            state = record["state"]
+            for key, mean in sums.items():
+                mean.add(state.get(key, {}))
+            if "optimizer_states" in record and self.update is not None:
+                optimizers.add(record["optimizer_states"])
+            if r == 0:
+                first = {k: v for k, v in state.items() if k not in sums}
+        mine = {**first, **{key: mean.result(saved_world) if mean.count else {} for key, mean in sums.items()}}
+        return mine, optimizers.result(optimizers.count) if optimizers.count else None
+
+    def _checked(self, mine: dict[str, Any]) -> dict[str, Any]:
+        state = self.state
         saved_mode = mine.get("compress", "gradient")
         if saved_mode != state.config.compress:
             rank_zero_warn(
@@ -139,9 +246,106 @@ class CheckpointPayload:
                 f"{mine.get('compressor_config')} and is resumed with {current} {state.compressor.config()}; "
                 "the error-feedback residuals (the gradient not sent yet) are kept and sent by the new compressor."
             )
-        state.load_state_dict(mine, device=device)
-        if self.update is not None and "outer_step" in mine:
-            self.update.outer_step.load_state_dict(mine["outer_step"])
+        return mine
+
+    def apply_pending(self, device: torch.device) -> None:
+        """Apply what :meth:`restore` held until the model was set up (once)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.state.load_state_dict(pending["state"], device=device)
+        if self.update is not None and pending["outer_step"] is not None:
+            self.update.outer_step.load_state_dict(pending["outer_step"])
+
+
+def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every process's saved record of the checkpoint at ``path``, by rank (for inspection).
+
+    Each record is ``{"rank", "world_size", "state"}`` (and, in update mode on ranks other than
+    0, ``"optimizer_states"``). ``entry`` is the checkpoint's :data:`CHECKPOINT_KEY` entry (read
+    from ``path`` when not given). It reads every file at once: for a look at the state, not for
+    resuming a large model.
+
+    Example:
+        >>> read_rank_states("model.ckpt")  # doctest: +SKIP
+        [{'rank': 0, 'world_size': 2, 'state': {...}}, {'rank': 1, ...}]
+    """
+    if entry is None:
+        entry = torch.load(path, map_location="cpu", weights_only=False)[CHECKPOINT_KEY]
+    folder = _folder_of(path, entry)
+    world_size = int(entry["world_size"])
+    return [torch.load(_rank_file(folder, r, world_size), map_location="cpu") for r in range(world_size)]
+
+
+class _Mean:
+    """A running element-wise mean of structurally equal states (dicts, lists, tuples of tensors and
+    other values): floating tensors are summed in float64 and divided at the end (then cast back to
+    their dtype), anything else is taken from the first. A dict key that some states lack counts as
+    zero there. Only the sums are held, so states can be read one at a time."""
+
+    def __init__(self, wide: bool = True) -> None:
+        self.total: Any = None
+        self.count = 0
+        #: sum in float64 (else in each tensor's own dtype, as the residuals' mean always was)
+        self.wide = wide
+
+    def add(self, state: Any) -> None:
+        self.total = _summed(self.total, state) if self.count else _as_total(state, self.wide)
+        self.count += 1
+
+    def result(self, n: int) -> Any:
+        """The sums divided by ``n`` (missing entries count as zero)."""
+        return _divided(self.total, n)
+
+
+class _Sum:
+    """A sum of floating tensors of one dtype (in float64 if ``wide``)."""
+
+    def __init__(self, tensor: torch.Tensor, wide: bool) -> None:
+        self.dtype = tensor.dtype
+        self.value = tensor.detach().to(dtype=torch.float64 if wide else tensor.dtype, copy=True)
+
+
+def _as_total(state: Any, wide: bool) -> Any:
+    if isinstance(state, torch.Tensor) and state.is_floating_point():
+        return _Sum(state, wide)
+    if isinstance(state, dict):
+        return {key: _as_total(value, wide) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [_as_total(value, wide) for value in state]
+        return type(state)(items) if isinstance(state, tuple) else items
+    return state
+
+
+def _summed(total: Any, state: Any) -> Any:
+    if isinstance(total, _Sum):
+        total.value.add_(state.to(device=total.value.device, dtype=total.value.dtype))
+        return total
+    if isinstance(total, dict):
+        for key, value in state.items():
+            total[key] = _summed(total[key], value) if key in total else _as_total(value, _is_wide(total))
+        return total
+    if isinstance(total, (list, tuple)):
+        items = [_summed(t, s) for t, s in zip(total, state, strict=True)]
+        return type(total)(items) if isinstance(total, tuple) else items
+    return total
+
+
+def _is_wide(total: dict[str, Any]) -> bool:
+    """Whether the sums in ``total`` are float64 (a key first seen in a later state is summed alike)."""
+    sums = [v for v in total.values() if isinstance(v, _Sum)]
+    return not sums or sums[0].value.dtype == torch.float64
+
+
+def _divided(total: Any, n: int) -> Any:
+    if isinstance(total, _Sum):
+        return total.value.div(n).to(total.dtype)
+    if isinstance(total, dict):
+        return {key: _divided(value, n) for key, value in total.items()}
+    if isinstance(total, (list, tuple)):
+        items = [_divided(t, n) for t in total]
+        return type(total)(items) if isinstance(total, tuple) else items
+    return total
 
 
 def mean_states(states: list[Any]) -> Any:
@@ -154,15 +358,7 @@ def mean_states(states: list[Any]) -> Any:
         >>> mean_states([{"step": 3, "m": torch.tensor([1.0, 2.0])}, {"step": 3, "m": torch.tensor([3.0, 0.0])}])
         {'step': 3, 'm': tensor([2., 1.])}
     """
-    first = states[0]
-    if isinstance(first, torch.Tensor):
-        if not first.is_floating_point():
-            return first
-        total = torch.stack([s.to(device=first.device, dtype=torch.float64) for s in states]).mean(0)
-        return total.to(first.dtype)
-    if isinstance(first, dict):
-        return {key: mean_states([s[key] for s in states]) for key in first}
-    if isinstance(first, (list, tuple)):
-        items = [mean_states([s[i] for s in states]) for i in range(len(first))]
-        return type(first)(items) if isinstance(first, tuple) else items
-    return first
+    mean = _Mean()
+    for state in states:
+        mean.add(state)
+    return mean.result(mean.count)

@@ -110,7 +110,7 @@ class SparseCore:
         scaler (fp16 AMP) and, in update mode, the optimizers (their states are averaged when a timed
         fallback takes the ranks to plain DDP steps) and the ``module`` whose BatchNorm statistics
         :meth:`global_model` recomputes."""
-        self.checkpoint.apply_pending(rank, world_size, device)
+        self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
         self.state.step_exchange.use_scaler(scaler if enabled else None, rescale_residuals=self.update is None)

@@ -67,9 +67,10 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     ``compress="update"`` (the default) each rank's optimizer steps on its own gradient and part of
     each rank's progress is exchanged after ``optimizer.step()``; with ``compress="gradient"``
     DDP's communication hook sends part of each gradient plus residual during ``fabric.backward``.
-    The hook is registered on every device (CPU/gloo included). ``fabric.save`` writes every rank's
-    residuals (and in update mode every rank's optimizer state) into the checkpoint, gathered to
-    rank 0; ``fabric.load`` gives each rank its own back, so a resumed run continues exactly.
+    The hook is registered on every device (CPU/gloo included). At ``fabric.save`` every rank writes
+    its own residuals (and in update mode its optimizer state) to a file of its own beside the
+    checkpoint (``<path>.sparse/``), nothing gathered; ``fabric.load`` gives each rank its own
+    back, so a resumed run continues exactly.
     ``fabric.strategy.sparse_state.telemetry`` holds the compression figures (there are no
     Trainer callbacks in Fabric: log them with ``fabric.log_dict`` if wanted).
 
@@ -287,11 +288,12 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Save ``state`` (rank 0 writes) with every rank's sparse state under ``"lightning_sparse"``.
+        """Save ``state`` (rank 0 writes it) and every rank's sparse state beside it.
 
-        Runs on every rank (``fabric.save`` calls it on all): the residuals, step, schedule and
-        telemetry of every rank, and in update mode every rank's optimizer states (each rank's
-        optimizer followed its own gradients), are gathered to rank 0.
+        Runs on every rank (``fabric.save`` calls it on all): each rank writes its residuals, step,
+        schedule and telemetry, and in update mode its optimizer states (each rank's optimizer
+        followed its own gradients), to its own file in ``<path>.sparse/``; the checkpoint holds a
+        small entry under ``"lightning_sparse"`` that names that folder.
         """
         if CHECKPOINT_KEY in state:
             raise ValueError(
@@ -302,9 +304,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]
         optimizer_states = {k: converted[k] for k in optimizers}
-        payload = self._core.checkpoint.gather(optimizer_states)
+        entry = self._save_sparse(path, optimizer_states or None, storage_options)
         if self.is_global_zero:
-            converted[CHECKPOINT_KEY] = payload
+            converted[CHECKPOINT_KEY] = entry
             self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
     @override
@@ -331,16 +333,10 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         finally:
             self.checkpoint_io = io
 
-    def _restore(self, checkpoint: Any) -> Any:
+    def _restore(self, checkpoint: Any, path: _PATH, weights_only: bool | None) -> Any:
         """Take the sparse state out of a loaded checkpoint and give this rank its own optimizer states."""
-        payload = checkpoint.pop(CHECKPOINT_KEY, None) if isinstance(checkpoint, dict) else None
-        if payload is not None:
-            now = self._ddp_model is not None
-            self._core.checkpoint.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
-            mine = self._core.checkpoint.take_optimizer_states(self.global_rank)
-            for key, value in (mine or {}).items():
-                if key in checkpoint:
-                    checkpoint[key] = value  # this rank's own optimizer state
+        if isinstance(checkpoint, dict) and CHECKPOINT_KEY in checkpoint:
+            self._restore_sparse(checkpoint, path, self._ddp_model is not None, weights_only)
         return checkpoint
 
     # ------------------------------------------------------------------ names
@@ -358,7 +354,7 @@ def register_fabric_strategies() -> None:
 class _RestoringIO(CheckpointIO):
     """A CheckpointIO that passes what ``io`` loads through ``restore`` (saving is ``io``'s)."""
 
-    def __init__(self, io: CheckpointIO, restore: Callable[[Any], Any]) -> None:
+    def __init__(self, io: CheckpointIO, restore: Callable[[Any, _PATH, bool | None], Any]) -> None:
         self.io = io
         self.restore = restore
 
@@ -368,7 +364,8 @@ class _RestoringIO(CheckpointIO):
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
-        return self.restore(self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only))
+        checkpoint = self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return self.restore(checkpoint, path, weights_only)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:

@@ -126,11 +126,11 @@ class ErrorFeedback:
                 total += float(torch.dot(e, e))
         return total
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return {
-            name: torch.zeros(e.numel()) if name in self._zero else e.detach().cpu().clone()
-            for name, e in self._residuals.items()
-        }
+    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+        """The residuals by name, on the CPU; ``copy=False`` hands out the CPU ones themselves (to
+        write them at once)."""
+        zero = self._zero
+        return {n: torch.zeros(e.numel()) if n in zero else _on_cpu(e, copy) for n, e in self._residuals.items()}
 
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
         self._zero.clear()
@@ -189,10 +189,16 @@ class LocalMomentum:
         for u in self._velocity.values():
             u.mul_(factor)
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return {name: u.detach().cpu().clone() for name, u in self._velocity.items()}
+    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
+        """The local momenta by name, on the CPU (``copy=False``: the CPU ones themselves)."""
+        return {name: _on_cpu(u, copy) for name, u in self._velocity.items()}
 
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
         self._velocity = {
             name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
         }
+
+
+def _on_cpu(t: Tensor, copy: bool) -> Tensor:
+    t = t.detach()
+    return t.cpu().clone() if copy or t.device.type != "cpu" else t

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+
 from lightning_sparse.state import SparseState
 from lightning_sparse.update import UpdateExchange
 
@@ -26,6 +30,11 @@ class SparseShell:
 
     _core: SparseCore
     _in_optimizer_step: bool = False
+    # provided by the front end's strategy
+    global_rank: int
+    world_size: int
+    root_device: torch.device
+    checkpoint_io: CheckpointIO
 
     @property
     def sparse_state(self) -> SparseState:
@@ -41,6 +50,20 @@ class SparseShell:
     def update_exchange(self) -> UpdateExchange | None:
         """The update exchange (``compress="update"``), else None."""
         return self._core.update
+
+    def _save_sparse(
+        self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any
+    ) -> dict[str, Any]:
+        """Write this process's sparse state beside the checkpoint at ``path``; the checkpoint's entry."""
+        return self._core.checkpoint.save(
+            path, self.global_rank, self.world_size, optimizer_states, self.checkpoint_io, storage_options
+        )
+
+    def _restore_sparse(self, checkpoint: dict[str, Any], path: _PATH, now: bool, weights_only: bool | None) -> None:
+        """Restore this process's sparse state from a loaded ``checkpoint`` (see ``CheckpointPayload.restore``)."""
+        self._core.checkpoint.restore(
+            checkpoint, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device, now, weights_only
+        )
 
     def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
         """Run the optimizer ``step``; in update mode on this rank's view of its parameters, then

@@ -203,8 +203,11 @@ class SparseState:
         return ratio
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state: residuals by parameter name, step, schedule and telemetry totals."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """This rank's state: residuals by parameter name, step, schedule and telemetry totals.
+
+        ``copy=False`` hands out the residuals themselves where they are on the CPU (for writing
+        them at once, without a second copy in memory)."""
         timed = self.config.timed_fallback
         return {
             "version": STATE_VERSION,
@@ -218,8 +221,8 @@ class SparseState:
             "compressor": type(self.compressor).__name__,
             "compressor_config": self.compressor.config(),
             "schedule": self.schedule.state_dict(),
-            "residuals": self.memory.state_dict(),
-            "velocity": self.velocity.state_dict(),
+            "residuals": self.memory.state_dict(copy),
+            "velocity": self.velocity.state_dict(copy),
             "telemetry": self.telemetry.state_dict(),
             "timed_fallback": None if timed is None else timed.state_dict(),
         }

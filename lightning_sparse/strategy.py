@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_sparse._utils import check_bool, end_process_group_at_exit, note_run_end
 from lightning_sparse.advice import training_advice
 from lightning_sparse.callbacks import CompressionMonitor
-from lightning_sparse.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.checkpoint import CHECKPOINT_KEY, CheckpointPayload
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.core import SparseCore, register_names
@@ -190,7 +190,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     def teardown(self) -> None:
         """Lightning's teardown (at the end of every fit, validate, test and predict, also after an
         error). The process group stays for the Trainer's next run and for what the script does
-        after it (``trainer.save_checkpoint`` gathers every rank's residuals); every collective
+        after it (``trainer.save_checkpoint`` runs on every rank); every collective
         the strategy issued was waited for within its step. At interpreter exit the group is
         ended on every rank together (``lightning_sparse._utils.end_process_group_at_exit``),
         unless this run ended with an exception: then the other ranks may never get there."""
@@ -289,29 +289,28 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        # Runs on every rank, so the residuals of all ranks can be gathered to rank 0 here.
-        payload = self._core.checkpoint.gather(checkpoint.get("optimizer_states"))
-        if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = payload
+        # Runs on every process: each writes its own sparse state beside the checkpoint, no gather.
+        optimizer_states = (
+            {"optimizer_states": checkpoint["optimizer_states"]} if "optimizer_states" in checkpoint else None
+        )
+        checkpoint[CHECKPOINT_KEY] = self._save_sparse(filepath, optimizer_states, storage_options)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        payload = checkpoint.get(CHECKPOINT_KEY)
-        if payload is not None:
-            # Restored before DDP wraps the model; applied when the hook is registered.
+        if CHECKPOINT_KEY in checkpoint:
+            # Restored before DDP wraps the model; applied when the hook is registered. In update mode
+            # checkpoint["optimizer_states"] becomes this process's own.
             now = isinstance(self.model, DistributedDataParallel)
-            self._core.checkpoint.restore(payload, self.global_rank, self.world_size, self.root_device, now=now)
+            self._restore_sparse(checkpoint, checkpoint_path, now, weights_only)
         return checkpoint
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        mine = self._core.checkpoint.take_optimizer_states(self.global_rank)
-        if mine is not None:
-            # update mode: this rank's own optimizer state, as it was in this rank when saved
-            checkpoint = {**checkpoint, "optimizer_states": mine}
-        super().load_optimizer_state_dict(checkpoint)
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            CheckpointPayload.remove(filepath)
 
     # ------------------------------------------------------------------ names
     @classmethod

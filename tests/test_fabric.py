@@ -19,6 +19,7 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 
 import lightning_sparse
 from lightning_sparse import FabricSparseDDPStrategy, SparseDDPStrategy
+from lightning_sparse.checkpoint import read_rank_states
 
 HERE = Path(__file__).parent
 
@@ -132,17 +133,21 @@ def test_resume_is_exact(runs: dict[str, Any], mode: str) -> None:
 def test_checkpoint_carries_every_ranks_state(runs: dict[str, Any]) -> None:
     ckpt = torch.load(runs["root"] / "update.ckpt", weights_only=False)
     assert ckpt["step"] == 15 and "model" in ckpt and "optimizer" in ckpt
-    payload = ckpt["lightning_sparse"]
-    assert payload["world_size"] == 2
-    for rank_state in payload["ranks"]:
-        assert rank_state["compress"] == "update" and rank_state["residuals"] and rank_state["step"] == 15
-        assert rank_state["optimizer_states"]["optimizer"]["state"]
-    first, second = (r["optimizer_states"]["optimizer"]["state"][0]["momentum_buffer"] for r in payload["ranks"])
+    assert ckpt["lightning_sparse"]["world_size"] == 2 and ckpt["lightning_sparse"]["files"] == "update.ckpt.sparse"
+    records = read_rank_states(runs["root"] / "update.ckpt")
+    assert [r["rank"] for r in records] == [0, 1]
+    for record in records:
+        assert record["state"]["compress"] == "update" and record["state"]["residuals"]
+        assert record["state"]["step"] == 15
+    # rank 0's optimizer state is the checkpoint's own (not written twice), rank 1's is in its file
+    assert "optimizer_states" not in records[0]
+    first = ckpt["optimizer"]["state"][0]["momentum_buffer"]
+    second = records[1]["optimizer_states"]["optimizer"]["state"][0]["momentum_buffer"]
     assert not torch.equal(first, second), "each rank's optimizer followed its own gradients"
     # gradient mode: one optimizer state (DDP averaged the gradients), residuals of both ranks
-    payload = torch.load(runs["root"] / "gradient.ckpt", weights_only=False)["lightning_sparse"]
-    assert all(r["compress"] == "gradient" and r["residuals"] for r in payload["ranks"])
-    assert all("optimizer_states" not in r for r in payload["ranks"])
+    records = read_rank_states(runs["root"] / "gradient.ckpt")
+    assert all(r["state"]["compress"] == "gradient" and r["state"]["residuals"] for r in records)
+    assert all("optimizer_states" not in r for r in records)
 
 
 # ---------------------------------------------------------------------- no processes needed

@@ -12,6 +12,8 @@ import torch
 import yaml
 from conftest import run_trainer
 
+from lightning_sparse.checkpoint import read_rank_states
+
 pytestmark = pytest.mark.dist
 
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch; the checkpoint at the end of epoch 1 is step 16,
@@ -74,11 +76,12 @@ def test_resume_mid_cycle_equals_uninterrupted_fit(launches: dict[str, Any], nam
         assert untimed[0] == untimed[1]
     for key in full[0]["params"]:  # the module holds the one global model on both ranks
         assert torch.equal(full[0]["params"][key], full[1]["params"][key]), f"replicas differ in {key}"
-    ckpt = torch.load(launches["root"] / f"{name}.ckpt", weights_only=False)["lightning_sparse"]
-    assert [r["cycle"] for r in ckpt["ranks"]] == [{next(iter(ckpt["ranks"][0]["cycle"])): 1}] * 2  # mid-cycle
-    if "outer_optimizer" in CASES[name]:
-        states = [r["outer_step"] for r in ckpt["ranks"]]
-        assert states[0].keys() == states[1].keys() and len(states[0]) >= 1
+    records = read_rank_states(launches["root"] / f"{name}.ckpt")
+    cycles = [r["state"]["cycle"] for r in records]
+    assert cycles == [{next(iter(cycles[0])): 1}] * 2  # mid-cycle
+    if "outer_optimizer" in CASES[name]:  # the same on every rank: once, in the checkpoint itself
+        state = torch.load(launches["root"] / f"{name}.ckpt", weights_only=False)["lightning_sparse"]["outer_step"]
+        assert len(state) >= 1
 
 
 def test_compression_ratio_counts_every_optimizer_step(launches: dict[str, Any]) -> None:

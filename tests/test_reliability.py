@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import run_trainer
 
+from lightning_sparse.checkpoint import read_rank_states
 from lightning_sparse.compressors import COMPRESSORS
 
 pytestmark = pytest.mark.dist
@@ -217,15 +218,19 @@ def test_timed_fallback_choice_is_kept_on_resume(launches: dict[str, Any]) -> No
 
 def test_checkpoint_holds_every_rank_state(launches: dict[str, Any]) -> None:
     ckpt = torch.load(launches["root"] / "topk.ckpt", weights_only=True)
-    payload = ckpt["lightning_sparse"]
-    assert payload["world_size"] == 2 and len(payload["ranks"]) == 2
-    assert [r["rank"] for r in payload["ranks"]] == [0, 1]
-    assert all(r["step"] == 16 for r in payload["ranks"])
+    assert ckpt["lightning_sparse"]["world_size"] == 2 and ckpt["lightning_sparse"]["step"] == 16
+    records = read_rank_states(launches["root"] / "topk.ckpt")
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["state"]["step"] == 16 for r in records)
+    assert sorted(p.name for p in (launches["root"] / "topk.ckpt.sparse").iterdir()) == [
+        "rank00000-of-00002.pt",
+        "rank00001-of-00002.pt",
+    ]
 
 
 def test_resume_on_other_world_size_warns_and_keeps_mean_residual(launches: dict[str, Any]) -> None:
     assert "written by 2 processes and is resumed on 1" in launches["logs"]["single"]
-    saved = torch.load(launches["root"] / "topk.ckpt", weights_only=True)["lightning_sparse"]["ranks"]
+    saved = [r["state"] for r in read_rank_states(launches["root"] / "topk.ckpt")]
     restored = launches["single"]["regrown"][0]["residuals"]
     assert restored.keys() == saved[0]["residuals"].keys()
     for key, value in restored.items():

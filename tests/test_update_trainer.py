@@ -18,6 +18,8 @@ from test_trainer_dist import assert_replicas_identical
 from torch import nn
 from trainer_worker import Net, make_data
 
+from lightning_sparse.checkpoint import read_rank_states
+
 pytestmark = pytest.mark.dist
 
 UPDATE = {"compress": "update", "density": 0.05}
@@ -113,13 +115,19 @@ def test_checkpoint_holds_the_global_model(runs: dict[str, Any], tmp_path_factor
     last = torch.load(root / "ckpts" / "last.ckpt", weights_only=False)
     for key, value in last["state_dict"].items():
         assert torch.equal(value.float(), a["params"][key]), key
-    payload = last["lightning_sparse"]
-    assert payload["world_size"] == 2
-    # every rank's residuals and optimizer state travel with it (Lightning keeps rank 0's optimizer only)
-    for rank_state in payload["ranks"]:
-        assert rank_state["compress"] == "update" and rank_state["residuals"]
-        assert rank_state["optimizer_states"][0]["state"]
-    first, second = (payload["ranks"][r]["optimizer_states"][0]["state"][0]["exp_avg"] for r in (0, 1))
+    assert last["lightning_sparse"]["world_size"] == 2
+    # ModelCheckpoint keeps the newest step checkpoint only: its removals take the process files along
+    names = sorted(p.name for p in (root / "ckpts").iterdir())
+    steps = [n for n in names if n.startswith("epoch=") and n.endswith(".ckpt")]
+    assert len(steps) == 1 and "step=10" not in steps[0], names
+    assert [n for n in names if n.endswith(".sparse")] == sorted(f"{n}.sparse" for n in [*steps, "last.ckpt"]), names
+    # every rank's residuals and optimizer state travel with it, each in its own file beside the
+    # checkpoint (rank 0's optimizer state is the checkpoint's own)
+    records = read_rank_states(root / "ckpts" / "last.ckpt")
+    for record in records:
+        assert record["state"]["compress"] == "update" and record["state"]["residuals"]
+    first = last["optimizer_states"][0]["state"][0]["exp_avg"]
+    second = records[1]["optimizer_states"]["optimizer_states"][0]["state"][0]["exp_avg"]
     assert not torch.equal(first, second), "each rank's AdamW followed its own gradients"
 
 
