@@ -29,6 +29,7 @@ from lightning_sparse.exchange import ExchangeError
 from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
 from lightning_sparse.fabric import register_fabric_strategies
 from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.fsdp import SparseFSDPStrategy, register_fsdp_strategy
 from lightning_sparse.hook import sparse_comm_hook
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
@@ -38,6 +39,7 @@ from lightning_sparse.strategy import SparseDDPStrategy, register_strategies
 __version__ = "0.1.0"
 
 register_strategies()
+register_fsdp_strategy()
 register_fabric_strategies()
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "RandomK",
     "SparseConfig",
     "SparseDDPStrategy",
+    "SparseFSDPStrategy",
     "SparseState",
     "TimedFallback",
     "TopK",
@@ -68,6 +71,7 @@ __all__ = [
     "exchange_cost",
     "register_compressor",
     "register_fabric_strategies",
+    "register_fsdp_strategy",
     "register_strategies",
     "sparse_comm_hook",
 ]

@@ -103,19 +103,21 @@ class CheckpointPayload:
         optimizer_states: dict[str, Any] | None,
         io: CheckpointIO,
         storage_options: Any | None = None,
+        rank0_in_checkpoint: bool = True,
     ) -> dict[str, Any]:
         """Write this process's file beside ``path``; return the entry for the checkpoint itself.
 
         Runs on every process, with no collective. ``optimizer_states`` maps the checkpoint's keys
         to this process's optimizer states (e.g. ``{"optimizer_states": [...]}`` for the Trainer);
         in update mode every process's are kept (each optimizer followed its own gradients), rank
-        0's in the checkpoint itself and the others' in their files. Rank 0 writes the returned
-        entry under :data:`CHECKPOINT_KEY`.
+        0's in the checkpoint itself and the others' in their files (every process's in its file
+        where ``rank0_in_checkpoint`` is False: a sharded checkpoint keeps no optimizer state of its
+        own). Rank 0 writes the returned entry under :data:`CHECKPOINT_KEY`.
         """
         state = self.state
         keep_optimizers = self.update is not None and optimizer_states is not None
         record: dict[str, Any] = {"rank": rank, "world_size": world_size, "state": state.state_dict(copy=False)}
-        if keep_optimizers and rank != 0:
+        if keep_optimizers and (rank != 0 or not rank0_in_checkpoint):
             record["optimizer_states"] = optimizer_states
         folder = rank_files_dir(path)
         _write(record, _rank_file(folder, rank, world_size), io, storage_options)
@@ -125,6 +127,7 @@ class CheckpointPayload:
             "files": os.path.basename(folder),
             "step": record["state"]["step"],
             "optimizer_keys": sorted(optimizer_states) if keep_optimizers and optimizer_states else [],
+            "rank0_in_checkpoint": rank0_in_checkpoint,
         }
         if self.update is not None:
             entry["outer_step"] = self.update.outer_step.state_dict()  # the same on every process
@@ -182,7 +185,7 @@ class CheckpointPayload:
                     f"lightning_sparse: {file!r} is from step {record['state']['step']}, the checkpoint "
                     f"{os.fspath(path)!r} from step {entry['step']}: a process did not finish writing that save."
                 )
-            if r == 0 and keys:
+            if r == 0 and keys and entry.get("rank0_in_checkpoint", True):
                 record["optimizer_states"] = in_checkpoint
             return record
 

@@ -104,12 +104,14 @@ class SparseCore:
         scaler: Any = None,
         optimizers: Callable[[], list[Any]] | None = None,
         module: torch.nn.Module | None = None,
+        aliases: Iterable[tuple[str, torch.Tensor]] = (),
     ) -> None:
         """Bind the exchange to the parameters it exchanges and the process group it exchanges over,
         for any front end: apply a checkpoint payload that waited for the model, attach the gradient
         scaler (fp16 AMP) and, in update mode, the optimizers (their states are averaged when a timed
         fallback takes the ranks to plain DDP steps) and the ``module`` whose BatchNorm statistics
-        :meth:`global_model` recomputes."""
+        :meth:`global_model` recomputes. ``aliases``: the tensors the optimizers hold where they are
+        not the exchanged ones (update mode; FSDP2's DTensors), by parameter name."""
         self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
@@ -118,7 +120,7 @@ class SparseCore:
             self.state.bind(named_parameters, process_group=process_group)
             return
         # each rank keeps its own gradient; the exchange runs after the optimizer step
-        self.update.bind(named_parameters, process_group=process_group)
+        self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
         if module is not None and self.batchnorm is not None:
             self.batchnorm.attach(module)
         if optimizers is not None:

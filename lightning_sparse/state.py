@@ -103,15 +103,19 @@ class SparseState:
         named_parameters: Iterable[tuple[str, Tensor]],
         process_group: dist.ProcessGroup | None = None,
         check_consistency: bool = True,
+        trainable_only: bool = True,
     ) -> None:
         """Attach to the parameters (names for residuals) and the process group used to exchange.
+
+        ``trainable_only``: skip parameters that do not require gradients (False: the caller chose
+        them, e.g. detached shards of trainable FSDP2 parameters).
 
         With ``check_consistency`` every rank's configuration is compared (one small collective)
         and a mismatch raises ValueError naming the ranks, instead of hanging in a collective later.
         Then the density schedule is set up (on every rank; it may run collectives, e.g. to
         measure the network for an adaptive density).
         """
-        trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
+        trainable = [(name, p) for name, p in named_parameters if p.requires_grad or not trainable_only]
         self._names = {id(p): name for name, p in trainable}
         self._params = [p for _, p in trainable]
         self._plans = {}

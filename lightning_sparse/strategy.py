@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal
@@ -16,27 +15,25 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse._utils import check_bool, end_process_group_at_exit, note_run_end
+from lightning_sparse._utils import check_bool, end_process_group_at_exit
 from lightning_sparse.advice import training_advice
-from lightning_sparse.callbacks import CompressionMonitor
-from lightning_sparse.checkpoint import CHECKPOINT_KEY, CheckpointPayload
+from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.core import SparseCore, register_names
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.shell import SparseShell
+from lightning_sparse.trainer_hooks import TrainerHooks
 
 __all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
 
 
-class SparseDDPStrategy(SparseShell, DDPStrategy):
+class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
 
     Every optimizer step each parameter sends ``k = density * numel`` coordinates (chosen by
@@ -187,40 +184,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         end_process_group_at_exit(created=created)
 
     @override
-    def teardown(self) -> None:
-        """Lightning's teardown (at the end of every fit, validate, test and predict, also after an
-        error). The process group stays for the Trainer's next run and for what the script does
-        after it (``trainer.save_checkpoint`` runs on every rank); every collective
-        the strategy issued was waited for within its step. At interpreter exit the group is
-        ended on every rank together (``lightning_sparse._utils.end_process_group_at_exit``),
-        unless this run ended with an exception: then the other ranks may never get there."""
-        note_run_end(failed=sys.exc_info()[1] is not None)
-        super().teardown()
-
-    # ------------------------------------------------------------------ telemetry
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._core.check_optimizers(self.optimizers, self.world_size, self.lightning_module)
-
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        # The Trainer connects the strategy at the start of every run, in every process (after the
-        # spawn launcher started the workers too), before the callbacks' setup hooks: a monitor
-        # added here runs all its hooks. A monitor returned by the model's configure_callbacks()
-        # replaces it (same type), as Lightning does for callbacks given to the Trainer.
-        trainer = model._trainer
-        if not (self.compression_monitor and trainer is not None):
-            return
-        # Lightning's callback connector sets Trainer.callbacks without declaring it on the class
-        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
-        if (
-            trainer.state.fn == TrainerFn.FITTING
-            and not trainer.barebones
-            and not any(isinstance(cb, CompressionMonitor) for cb in callbacks)
-        ):
-            callbacks.append(CompressionMonitor())
 
     # ------------------------------------------------------------------ the hook
     @override
@@ -230,61 +196,6 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         self._core.register_hook(
             self.model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self.optimizers
         )
-
-    # ------------------------------------------------------------------ update mode
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._core.hold_local()  # update mode: this rank's forward/backward run at global + its residual
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        closure: Any,
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        def step() -> Any:
-            return super(SparseDDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
-
-        return self._sparse_step(optimizer, step)
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        if not self._in_optimizer_step:
-            # A backward without a step (accumulation, manual optimization): the gradients are
-            # taken, so the module goes back to the global model until the step re-enters the
-            # rank's view; callbacks at batch ends and validation then see the global model.
-            self._core.hold_global()
-
-    # Validation, testing, prediction, the end of fit and checkpoints see the global model, with
-    # BatchNorm statistics recomputed for it (every rank is at these points together).
-    @override
-    def on_validation_start(self) -> None:
-        self._core.global_model()
-        super().on_validation_start()
-
-    @override
-    def on_test_start(self) -> None:
-        self._core.global_model()
-        super().on_test_start()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._core.global_model()
-        super().on_predict_start()
-
-    @override
-    def on_train_end(self) -> None:
-        self._core.global_model()
-        super().on_train_end()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._core.global_model()
-        return super().lightning_module_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -305,12 +216,6 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
             now = isinstance(self.model, DistributedDataParallel)
             self._restore_sparse(checkpoint, checkpoint_path, now, weights_only)
         return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            CheckpointPayload.remove(filepath)
 
     # ------------------------------------------------------------------ names
     @classmethod

@@ -94,13 +94,21 @@ class UpdateExchange:
         process_group: dist.ProcessGroup | None = None,
         *,
         check_consistency: bool = True,
+        aliases: Iterable[tuple[str, Tensor]] = (),
     ) -> None:
         """Attach to the model's parameters and process group (binds the state too; see
-        :meth:`SparseState.bind <lightning_sparse.state.SparseState.bind>`)."""
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
-        self.state.bind(named, process_group=process_group, check_consistency=check_consistency)
+        :meth:`SparseState.bind <lightning_sparse.state.SparseState.bind>`). ``aliases``: other
+        tensors, by the name of the parameter they stand for, that callers may pass as ``params``
+        (under FSDP2 the optimizer holds DTensors; the exchange works on their local shards)."""
+        aliases = list(aliases)
+        trainable = {n for n, a in aliases if a.requires_grad}  # an alias says whether its tensor trains
+        named = [(n, p) for n, p in named_parameters if p.requires_grad or n in trainable]
+        self.state.bind(named, process_group=process_group, check_consistency=check_consistency, trainable_only=False)
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
+        for n, p in aliases:  # e.g. FSDP2's DTensors, which the optimizer holds, for their local shards
+            if n in self._params:
+                self._names[id(p)] = n
         self._global = {}
         self._synced = {}
         self._local = set()

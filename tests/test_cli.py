@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lightning_sparse import SparseDDPStrategy
+from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
 from lightning_sparse.callbacks import METRIC_NAMES
 
 pytest.importorskip("jsonargparse")
@@ -51,15 +51,19 @@ def test_there_are_configs() -> None:
     texts = [p.read_text() for p in CONFIGS]
     assert any("strategy: sparse_ddp" in t for t in texts)
     assert any("class_path: lightning_sparse.SparseDDPStrategy" in t for t in texts)
+    assert any("class_path: lightning_sparse.SparseFSDPStrategy" in t for t in texts)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_config_parses_into_the_configured_strategy(config: Path) -> None:
     cli = _cli_module().main(["--config", str(config)], run=False)
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, SparseDDPStrategy)
+    assert isinstance(strategy, (SparseDDPStrategy, SparseFSDPStrategy))
     assert cli.trainer.num_devices == 2
     spec = yaml.safe_load(config.read_text())["trainer"]["strategy"]
+    if isinstance(strategy, SparseFSDPStrategy):  # the sharding arguments reached it
+        assert strategy.sharded_modules == spec["init_args"]["sharded_modules"]
+        assert strategy._shard_size == spec["init_args"]["shard_size"]
     if isinstance(spec, dict):  # class_path / init_args: every value given reached the strategy
         state = strategy.sparse_state
         args = spec.get("init_args", {})

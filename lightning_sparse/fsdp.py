@@ -1,0 +1,380 @@
+"""SparseFSDPStrategy: FSDP2 inside each group of processes, the sparse exchange across groups (sparse HSDP)."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sparse._utils import check_bool, end_process_group_at_exit
+from lightning_sparse.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.compressors import Compressor
+from lightning_sparse.config import SparseConfig, setting_docs
+from lightning_sparse.core import SparseCore
+from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.outer import OuterStep
+from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.trainer_hooks import TrainerHooks
+
+__all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "register_fsdp_strategy"]
+
+#: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
+FSDP_SETTINGS = (
+    "compress",
+    "compressor",
+    "density",
+    "error_feedback",
+    "min_numel",
+    "warmup_steps",
+    "value_dtype",
+    "seed",
+    "fallback_to_dense",
+    "momentum_correction",
+    "exchange",
+    "compact_indices",
+    "sync_every",
+    "outer_optimizer",
+    "value_bits",
+    "batchnorm_batches",
+    "bucket_cap_mb",
+)
+MESH_DIMS = ("replicate", "shard")
+
+
+def _settings_doc() -> str:
+    docs = setting_docs()
+    lines = []
+    for name in FSDP_SETTINGS:
+        text = docs[name]
+        if name == "bucket_cap_mb":
+            text = "size of the exchange's messages in MB (None: 25)."
+        lines.append(textwrap.fill(f"{name}: {text}", 112, initial_indent="    ", subsequent_indent="        "))
+    return "\n".join(lines)
+
+
+class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
+    __doc__ = """FSDP2 inside each group of ``shard_size`` processes, update mode's sparse exchange across groups.
+
+    The processes form a 2-D device mesh ``("replicate", "shard")``: ``world_size / shard_size``
+    groups of ``shard_size``. Inside a group the model is sharded with FSDP2's ``fully_shard`` on the
+    ``"shard"`` dimension and gradients are reduce-scattered as usual (the fast link). Every process
+    steps its own optimizer on its shards; after the step the compressed part of its progress is
+    exchanged across the ``"replicate"`` dimension, with the process of every other group that holds
+    the same shard (the slow link), with every setting of update mode. ``shard_size`` equal to the
+    number of processes is plain FSDP2, with nothing to exchange. Parameters, optimizer state,
+    residual and global copy are all shard-sized on every process.
+
+    The model is sharded either by the LightningModule's ``configure_model``, which calls
+    ``fully_shard(module, mesh=self.device_mesh["shard"])`` itself (as with Lightning's
+    ``ModelParallelStrategy``), or by the strategy: every module whose class is named in
+    ``sharded_modules``, then the LightningModule itself, which holds the rest (FSDP2 gathers it in the
+    module's ``forward``: the ``training_step`` calls ``self(...)``).
+    Checkpoints are folders of ``torch.distributed.checkpoint`` (the global model, written once, each
+    shard by one process) with each process's residuals and optimizer state in a file of its own
+    beside them (``<path>.sparse/``); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
+    turns the folder into one ``torch.save`` file for inference. Resuming needs the same number of
+    processes and ``shard_size``.
+
+    Args:
+        shard_size: processes per group (FSDP2 inside, the exchange across); None (default): the
+            processes of one node. Must divide the number of processes.
+        sharded_modules: names of module classes to shard (e.g. ``["TransformerBlock"]``), for a
+            LightningModule without a ``configure_model`` that shards it; None: ``configure_model`` does.
+{settings}
+        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
+            fitting, unless it already has one. ``False`` adds nothing.
+        process_group_backend: as in Lightning's ``ModelParallelStrategy``.
+        timeout: as in Lightning's ``ModelParallelStrategy``.
+
+    Example:
+        >>> import lightning_sparse
+        >>> from lightning.pytorch import Trainer
+        >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
+        >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
+    """.format(settings=textwrap.indent(_settings_doc(), "    "))
+
+    strategy_name = "sparse_fsdp"
+
+    def __init__(
+        self,
+        shard_size: int | None = None,
+        sharded_modules: list[str] | None = None,
+        compress: Literal["update", "gradient"] = "update",
+        compressor: str | Compressor = "topk",
+        density: float | DensitySchedule = 0.01,
+        error_feedback: bool = True,
+        min_numel: int = 1024,
+        warmup_steps: int = 1,
+        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
+        seed: int = 0,
+        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
+        momentum_correction: float = 0.0,
+        exchange: Literal["auto", "allgather", "split"] = "auto",
+        compact_indices: bool = True,
+        sync_every: int = 1,
+        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
+        value_bits: Literal[2, 4, 8] | None = None,
+        batchnorm_batches: int = 16,
+        bucket_cap_mb: float | None = None,
+        compression_monitor: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        check_bool("compression_monitor", compression_monitor)
+        if compress != "update":
+            raise ValueError(
+                f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
+                "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
+            )
+        if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
+            raise ValueError(
+                f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
+                "'bytes' or False (a timed fallback switches to DDP's plain steps)"
+            )
+        if momentum_correction:
+            raise ValueError(
+                f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
+                "(it is a gradient-mode setting)"
+            )
+        if shard_size is not None and (
+            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
+        ):
+            raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
+        if sharded_modules is not None and (
+            isinstance(sharded_modules, str)
+            or not all(isinstance(m, str) and m for m in sharded_modules)
+            or not sharded_modules
+        ):
+            raise ValueError(
+                f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
+                "names, or None"
+            )
+        self._core = SparseCore(SparseConfig.of(locals()))
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.compression_monitor = compression_monitor
+        self._shard_size = shard_size
+        self.sharded_modules = None if sharded_modules is None else list(sharded_modules)
+        self._sharded_here: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ mesh
+    @property
+    def shard_size(self) -> int:
+        """Processes per group (the mesh's ``"shard"`` dimension)."""
+        return int(self.device_mesh["shard"].size())
+
+    @override
+    def setup_environment(self) -> None:
+        created = not _distributed_is_initialized()
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        end_process_group_at_exit(created=created)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard = self._shard_size or self.num_processes
+        if self.world_size % shard:
+            raise ValueError(
+                f"shard_size={shard} is not allowed with {self.world_size} processes: expected a divisor of the "
+                "number of processes"
+            )
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size // shard, shard), mesh_dim_names=MESH_DIMS
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every process trains on its own batches (inside a group FSDP2 averages their gradients)
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ sharding and binding
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._shard_model(self.model)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._bind()
+        self._core.check_optimizers(self.optimizers, int(self.device_mesh["replicate"].size()), self.model)
+
+    def _shard_model(self, module: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+        if sharded and module is self._sharded_here:
+            return  # sharded by this strategy in an earlier run (fit, then validate)
+        if sharded and self.sharded_modules:
+            raise ValueError(
+                f"sharded_modules={self.sharded_modules!r} is not allowed for a LightningModule whose "
+                "configure_model shards it already: expected None"
+            )
+        if sharded:
+            return
+        if not self.sharded_modules:
+            raise TypeError(
+                "SparseFSDPStrategy found no module sharded with fully_shard: shard the model in the "
+                "LightningModule's configure_model (fully_shard(module, mesh=self.device_mesh['shard'])), or "
+                "name the module classes to shard in SparseFSDPStrategy(sharded_modules=[...])"
+            )
+        mesh = self.device_mesh["shard"]
+        names = set(self.sharded_modules)
+        found = {type(m).__name__ for m in module.modules()}
+        if not names & found:
+            raise ValueError(
+                f"sharded_modules={self.sharded_modules!r} names no module of the model: its module classes are "
+                f"{sorted(found)}"
+            )
+        for m in list(module.modules()):
+            if type(m).__name__ in names and not isinstance(m, FSDPModule):
+                fully_shard(m, mesh=mesh)
+        # then the LightningModule itself: the rest (embeddings, final norms, a tied output layer),
+        # gathered in its forward
+        fully_shard(module, mesh=mesh)
+        self._sharded_here = module
+
+    def _bind(self) -> None:
+        assert self.model is not None
+        mesh = self.device_mesh
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        # the exchange works on this process's shards: to_local().detach() shares the DTensor's
+        # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
+        # autograd; the DTensors, which the optimizer holds, stand for them
+        local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self._core.bind(
+            local,
+            mesh["replicate"].get_group(),
+            int(mesh["replicate"].get_local_rank()),
+            int(mesh["replicate"].size()),
+            self.root_device,
+            scaler,
+            optimizers=lambda: self.optimizers,
+            module=self.model,
+            aliases=named,
+        )
+
+    # ------------------------------------------------------------------ update mode
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """The global model through ``torch.distributed.checkpoint`` (Lightning's
+        ``ModelParallelStrategy``), and each process's residuals and optimizer state in its own
+        file beside it: each process's optimizer followed its own gradients, which the shared
+        folder (one copy of each shard) cannot hold."""
+        optimizers = [_local_tree(state) for state in checkpoint.pop("optimizer_states", [])]
+        entry = self._core.checkpoint.save(
+            filepath,
+            self.global_rank,
+            self.world_size,
+            {"optimizer_states": optimizers} if optimizers else None,
+            self.checkpoint_io,
+            storage_options,
+            rank0_in_checkpoint=False,
+        )
+        entry["mesh"] = [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+        checkpoint[CHECKPOINT_KEY] = entry
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        self._core.hold_global()  # the module's parameters become the checkpoint's global model
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.lightning_module is not None
+        checkpoint = _load_checkpoint(
+            path=path,
+            state={"state_dict": self.model},
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is None:
+            raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
+        mesh = [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+        if entry.get("mesh") != mesh:
+            raise ValueError(
+                f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
+                f"is resumed on {mesh}: SparseFSDPStrategy resumes on the same number of processes and shard_size"
+            )
+        self._restore_sparse(checkpoint, path, True, weights_only)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        assert self.model is not None
+        params = dict(self.model.named_parameters())
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+            set_optimizer_state_dict(
+                self.model, optimizer, _sharded_tree(state, params), options=StateDictOptions(full_state_dict=False)
+            )
+        return checkpoint
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``sparse_fsdp`` (idempotent)."""
+        if "sparse_fsdp" not in strategy_registry or strategy_registry["sparse_fsdp"].get("strategy") is not cls:
+            strategy_registry.register(
+                "sparse_fsdp", cls, description="FSDP2 inside groups, sparse exchange across", override=True
+            )
+
+
+def register_fsdp_strategy() -> None:
+    """Make ``Trainer(strategy="sparse_fsdp")`` resolve (idempotent)."""
+    SparseFSDPStrategy.register_strategies(StrategyRegistry)
+
+
+def _local_tree(state: Any) -> Any:
+    """An optimizer's ``state_dict()`` with every DTensor replaced by this process's local tensor."""
+    if hasattr(state, "to_local") and hasattr(state, "placements"):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _local_tree(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [_local_tree(v) for v in state]
+        return type(state)(items) if isinstance(state, tuple) else items
+    return state
+
+
+def _sharded_tree(state: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What :func:`_local_tree` wrote of ``get_optimizer_state_dict``'s state (keyed by parameter
+    name), its tensors of a parameter's local shape made DTensors again like that parameter."""
+    from torch.distributed.tensor import DTensor
+
+    restored: dict[str, Any] = {}
+    for name, slot in state["state"].items():
+        p = params[name]
+        if not isinstance(p, DTensor):
+            restored[name] = slot
+            continue
+        local_shape = p.to_local().shape
+        restored[name] = {
+            k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and v.shape == local_shape and v.dim() > 0
+            else v
+            for k, v in slot.items()
+        }
+    return {**state, "state": restored}

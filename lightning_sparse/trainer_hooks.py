@@ -1,0 +1,116 @@
+"""The Trainer strategies' shared hooks: which model the module holds at each point of a fit."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_sparse._utils import note_run_end
+from lightning_sparse.callbacks import CompressionMonitor
+from lightning_sparse.checkpoint import CheckpointPayload
+from lightning_sparse.shell import SparseShell
+
+__all__ = ["TrainerHooks"]
+
+
+class TrainerHooks(SparseShell):
+    """The hooks ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Lightning strategy
+    (the next class in the method resolution order): in update mode the module holds this process's
+    own view for its forward, backward and optimizer step, and the global model everywhere else
+    (validation, testing, prediction, checkpoints, the end of fit, with BatchNorm statistics
+    recomputed for it); the monitor joins the callbacks; checkpoints' files go with them.
+
+    Example:
+        >>> from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
+        >>> issubclass(SparseDDPStrategy, TrainerHooks) and issubclass(SparseFSDPStrategy, TrainerHooks)
+        True
+    """
+
+    compression_monitor: bool
+    is_global_zero: bool
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._core.hold_local()  # update mode: this rank's forward/backward run at global + its residual
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Any,
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        strategy = super()
+
+        def step() -> Any:
+            return strategy.optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[attr-defined]
+
+        return self._sparse_step(optimizer, step)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)  # type: ignore[misc]
+        if not self._in_optimizer_step:
+            # A backward without a step (accumulation, manual optimization): the gradients are
+            # taken, so the module goes back to the global model until the step re-enters the
+            # rank's view; callbacks at batch ends and validation then see the global model.
+            self._core.hold_global()
+
+    # Validation, testing, prediction, the end of fit and checkpoints see the global model, with
+    # BatchNorm statistics recomputed for it (every rank is at these points together).
+    def on_validation_start(self) -> None:
+        self._core.global_model()
+        super().on_validation_start()  # type: ignore[misc]
+
+    def on_test_start(self) -> None:
+        self._core.global_model()
+        super().on_test_start()  # type: ignore[misc]
+
+    def on_predict_start(self) -> None:
+        self._core.global_model()
+        super().on_predict_start()  # type: ignore[misc]
+
+    def on_train_end(self) -> None:
+        self._core.global_model()
+        super().on_train_end()  # type: ignore[misc]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._core.global_model()
+        return super().lightning_module_state_dict()  # type: ignore[misc]
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)  # type: ignore[misc]
+        # The Trainer connects the strategy at the start of every run, in every process (after the
+        # spawn launcher started the workers too), before the callbacks' setup hooks: a monitor
+        # added here runs all its hooks. A monitor returned by the model's configure_callbacks()
+        # replaces it (same type), as Lightning does for callbacks given to the Trainer.
+        trainer = model._trainer
+        if not (self.compression_monitor and trainer is not None):
+            return
+        # Lightning's callback connector sets Trainer.callbacks without declaring it on the class
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        if (
+            trainer.state.fn == TrainerFn.FITTING
+            and not trainer.barebones
+            and not any(isinstance(cb, CompressionMonitor) for cb in callbacks)
+        ):
+            callbacks.append(CompressionMonitor())
+
+    def teardown(self) -> None:
+        """Lightning's teardown (at the end of every fit, validate, test and predict, also after an
+        error). The process group stays for the Trainer's next run and for what the script does
+        after it (``trainer.save_checkpoint`` runs on every rank); every collective the strategy
+        issued was waited for within its step. At interpreter exit the group is ended on every rank
+        together (``lightning_sparse._utils.end_process_group_at_exit``), unless this run ended with
+        an exception: then the other ranks may never get there."""
+        note_run_end(failed=sys.exc_info()[1] is not None)
+        super().teardown()  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.is_global_zero:
+            CheckpointPayload.remove(filepath)  # the processes' files beside it

@@ -1,0 +1,182 @@
+"""``sparse_fsdp`` with the Trainer on real gloo processes (tests/fsdp_worker.py): 4 processes as 2
+groups of 2 (sparse HSDP), 2 as 2 groups of 1 (must end where ``sparse_ddp`` ends), 2 as one group
+of 2 (plain FSDP2), exact resume mid-cycle, and the errors at construction and setup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_trainer
+
+from lightning_sparse import SparseFSDPStrategy, TimedFallback
+
+SPARSE = {"min_numel": 256, "density": 0.05}
+LOCAL = {**SPARSE, "sync_every": 4, "value_bits": 2, "warmup_steps": 0}
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("hsdp")
+    shard = {"shard_size": 2, "sharded_modules": ["Block"]}
+    ckpt = str(root / "mid.ckpt")
+    local = {**LOCAL, **shard}
+    epochs = {"steps": 14, "samples": 192, "validate": True, "args": {**LOCAL, **shard}}
+    config = {
+        "devices": 4,
+        "runs": [
+            {"name": "default", "steps": 16, "validate": True, "args": {**SPARSE, **shard}},
+            {"name": "own_sharding", "steps": 16, "self_sharded": True, "args": {**SPARSE, "shard_size": 2}},
+            # what users already do: gradient clipping, bf16, local steps with 2-bit values
+            {"name": "clip_bf16", "steps": 16, "gradient_clip_val": 0.5, "precision": "bf16-mixed", "args": local},
+            # exact resume in the middle of a 4-step cycle, saved at the end of the first epoch (192
+            # samples: 6 batches of 8 per process; validation at every epoch's end, as Lightning's loops
+            # resume an epoch-end checkpoint exactly only then)
+            {"name": "full", **epochs, "save_at_epoch_end": ckpt},
+            {"name": "resumed", **epochs, "resume_from": ckpt},
+        ],
+    }  # fmt: skip
+    return {"root": root, **run_trainer(config, root / "runs", timeout=600, worker="fsdp_worker.py")}
+
+
+def _by_coords(results: list[dict[str, Any]]) -> dict[tuple[int, ...], dict[str, Any]]:
+    return {tuple(r["coords"]): r for r in results}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("run", ["default", "own_sharding", "clip_bf16", "full"])
+def test_shards_of_one_index_are_identical_across_groups(hsdp: dict[str, Any], run: str) -> None:
+    ranks = _by_coords(hsdp[run])
+    assert sorted(ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for shard in (0, 1):
+        a, b = ranks[(0, shard)], ranks[(1, shard)]
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), f"{run}: shard {shard} of {name} differs"
+    # inside a group the processes hold different rows of the same parameters
+    first, second = ranks[(0, 0)]["params"], ranks[(0, 1)]["params"]
+    assert any(not torch.equal(first[n], second[n]) for n in first if first[n].shape == second[n].shape)
+    for r in hsdp[run]:
+        assert r["shard_size"] == 2
+        assert sum(r["losses"][-4:]) < 0.8 * sum(r["losses"][:4]), r["losses"]
+        t = r["telemetry"]
+        assert 0 < t["sent_bytes"] < t["dense_bytes"]  # only the exchange across groups is counted
+
+
+@pytest.mark.dist
+def test_validation_sees_one_global_model(hsdp: dict[str, Any]) -> None:
+    losses = {r["val_loss"] for r in hsdp["default"]}
+    assert len(losses) == 1
+
+
+@pytest.mark.dist
+def test_resume_mid_cycle_is_exact(hsdp: dict[str, Any]) -> None:
+    full, resumed = _by_coords(hsdp["full"]), _by_coords(hsdp["resumed"])
+    for coords, a in full.items():
+        b = resumed[coords]
+        assert b["global_step"] == a["global_step"] == 14
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), f"{coords}: {name} differs after resume"
+        for name in a["residuals"]:
+            assert torch.equal(a["residuals"][name], b["residuals"][name]), f"{coords}: residual {name}"
+        assert a["losses"][6:] == b["losses"], coords
+    folder = hsdp["root"] / "mid.ckpt.sparse"
+    assert sorted(p.name for p in folder.iterdir()) == [f"rank0000{r}-of-00004.pt" for r in range(4)]
+    assert (hsdp["root"] / "mid.ckpt").is_dir()  # the global model: a torch.distributed.checkpoint folder
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fsdp_pairs")
+    settings = {**SPARSE, "warmup_steps": 0}
+    config = {
+        "devices": 2,
+        "steps": 12,
+        "runs": [
+            {"name": "groups_of_1", "args": {**settings, "shard_size": 1, "sharded_modules": ["Block"]}},
+            {"name": "ddp", "strategy": "sparse_ddp", "args": settings},
+            {"name": "one_group", "args": {**settings, "shard_size": 2, "sharded_modules": ["Block"]}},
+            {"name": "fsdp2", "strategy": "fsdp2", "self_sharded": True},
+        ],
+    }
+    return run_trainer(config, root, timeout=600, worker="fsdp_worker.py")
+
+
+@pytest.mark.dist
+def test_groups_of_one_end_where_sparse_ddp_ends(pairs: dict[str, Any]) -> None:
+    for a, b in zip(pairs["groups_of_1"], pairs["ddp"], strict=True):
+        assert a["params"].keys() == b["params"].keys()
+        assert a["losses"] == b["losses"]
+        for name in a["params"]:  # to the bit
+            assert torch.equal(a["params"][name], b["params"][name]), name
+        assert a["telemetry"]["sent_bytes"] == b["telemetry"]["sent_bytes"]
+        assert a["telemetry"]["dense_bytes"] == b["telemetry"]["dense_bytes"]
+
+
+@pytest.mark.dist
+def test_one_group_is_plain_fsdp2(pairs: dict[str, Any]) -> None:
+    for a, b in zip(pairs["one_group"], pairs["fsdp2"], strict=True):
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), name
+        assert a["telemetry"]["sent_bytes"] == 0  # nothing to exchange: one group
+
+
+# ---------------------------------------------------------------------- no processes needed
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"compress": "gradient"}, r"compress='gradient' is not allowed with SparseFSDPStrategy"),
+        ({"fallback_to_dense": "time"}, r"fallback_to_dense='time' is not allowed"),
+        ({"fallback_to_dense": TimedFallback()}, r"fallback_to_dense=TimedFallback.* is not allowed"),
+        ({"momentum_correction": 0.9}, r"momentum_correction=0.9 is not allowed"),
+        ({"shard_size": 0}, r"shard_size=0 is not allowed: expected an int >= 1 or None"),
+        ({"shard_size": True}, r"shard_size=True is not allowed"),
+        ({"sharded_modules": "Block"}, r"sharded_modules='Block' is not allowed"),
+        ({"sharded_modules": []}, r"sharded_modules=\[\] is not allowed"),
+        ({"density": 2.0}, r"density"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SparseFSDPStrategy(**kwargs)
+
+
+def test_registered_and_configured() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["sparse_fsdp"]["strategy"] is SparseFSDPStrategy
+    strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
+    assert strategy.compress == "update" and strategy.sparse_state.config.sync_every == 4
+    assert strategy.sharded_modules == ["Block"]
+
+
+@pytest.mark.dist
+def test_a_model_nobody_shards_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="found no module sharded with fully_shard"):
+        run_trainer({"devices": 2, "steps": 2, "args": {"shard_size": 1}}, tmp_path, worker="fsdp_worker.py")
+
+
+def test_settings_match_the_config() -> None:
+    import inspect
+    import typing
+
+    from lightning_sparse import SparseConfig
+    from lightning_sparse.config import setting_docs
+    from lightning_sparse.fsdp import FSDP_SETTINGS
+
+    params = inspect.signature(SparseFSDPStrategy.__init__).parameters
+    hints = typing.get_type_hints(SparseFSDPStrategy.__init__)
+    fields = typing.get_type_hints(SparseConfig)
+    defaults = SparseConfig.__dataclass_fields__
+    doc = " ".join((inspect.getdoc(SparseFSDPStrategy) or "").split())
+    for name in FSDP_SETTINGS:
+        assert params[name].default == defaults[name].default, name
+        assert hints[name] == fields[name], name
+        if name != "bucket_cap_mb":  # DDP's buckets do not apply: the exchange's messages do
+            assert f"{name}: {' '.join(setting_docs()[name].split())}" in doc, name
+    undocumented = [n for n in params if n != "self" and f" {n}: " not in doc]
+    assert not undocumented
