@@ -11,4 +11,5 @@ COMMANDS: dict[str, str] = {
     "convergence": "benchmarks.convergence",
     "scale": "benchmarks.scale",
     "checkpoint": "benchmarks.checkpoint",
+    "sharding": "benchmarks.sharding",
 }

@@ -31,7 +31,7 @@ from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.trainer_hooks import TrainerHooks
 
-__all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "register_fsdp_strategy"]
+__all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
 FSDP_SETTINGS = (
@@ -209,15 +209,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self._shard_model(self.model)
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        finish_sharded_setup(self, trainer)
         self._bind()
         self._core.check_optimizers(self.optimizers, int(self.device_mesh["replicate"].size()), self.model)
 
@@ -340,6 +332,21 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             strategy_registry.register(
                 "sparse_fsdp", cls, description="FSDP2 inside groups, sparse exchange across", override=True
             )
+
+
+def finish_sharded_setup(strategy: ModelParallelStrategy, trainer: pl.Trainer) -> None:
+    """What Lightning's ``ModelParallelStrategy.setup`` does once the model is sharded: materialize
+    what was built on the meta device, precision, device, optimizers (fitting)."""
+    assert strategy.model is not None
+    _materialize_distributed_module(strategy.model, strategy.root_device)
+    strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+    strategy.model_to_device()
+    strategy.barrier()
+    if trainer.state.fn == TrainerFn.FITTING:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if trainer.state.fn == TrainerFn.FITTING:
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
 
 
 def register_fsdp_strategy() -> None:

@@ -92,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--devices", type=int, default=2, help="CPU processes per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and data order")
+    parser.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="S",
+        help="shard the model with FSDP2 in groups of S processes: the dense run is dense HSDP, the sparse runs "
+        "sparse_fsdp (update mode; a variant with shard=0 runs sparse_ddp) (default: no sharding)",
+    )
     parser.add_argument("--no-dense", action="store_true", help="skip the dense DDP run (no reference figures)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run (default: %(default)s)")
     parser.add_argument("--out", default="convergence_out", metavar="DIR", help="output folder (default: %(default)s)")
@@ -143,6 +151,17 @@ def run(args: argparse.Namespace) -> int:
                 "seed": args.seed,
                 "tiny": bool(getattr(args, "tiny", False)),
             }
+            shard = getattr(args, "shard_size", None)
+            if shard is not None:
+                if not task.sharded_modules:
+                    raise ValueError(
+                        f"--shard-size is not allowed with --tasks {task_name}: it names no module to shard"
+                    )
+                if shard < 1 or args.devices % shard:
+                    raise ValueError(
+                        f"--shard-size={shard} is not allowed: expected a divisor of --devices={args.devices}"
+                    )
+                base["shard_size"] = shard
             specs: list[dict[str, Any]] = [] if args.no_dense else [{"compressor": None, "density": 1.0}]
             specs += [{"compressor": None, "density": None, "peer": p} for p in peers]
             specs += frontier

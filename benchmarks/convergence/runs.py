@@ -65,6 +65,7 @@ VARIANT_KEYS = {
     "outer": "outer_optimizer",
     "value_bits": "value_bits",
     "warmup": "warmup_steps",
+    "shard": "shard_size",  # with --shard-size: 0 runs sparse_ddp on the same processes
 }
 
 
@@ -128,7 +129,7 @@ def run_label(run: dict[str, Any]) -> str:
     if run.get("label"):
         return str(run["label"])
     if kind == "dense":
-        return DENSE
+        return f"dense HSDP (groups of {run['shard_size']})" if run.get("shard_size") else DENSE
     if kind == "peer":
         return Peer.parse(run["peer"]).label
     if run.get("mode") is None:
@@ -146,6 +147,10 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"{run['value_bits']}-bit values")
     if run.get("warmup_steps") is not None:
         extra.append(f"{run['warmup_steps']} warm-up")
+    if run.get("shard_size"):
+        extra.append(f"sparse_fsdp, groups of {run['shard_size']}")
+    elif run.get("shard_size") == 0:
+        extra.append("sparse_ddp")
     return f"{run['compressor']} ({', '.join(extra)})"
 
 

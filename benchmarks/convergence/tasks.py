@@ -28,6 +28,7 @@ class ConvergenceTask:
             ``--limit-train-batches`` overrides it).
         target: ``target(runs) -> check`` of the task's goal (default: ``target_check``).
         tiny_description: what ``--tiny`` changes, for the tables (``None``: the task has no tiny size).
+        sharded_modules: the module classes ``--shard-size`` shards with FSDP2.
 
     Example:
         >>> task = TASKS["digits"]
@@ -43,6 +44,8 @@ class ConvergenceTask:
     limit_train_batches: int | None = None
     target: Callable[[list[dict[str, Any]]], dict[str, Any]] = field(default=lambda runs: target_check(runs))
     tiny_description: str | None = None
+    #: module classes ``--shard-size`` shards (``sharded_modules``); empty: the task cannot be sharded
+    sharded_modules: tuple[str, ...] = ()
 
 
 def _digits(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
@@ -120,6 +123,7 @@ TASKS: dict[str, ConvergenceTask] = {
         limit_train_batches=100,
         target=_gpt_target,
         tiny_description="--tiny: width 32, 1 block, 2 heads, context 16, 4,096 train / 64 validation windows",
+        sharded_modules=("_Block",),
     ),
 }
 

@@ -27,9 +27,13 @@ class _Recorder(L.Callback):
         self.points: list[dict[str, float]] = []
         self.param_bytes = 0
         self.counter = counter
+        #: processes a dense all-reduce runs over (dense HSDP: the groups, one per shard index)
+        self.ring_size: int | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        # sharded: this process's shards, what dense HSDP all-reduces across groups every step
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in pl_module.parameters() if p.requires_grad]
+        self.param_bytes = sum(p.numel() * p.element_size() for p in local)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if self.counter is not None:
@@ -60,7 +64,7 @@ class _Recorder(L.Callback):
         state = getattr(trainer.strategy, "sparse_state", None)
         if state is not None and self.counter is None:
             return float(state.telemetry.total.wire_bytes)
-        return ring_all_reduce_bytes(trainer.world_size, self.bytes_so_far(trainer)[0])
+        return ring_all_reduce_bytes(self.ring_size or trainer.world_size, self.bytes_so_far(trainer)[0])
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -75,10 +79,17 @@ class _Recorder(L.Callback):
 
 
 def _sparse_strategy(config: dict[str, Any]) -> Any:
-    """``SparseDDPStrategy`` of a sparse run, in the run's mode (runs without one compressed gradients)."""
+    """``SparseDDPStrategy`` of a sparse run, in the run's mode (runs without one compressed gradients);
+    with a ``shard_size``, ``SparseFSDPStrategy`` in groups of that many processes."""
     import lightning_sparse
 
-    return lightning_sparse.SparseDDPStrategy(
+    cls: Any = lightning_sparse.SparseDDPStrategy
+    extra: dict[str, Any] = {}
+    if config.get("shard_size"):
+        cls = lightning_sparse.SparseFSDPStrategy
+        extra = {"shard_size": config["shard_size"], "sharded_modules": list(TASKS[config["task"]].sharded_modules)}
+    return cls(
+        **extra,
         compress=config.get("mode") or "gradient",
         compressor=config["compressor"],
         density=config["density"],
@@ -133,11 +144,17 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         diloco = TorchftDiLoCo(config["torchft"])
         callbacks.append(diloco)
         strategy, counter = CommHookDDPStrategy(ddp_comm_hook=local_gradient_hook), diloco.counter
+    elif config["compressor"] is None and config.get("shard_size"):
+        from benchmarks.convergence.hsdp import DenseHSDPStrategy
+
+        strategy = DenseHSDPStrategy(config["shard_size"], list(task.sharded_modules))
     elif config["compressor"] is None:
         strategy = "ddp"
     else:
         strategy = _sparse_strategy(config)
     recorder = _Recorder(counter)
+    if config.get("shard_size"):
+        recorder.ring_size = config["devices"] // config["shard_size"]
     callbacks.append(recorder)
     trainer = L.Trainer(
         accelerator="cpu",

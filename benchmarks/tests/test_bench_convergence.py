@@ -524,3 +524,24 @@ def test_convergence_vision_tiny_with_local_steps(tmp_path: Path) -> None:
     for r in runs:
         assert r["status"] == "ok", r
         assert r["steps"] == 8 and 0.0 <= r["final_acc"] <= 1.0
+
+
+@pytest.mark.dist
+def test_convergence_gpt_tiny_sharded_in_groups(tmp_path: Path) -> None:
+    """--shard-size 2 on 4 processes: dense HSDP, sparse_fsdp (two variants) and sparse_ddp in one run."""
+    out = tmp_path / "out"
+    argv = ["convergence", "--tasks", "gpt", "--tiny", "--devices", "4", "--shard-size", "2", "--compressors", "topk"]
+    argv += ["--densities", "0.01", "--modes", "update", "--peers", "--epochs", "1", "--limit-train-batches", "4"]
+    argv += ["--variants", "", "sync_every=4,value_bits=2,warmup=0", "shard=0", "--timeout", "300", "--out", str(out)]
+    assert main(argv) == 0
+    md = (out / "convergence.md").read_text()
+    assert "| dense HSDP (groups of 2) | 1 |" in md
+    assert "| topk (update, sparse_fsdp, groups of 2) | 0.01 |" in md and "| topk (update, sparse_ddp) | 0.01 |" in md
+    hsdp, fsdp, local, ddp = json.loads((out / "convergence.json").read_text())["runs"]["gpt"]
+    for r in (hsdp, fsdp, local, ddp):
+        assert r["status"] == "ok" and r["steps"] == 4 and r["world_size"] == 4, r
+    # across groups dense HSDP all-reduces each process's shard: about half the model with groups of 2
+    # (rank 0 holds the larger half of a tensor with an odd number of rows)
+    assert hsdp["param_bytes"] == pytest.approx(ddp["param_bytes"] / 2, rel=0.01)
+    assert hsdp["sent_bytes"] == 4 * hsdp["param_bytes"] == fsdp["dense_bytes"] == local["dense_bytes"]
+    assert 0 < local["sent_bytes"] < fsdp["sent_bytes"] < hsdp["sent_bytes"]
