@@ -177,6 +177,10 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         """Processes per group (the mesh's ``"shard"`` dimension)."""
         return int(self.device_mesh["shard"].size())
 
+    def _mesh_shape(self) -> list[int]:
+        """[groups, shard_size]: what a checkpoint records and a resume must match."""
+        return [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+
     @override
     def setup_environment(self) -> None:
         created = not _distributed_is_initialized()
@@ -269,8 +273,6 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             aliases=named,
         )
 
-    # ------------------------------------------------------------------ update mode
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -288,7 +290,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             storage_options,
             rank0_in_checkpoint=False,
         )
-        entry["mesh"] = [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+        entry["mesh"] = self._mesh_shape()
         checkpoint[CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -308,7 +310,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is None:
             raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
-        mesh = [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+        mesh = self._mesh_shape()
         if entry.get("mesh") != mesh:
             raise ValueError(
                 f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
