@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_sparse import SparseDDPStrategy
 from lightning_sparse.demos import DigitImagesDataModule, ResNetClassifier
+from lightning_sparse.schedules import WarmupDensity
 
 
 @torch.no_grad()
@@ -62,11 +63,27 @@ def recompute_bn(model: nn.Module, loader: Any, batches: int) -> nn.Module:
     return model
 
 
+class _Curve(L.Callback):
+    """The validation accuracy at the end of every validation epoch."""
+
+    def __init__(self) -> None:
+        self.accuracies: list[float] = []
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and "val_acc" in trainer.callback_metrics:
+            self.accuracies.append(round(float(trainer.callback_metrics["val_acc"]), 4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--dense", action="store_true", help="plain DDP instead of sparse_ddp")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument(
+        "--density-start", type=float, default=None, help="a density warm-up (WarmupDensity) from this to --density"
+    )
+    parser.add_argument("--density-steps", type=int, default=40, help="length of the density warm-up in steps")
+    parser.add_argument("--curve", action="store_true", help="validate every epoch and record the accuracies")
     parser.add_argument("--sync-every", type=int, default=1)
     parser.add_argument("--value-bits", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=0)
@@ -84,8 +101,11 @@ def main() -> None:
     if args.dense:
         strategy: Any = "ddp"
     else:
+        density: Any = args.density
+        if args.density_start is not None:
+            density = WarmupDensity(start=args.density_start, end=args.density, steps=args.density_steps)
         strategy = SparseDDPStrategy(
-            density=args.density,
+            density=density,
             sync_every=args.sync_every,
             value_bits=args.value_bits,
             warmup_steps=args.warmup,
@@ -93,6 +113,7 @@ def main() -> None:
             compression_monitor=False,
             batchnorm_batches=args.bn_batches,
         )
+    curve = _Curve()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -103,7 +124,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        check_val_every_n_epoch=1000,
+        check_val_every_n_epoch=1 if args.curve else 1000,
+        callbacks=[curve],
     )
     trainer.fit(model, datamodule=data)
     rank, world = trainer.global_rank, trainer.world_size
@@ -118,6 +140,13 @@ def main() -> None:
     val = data.val_dataloader()
     train = torch.utils.data.DataLoader(data.train_set, batch_size=64, shuffle=False)
     out: dict[str, Any] = {"args": vars(args), "rank": rank, "validate_acc": float(validated)}
+    if args.curve:
+        out["val_acc_per_epoch"] = curve.accuracies
+    bytes_ = getattr(trainer.strategy, "sparse_state", None)
+    if bytes_ is not None:
+        total = bytes_.telemetry.total
+        out["wire_bytes"] = float(total.wire_bytes)
+        out["dense_wire_bytes"] = float(total.dense_wire_bytes)
     out["bn_identical_across_ranks"] = bool(torch.equal(bn_every[0], bn_every[1]))
     if rank == 0:
         fresh = ResNetClassifier(width=args.width)

@@ -1,8 +1,8 @@
 """lightning_sparse: sparse gradient communication for PyTorch Lightning.
 
 Importing the package registers the strategy names ``sparse_ddp``, ``sparse_ddp_spawn``,
-``sparse_ddp_find_unused_parameters_true`` (and fork/notebook variants) with the Lightning
-Trainer and with Lightning Fabric::
+``sparse_ddp_find_unused_parameters_true`` (and fork/notebook variants) and ``sparse_fsdp`` with
+the Lightning Trainer and with Lightning Fabric::
 
     import lightning_sparse
     trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")
@@ -28,6 +28,7 @@ from lightning_sparse.cost import exchange_cost
 from lightning_sparse.exchange import ExchangeError
 from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
 from lightning_sparse.fabric import register_fabric_strategies
+from lightning_sparse.fabric_fsdp import SparseFSDPStrategy as FabricSparseFSDPStrategy
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.fsdp import SparseFSDPStrategy, register_fsdp_strategy
 from lightning_sparse.hook import sparse_comm_hook
@@ -54,6 +55,7 @@ __all__ = [
     "DensitySchedule",
     "ExchangeError",
     "FabricSparseDDPStrategy",
+    "FabricSparseFSDPStrategy",
     "GaussianK",
     "OuterStep",
     "RTopK",

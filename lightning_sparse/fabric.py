@@ -27,7 +27,6 @@ step adds the rank's part back (exactly: nothing is lost).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal
@@ -39,27 +38,27 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.types import _PATH, Optimizable
-from torch import Tensor
+from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse._utils import end_process_group_at_exit, note_run_end
+from lightning_sparse._utils import end_process_group_at_exit
 from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.core import SparseCore, register_names
+from lightning_sparse.fabric_fsdp import SparseFSDPStrategy
+from lightning_sparse.fabric_hooks import FabricHooks
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.shell import SparseShell
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
 
 
-class SparseDDPStrategy(SparseShell, DDPStrategy):
+class SparseDDPStrategy(FabricHooks, DDPStrategy):
     """Fabric's DDP whose communication is a sparse exchange with error feedback.
 
     The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same
@@ -198,8 +197,6 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         )
         self._ddp_model: DistributedDataParallel | None = None
         self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
-        # a training forward ran whose backward has not: its graph holds the rank's view
-        self._graph_pending = False
 
     # ------------------------------------------------------------------ start and end
     @override
@@ -214,13 +211,6 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         super().setup_environment()
         end_process_group_at_exit(created=created)
 
-    @override
-    def teardown(self) -> None:
-        """Fabric's teardown, for a caller that runs it; an exception on its way out keeps the exit
-        handler from ending the process group (the other ranks may never get there)."""
-        note_run_end(failed=sys.exc_info()[1] is not None)
-        super().teardown()
-
     # ------------------------------------------------------------------ setup
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -230,8 +220,7 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         self._core.register_hook(
             model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers
         )
-        if self._core.update is not None:
-            model.register_forward_pre_hook(self._before_forward)
+        self._watch_forward(model)
         self._ddp_model = model
         return model
 
@@ -242,42 +231,6 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
         self._core.check_optimizers([optimizer], self.world_size, module)
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
-
-    # ------------------------------------------------------------------ update mode
-    def _before_forward(self, module: Module, args: Any) -> None:
-        update = self._core.update
-        if update is None:
-            return
-        if module.training and torch.is_grad_enabled():
-            update.hold_local()  # this rank's forward/backward run at global + its residual
-            self._graph_pending = True
-        elif not self._graph_pending and not self._in_optimizer_step:
-            # evaluation sees the global model; its BatchNorm statistics are recomputed on this rank
-            # (a collective here could hang: a user may evaluate on one rank only)
-            self._core.global_model(together=False)
-
-    @override
-    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        super().backward(tensor, module, *args, **kwargs)
-        self._graph_pending = False
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """The optimizer step on this rank's view, then (update mode) the exchange: afterwards the
-        module holds the new global values of the optimizer's parameters."""
-
-        def step() -> Any:
-            return super(SparseDDPStrategy, self).optimizer_step(optimizer, **kwargs)
-
-        output = self._sparse_step(optimizer, step)
-        self._graph_pending = False
-        return output
-
-    @override
-    def get_module_state_dict(self, module: Module) -> dict[str, Any | Tensor]:
-        """The module's state with the global parameters (update mode)."""
-        self._core.global_model(together=False)
-        return super().get_module_state_dict(module)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -347,8 +300,9 @@ class SparseDDPStrategy(SparseShell, DDPStrategy):
 
 
 def register_fabric_strategies() -> None:
-    """Make ``Fabric(strategy="sparse_ddp")`` and its variants resolve (idempotent)."""
+    """Make ``Fabric(strategy="sparse_ddp")``, its variants and ``"sparse_fsdp"`` resolve (idempotent)."""
     SparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)
+    SparseFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 class _RestoringIO(CheckpointIO):

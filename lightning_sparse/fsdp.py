@@ -31,7 +31,21 @@ from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.trainer_hooks import TrainerHooks
 
-__all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
+__all__ = [
+    "FSDP_SETTINGS",
+    "SparseFSDPStrategy",
+    "bind_shards",
+    "check_mesh",
+    "check_sharding_arguments",
+    "finish_sharded_setup",
+    "load_local_optimizer_states",
+    "local_tree",
+    "make_mesh",
+    "mesh_shape",
+    "register_fsdp_strategy",
+    "settings_doc",
+    "shard_module",
+]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
 FSDP_SETTINGS = (
@@ -56,7 +70,7 @@ FSDP_SETTINGS = (
 MESH_DIMS = ("replicate", "shard")
 
 
-def _settings_doc() -> str:
+def settings_doc() -> str:
     docs = setting_docs()
     lines = []
     for name in FSDP_SETTINGS:
@@ -106,7 +120,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         >>> from lightning.pytorch import Trainer
         >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
         >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
-    """.format(settings=textwrap.indent(_settings_doc(), "    "))
+    """.format(settings=textwrap.indent(settings_doc(), "    "))
 
     strategy_name = "sparse_fsdp"
 
@@ -136,34 +150,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_bool("compression_monitor", compression_monitor)
-        if compress != "update":
-            raise ValueError(
-                f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
-                "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
-            )
-        if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
-            raise ValueError(
-                f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
-                "'bytes' or False (a timed fallback switches to DDP's plain steps)"
-            )
-        if momentum_correction:
-            raise ValueError(
-                f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
-                "(it is a gradient-mode setting)"
-            )
-        if shard_size is not None and (
-            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
-        ):
-            raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
-        if sharded_modules is not None and (
-            isinstance(sharded_modules, str)
-            or not all(isinstance(m, str) and m for m in sharded_modules)
-            or not sharded_modules
-        ):
-            raise ValueError(
-                f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
-                "names, or None"
-            )
+        check_sharding_arguments(compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules)
         self._core = SparseCore(SparseConfig.of(locals()))
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.compression_monitor = compression_monitor
@@ -179,7 +166,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
 
     def _mesh_shape(self) -> list[int]:
         """[groups, shard_size]: what a checkpoint records and a resume must match."""
-        return [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+        return mesh_shape(self.device_mesh)
 
     @override
     def setup_environment(self) -> None:
@@ -187,17 +174,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         end_process_group_at_exit(created=created)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shard = self._shard_size or self.num_processes
-        if self.world_size % shard:
-            raise ValueError(
-                f"shard_size={shard} is not allowed with {self.world_size} processes: expected a divisor of the "
-                "number of processes"
-            )
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size // shard, shard), mesh_dim_names=MESH_DIMS
-        )
+        self._device_mesh = make_mesh(self.root_device, self.world_size, self._shard_size or self.num_processes)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -218,60 +195,13 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         self._core.check_optimizers(self.optimizers, int(self.device_mesh["replicate"].size()), self.model)
 
     def _shard_model(self, module: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        sharded = any(isinstance(m, FSDPModule) for m in module.modules())
-        if sharded and module is self._sharded_here:
-            return  # sharded by this strategy in an earlier run (fit, then validate)
-        if sharded and self.sharded_modules:
-            raise ValueError(
-                f"sharded_modules={self.sharded_modules!r} is not allowed for a LightningModule whose "
-                "configure_model shards it already: expected None"
-            )
-        if sharded:
-            return
-        if not self.sharded_modules:
-            raise TypeError(
-                "SparseFSDPStrategy found no module sharded with fully_shard: shard the model in the "
-                "LightningModule's configure_model (fully_shard(module, mesh=self.device_mesh['shard'])), or "
-                "name the module classes to shard in SparseFSDPStrategy(sharded_modules=[...])"
-            )
-        mesh = self.device_mesh["shard"]
-        names = set(self.sharded_modules)
-        found = {type(m).__name__ for m in module.modules()}
-        if not names & found:
-            raise ValueError(
-                f"sharded_modules={self.sharded_modules!r} names no module of the model: its module classes are "
-                f"{sorted(found)}"
-            )
-        for m in list(module.modules()):
-            if type(m).__name__ in names and not isinstance(m, FSDPModule):
-                fully_shard(m, mesh=mesh)
-        # then the LightningModule itself: the rest (embeddings, final norms, a tied output layer),
-        # gathered in its forward
-        fully_shard(module, mesh=mesh)
-        self._sharded_here = module
+        if shard_module(module, self.device_mesh["shard"], self.sharded_modules, module is self._sharded_here):
+            self._sharded_here = module
 
     def _bind(self) -> None:
         assert self.model is not None
-        mesh = self.device_mesh
-        named = [(n, p) for n, p in self.model.named_parameters()]
-        # the exchange works on this process's shards: to_local().detach() shares the DTensor's
-        # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
-        # autograd; the DTensors, which the optimizer holds, stand for them
-        local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self._core.bind(
-            local,
-            mesh["replicate"].get_group(),
-            int(mesh["replicate"].get_local_rank()),
-            int(mesh["replicate"].size()),
-            self.root_device,
-            scaler,
-            optimizers=lambda: self.optimizers,
-            module=self.model,
-            aliases=named,
-        )
+        bind_shards(self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -280,7 +210,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         ``ModelParallelStrategy``), and each process's residuals and optimizer state in its own
         file beside it: each process's optimizer followed its own gradients, which the shared
         folder (one copy of each shard) cannot hold."""
-        optimizers = [_local_tree(state) for state in checkpoint.pop("optimizer_states", [])]
+        optimizers = [local_tree(state) for state in checkpoint.pop("optimizer_states", [])]
         entry = self._core.checkpoint.save(
             filepath,
             self.global_rank,
@@ -307,24 +237,11 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        if entry is None:
-            raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
-        mesh = self._mesh_shape()
-        if entry.get("mesh") != mesh:
-            raise ValueError(
-                f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
-                f"is resumed on {mesh}: SparseFSDPStrategy resumes on the same number of processes and shard_size"
-            )
+        check_mesh(checkpoint.get(CHECKPOINT_KEY), self._mesh_shape(), path)
         self._restore_sparse(checkpoint, path, True, weights_only)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         assert self.model is not None
-        params = dict(self.model.named_parameters())
-        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=False):
-            set_optimizer_state_dict(
-                self.model, optimizer, _sharded_tree(state, params), options=StateDictOptions(full_state_dict=False)
-            )
+        states = checkpoint.pop("optimizer_states", [])
+        load_local_optimizer_states(self.model, list(zip(self.optimizers, states, strict=False)))
         return checkpoint
 
     @classmethod
@@ -334,6 +251,133 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             strategy_registry.register(
                 "sparse_fsdp", cls, description="FSDP2 inside groups, sparse exchange across", override=True
             )
+
+
+# ---------------------------------------------------------------------- shared by both front ends
+def check_sharding_arguments(
+    compress: Any, fallback_to_dense: Any, momentum_correction: Any, shard_size: Any, sharded_modules: Any
+) -> None:
+    """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError)."""
+    if compress != "update":
+        raise ValueError(
+            f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
+            "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
+        )
+    if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
+        raise ValueError(
+            f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
+            "'bytes' or False (a timed fallback switches to DDP's plain steps)"
+        )
+    if momentum_correction:
+        raise ValueError(
+            f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
+            "(it is a gradient-mode setting)"
+        )
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
+    if sharded_modules is not None and (
+        isinstance(sharded_modules, str)
+        or not all(isinstance(m, str) and m for m in sharded_modules)
+        or not sharded_modules
+    ):
+        raise ValueError(
+            f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
+            "names, or None"
+        )
+
+
+def make_mesh(device: torch.device, world_size: int, shard_size: int) -> Any:
+    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups of ``shard_size``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world_size % shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} is not allowed with {world_size} processes: expected a divisor of the "
+            "number of processes"
+        )
+    return init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIMS)
+
+
+def mesh_shape(mesh: Any) -> list[int]:
+    """[groups, shard_size] of a mesh: what a checkpoint records and a resume must match."""
+    return [int(mesh[d].size()) for d in MESH_DIMS]
+
+
+def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -> None:
+    """Refuse a checkpoint not written by ``sparse_fsdp``, or on another mesh (ValueError)."""
+    if entry is None:
+        raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
+    if entry.get("mesh") != shape:
+        raise ValueError(
+            f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
+            f"is resumed on {shape}: SparseFSDPStrategy resumes on the same number of processes and shard_size"
+        )
+
+
+def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] | None, ours: bool) -> bool:
+    """Shard ``module`` on the ``"shard"`` mesh: every module whose class is named in ``sharded_modules``,
+    then ``module`` itself; or check that the caller sharded it (``sharded_modules`` None). ``ours``:
+    this strategy sharded ``module`` in an earlier run. Returns whether it was sharded here."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+    if sharded and ours:
+        return False  # sharded by this strategy in an earlier run (fit, then validate)
+    if sharded and sharded_modules:
+        raise ValueError(
+            f"sharded_modules={sharded_modules!r} is not allowed for a module that is sharded already (by "
+            "configure_model or a parallelize_fn): expected None"
+        )
+    if sharded:
+        return False
+    if not sharded_modules:
+        raise TypeError(
+            "SparseFSDPStrategy found no module sharded with fully_shard: shard the model yourself "
+            "(fully_shard(module, mesh=device_mesh['shard']) in the LightningModule's configure_model, or in a "
+            "parallelize_fn with Fabric), or name the module classes to shard in "
+            "SparseFSDPStrategy(sharded_modules=[...])"
+        )
+    names = set(sharded_modules)
+    found = {type(m).__name__ for m in module.modules()}
+    if not names & found:
+        raise ValueError(
+            f"sharded_modules={sharded_modules!r} names no module of the model: its module classes are {sorted(found)}"
+        )
+    for m in list(module.modules()):
+        if type(m).__name__ in names and not isinstance(m, FSDPModule):
+            fully_shard(m, mesh=mesh)
+    # then the module itself: the rest (embeddings, final norms, a tied output layer), gathered in its forward
+    fully_shard(module, mesh=mesh)
+    return True
+
+
+def bind_shards(
+    core: SparseCore,
+    module: torch.nn.Module,
+    mesh: Any,
+    device: torch.device,
+    scaler: Any,
+    optimizers: Callable[[], list[Any]],
+) -> None:
+    """Bind the exchange to this process's shards of ``module``'s parameters, across the ``"replicate"``
+    dimension."""
+    named = [(n, p) for n, p in module.named_parameters()]
+    # the exchange works on this process's shards: to_local().detach() shares the DTensor's
+    # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
+    # autograd; the DTensors, which the optimizer holds, stand for them
+    local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
+    replicate = mesh["replicate"]
+    core.bind(
+        local,
+        replicate.get_group(),
+        int(replicate.get_local_rank()),
+        int(replicate.size()),
+        device,
+        scaler,
+        optimizers=optimizers,
+        module=module,
+        aliases=named,
+    )
 
 
 def finish_sharded_setup(strategy: ModelParallelStrategy, trainer: pl.Trainer) -> None:
@@ -356,14 +400,25 @@ def register_fsdp_strategy() -> None:
     SparseFSDPStrategy.register_strategies(StrategyRegistry)
 
 
-def _local_tree(state: Any) -> Any:
+def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optimizer, dict[str, Any]]]) -> None:
+    """Give each optimizer the state this process saved (:func:`local_tree` of
+    ``get_optimizer_state_dict``), its tensors made DTensors again like their parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    params = dict(module.named_parameters())
+    for optimizer, state in pairs:
+        tree = _sharded_tree(state, params)
+        set_optimizer_state_dict(module, optimizer, tree, options=StateDictOptions(full_state_dict=False))
+
+
+def local_tree(state: Any) -> Any:
     """An optimizer's ``state_dict()`` with every DTensor replaced by this process's local tensor."""
     if hasattr(state, "to_local") and hasattr(state, "placements"):
         return state.to_local()
     if isinstance(state, dict):
-        return {k: _local_tree(v) for k, v in state.items()}
+        return {k: local_tree(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        items = [_local_tree(v) for v in state]
+        items = [local_tree(v) for v in state]
         return type(state)(items) if isinstance(state, tuple) else items
     return state
 

@@ -1,0 +1,287 @@
+"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``.
+
+The same sparse HSDP as the Trainer's :class:`lightning_sparse.SparseFSDPStrategy` (FSDP2 inside
+each group of ``shard_size`` processes, update mode's exchange across groups on each process's
+shards), for a loop the user writes. FSDP2 replaces the module's parameters when it shards them, so
+the module is set up first and the optimizer made from the sharded parameters::
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"]))
+    fabric.launch()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    for x, y in loader:
+        optimizer.zero_grad()
+        fabric.backward(loss_fn(model(x), y))
+        optimizer.step()
+
+As with Fabric's ``sparse_ddp``, a training forward lets the module hold this process's own view,
+``optimizer.step()`` exchanges and leaves the global model in the module, and an evaluation forward
+sees the global model.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.model_parallel import _load_checkpoint
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.types import _PATH
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sparse._utils import end_process_group_at_exit
+from lightning_sparse.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.compressors import Compressor
+from lightning_sparse.config import SparseConfig
+from lightning_sparse.core import SparseCore
+from lightning_sparse.fabric_hooks import FabricHooks
+from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.fsdp import (
+    bind_shards,
+    check_mesh,
+    check_sharding_arguments,
+    load_local_optimizer_states,
+    local_tree,
+    make_mesh,
+    mesh_shape,
+    settings_doc,
+    shard_module,
+)
+from lightning_sparse.outer import OuterStep
+from lightning_sparse.schedules import DensitySchedule
+
+__all__ = ["SparseFSDPStrategy"]
+
+
+class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
+    __doc__ = """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
+
+    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy``, with the same
+    settings (see there for each) and the same mesh ``("replicate", "shard")``. The module is sharded
+    by ``parallelize_fn(module, device_mesh)``, which calls
+    ``fully_shard(..., mesh=device_mesh["shard"])`` itself, or by the strategy: every module whose
+    class is named in ``sharded_modules``, then the module itself. Set the module up first
+    (``fabric.setup_module``), then make the optimizer from its parameters (``fabric.setup_optimizers``):
+    FSDP2 replaces the parameters it shards. ``fabric.save(path, {{"model": model, "optimizer":
+    optimizer, ...}})`` writes the global model as a ``torch.distributed.checkpoint`` folder and each
+    process's residuals and optimizer state to a file of its own in ``<path>.sparse/``;
+    ``fabric.load`` with the same keys resumes exactly, on the same number of processes and
+    ``shard_size``. ``fabric.load(path, model)`` (a module alone) loads the global model only.
+
+    Args:
+        shard_size: processes per group; None (default): the processes of one node.
+        sharded_modules: names of module classes to shard; None: ``parallelize_fn`` shards.
+        parallelize_fn: ``fn(module, device_mesh) -> module`` that shards the module itself, or None.
+{settings}
+        process_group_backend: as in Fabric's ``ModelParallelStrategy``.
+        timeout: as in Fabric's ``ModelParallelStrategy``.
+
+    Example:
+        >>> from lightning.fabric import Fabric
+        >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
+        >>> fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
+    """.format(settings=textwrap.indent(settings_doc(), "    "))
+
+    strategy_name = "sparse_fsdp"
+
+    def __init__(
+        self,
+        shard_size: int | None = None,
+        sharded_modules: list[str] | None = None,
+        parallelize_fn: Callable[[Module, Any], Module] | None = None,
+        compress: Literal["update", "gradient"] = "update",
+        compressor: str | Compressor = "topk",
+        density: float | DensitySchedule = 0.01,
+        error_feedback: bool = True,
+        min_numel: int = 1024,
+        warmup_steps: int = 1,
+        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
+        seed: int = 0,
+        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
+        momentum_correction: float = 0.0,
+        exchange: Literal["auto", "allgather", "split"] = "auto",
+        compact_indices: bool = True,
+        sync_every: int = 1,
+        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
+        value_bits: Literal[2, 4, 8] | None = None,
+        batchnorm_batches: int = 16,
+        bucket_cap_mb: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        check_sharding_arguments(compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise ValueError(f"parallelize_fn={parallelize_fn!r} is not allowed: expected a callable or None")
+        if parallelize_fn is not None and sharded_modules is not None:
+            raise ValueError(
+                f"sharded_modules={sharded_modules!r} is not allowed with a parallelize_fn: expected None (the "
+                "parallelize_fn shards the module)"
+            )
+        self._core = SparseCore(SparseConfig.of(locals()))
+        super().__init__(parallelize_fn=self._parallelize, process_group_backend=process_group_backend, timeout=timeout)
+        self._shard_size = shard_size
+        self.sharded_modules = None if sharded_modules is None else list(sharded_modules)
+        self._user_parallelize = parallelize_fn
+        self._io = TorchCheckpointIO()  # for the processes' own files (the folder is DCP's)
+        self._optimizers: list[Optimizer] = []
+        self._module: Module | None = None
+
+    # ------------------------------------------------------------------ mesh
+    @property
+    def shard_size(self) -> int:
+        """Processes per group (the mesh's ``"shard"`` dimension)."""
+        return int(self.device_mesh["shard"].size())
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The writer of the processes' own files (the global model goes through DCP)."""
+        return self._io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support setting a `CheckpointIO` plugin.")
+
+    @override
+    def setup_environment(self) -> None:
+        """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")``
+        mesh; the group is ended at interpreter exit (as with Fabric's ``sparse_ddp``)."""
+        created = not _distributed_is_initialized()
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        end_process_group_at_exit(created=created)
+        self._device_mesh = make_mesh(self.root_device, self.world_size, self._shard_size or self.num_processes)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every process trains on its own batches (inside a group FSDP2 averages their gradients)
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ setup
+    def _parallelize(self, module: Module, mesh: Any) -> Module:
+        if self._user_parallelize is not None:
+            module = self._user_parallelize(module, mesh)
+        shard_module(module, mesh["shard"], self.sharded_modules, ours=False)
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        raise RuntimeError(
+            "SparseFSDPStrategy shards the module, which replaces its parameters: set the module up first "
+            "(model = fabric.setup_module(model)), then make the optimizer from model.parameters() and set it "
+            "up (optimizer = fabric.setup_optimizers(optimizer))"
+        )
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Shard the module (``parallelize_fn`` or ``sharded_modules``), materialize it, and bind the
+        exchange to this process's shards across the ``"replicate"`` dimension."""
+        module = super().setup_module(module)  # parallelize, then materialize what is on the meta device
+        scaler = getattr(self.precision, "scaler", None)
+        bind_shards(self._core, module, self.device_mesh, self.root_device, scaler, lambda: self._optimizers)
+        self._watch_forward(module)
+        self._module = module
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check the optimizer against the configuration (known bad mixes are warned about)."""
+        self._core.check_optimizers([optimizer], int(self.device_mesh["replicate"].size()), self._module)
+        self._optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """The global model (and the rest of ``state`` but the optimizers) as Fabric's
+        ``ModelParallelStrategy`` saves it, a ``torch.distributed.checkpoint`` folder; each process's
+        residuals and optimizer states in its own file in ``<path>.sparse/`` (every process's
+        optimizer followed its own gradients: the shared folder keeps one copy of each shard)."""
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"state[{CHECKPOINT_KEY!r}] is not allowed with SparseFSDPStrategy: the strategy saves its own "
+                "state under that key; use another name."
+            )
+        if storage_options is not None:
+            raise TypeError(
+                f"storage_options={storage_options!r} is not allowed with SparseFSDPStrategy: expected None"
+            )
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        self._core.global_model()  # every process saves together
+        module = self._checkpoint_module(state)
+        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        local = {k: local_tree(get_optimizer_state_dict(module, opt)) for k, opt in optimizers.items()}
+        path = Path(self.broadcast(path))
+        entry = self._core.checkpoint.save(
+            path, self.global_rank, self.world_size, local or None, self._io, None, rank0_in_checkpoint=False
+        )
+        entry["mesh"] = mesh_shape(self.device_mesh)
+        rest = {k: v for k, v in state.items() if k not in optimizers}
+        super().save_checkpoint(path, {**rest, CHECKPOINT_KEY: entry}, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load the global model and the rest of ``state``, and give this process its own residuals
+        and optimizer states back (a module alone: the global model only)."""
+        self._core.hold_global()  # what the module held is replaced: it becomes the global model
+        if not isinstance(state, dict) or not state:
+            return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        path = Path(self.broadcast(path))
+        module = self._checkpoint_module(state)
+        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        rest = {k: v for k, v in state.items() if k not in optimizers}
+        metadata = _load_checkpoint(path=path, state=rest, strict=strict, weights_only=weights_only)
+        state.update(rest)  # the metadata the caller asked for, loaded into ``rest``
+        check_mesh(metadata.get(CHECKPOINT_KEY), mesh_shape(self.device_mesh), path)
+        self._restore_sparse(metadata, path, True, weights_only)
+        missing = [k for k in optimizers if k not in metadata]
+        if missing and strict:
+            raise KeyError(f"the checkpoint {str(path)!r} holds no optimizer state for {missing}")
+        load_local_optimizer_states(module, [(opt, metadata.pop(k)) for k, opt in optimizers.items() if k in metadata])
+        return metadata
+
+    @staticmethod
+    def _checkpoint_module(state: dict[str, Any]) -> Module:
+        modules = [v for v in state.values() if isinstance(v, Module)]
+        if len(modules) != 1:
+            raise ValueError(
+                f"a checkpoint's state with {len(modules)} modules is not allowed with SparseFSDPStrategy: expected "
+                "one (the sharded model)"
+            )
+        module = modules[0]
+        return getattr(module, "_forward_module", module)  # a Fabric-wrapped module: the sharded one
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``sparse_fsdp`` with a Fabric strategy registry (idempotent)."""
+        if "sparse_fsdp" not in strategy_registry or strategy_registry["sparse_fsdp"].get("strategy") is not cls:
+            strategy_registry.register(
+                "sparse_fsdp", cls, description="FSDP2 inside groups, sparse exchange across", override=True
+            )
