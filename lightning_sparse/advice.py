@@ -6,6 +6,7 @@ from typing import Any
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_sparse.schedules import ConstantDensity
 from lightning_sparse.state import SparseState
 
 __all__ = ["check_no_optimizer_momentum", "training_advice"]
@@ -66,6 +67,20 @@ def training_advice(state: SparseState, optimizers: list[Any], module: Any = Non
                 "own view, stop fitting the global parameters that validation and checkpoints see (measured on a "
                 "ResNet-18-shaped CNN at sync_every=4: 0.19 validation accuracy against 0.99 with the statistics "
                 "recomputed). Leave batchnorm_batches at its default (16)."
+            )
+    constant = isinstance(state.schedule, ConstantDensity)
+    if config.compress == "update" and batchnorm and constant and config.warmup_steps == 0:
+        density = state.schedule.density(0)
+        share = density / config.sync_every
+        if share < 0.01:
+            advice.append(
+                f"the model has BatchNorm and {share:g} of each step's progress reaches the global model "
+                f"(density={density:g}, sync_every={config.sync_every}) from the first step: early in the fit "
+                "the processes' views drift apart and the global model can train slowly (measured on a "
+                "ResNet-18-shaped CNN at sync_every=4, density 0.01, one seed of three: 0.967 validation "
+                "accuracy against 0.994 every step). A density warm-up fixed it: "
+                f"density=WarmupDensity(start=0.1, end={density:g}, steps=40) reached 0.992 with 95x fewer "
+                "bytes than dense DDP (291x without)."
             )
     # Random coordinates in update mode were measured to train well (GPT with AdamW: random-k 1.985 and
     # random-block 1.996 nats against 1.844 dense; digits 98%), so that combination gets no warning.

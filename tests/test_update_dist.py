@@ -258,3 +258,26 @@ def test_training_advice_names_what_to_change() -> None:
     assert "compressor='randomblock' with compress='gradient' and an optimizer momentum" in advice
     # random coordinates train well in update mode (measured): no advice
     assert training_advice(SparseState(compress="update", compressor="randomk"), [sgd_m, adamw]) == []
+
+
+def test_training_advice_for_batchnorm_models() -> None:
+    from lightning_sparse import WarmupDensity
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.strategy import training_advice
+
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    plain = torch.nn.Linear(4, 4)
+    sgd_m = torch.optim.SGD(bn.parameters(), lr=0.1, momentum=0.9)
+    local = {"compress": "update", "sync_every": 4, "warmup_steps": 0}
+    (advice,) = training_advice(SparseState(**local), [sgd_m], bn)
+    assert "0.0025 of each step's progress" in advice and "WarmupDensity(start=0.1, end=0.01, steps=40)" in advice
+    # a density warm-up, a share of 1 % or more, a dense first exchange, or no BatchNorm: no advice
+    warm = WarmupDensity(start=0.1, end=0.01, steps=40)
+    assert training_advice(SparseState(**{**local, "density": warm}), [sgd_m], bn) == []
+    assert training_advice(SparseState(**{**local, "density": 0.04}), [sgd_m], bn) == []
+    assert training_advice(SparseState(**{**local, "warmup_steps": 1}), [sgd_m], bn) == []
+    assert training_advice(SparseState(**local), [sgd_m], plain) == []
+    # the running statistics left as each process's view gathered them
+    stats, drift = training_advice(SparseState(**{**local, "batchnorm_batches": 0}), [sgd_m], bn)
+    assert "batchnorm_batches=0" in stats and "Leave batchnorm_batches at its default" in stats
+    assert "WarmupDensity" in drift

@@ -66,7 +66,10 @@ VARIANT_KEYS = {
     "value_bits": "value_bits",
     "warmup": "warmup_steps",
     "shard": "shard_size",  # with --shard-size: 0 runs sparse_ddp on the same processes
+    "density_start": "density_start",  # a density warm-up (WarmupDensity) from this to the run's density
+    "density_steps": "density_steps",  # its length in optimizer steps (default 40)
 }
+_FLOAT_KEYS = {"density_start"}
 
 
 def parse_variant(spec: str) -> dict[str, Any]:
@@ -75,6 +78,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
     Example:
         >>> parse_variant("sync_every=4,value_bits=2")
         {'sync_every': 4, 'value_bits': 2}
+        >>> parse_variant("sync_every=4,density_start=0.1")
+        {'sync_every': 4, 'density_start': 0.1}
         >>> parse_variant("")
         {}
     """
@@ -83,7 +88,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
         key, _, value = part.partition("=")
         if key not in VARIANT_KEYS or not value:
             raise ValueError(f"--variants {spec!r} is not allowed: expected key=value pairs of {sorted(VARIANT_KEYS)}")
-        out[VARIANT_KEYS[key]] = value if key == "outer" else int(value)
+        out[VARIANT_KEYS[key]] = value if key == "outer" else float(value) if key in _FLOAT_KEYS else int(value)
     return out
 
 
@@ -147,6 +152,8 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"{run['value_bits']}-bit values")
     if run.get("warmup_steps") is not None:
         extra.append(f"{run['warmup_steps']} warm-up")
+    if run.get("density_start"):
+        extra.append(f"density from {run['density_start']:g} over {run.get('density_steps', 40)} steps")
     if run.get("shard_size"):
         extra.append(f"sparse_fsdp, groups of {run['shard_size']}")
     elif run.get("shard_size") == 0:

@@ -88,11 +88,15 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
     if config.get("shard_size"):
         cls = lightning_sparse.SparseFSDPStrategy
         extra = {"shard_size": config["shard_size"], "sharded_modules": list(TASKS[config["task"]].sharded_modules)}
+    density: Any = config["density"]
+    if config.get("density_start"):  # a density warm-up to the run's density
+        steps = config.get("density_steps", 40)
+        density = lightning_sparse.WarmupDensity(start=config["density_start"], end=density, steps=steps)
     return cls(
         **extra,
         compress=config.get("mode") or "gradient",
         compressor=config["compressor"],
-        density=config["density"],
+        density=density,
         exchange=config.get("exchange") or "auto",
         value_dtype=config.get("value_dtype"),
         sync_every=config.get("sync_every", 1),
