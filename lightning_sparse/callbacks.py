@@ -30,7 +30,12 @@ UPDATE_METRIC_NAMES = ("sparse/unsent_ratio",)
 
 
 def compression_figures(
-    interval: Counters, steps: int, total: Counters, residual_norm: float, unsent_ratio: float | None = None
+    interval: Counters,
+    steps: int,
+    total: Counters,
+    residual_norm: float,
+    unsent_ratio: float | None = None,
+    group_bytes: float | None = None,
 ) -> dict[str, float]:
     """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval``.
 
@@ -46,7 +51,9 @@ def compression_figures(
     - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
     - ``sparse/unsent_ratio`` (update mode): that norm over the norm of the global parameters, how
       far the model that validation and checkpoints see lags this rank's own view;
-    - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch).
+    - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch);
+    - ``sparse/group_bytes`` (``sparse_fsdp``): bytes FSDP2's collectives inside this process's group
+      moved through it per step over those steps (ring model; ``group_bytes`` is their total).
 
     Example:
         >>> c = Counters(dense_bytes=800, sent_bytes=20, numel=200, sent_numel=4, compress_seconds=0.002)
@@ -66,6 +73,7 @@ def compression_figures(
         "sparse/residual_norm": float(residual_norm),
         "sparse/compress_ms": 1000.0 * interval.compress_seconds / steps,
         **({} if unsent_ratio is None else {"sparse/unsent_ratio": float(unsent_ratio)}),
+        **({} if group_bytes is None else {"sparse/group_bytes": float(group_bytes) / steps}),
     }
 
 
@@ -127,6 +135,7 @@ class CompressionMonitor(Callback):
         self._fit_start: Telemetry | None = None
         self._logged: Counters = Counters()
         self._logged_steps = 0
+        self._logged_group_bytes = 0.0
         self._epoch_start: Counters = Counters()
         self._epoch_start_steps = 0
         self._step_seconds = 0.0
@@ -153,6 +162,7 @@ class CompressionMonitor(Callback):
         self._fit_start = copy.deepcopy(telemetry)
         self._logged = telemetry.total.copy()
         self._logged_steps = telemetry.steps
+        self._logged_group_bytes = telemetry.group_bytes or 0.0
         self._epoch_start = telemetry.total.copy()
         self._epoch_start_steps = telemetry.steps
         self._step_seconds = 0.0
@@ -201,7 +211,12 @@ class CompressionMonitor(Callback):
         state = self._state
         assert state is not None
         norm = state.measure_residual_norm()
-        figures = compression_figures(interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio())
+        group = state.telemetry.group_bytes
+        inside = None if group is None else group - self._logged_group_bytes
+        self._logged_group_bytes = group or 0.0
+        figures = compression_figures(
+            interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio(), inside
+        )
         for name, value in figures.items():
             pl_module.log(
                 name,

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -29,6 +30,7 @@ from lightning_sparse.core import SparseCore
 from lightning_sparse.fallback import TimedFallback
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.stats import Telemetry
 from lightning_sparse.trainer_hooks import TrainerHooks
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "bind_shards",
     "check_mesh",
     "check_sharding_arguments",
+    "count_group_traffic",
     "finish_sharded_setup",
     "load_local_optimizer_states",
     "local_tree",
@@ -351,6 +354,64 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
     return True
 
 
+def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
+    """Count the bytes of every all-gather and reduce-scatter FSDP2 issues for ``module`` inside the
+    group into ``telemetry.group_bytes`` (ring model: ``(S - 1) / S`` of the gathered or scattered
+    tensor through each of the group's ``S`` processes). Each of its collectives is wrapped, not
+    changed. Returns False where this torch has no FSDP2 collectives to wrap."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:
+        return False
+
+    class _CountedAllGather(AllGather):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+            size = dist.get_world_size(group)
+            telemetry.record_group((size - 1) / size * output_tensor.numel() * output_tensor.element_size())
+            return self.inner(output_tensor, input_tensor, group, async_op)
+
+    class _CountedReduceScatter(ReduceScatter):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+            size = dist.get_world_size(group)
+            telemetry.record_group((size - 1) / size * input_tensor.numel() * input_tensor.element_size())
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    counted = False
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before per-parameter meshes: one group or none
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [] if one is None else [one]
+        for g in groups:
+            gather, scatter = getattr(g, "_all_gather_comm", None), getattr(g, "_reduce_scatter_comm", None)
+            if gather is None or scatter is None:
+                continue
+            if not isinstance(gather, _CountedAllGather):
+                g._all_gather_comm = _CountedAllGather(getattr(gather, "inner", gather))
+            if not isinstance(scatter, _CountedReduceScatter):
+                g._reduce_scatter_comm = _CountedReduceScatter(getattr(scatter, "inner", scatter))
+            counted = True
+    if counted and telemetry.group_bytes is None:
+        telemetry.group_bytes = 0.0
+    return counted
+
+
 def bind_shards(
     core: SparseCore,
     module: torch.nn.Module,
@@ -366,6 +427,7 @@ def bind_shards(
     # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
     # autograd; the DTensors, which the optimizer holds, stand for them
     local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
+    count_group_traffic(module, core.state.telemetry)
     replicate = mesh["replicate"]
     core.bind(
         local,

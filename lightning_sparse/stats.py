@@ -102,6 +102,14 @@ class Telemetry:
     residual_norm_step: int | None = None
     #: update mode: the unsent part's norm over the parameters' norm, when last measured
     unsent_ratio: float | None = None
+    #: ``sparse_fsdp``: bytes FSDP2's all-gathers and reduce-scatters inside this process's group moved
+    #: through it (ring model, counted at each collective; apart from the exchange's figures); None: not
+    #: counted (not sharded, or a torch without FSDP2's custom collectives)
+    group_bytes: float | None = None
+
+    def record_group(self, nbytes: float) -> None:
+        """Count one collective of FSDP2 inside the group (``nbytes`` through this process)."""
+        self.group_bytes = (self.group_bytes or 0.0) + nbytes
 
     def record(self, group: str, counters: Counters, method: str = "dense") -> None:
         """Add one bucket's figures: to the step in progress, its group and the way it was sent."""
@@ -121,6 +129,7 @@ class Telemetry:
             "groups": {k: v.as_dict() for k, v in self.groups.items()},
             "methods": {k: v.as_dict() for k, v in self.methods.items()},
             "steps": self.steps,
+            "group_bytes": self.group_bytes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -130,5 +139,6 @@ class Telemetry:
         self.groups = {k: Counters(**v) for k, v in state["groups"].items()}
         self.methods = {k: Counters(**v) for k, v in state.get("methods", {}).items()}
         self.steps = int(state["steps"])
+        self.group_bytes = state.get("group_bytes", self.group_bytes)
         self.current = Counters()
         self.last = Counters()

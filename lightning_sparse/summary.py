@@ -183,13 +183,20 @@ class CompressionSummary:
         """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them),
         with a note (:data:`ADDS_UP`) that each section adds up to the total."""
         total = telemetry.total - start.total if start is not None else telemetry.total.copy()
+        notes = [ADDS_UP]
+        if telemetry.group_bytes is not None:
+            inside = telemetry.group_bytes - ((start.group_bytes or 0.0) if start is not None else 0.0)
+            notes.append(
+                f"Inside this process's group (FSDP2's all-gathers and reduce-scatters, not in the table): "
+                f"{format_bytes(inside)} moved through it."
+            )
         return cls(
             title=title,
             methods=_diff(telemetry.methods, start.methods if start is not None else None),
             groups=_diff(telemetry.groups, start.groups if start is not None else None),
             total=total,
             step_seconds=step_seconds,
-            notes=[ADDS_UP],
+            notes=notes,
         )
 
     # ------------------------------------------------------------------ rows

@@ -80,6 +80,8 @@ def run(cfg: dict[str, Any]) -> None:
         "losses": losses,
         "eval_loss": eval_loss,
         "telemetry": sparse.telemetry.total.as_dict(),
+        "group_bytes": sparse.telemetry.group_bytes,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
     if isinstance(fabric.strategy, lightning_sparse.FabricSparseFSDPStrategy):
         result["coords"] = fabric.strategy.device_mesh.get_coordinate()

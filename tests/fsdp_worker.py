@@ -153,6 +153,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
     if hasattr(strategy, "sparse_state"):
         state = strategy.sparse_state
         result["telemetry"] = state.telemetry.total.as_dict()
+        result["group_bytes"] = state.telemetry.group_bytes
+        result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         result["residuals"] = state.memory.state_dict()
     if cfg.get("validate"):
         result["val_loss"] = float(trainer.validate(model, val, verbose=False)[0]["val_loss"])

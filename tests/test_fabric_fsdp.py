@@ -55,6 +55,7 @@ def test_shards_of_one_index_are_identical_across_groups(hsdp: dict[str, Any], r
         if run != "full":  # 14 noisy steps of 4-step cycles in 2 bits: the resume test's run
             assert sum(r["losses"][-4:]) < 0.8 * sum(r["losses"][:4]), r["losses"]
         assert 0 < r["telemetry"]["sent_bytes"] < r["telemetry"]["dense_bytes"]
+        assert r["group_bytes"] >= len(r["losses"]) * r["param_bytes"]  # inside the group, apart
     # the evaluation saw the global model: one loss on every process
     assert len({r["eval_loss"] for r in hsdp[run]}) == 1
 

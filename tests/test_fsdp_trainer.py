@@ -63,6 +63,9 @@ def test_shards_of_one_index_are_identical_across_groups(hsdp: dict[str, Any], r
         assert sum(r["losses"][-4:]) < 0.8 * sum(r["losses"][:4]), r["losses"]
         t = r["telemetry"]
         assert 0 < t["sent_bytes"] < t["dense_bytes"]  # only the exchange across groups is counted
+        # inside the group, apart: at least one all-gather and one reduce-scatter of every parameter a step,
+        # half of each through a process of a group of 2 (validation adds its all-gathers)
+        assert r["group_bytes"] >= len(r["losses"]) * r["param_bytes"]
 
 
 @pytest.mark.dist
@@ -113,6 +116,7 @@ def test_groups_of_one_end_where_sparse_ddp_ends(pairs: dict[str, Any]) -> None:
             assert torch.equal(a["params"][name], b["params"][name]), name
         assert a["telemetry"]["sent_bytes"] == b["telemetry"]["sent_bytes"]
         assert a["telemetry"]["dense_bytes"] == b["telemetry"]["dense_bytes"]
+        assert a["group_bytes"] == 0 and b["group_bytes"] is None  # a group of 1 moves nothing inside
 
 
 @pytest.mark.dist

@@ -589,3 +589,24 @@ def test_metric_arguments_are_checked() -> None:
         BytesSent().update(Counters(), steps=0)
     with pytest.raises(ValueError, match=r"norm=nan is not allowed"):
         ResidualNorm().update(float("nan"))
+
+
+def test_bytes_inside_a_group_are_reported_apart() -> None:
+    from lightning_sparse.callbacks import compression_figures
+
+    t = Telemetry()
+    t.record("fc.weight", Counters(dense_bytes=4000, sent_bytes=80, buckets=1), method="topk")
+    t.end_step()
+    assert t.group_bytes is None
+    assert "Inside this process's group" not in CompressionSummary.from_telemetry(t).to_text()
+    assert "sparse/group_bytes" not in compression_figures(t.total, 1, t.total, 0.0)
+    start = Telemetry(group_bytes=1000.0)
+    t.record_group(1500.0)
+    t.record_group(1500.0)
+    assert t.group_bytes == 3000.0
+    text = CompressionSummary.from_telemetry(t, start=start).to_text()
+    assert f"reduce-scatters, not in the table): {format_bytes(2000.0)} moved" in text
+    assert compression_figures(t.total, 2, t.total, 0.0, None, 3000.0)["sparse/group_bytes"] == 1500.0
+    restored = Telemetry()
+    restored.load_state_dict(t.state_dict())
+    assert restored.group_bytes == 3000.0
