@@ -171,6 +171,14 @@ class SparseConfig:
             BatchNorm is not touched."""
         ),
     )
+    offload_global: bool = field(
+        default=False,
+        metadata=_doc(
+            """update mode: keep the global copy of the parameters (and an outer optimizer's state) in CPU
+            memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an
+            exchange stages one bucket at a time on the device. The residual stays on the device."""
+        ),
+    )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
     static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
     gradient_as_bucket_view: bool | None = field(
@@ -248,6 +256,12 @@ class SparseConfig:
             )
         check_int("sync_every", self.sync_every, minimum=1)
         check_int("batchnorm_batches", self.batchnorm_batches, minimum=0)
+        check_bool("offload_global", self.offload_global)
+        if self.offload_global and self.compress != "update":
+            raise ValueError(
+                "offload_global=True is not allowed with compress='gradient': only update mode keeps a global copy; "
+                "use compress='update', or offload_global=False."
+            )
         if self.compress == "gradient" and self.sync_every != 1:
             raise ValueError(
                 f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
@@ -325,6 +339,7 @@ class SparseConfig:
             "outer_optimizer": describe_callable(self.outer_optimizer),
             "value_bits": self.value_bits,
             "batchnorm_batches": self.batchnorm_batches,
+            "offload_global": self.offload_global,
         }
 
     @classmethod

@@ -125,6 +125,9 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             latest training forward passes (kept by reference), and averaged over the processes: gathered in
             the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
             off; a module without BatchNorm is not touched.
+        offload_global: update mode: keep the global copy of the parameters (and an outer optimizer's state) in
+            CPU memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an exchange
+            stages one bucket at a time on the device. The residual stays on the device.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -169,6 +172,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        offload_global: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool | None = None,

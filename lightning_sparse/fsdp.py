@@ -68,6 +68,7 @@ FSDP_SETTINGS = (
     "outer_optimizer",
     "value_bits",
     "batchnorm_batches",
+    "offload_global",
     "bucket_cap_mb",
 )
 MESH_DIMS = ("replicate", "shard")
@@ -147,6 +148,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        offload_global: bool = False,
         bucket_cap_mb: float | None = None,
         compression_monitor: bool = True,
         process_group_backend: str | None = None,

@@ -98,6 +98,9 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             latest training forward passes (kept by reference), and averaged over the processes: gathered in
             the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
             off; a module without BatchNorm is not touched.
+        offload_global: update mode: keep the global copy of the parameters (and an outer optimizer's state) in
+            CPU memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an exchange
+            stages one bucket at a time on the device. The residual stays on the device.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
@@ -145,6 +148,7 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        offload_global: bool = False,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,

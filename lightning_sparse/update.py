@@ -147,8 +147,9 @@ class UpdateExchange:
                 continue
             p = self._params[name]
             g = self._global.get(name)
-            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-                g = torch.empty_like(p, memory_format=torch.contiguous_format)
+            home = self._home(p)
+            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != home:
+                g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=self._pin(p))
                 self._global[name] = g
                 self._synced.pop(name, None)
             # The module holds the global value unless something wrote to the parameter since
@@ -169,6 +170,20 @@ class UpdateExchange:
         cycle; after an exchange the module already holds them.
         """
         self._hold_global([n for n in self._names_of(params) if n in self._local])
+
+    # ------------------------------------------------------------------ where the global copy lives
+    @property
+    def offload(self) -> bool:
+        """Whether the global copy lives in CPU memory (``offload_global``)."""
+        return bool(self.state.config.offload_global)
+
+    def _home(self, p: Tensor) -> torch.device:
+        """Where the global copy of ``p`` lives: the CPU when offloaded, else ``p``'s device."""
+        return torch.device("cpu") if self.offload else p.device
+
+    def _pin(self, p: Tensor) -> bool:
+        """Pin an offloaded copy of a CUDA parameter (its copies to and from the device are faster)."""
+        return self.offload and p.is_cuda
 
     def _hold_global(self, names: Iterable[str]) -> None:
         for name in names:
@@ -194,7 +209,10 @@ class UpdateExchange:
                 size = 0
             groups[-1].append(n)
             size += 4 * p.numel()
-        buckets = [_Bucket(group, [self._params[n] for n in group], self._global) for group in groups]
+        buckets = [
+            _Bucket(group, [self._params[n] for n in group], self._global, self._home(self._params[group[0]]))
+            for group in groups
+        ]
         self._buckets[key] = buckets
         return buckets
 
@@ -237,10 +255,13 @@ class UpdateExchange:
                 g = self._global[name].reshape(-1)
                 # delta = p_after - p_before, p_before = global + e as the module held it (float32)
                 e = memory.get(name) if name in memory else None
-                if e is not None:
-                    torch.add(g, e, out=seg)
-                else:
+                if e is None:
                     seg.copy_(g)
+                elif g.device == seg.device:
+                    torch.add(g, e, out=seg)
+                else:  # offloaded: the same sum, float32(g) + e, on the device
+                    seg.copy_(g)
+                    seg.add_(e)
                 torch.sub(p.reshape(-1), seg, out=seg)
                 if not all_finite(seg):
                     # This rank's optimizer produced a non-finite parameter: drop its step here
@@ -257,7 +278,10 @@ class UpdateExchange:
             steps.end_unexchanged()
             return
         for bucket, future in zip(buckets, futures, strict=True):
-            self.outer_step.apply(future.wait(), bucket.glob, tuple(bucket.names))
+            average: Any = future.wait()
+            if self.offload:  # applied on the device, as without offloading, then copied back
+                average = _StagedAverage(average, bucket.delta.device)
+            self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
             self._hold_global(bucket.names)
         steps.mark_end()
 
@@ -331,13 +355,14 @@ class _Bucket:
     """Parameters exchanged in one message: their update buffer (float32) and global values (one
     flat tensor in the parameters' dtype; ``globals_[name]`` becomes a view into it)."""
 
-    def __init__(self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor]) -> None:
+    def __init__(self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor], home: torch.device) -> None:
         self.names = names
         self.params = params
         numel = sum(p.numel() for p in params)
         first = params[0]
         self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
-        self.glob = torch.empty(numel, dtype=first.dtype, device=first.device)
+        pin = home.type == "cpu" and first.is_cuda
+        self.glob = torch.empty(numel, dtype=first.dtype, device=home, pin_memory=pin)
         self.views: list[Tensor] = []
         pos = 0
         for name, p in zip(names, params, strict=True):
@@ -352,6 +377,23 @@ class _Bucket:
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         """Whether the global values of its parameters still live in this bucket."""
         return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
+
+
+class _StagedAverage:
+    """An exchange's average for global values that live off the device (``offload_global``): each
+    :meth:`add_to` adds it into a copy of ``out`` on the device, with the same operations as into
+    ``out`` itself, and copies the result back, so the bits are those of an exchange without
+    offloading; an outer optimizer steps where its parameters are, on the CPU."""
+
+    def __init__(self, average: Average, device: torch.device) -> None:
+        self.average = average
+        self.device = device
+
+    def add_to(self, out: Tensor) -> Tensor:
+        staged = out.to(self.device, copy=True)  # one bucket at a time: bounded on the device
+        self.average.add_to(staged)
+        out.copy_(staged)
+        return out
 
 
 @torch.no_grad()

@@ -110,7 +110,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
     L.seed_everything(0, verbose=False)
     model = Blocks(self_sharded=cfg.get("self_sharded", False))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.get("accelerator", "cpu"),
         devices=cfg["devices"],
         strategy=_strategy(cfg),
         max_steps=cfg["steps"],

@@ -108,3 +108,11 @@ def test_sparse_state_mirrors_no_setting() -> None:
         assert name not in config_values, name
         value = getattr(state, name)
         assert all(value is not v for v in config_values.values() if not isinstance(v, (bool, int, type(None)))), name
+
+
+def test_offload_global_is_checked() -> None:
+    assert SparseConfig(offload_global=True).offload_global is True
+    with pytest.raises(ValueError, match=r"offload_global=1 is not allowed"):
+        SparseConfig(offload_global=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"offload_global=True is not allowed with compress='gradient'"):
+        SparseConfig(compress="gradient", offload_global=True)

@@ -27,6 +27,7 @@ CASES: dict[str, dict[str, Any]] = {
         "outer_optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.9, "momentum": 0.5}},
     },
     "nesterov_2bit": {"outer_optimizer": "nesterov", "value_bits": 2},
+    "offloaded": {"outer_optimizer": "nesterov", "value_bits": 2, "offload_global": True},
 }
 
 
@@ -82,6 +83,17 @@ def test_resume_mid_cycle_equals_uninterrupted_fit(launches: dict[str, Any], nam
     if "outer_optimizer" in CASES[name]:  # the same on every rank: once, in the checkpoint itself
         state = torch.load(launches["root"] / f"{name}.ckpt", weights_only=False)["lightning_sparse"]["outer_step"]
         assert len(state) >= 1
+
+
+def test_offloaded_global_copy_trains_the_same_bits(launches: dict[str, Any]) -> None:
+    # offload_global stages each bucket's global values on the device and applies the average with the
+    # same operations: the fit ends where it ends without offloading, to the bit
+    for rank in range(2):
+        a, b = launches["first"]["full_nesterov_2bit"][rank], launches["first"]["full_offloaded"][rank]
+        for key in a["params"]:
+            assert torch.equal(a["params"][key], b["params"][key]), f"rank {rank}: {key} differs"
+        for key in a["residuals"]:
+            assert torch.equal(a["residuals"][key], b["residuals"][key]), f"rank {rank}: residual {key} differs"
 
 
 def test_compression_ratio_counts_every_optimizer_step(launches: dict[str, Any]) -> None:

@@ -473,6 +473,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "value_dtype": {"value_dtype": "bfloat16"},
     "seed": {"seed": 7},
     "batchnorm_batches": {"batchnorm_batches": 0},
+    "offload_global": {"offload_global": True},
     "fallback_to_dense": {"fallback_to_dense": "time"},
     "momentum_correction": {"compress": "gradient", "momentum_correction": 0.9},
     "exchange": {"exchange": "split"},
