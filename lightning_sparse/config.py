@@ -133,8 +133,9 @@ class SparseConfig:
         metadata=_doc(
             """update mode: each rank takes this many optimizer steps on its own, then exchanges the
             compressed sum of its progress since the last exchange plus what it has not sent yet
-            (local SGD, DiLoCo's ``H``); 1 (default): every step. Between exchanges the module holds
-            the global model outside the rank's own steps."""
+            (local SGD, DiLoCo's ``H``); 1 (default): every step. Between exchanges the module keeps
+            the rank's own view, the global model aside; validation, checkpoints and the end of fit
+            get the global model."""
         ),
     )
     outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = field(

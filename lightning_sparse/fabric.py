@@ -15,14 +15,14 @@ fallbacks, both modes, the same checkpoint payload), for a loop the user writes:
 
 Update mode (``compress="update"``, the default) in such a loop: a *training* forward (module in
 training mode, gradients enabled) lets the module hold this rank's own view of the model (the
-global parameters plus what this rank has not sent yet); ``optimizer.step()`` steps on it, then
-exchanges part of every rank's progress and leaves the new *global* parameters, identical on
-every rank, in the module. So after each optimizer step, and until the next training forward, the
-module holds the global model. An evaluation forward (``model.eval()`` or ``torch.no_grad()``)
-outside a pending backward, :meth:`SparseDDPStrategy.save_checkpoint` (``fabric.save``) and
-:meth:`SparseDDPStrategy.load_checkpoint` (``fabric.load``) put the global model back too, e.g.
-for a validation in the middle of a gradient-accumulation cycle; the next training forward or
-step adds the rank's part back (exactly: nothing is lost).
+global parameters plus what this rank has not sent yet); ``optimizer.step()`` steps on it, and an
+exchange leaves the new *global* parameters, identical on every rank, in the module. With
+``sync_every > 1`` the view stays in the module between exchanges. An evaluation forward
+(``model.eval()`` or ``torch.no_grad()``) outside a pending backward, ``strategy.global_model()``,
+:meth:`SparseDDPStrategy.save_checkpoint` (``fabric.save``) and
+:meth:`SparseDDPStrategy.load_checkpoint` (``fabric.load``) put the global model in the module (in
+the middle of a cycle, the progress so far joins the residual first); the next training forward
+puts the rank's view back.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             0.01 instead of 4) wherever that is smaller; ``False``: int32.
         sync_every: update mode: each rank takes this many optimizer steps on its own, then exchanges the
             compressed sum of its progress since the last exchange plus what it has not sent yet (local SGD,
-            DiLoCo's ``H``); 1 (default): every step. Between exchanges the module holds the global model
-            outside the rank's own steps.
+            DiLoCo's ``H``); 1 (default): every step. Between exchanges the module keeps the rank's own view,
+            the global model aside; validation, checkpoints and the end of fit get the global model.
         outer_optimizer: update mode: what the global parameters do with each exchange's average. None
             (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory

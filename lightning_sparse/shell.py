@@ -51,6 +51,14 @@ class SparseShell:
         """The update exchange (``compress="update"``), else None."""
         return self._core.update
 
+    def global_model(self) -> None:
+        """Put the global model in the module (update mode; nothing otherwise): every process calls
+        it at the same point (BatchNorm statistics recomputed for it are averaged over them). In the
+        middle of a cycle of local steps the module holds each process's own view; validation,
+        checkpoints and the end of a Trainer fit do this themselves, a Fabric loop that reads the
+        parameters after its last step calls it."""
+        self._core.global_model()
+
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any
     ) -> dict[str, Any]:

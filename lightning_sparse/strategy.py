@@ -40,9 +40,10 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     ``compressor``) of what it has to send; what is not sent is kept and sent later, so nothing
     is lost, only delayed. With ``compress="update"`` (the default) every rank's optimizer steps
     on its own gradient and the strategy exchanges part of each rank's accumulated progress
-    after the step; the module holds the global parameters, identical on every rank, between
-    steps. With ``compress="gradient"`` DDP's communication hook sends part of each gradient
-    plus residual, overlapping with backward. Tensors below ``min_numel`` and the first
+    after the step; after an exchange the module holds the global parameters, identical on every
+    rank (with ``sync_every > 1``, each rank's own view between exchanges). With
+    ``compress="gradient"`` DDP's communication hook sends part of each gradient plus residual,
+    overlapping with backward. Tensors below ``min_numel`` and the first
     ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
     launchers, NCCL/gloo, the buckets.
 
@@ -79,8 +80,8 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             0.01 instead of 4) wherever that is smaller; ``False``: int32.
         sync_every: update mode: each rank takes this many optimizer steps on its own, then exchanges the
             compressed sum of its progress since the last exchange plus what it has not sent yet (local SGD,
-            DiLoCo's ``H``); 1 (default): every step. Between exchanges the module holds the global model
-            outside the rank's own steps.
+            DiLoCo's ``H``); 1 (default): every step. Between exchanges the module keeps the rank's own view,
+            the global model aside; validation, checkpoints and the end of fit get the global model.
         outer_optimizer: update mode: what the global parameters do with each exchange's average. None
             (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory

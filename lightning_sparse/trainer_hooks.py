@@ -15,7 +15,35 @@ from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.checkpoint import CheckpointPayload
 from lightning_sparse.shell import SparseShell
 
-__all__ = ["TrainerHooks"]
+__all__ = ["GlobalModelFirst", "TrainerHooks"]
+
+
+class GlobalModelFirst(pl.Callback):
+    """Puts the global model in the module before any other callback sees the start of validation,
+    testing, prediction or the end of fit (Lightning runs the callbacks' hooks before the
+    strategy's). The strategies add it first among the Trainer's callbacks, in update mode.
+
+    Example:
+        >>> from lightning_sparse.core import SparseCore
+        >>> from lightning_sparse.config import SparseConfig
+        >>> isinstance(GlobalModelFirst(SparseCore(SparseConfig())), pl.Callback)
+        True
+    """
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.core.global_model()
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.core.global_model()
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.core.global_model()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.core.global_model()
 
 
 class TrainerHooks(SparseShell):
@@ -52,14 +80,6 @@ class TrainerHooks(SparseShell):
 
         return self._sparse_step(optimizer, step)
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)  # type: ignore[misc]
-        if not self._in_optimizer_step:
-            # A backward without a step (accumulation, manual optimization): the gradients are
-            # taken, so the module goes back to the global model until the step re-enters the
-            # rank's view; callbacks at batch ends and validation then see the global model.
-            self._core.hold_global()
-
     # Validation, testing, prediction, the end of fit and checkpoints see the global model, with
     # BatchNorm statistics recomputed for it (every rank is at these points together).
     def on_validation_start(self) -> None:
@@ -89,10 +109,14 @@ class TrainerHooks(SparseShell):
         # added here runs all its hooks. A monitor returned by the model's configure_callbacks()
         # replaces it (same type), as Lightning does for callbacks given to the Trainer.
         trainer = model._trainer
-        if not (self.compression_monitor and trainer is not None):
+        if trainer is None:
             return
         # Lightning's callback connector sets Trainer.callbacks without declaring it on the class
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        if self._core.update is not None and not any(isinstance(cb, GlobalModelFirst) for cb in callbacks):
+            callbacks.insert(0, GlobalModelFirst(self._core))  # before every other callback's hooks
+        if not self.compression_monitor:
+            return
         if (
             trainer.state.fn == TrainerFn.FITTING
             and not trainer.barebones

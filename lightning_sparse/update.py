@@ -9,15 +9,19 @@ dtypes, density schedules, fallbacks and telemetry); nothing here goes through D
 average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.outer`; by default
 it is added to the *global* parameters), and every rank keeps the unsent part as its residual ``e``.
 
-Between optimizer steps the module holds the global parameters, identical on every rank, so
-validation, callbacks, checkpoints and the end of fit all see one model. For its own forward,
-backward and optimizer step each rank adds its residual back (:meth:`UpdateExchange.hold_local`):
-gradients are taken at ``global + e``, the rank's own view of the model, which is what trains
-best (the unsent progress is not lost from the rank's view, only delayed for the others).
+For its forward, backward and optimizer steps each rank holds its own view of the model in the
+module, ``global + e`` (:meth:`UpdateExchange.hold_local`): gradients are taken there, which is
+what trains best (the unsent progress is not lost from the rank's view, only delayed for the
+others). With ``sync_every = H`` the view stays in the module for the whole cycle of H steps, as
+DiLoCo keeps its local model, with the global values aside: a step between exchanges touches
+nothing but the optimizer's own work. After an exchange the module holds the new global
+parameters, identical on every rank. Where something outside training needs the one global model
+in the middle of a cycle (validation, checkpoints, the end of fit), :meth:`UpdateExchange.hold_global`
+folds the cycle's progress so far into the residual and puts the global values in the module.
 
 Conservation, per parameter and rank, exactly: ``sent + e_new == e_old + delta``, with
-``delta = p_after - p_before`` computed in float32 from the parameter after and before the
-optimizer step.
+``delta = p - (global + e_old)`` computed in float32 from the parameter at the exchange (or the
+fold) and the view the cycle started from.
 """
 
 from __future__ import annotations
@@ -163,13 +167,45 @@ class UpdateExchange:
 
     @torch.no_grad()
     def hold_global(self, params: Iterable[Tensor] | None = None) -> None:
-        """Put the global values of ``params`` (default: all) back in the module (exact: the
-        residuals keep the rest); parameters that already hold them are left as they are.
+        """Put the global values of ``params`` (default: all) back in the module; parameters that
+        already hold them are left as they are.
 
-        For validation, checkpoints and the end of fit in the middle of a gradient-accumulation
-        cycle; after an exchange the module already holds them.
+        For validation, checkpoints and the end of fit in the middle of a cycle of local steps: the
+        progress the view made since the cycle's start joins the residual first (``e += p - (global
+        + e)``, float32, exactly as an exchange would count it), so nothing is lost and the next
+        :meth:`hold_local` puts the view back up to one float rounding of each value. After an
+        exchange the module already holds them.
         """
-        self._hold_global([n for n in self._names_of(params) if n in self._local])
+        names = [n for n in self._names_of(params) if n in self._local]
+        memory = self.state.memory
+        for name in names:
+            e = memory.get(name) if name in memory else None
+            delta = self._progress(name, e)
+            if delta.any():  # a backward without a step, or nothing stepped yet: nothing to fold
+                memory.accumulate(name, delta)
+        self._hold_global(names)
+
+    def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None) -> Tensor:
+        """``p - (global + e)`` of one parameter in float32 (into ``out``, a flat float32 tensor, or
+        a new one): what the rank's optimizer did to it since its view was put in the module. Not
+        finite: dropped (zeros), with a warning."""
+        p = self._params[name]
+        g = self._global[name].reshape(-1)
+        seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
+        if e is None:
+            seg.copy_(g)
+        elif g.device == seg.device:
+            torch.add(g, e, out=seg)
+        else:  # offloaded: the same sum, float32(g) + e, on the device
+            seg.copy_(g)
+            seg.add_(e)
+        torch.sub(p.reshape(-1), seg, out=seg)
+        if not all_finite(seg):
+            # This rank's optimizer produced a non-finite parameter: drop its progress here (like a
+            # gradient scaler's skip, on this rank only); its residual is kept.
+            seg.zero_()
+            self._warn_nonfinite(name)
+        return seg
 
     # ------------------------------------------------------------------ where the global copy lives
     @property
@@ -222,8 +258,8 @@ class UpdateExchange:
 
         Every rank must call it at the same point with the same parameters (the collectives are
         issued here, in one order, from this thread). Afterwards the module holds the new global
-        values of ``params``. With ``sync_every = H`` only every H-th call exchanges; the others
-        add the step's progress to the rank's residuals (what it has not sent yet).
+        values of ``params``. With ``sync_every = H`` only every H-th call exchanges, the cycle's
+        progress with the residual; the others leave the rank's view in the module.
         """
         if not self.active:
             return
@@ -236,7 +272,8 @@ class UpdateExchange:
         if steps.skips is not None and steps.skips.overflowed:
             # fp16 AMP: every rank's scaler skipped this step (agreed in the hook): nothing moved,
             # nothing is sent; the residuals, the global model and the cycle stay as they were
-            self._hold_global(names)
+            if state.config.sync_every == 1:
+                self._hold_global(names)
             steps.end_unexchanged()
             steps.mark_end()
             return
@@ -246,37 +283,24 @@ class UpdateExchange:
         position = state.cycle.get(cycle, 0) + 1
         sync = position >= state.config.sync_every
         state.cycle[cycle] = 0 if sync else position
+        if not sync:
+            # a step between exchanges: the view stays in the module, the global values aside;
+            # telemetry counts what dense DDP would have moved for it
+            for bucket in buckets:
+                self._count_local(bucket)
+            steps.end_unexchanged()
+            return
         futures: list[Future[Average]] = []
         for i, bucket in enumerate(buckets):
             pos = 0
             for name, p in zip(bucket.names, bucket.params, strict=True):
                 seg = bucket.delta[pos : pos + p.numel()]
                 pos += p.numel()
-                g = self._global[name].reshape(-1)
-                # delta = p_after - p_before, p_before = global + e as the module held it (float32)
-                e = memory.get(name) if name in memory else None
-                if e is None:
-                    seg.copy_(g)
-                elif g.device == seg.device:
-                    torch.add(g, e, out=seg)
-                else:  # offloaded: the same sum, float32(g) + e, on the device
-                    seg.copy_(g)
-                    seg.add_(e)
-                torch.sub(p.reshape(-1), seg, out=seg)
-                if not all_finite(seg):
-                    # This rank's optimizer produced a non-finite parameter: drop its step here
-                    # (like a gradient scaler's skip, on this rank only); its residual is kept.
-                    seg.zero_()
-                    self._warn_nonfinite(name)
-            if sync:
-                # every update is finite now (a non-finite one was dropped above): the patterns skip their check
-                plan = state.plan(bucket.delta, bucket.params)
-                futures.append(steps.bucket(bucket.delta, plan, last=i == len(buckets) - 1, inputs_finite=True))
-            else:
-                self._keep_local(bucket)
-        if not sync:
-            steps.end_unexchanged()
-            return
+                # delta = p - (global + e): the cycle's progress, from the view it started from
+                self._progress(name, memory.get(name) if name in memory else None, out=seg)
+            # every update is finite now (a non-finite one was dropped above): the patterns skip their check
+            plan = state.plan(bucket.delta, bucket.params)
+            futures.append(steps.bucket(bucket.delta, plan, last=i == len(buckets) - 1, inputs_finite=True))
         for bucket, future in zip(buckets, futures, strict=True):
             average: Any = future.wait()
             if self.offload:  # applied on the device, as without offloading, then copied back
@@ -325,16 +349,8 @@ class UpdateExchange:
         state.memory.clear()
         state.telemetry.record("unsent parts", counters, "dense (flush)")
 
-    def _keep_local(self, bucket: _Bucket) -> None:
-        """A step between exchanges: its progress joins the rank's residuals (``e += delta``,
-        exactly) and the module goes back to the global values; telemetry counts what dense DDP
-        would have moved for it."""
-        memory = self.state.memory
-        pos = 0
-        for name, p in zip(bucket.names, bucket.params, strict=True):
-            memory.accumulate(name, bucket.delta[pos : pos + p.numel()])
-            pos += p.numel()
-        self._hold_global(bucket.names)
+    def _count_local(self, bucket: _Bucket) -> None:
+        """Telemetry of a step between exchanges: what dense DDP would have moved for it."""
         state = self.state
         counters = Counters(numel=bucket.delta.numel())
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())

@@ -107,6 +107,7 @@ def run(cfg: dict[str, Any]) -> None:
             }
         if cfg.get("save_at") == step + 1:
             fabric.save(cfg["save_to"], {"model": model, "optimizer": opt, "step": step + 1})
+    fabric.strategy.global_model()  # type: ignore[attr-defined]  # the loop may end inside a cycle
     state = fabric.strategy.sparse_state  # type: ignore[attr-defined]
     result = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
