@@ -172,6 +172,22 @@ class SparseConfig:
             BatchNorm is not touched."""
         ),
     )
+    fragments: int = field(
+        default=1,
+        metadata=_doc("""update mode with ``sync_every > 1``: split the parameters into this many fragments of
+            about equal size, each exchanged once per cycle at its own step (staggered evenly over
+            the cycle, as Streaming DiLoCo syncs its fragments), so one exchange carries about
+            ``1 / fragments`` of the model; 1 (default): the whole model at once."""),
+    )
+    fragment_split: Literal["strided", "contiguous"] = field(
+        default="strided",
+        metadata=_doc(
+            """how ``fragments`` are made: ``"strided"`` (default): each parameter tensor, in module
+            order, joins the fragment with the fewest elements so far (equal blocks go round robin,
+            block i to fragment i mod F, as Streaming DiLoCo's strided pattern); ``"contiguous"``:
+            runs of consecutive tensors cut at equal shares of the elements."""
+        ),
+    )
     offload_global: bool = field(
         default=False,
         metadata=_doc(
@@ -258,6 +274,17 @@ class SparseConfig:
         check_int("sync_every", self.sync_every, minimum=1)
         check_int("batchnorm_batches", self.batchnorm_batches, minimum=0)
         check_bool("offload_global", self.offload_global)
+        check_int("fragments", self.fragments, minimum=1)
+        if self.fragment_split not in ("strided", "contiguous"):
+            raise ValueError(
+                f"fragment_split={self.fragment_split!r} is not allowed: expected 'strided' or 'contiguous'."
+            )
+        if self.fragments > 1 and (self.compress != "update" or self.sync_every == 1):
+            raise ValueError(
+                f"fragments={self.fragments} is not allowed with compress={self.compress!r} and "
+                f"sync_every={self.sync_every}: fragments stagger the exchanges of a cycle of local steps; use "
+                "compress='update' with sync_every > 1, or fragments=1."
+            )
         if self.offload_global and self.compress != "update":
             raise ValueError(
                 "offload_global=True is not allowed with compress='gradient': only update mode keeps a global copy; "
@@ -341,6 +368,8 @@ class SparseConfig:
             "value_bits": self.value_bits,
             "batchnorm_batches": self.batchnorm_batches,
             "offload_global": self.offload_global,
+            "fragments": self.fragments,
+            "fragment_split": self.fragment_split,
         }
 
     @classmethod

@@ -68,6 +68,8 @@ FSDP_SETTINGS = (
     "outer_optimizer",
     "value_bits",
     "batchnorm_batches",
+    "fragments",
+    "fragment_split",
     "offload_global",
     "bucket_cap_mb",
 )
@@ -148,6 +150,8 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        fragments: int = 1,
+        fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         bucket_cap_mb: float | None = None,
         compression_monitor: bool = True,

@@ -106,6 +106,10 @@ class Telemetry:
     #: through it (ring model, counted at each collective; apart from the exchange's figures); None: not
     #: counted (not sharded, or a torch without FSDP2's custom collectives)
     group_bytes: float | None = None
+    #: the most wire bytes one optimizer step's exchange moved through this rank (``fragments`` lower it)
+    peak_step_wire_bytes: float = 0.0
+    #: seconds this rank spent waiting for exchanges to complete (update mode)
+    wait_seconds: float = 0.0
 
     def record_group(self, nbytes: float) -> None:
         """Count one collective of FSDP2 inside the group (``nbytes`` through this process)."""
@@ -118,6 +122,7 @@ class Telemetry:
         self.methods.setdefault(method, Counters()).add(counters)
 
     def end_step(self) -> None:
+        self.peak_step_wire_bytes = max(self.peak_step_wire_bytes, self.current.wire_bytes)
         self.total.add(self.current)
         self.last = self.current
         self.current = Counters()
@@ -130,6 +135,8 @@ class Telemetry:
             "methods": {k: v.as_dict() for k, v in self.methods.items()},
             "steps": self.steps,
             "group_bytes": self.group_bytes,
+            "peak_step_wire_bytes": self.peak_step_wire_bytes,
+            "wait_seconds": self.wait_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -140,5 +147,7 @@ class Telemetry:
         self.methods = {k: Counters(**v) for k, v in state.get("methods", {}).items()}
         self.steps = int(state["steps"])
         self.group_bytes = state.get("group_bytes", self.group_bytes)
+        self.peak_step_wire_bytes = float(state.get("peak_step_wire_bytes", 0.0))
+        self.wait_seconds = float(state.get("wait_seconds", 0.0))
         self.current = Counters()
         self.last = Counters()

@@ -99,6 +99,14 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             latest training forward passes (kept by reference), and averaged over the processes: gathered in
             the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
             off; a module without BatchNorm is not touched.
+        fragments: update mode with ``sync_every > 1``: split the parameters into this many fragments of about
+            equal size, each exchanged once per cycle at its own step (staggered evenly over the cycle, as
+            Streaming DiLoCo syncs its fragments), so one exchange carries about ``1 / fragments`` of the model;
+            1 (default): the whole model at once.
+        fragment_split: how ``fragments`` are made: ``"strided"`` (default): each parameter tensor, in module
+            order, joins the fragment with the fewest elements so far (equal blocks go round robin, block i to
+            fragment i mod F, as Streaming DiLoCo's strided pattern); ``"contiguous"``: runs of consecutive
+            tensors cut at equal shares of the elements.
         offload_global: update mode: keep the global copy of the parameters (and an outer optimizer's state) in
             CPU memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an exchange
             stages one bucket at a time on the device. The residual stays on the device.
@@ -149,6 +157,8 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        fragments: int = 1,
+        fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,

@@ -26,6 +26,7 @@ fold) and the view the cycle started from.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -90,6 +91,8 @@ class UpdateExchange:
         self._local: set[str] = set()
         #: per group of parameters (an optimizer's), its buckets
         self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
+        #: per group of parameters (an optimizer's), its fragments
+        self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -117,10 +120,11 @@ class UpdateExchange:
         self._synced = {}
         self._local = set()
         self._buckets = {}
+        self._fragments = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_params={}, _names={}, _global={}, _synced={}, _local=set(), _buckets={})
+        state.update(_params={}, _names={}, _global={}, _synced={}, _local=set(), _buckets={}, _fragments={})
         return state
 
     @property
@@ -278,18 +282,26 @@ class UpdateExchange:
             steps.mark_end()
             return
         memory = state.memory
-        buckets = self._buckets_for(names)
-        cycle = "|".join(sorted(names))  # optimizer steps since this group's last exchange
-        position = state.cycle.get(cycle, 0) + 1
-        sync = position >= state.config.sync_every
-        state.cycle[cycle] = 0 if sync else position
-        if not sync:
-            # a step between exchanges: the view stays in the module, the global values aside;
-            # telemetry counts what dense DDP would have moved for it
-            for bucket in buckets:
-                self._count_local(bucket)
+        h = state.config.sync_every
+        fragments = self._fragments_of(names)
+        launch: list[_Bucket] = []
+        for f, fragment in enumerate(fragments):
+            cycle = "|".join(sorted(fragment))  # optimizer steps since this fragment's last exchange
+            start = (len(fragments) - 1 - f) * h // len(fragments)  # fragments' exchanges staggered over the cycle
+            position = state.cycle.get(cycle, start) + 1
+            sync = position >= h
+            state.cycle[cycle] = 0 if sync else position
+            for bucket in self._buckets_for(fragment):
+                if sync:
+                    launch.append(bucket)
+                else:
+                    # between this fragment's exchanges the view stays in the module, the global values aside;
+                    # telemetry counts what dense DDP would have moved for it
+                    self._count_local(bucket)
+        if not launch:
             steps.end_unexchanged()
             return
+        buckets = launch
         futures: list[Future[Average]] = []
         for i, bucket in enumerate(buckets):
             pos = 0
@@ -302,12 +314,31 @@ class UpdateExchange:
             plan = state.plan(bucket.delta, bucket.params)
             futures.append(steps.bucket(bucket.delta, plan, last=i == len(buckets) - 1, inputs_finite=True))
         for bucket, future in zip(buckets, futures, strict=True):
+            waited = time.perf_counter()
             average: Any = future.wait()
+            state.telemetry.wait_seconds += time.perf_counter() - waited
             if self.offload:  # applied on the device, as without offloading, then copied back
                 average = _StagedAverage(average, bucket.delta.device)
             self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
             self._hold_global(bucket.names)
         steps.mark_end()
+
+    def _fragments_of(self, names: list[str]) -> list[list[str]]:
+        """The fragments of a group of parameters (``fragments`` of about equal size; one: all)."""
+        count = self.state.config.fragments
+        if count == 1:
+            return [names]
+        key = tuple(names)
+        found = self._fragments.get(key)
+        if found is None:
+            if count > len(names):
+                raise ValueError(
+                    f"fragments={count} is not allowed for an optimizer of {len(names)} trainable parameter tensors: "
+                    f"expected at most {len(names)}"
+                )
+            sizes = [(n, self._params[n].numel()) for n in names]
+            found = self._fragments[key] = split_fragments(sizes, count, self.state.config.fragment_split)
+        return found
 
     # ------------------------------------------------------------------ timed fallback to plain DDP
     def _timed_dense(self) -> bool:
@@ -393,6 +424,44 @@ class _Bucket:
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         """Whether the global values of its parameters still live in this bucket."""
         return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
+
+
+def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "strided") -> list[list[str]]:
+    """Split parameter tensors (name, number of elements), in module order, into ``count`` fragments
+    of about equal size, each in module order.
+
+    ``"strided"``: each tensor joins the fragment with the fewest elements so far (the first such),
+    so equal blocks go round robin; ``"contiguous"``: runs of consecutive tensors, each cut where the
+    elements so far pass the next equal share (every fragment keeps at least one tensor).
+
+    Example:
+        >>> sizes = [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
+        >>> split_fragments(sizes, 2), split_fragments(sizes, 2, "contiguous")
+        ([['a', 'c'], ['b', 'd']], [['a', 'b'], ['c', 'd']])
+    """
+    if how == "strided":
+        parts: list[list[str]] = [[] for _ in range(count)]
+        totals = [0] * count
+        for name, numel in sizes:
+            f = totals.index(min(totals))
+            parts[f].append(name)
+            totals[f] += numel
+        return parts
+    parts = [[]]
+    closed = 0  # elements of the fragments already closed
+    current = 0  # elements of the open one
+    total = sum(n for _, n in sizes)
+    for i, (name, numel) in enumerate(sizes):
+        left = len(sizes) - i  # tensors not placed yet, this one included
+        unopened = count - len(parts)
+        target = (total - closed) / (unopened + 1)  # an equal share of what the open and later ones hold
+        if parts[-1] and unopened and (current + numel / 2 > target or left == unopened):
+            parts.append([])
+            closed += current
+            current = 0
+        parts[-1].append(name)
+        current += numel
+    return parts
 
 
 class _StagedAverage:
