@@ -279,6 +279,11 @@ class SparseConfig:
             raise ValueError(
                 f"fragment_split={self.fragment_split!r} is not allowed: expected 'strided' or 'contiguous'."
             )
+        if self.fragments == 1 and self.fragment_split != "strided":
+            raise ValueError(
+                f"fragment_split={self.fragment_split!r} is not allowed with fragments=1: there is nothing to split; "
+                "set fragments > 1, or leave fragment_split at 'strided'."
+            )
         if self.fragments > 1 and (self.compress != "update" or self.sync_every == 1):
             raise ValueError(
                 f"fragments={self.fragments} is not allowed with compress={self.compress!r} and "

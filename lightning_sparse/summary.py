@@ -183,13 +183,20 @@ class CompressionSummary:
         """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them),
         with a note (:data:`ADDS_UP`) that each section adds up to the total."""
         total = telemetry.total - start.total if start is not None else telemetry.total.copy()
-        notes = [ADDS_UP]
+        notes = []
+        if telemetry.wait_seconds or telemetry.peak_step_wire_bytes:
+            waited = telemetry.wait_seconds - (start.wait_seconds if start is not None else 0.0)
+            notes.append(
+                f"The largest step's exchange moved {format_bytes(telemetry.peak_step_wire_bytes)} through this rank; "
+                f"waiting for exchanges took {waited:.2f} s."
+            )
         if telemetry.group_bytes is not None:
             inside = telemetry.group_bytes - ((start.group_bytes or 0.0) if start is not None else 0.0)
             notes.append(
                 f"Inside this process's group (FSDP2's all-gathers and reduce-scatters, not in the table): "
                 f"{format_bytes(inside)} moved through it."
             )
+        notes.append(ADDS_UP)
         return cls(
             title=title,
             methods=_diff(telemetry.methods, start.methods if start is not None else None),

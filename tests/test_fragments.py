@@ -133,6 +133,7 @@ def test_resume_mid_cycle_with_fragments_is_exact(tmp_path: Path) -> None:
             r"fragments=2 is not allowed with compress='gradient'",
         ),
         ({"fragments": 2, "sync_every": 4, "fragment_split": "layers"}, r"fragment_split='layers' is not allowed"),
+        ({"fragment_split": "contiguous"}, r"fragment_split='contiguous' is not allowed with fragments=1"),
     ],
 )
 def test_bad_fragments_are_refused(kwargs: dict[str, Any], match: str) -> None:
