@@ -172,6 +172,16 @@ class SparseConfig:
             BatchNorm is not touched."""
         ),
     )
+    sync_delay: int = field(
+        default=0,
+        metadata=_doc(
+            """update mode with ``sync_every > 1``: launch each exchange without waiting and apply its
+            average this many optimizer steps later (at most ``sync_every``), the local steps going on
+            while it travels (Streaming DiLoCo's overlap); meanwhile the process's view keeps its own
+            sent part. Validation, checkpoints and the end of fit apply exchanges in flight first.
+            0 (default): wait for each exchange."""
+        ),
+    )
     fragments: int = field(
         default=1,
         metadata=_doc("""update mode with ``sync_every > 1``: split the parameters into this many fragments of
@@ -275,6 +285,13 @@ class SparseConfig:
         check_int("batchnorm_batches", self.batchnorm_batches, minimum=0)
         check_bool("offload_global", self.offload_global)
         check_int("fragments", self.fragments, minimum=1)
+        check_int("sync_delay", self.sync_delay, minimum=0)
+        if self.sync_delay and (self.compress != "update" or self.sync_delay > self.sync_every or self.sync_every == 1):
+            raise ValueError(
+                f"sync_delay={self.sync_delay} is not allowed with compress={self.compress!r} and "
+                f"sync_every={self.sync_every}: expected 0, or with compress='update' and sync_every > 1 at most "
+                "sync_every (an exchange is applied before the same fragment's next one)."
+            )
         if self.fragment_split not in ("strided", "contiguous"):
             raise ValueError(
                 f"fragment_split={self.fragment_split!r} is not allowed: expected 'strided' or 'contiguous'."
@@ -373,6 +390,7 @@ class SparseConfig:
             "value_bits": self.value_bits,
             "batchnorm_batches": self.batchnorm_batches,
             "offload_global": self.offload_global,
+            "sync_delay": self.sync_delay,
             "fragments": self.fragments,
             "fragment_split": self.fragment_split,
         }

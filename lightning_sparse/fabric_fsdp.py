@@ -115,6 +115,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        sync_delay: int = 0,
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,

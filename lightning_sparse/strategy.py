@@ -99,6 +99,11 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             latest training forward passes (kept by reference), and averaged over the processes: gathered in
             the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
             off; a module without BatchNorm is not touched.
+        sync_delay: update mode with ``sync_every > 1``: launch each exchange without waiting and apply its
+            average this many optimizer steps later (at most ``sync_every``), the local steps going on while it
+            travels (Streaming DiLoCo's overlap); meanwhile the process's view keeps its own sent part.
+            Validation, checkpoints and the end of fit apply exchanges in flight first. 0 (default): wait for
+            each exchange.
         fragments: update mode with ``sync_every > 1``: split the parameters into this many fragments of about
             equal size, each exchanged once per cycle at its own step (staggered evenly over the cycle, as
             Streaming DiLoCo syncs its fragments), so one exchange carries about ``1 / fragments`` of the model;
@@ -157,6 +162,7 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        sync_delay: int = 0,
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,

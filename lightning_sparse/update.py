@@ -93,6 +93,8 @@ class UpdateExchange:
         self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
         #: per group of parameters (an optimizer's), its fragments
         self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
+        #: exchanges launched and not applied yet (``sync_delay``)
+        self._in_flight: list[_InFlight] = []
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -121,10 +123,12 @@ class UpdateExchange:
         self._local = set()
         self._buckets = {}
         self._fragments = {}
+        self._in_flight = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_params={}, _names={}, _global={}, _synced={}, _local=set(), _buckets={}, _fragments={})
+        empty: dict[str, Any] = {"_params": {}, "_names": {}, "_global": {}, "_synced": {}, "_local": set()}
+        state.update(empty, _buckets={}, _fragments={}, _in_flight=[])
         return state
 
     @property
@@ -180,6 +184,8 @@ class UpdateExchange:
         :meth:`hold_local` puts the view back up to one float rounding of each value. After an
         exchange the module already holds them.
         """
+        if self._in_flight:
+            self._complete()  # the exchanges in flight arrive first (every rank is here together)
         names = [n for n in self._names_of(params) if n in self._local]
         memory = self.state.memory
         for name in names:
@@ -283,6 +289,8 @@ class UpdateExchange:
             return
         memory = state.memory
         h = state.config.sync_every
+        group = tuple(names)
+        self._complete(group)  # exchanges launched sync_delay steps ago arrive
         fragments = self._fragments_of(names)
         launch: list[_Bucket] = []
         for f, fragment in enumerate(fragments):
@@ -301,27 +309,74 @@ class UpdateExchange:
         if not launch:
             steps.end_unexchanged()
             return
-        buckets = launch
+        delay = state.config.sync_delay
         futures: list[Future[Average]] = []
-        for i, bucket in enumerate(buckets):
+        for i, bucket in enumerate(launch):
             pos = 0
             for name, p in zip(bucket.names, bucket.params, strict=True):
                 seg = bucket.delta[pos : pos + p.numel()]
-                pos += p.numel()
+                e = memory.get(name) if name in memory else None
                 # delta = p - (global + e): the cycle's progress, from the view it started from
-                self._progress(name, memory.get(name) if name in memory else None, out=seg)
+                self._progress(name, e, out=seg)
+                if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
+                    u = bucket.pending_buffer()[pos : pos + p.numel()]
+                    torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
+                pos += p.numel()
             # every update is finite now (a non-finite one was dropped above): the patterns skip their check
             plan = state.plan(bucket.delta, bucket.params)
-            futures.append(steps.bucket(bucket.delta, plan, last=i == len(buckets) - 1, inputs_finite=True))
-        for bucket, future in zip(buckets, futures, strict=True):
-            waited = time.perf_counter()
-            average: Any = future.wait()
-            state.telemetry.wait_seconds += time.perf_counter() - waited
-            if self.offload:  # applied on the device, as without offloading, then copied back
-                average = _StagedAverage(average, bucket.delta.device)
-            self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
+            futures.append(steps.bucket(bucket.delta, plan, last=i == len(launch) - 1, inputs_finite=True))
+        if delay:
+            self._in_flight.append(_InFlight(group, launch, futures, delay))
+            return  # the collectives progress in the background; the view stays in the module
+        for bucket, future in zip(launch, futures, strict=True):
+            self._apply(bucket, future)
             self._hold_global(bucket.names)
         steps.mark_end()
+
+    def _apply(self, bucket: _Bucket, future: Future[Average]) -> None:
+        """Wait for a bucket's average and apply it to its global values through the outer step."""
+        state = self.state
+        waited = time.perf_counter()
+        average: Any = future.wait()
+        state.telemetry.wait_seconds += time.perf_counter() - waited
+        if self.offload:  # applied on the device, as without offloading, then copied back
+            average = _StagedAverage(average, bucket.delta.device)
+        self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
+
+    @torch.no_grad()
+    def _complete(self, group: tuple[str, ...] | None = None) -> None:
+        """Exchanges in flight (``sync_delay``): count down those of ``group`` (an optimizer's
+        parameters; an optimizer step passed) and apply those due; ``None``: apply every one now
+        (something needs the global model). The module keeps the view: at each parameter
+        ``p += (global_new - global_old) - sent``, the view becomes the new global values plus all
+        it has not had averaged yet (its residual and its progress since the launch)."""
+        keep: list[_InFlight] = []
+        memory = self.state.memory
+        for flight in self._in_flight:
+            if group is not None:
+                if flight.group != group:
+                    keep.append(flight)
+                    continue
+                flight.left -= 1
+                if flight.left > 0:
+                    keep.append(flight)
+                    continue
+            for bucket, future in zip(flight.buckets, flight.futures, strict=True):
+                old = bucket.glob.clone()
+                self._apply(bucket, future)
+                change = bucket.pending_buffer()  # u, what this rank handed over; becomes the view's change
+                pos = 0
+                for name, p in zip(bucket.names, bucket.params, strict=True):
+                    seg = change[pos : pos + p.numel()]
+                    e = memory.get(name) if name in memory else None
+                    if e is not None:
+                        seg.sub_(e)  # u - e_new: what this rank sent
+                    seg.neg_()
+                    step = (bucket.glob[pos : pos + p.numel()] - old[pos : pos + p.numel()]).to(seg.device)
+                    seg.add_(step)  # (global_new - global_old) - sent
+                    p.add_(seg.view_as(p).to(p.dtype))
+                    pos += p.numel()
+        self._in_flight = keep
 
     def _fragments_of(self, names: list[str]) -> list[list[str]]:
         """The fragments of a group of parameters (``fragments`` of about equal size; one: all)."""
@@ -410,6 +465,7 @@ class _Bucket:
         self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
         pin = home.type == "cpu" and first.is_cuda
         self.glob = torch.empty(numel, dtype=first.dtype, device=home, pin_memory=pin)
+        self._pending: Tensor | None = None
         self.views: list[Tensor] = []
         pos = 0
         for name, p in zip(names, params, strict=True):
@@ -421,9 +477,27 @@ class _Bucket:
             self.views.append(view)
             pos += p.numel()
 
+    def pending_buffer(self) -> Tensor:
+        """A float32 buffer like :attr:`delta` for what this rank hands over while an exchange is in
+        flight (``sync_delay``; made on first use)."""
+        if self._pending is None:
+            self._pending = torch.empty_like(self.delta)
+        return self._pending
+
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         """Whether the global values of its parameters still live in this bucket."""
         return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
+
+
+class _InFlight:
+    """An exchange launched and not applied yet: its optimizer group, buckets, futures and the
+    optimizer steps left before it is applied."""
+
+    def __init__(self, group: tuple[str, ...], buckets: list[_Bucket], futures: list[Future[Average]], left: int):
+        self.group = group
+        self.buckets = buckets
+        self.futures = futures
+        self.left = left
 
 
 def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "strided") -> list[list[str]]:

@@ -474,6 +474,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "seed": {"seed": 7},
     "batchnorm_batches": {"batchnorm_batches": 0},
     "offload_global": {"offload_global": True},
+    "sync_delay": {"sync_every": 4, "sync_delay": 1},
     "fragments": {"sync_every": 4, "fragments": 2},
     "fragment_split": {"sync_every": 4, "fragments": 2, "fragment_split": "contiguous"},
     "fallback_to_dense": {"fallback_to_dense": "time"},

@@ -1,0 +1,145 @@
+"""Exchanges in flight (``sync_delay``, update mode with ``sync_every > 1``), on 2 and 4 real gloo
+processes: the global values identical on every process at every step, each exchange applied
+``sync_delay`` steps after its launch with the mean of what the processes sent (kept exactly apart
+from their residuals), the view keeping its own sent part meanwhile; with fragments; exact resume
+with the Trainer from a checkpoint written while an exchange was in flight; the errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import DistPool
+from conftest import run_trainer
+
+from lightning_sparse import SparseConfig
+
+SIZES = {"a": 2000, "b": 500, "c": 2000, "d": 500}
+
+
+def _delay_worker(rank: int, world: int, delay: int, fragments: int) -> dict[str, Any]:
+    from lightning_sparse.state import SparseState
+    from lightning_sparse.update import UpdateExchange
+
+    gen = torch.Generator().manual_seed(0)
+    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in SIZES.items()]
+    config = SparseConfig(
+        density=0.05, min_numel=100, sync_every=4, sync_delay=delay, fragments=fragments, warmup_steps=0
+    )
+    state = SparseState(config)
+    memory = state.memory
+    exchange = UpdateExchange(state)
+    exchange.bind(named)
+    noise = torch.Generator().manual_seed(100 + rank)
+
+    def residual(n: str) -> torch.Tensor:
+        return memory.get(n).clone() if n in memory else torch.zeros(SIZES[n])
+
+    def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([tensors[n].reshape(-1) for n in SIZES])
+
+    def same_everywhere(t: torch.Tensor) -> bool:
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t)
+        return all(torch.equal(every[0], x) for x in every[1:])
+
+    ok: list[bool] = []
+    launched: dict[str, list[int]] = {n: [] for n in SIZES}
+    applied: dict[str, list[int]] = {n: [] for n in SIZES}
+    in_flight: dict[str, list[torch.Tensor]] = {n: [] for n in SIZES}  # what each launch sent, oldest first
+    for step in range(1, 13):
+        exchange.hold_local()
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(torch.randn(p.shape, generator=noise) * 0.01)
+        view = {n: p.detach().clone() for n, p in named}
+        glob = {n: exchange._global[n].clone() for n in SIZES}  # the global values, aside
+        e_old = {n: residual(n) for n in SIZES}
+        exchange.exchange()
+        new_glob = {n: exchange._global[n].clone() for n in SIZES}
+        ok.append(same_everywhere(flat(new_glob)))  # one global model at every step
+        for n, p in named:
+            arrived = not torch.equal(new_glob[n], glob[n])
+            if not torch.equal(residual(n), e_old[n]):  # n was launched: what it sent left its residual
+                launched[n].append(step)
+                # the view and global values the launch started from (an arrival at this step comes first)
+                start, g = (view[n], glob[n]) if delay == 0 else (p.detach(), new_glob[n])
+                u = e_old[n] + (start.reshape(-1) - (g.reshape(-1) + e_old[n]))
+                in_flight[n].append(u - residual(n))
+                if delay and not arrived:
+                    ok.append(torch.equal(p.detach(), view[n]))  # nothing left the view at the launch
+            if arrived:  # an exchange of n arrived: the mean of what the processes sent
+                applied[n].append(step)
+                mine = in_flight[n].pop(0)
+                every = [torch.empty(SIZES[n]) for _ in range(world)]
+                dist.all_gather(every, mine)
+                mean = (sum(every) / world).view_as(glob[n])
+                ok.append(torch.allclose(new_glob[n] - glob[n], mean, rtol=1e-5, atol=1e-6))
+                if delay:  # the view: the new global values plus all it has not had averaged yet
+                    expected = view[n] + (new_glob[n] - glob[n]) - mine.view_as(view[n])
+                    ok.append(torch.allclose(p.detach(), expected, rtol=1e-5, atol=1e-6))
+    exchange.hold_global()  # what is still in flight arrives
+    ok.append(same_everywhere(flat({n: p.detach() for n, p in named})))
+    return {"ok": ok, "launched": launched, "applied": applied, "wait": state.telemetry.wait_seconds}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_delayed_exchanges_apply_the_mean_later_and_keep_replicas(dist2: Any, world: int) -> None:
+    pool = dist2 if world == 2 else DistPool(world_size=4)
+    try:
+        now = pool.run(_delay_worker, delay=0, fragments=1)
+        one = pool.run(_delay_worker, delay=1, fragments=1)
+        four = pool.run(_delay_worker, delay=4, fragments=1)
+        staggered = pool.run(_delay_worker, delay=1, fragments=2)
+    finally:
+        if pool is not dist2:
+            pool.stop()
+    for r in now + one + four + staggered:
+        assert all(r["ok"]), r["ok"]
+    for n in SIZES:
+        assert now[0]["launched"][n] == now[0]["applied"][n] == [4, 8, 12]
+        assert one[0]["launched"][n] == [4, 8, 12] and one[0]["applied"][n] == [5, 9]
+        assert four[0]["launched"][n] == [4, 8, 12] and four[0]["applied"][n] == [8, 12]
+    # strided fragments: a and d exchanged at steps 2, 6, 10 and applied a step later; b and c at 4, 8, 12
+    assert staggered[0]["launched"] == {"a": [2, 6, 10], "b": [4, 8, 12], "c": [4, 8, 12], "d": [2, 6, 10]}
+    assert staggered[0]["applied"] == {"a": [3, 7, 11], "b": [5, 9], "c": [5, 9], "d": [3, 7, 11]}
+
+
+@pytest.mark.dist
+def test_resume_from_a_checkpoint_written_with_an_exchange_in_flight(tmp_path: Path) -> None:
+    # sync_every=3, sync_delay=2: launched at step 15, due at 17; the checkpoint after step 16 has it in flight
+    base: dict[str, Any] = {"n": 256, "max_steps": 30, "data_by_step": True, "optimizer": "adamw", "lr": 0.01}
+    strategy = {"compressor": "topk", "density": 0.05, "sync_every": 3, "sync_delay": 2, "value_bits": 2}
+    ckpt = str(tmp_path / "delay.ckpt")
+    full = run_trainer(
+        {**base, "runs": [{"name": "full", "strategy": strategy, "ckpt_at_epoch": 1, "ckpt_out": ckpt}]},
+        tmp_path / "first",
+    )["full"]
+    resumed = run_trainer(
+        {**base, "runs": [{"name": "resumed", "strategy": strategy, "ckpt_path": ckpt}]}, tmp_path / "second"
+    )["resumed"]
+    for a, b in zip(full, resumed, strict=True):
+        assert a["global_step"] == b["global_step"] == 30
+        for key in a["params"]:
+            assert torch.equal(a["params"][key], b["params"][key]), key
+        for key in a["residuals"]:
+            assert torch.equal(a["residuals"][key], b["residuals"][key]), key
+    for key in full[0]["params"]:  # the end of fit applied what was in flight: one global model
+        assert torch.equal(full[0]["params"][key], full[1]["params"][key]), key
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"sync_delay": -1}, r"sync_delay=-1 is not allowed"),
+        ({"sync_delay": 1}, r"sync_delay=1 is not allowed with compress='update' and sync_every=1"),
+        ({"sync_delay": 5, "sync_every": 4}, r"sync_delay=5 is not allowed .* at most sync_every"),
+    ],
+)
+def test_bad_delays_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SparseConfig(**kwargs)
