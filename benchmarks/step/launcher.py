@@ -37,7 +37,12 @@ def _launch(
         "--batch-size", str(args.batch_size), "--density", str(args.density), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--fallback", args.fallback, "--compressors", *args.compressors,
         "--modes", *args.modes, "--exchanges", *args.exchanges, "--sync-every", *map(str, args.sync_every),
+        "--sync-delay", *map(str, args.sync_delay), "--fragments", *map(str, args.fragments),
     ]  # fmt: skip
+    if args.value_bits is not None:
+        forwarded += ["--value-bits", str(args.value_bits)]
+    if args.warmup_exchanges is not None:
+        forwarded += ["--warmup-exchanges", str(args.warmup_exchanges)]
     if args.threads is not None:
         forwarded += ["--threads", str(args.threads)]
     if args.no_dense:

@@ -90,6 +90,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--sync-delay",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="D",
+        help="update mode with H > 1: apply each exchange D optimizer steps after its launch, "
+        "SparseDDPStrategy(sync_delay=D); one row each; a run with a delay takes its steps in a block of its "
+        "own, without a barrier between steps (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="F",
+        help="update mode with H > 1: exchange the parameters in F staggered fragments, "
+        "SparseDDPStrategy(fragments=F); one row each (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--value-bits",
+        type=int,
+        choices=[2, 4, 8],
+        default=None,
+        help="the sparse runs' value_bits (default: none, float values)",
+    )
+    parser.add_argument(
+        "--warmup-exchanges",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the sparse runs' warmup_steps (default: the strategy's)",
+    )
+    parser.add_argument(
         "--fallback",
         choices=list(FALLBACKS),
         default="bytes",

@@ -13,6 +13,7 @@ def failed_row(name: str, status: str) -> dict[str, Any]:
         "name": name,
         "status": f"failed: {status}",
         "median_s": None,
+        "mean_s": None,
         "times_s": [],
         "bytes_per_step": None,
         "compression_ratio": None,
@@ -29,28 +30,33 @@ def format_table(result: dict[str, Any]) -> str:
         f"step time: {result['world_size']} ranks on {result['link']}; MLP {result['layers']} x "
         f"{result['width']}^2 = {result['params'] / 1e6:.1f}M parameters, batch {result['batch_size']} per rank, "
         f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; "
-        f"fallback_to_dense {FALLBACKS[result.get('fallback', 'bytes')]!r}; median of {result['steps']} "
-        f"steps after {result['warmup']} untimed; torch {result['torch']}",
+        f"fallback_to_dense {FALLBACKS[result.get('fallback', 'bytes')]!r}; median and mean of "
+        f"{result['steps']} steps after {result['warmup']} untimed; torch {result['torch']}",
         "",
-        "| run | median step s | dense / run | MB sent per rank per step | MB on the wire per rank per step "
-        "| compression ratio | hook ms per step | buckets sent dense | status |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| run | median step s | mean step s | dense / run (means) | MB sent per rank per step "
+        "| MB on the wire per rank per step | peak MB of one step | compression ratio | hook ms per step "
+        "| buckets sent dense | status |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    dense = next((r["median_s"] for r in result["runs"] if r["name"] == DENSE), None)
+    dense_row = next((r for r in result["runs"] if r["name"] == DENSE), None)
+    dense = None if dense_row is None else dense_row.get("mean_s", dense_row["median_s"])
     for r in result["runs"]:
         status = r.get("status", "ok")
         if r["median_s"] is None:  # a run that could not be timed (a peer that failed its probe)
-            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | {status} |")
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | {status} |")
             continue
-        ratio = f"{dense / r['median_s']:.2f}x" if dense else "-"
+        mean = r.get("mean_s", r["median_s"])  # absent in figures saved before it was measured
+        ratio = f"{dense / mean:.2f}x" if dense else "-"
+        peak = r.get("peak_step_wire_bytes")
+        peak_mb = "-" if peak is None else f"{peak / 1e6:.2f}"
         hook = "-" if r["hook_ms"] is None else f"{r['hook_ms']:.1f}"
         comp = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:.1f}x"
         fallback = "-" if r["dense_buckets"] is None else f"{r['dense_buckets']}/{r['buckets']}"
         wire = r.get("wire_bytes_per_step")  # absent in figures saved before it was measured
         wire_mb = "-" if wire is None else f"{wire / 1e6:.2f}"
         lines.append(
-            f"| {r['name']} | {r['median_s']:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {wire_mb} | {comp} "
-            f"| {hook} | {fallback} | {status} |"
+            f"| {r['name']} | {r['median_s']:.3f} | {mean:.3f} | {ratio} | {r['bytes_per_step'] / 1e6:.2f} | {wire_mb} "
+            f"| {peak_mb} | {comp} | {hook} | {fallback} | {status} |"
         )
     timed = [(r["name"], r["timed_fallback"][-1]) for r in result["runs"] if r.get("timed_fallback")]
     if timed:

@@ -20,6 +20,20 @@ def model_shape(params: int, layers: int) -> int:
     return max(8, round(math.sqrt(params / layers)))
 
 
+def _step(model: Any, opt: Any, exchange: Any, x: Any, y: Any) -> None:
+    """One optimizer step of a run (update mode: the rank's view, then the exchange)."""
+    from torch import nn
+
+    if exchange is not None:
+        exchange.hold_local()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()  # DDP waits for every bucket's future (callbacks' collectives included)
+    opt.step()
+    if exchange is not None:
+        exchange.exchange()
+    opt.zero_grad(set_to_none=False)
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -51,16 +65,25 @@ def worker(args: argparse.Namespace) -> int:
         exchanges.append(None)
     gather_exchanges: list[Exchange] = args.exchanges  # top-k-type compressors: each one asked for
     other_exchanges: list[Exchange] = ["auto"]
+    delayed: set[int] = set()  # runs whose exchanges travel while their next steps run
     for mode in [] if args.probe else args.modes:
-        for spec, how, sync in [
-            (name, how, sync)
+        for spec, how, sync, delay, fragments in [
+            (name, way, h, d, f)
             for name in args.compressors
-            for how in (gather_exchanges if parse_compressor(name).pattern == "gather" else other_exchanges)
-            for sync in (getattr(args, "sync_every", None) or [1] if mode == "update" else [1])
+            for way in (gather_exchanges if parse_compressor(name).pattern == "gather" else other_exchanges)
+            for h in (getattr(args, "sync_every", None) or [1] if mode == "update" else [1])
+            for d in (getattr(args, "sync_delay", None) or [0] if mode == "update" and h > 1 else [0])
+            for f in (getattr(args, "fragments", None) or [1] if mode == "update" and h > 1 else [1])
+            if d <= h
         ]:
             # The strategy's own defaults (min_numel, warm-up, dense fallback, DDP arguments);
             # registered as SparseDDPStrategy._register_ddp_hooks does it.
             fallback = FALLBACKS[args.fallback]
+            extra_args: dict[str, Any] = {}
+            if getattr(args, "value_bits", None) is not None and parse_compressor(spec).pattern == "gather":
+                extra_args["value_bits"] = args.value_bits
+            if getattr(args, "warmup_exchanges", None) is not None:
+                extra_args["warmup_steps"] = args.warmup_exchanges
             strategy = SparseDDPStrategy(
                 compress=mode,
                 compressor=parse_compressor(spec),
@@ -68,6 +91,9 @@ def worker(args: argparse.Namespace) -> int:
                 fallback_to_dense=fallback,
                 exchange=how,
                 sync_every=sync,
+                sync_delay=delay,
+                fragments=fragments,
+                **extra_args,
             )
             model = DistributedDataParallel(make_model(), **strategy._ddp_kwargs)
             state = strategy.sparse_state
@@ -79,6 +105,13 @@ def worker(args: argparse.Namespace) -> int:
                 state.bind(model.module.named_parameters(), process_group=model.process_group)
                 model.register_comm_hook(state, sparse_comm_hook)
             extra = ("" if how == "auto" else ", " + how) + ("" if sync == 1 else f", every {sync} steps")
+            if "value_bits" in extra_args:
+                extra += f", {args.value_bits}-bit values"
+            if fragments > 1:
+                extra += f", {fragments} fragments"
+            if delay:
+                extra += f", delay {delay}"
+                delayed.add(len(runs))
             runs.append((f"sparse_ddp {spec} ({mode}{extra})", model, state))
             exchanges.append(exchange)
     # torch's hooks: their bytes are counted at the torch.distributed collectives, while they step
@@ -103,26 +136,39 @@ def worker(args: argparse.Namespace) -> int:
         x = torch.randn(args.batch_size, width, generator=gen)
         y = torch.randn(args.batch_size, width, generator=gen)
         for i, ((_, model, _), opt, exchange) in enumerate(zip(runs, optimizers, exchanges, strict=True)):
+            if i in delayed:
+                continue  # in a block of its own, below
             counted = step >= args.warmup and i in peer_bytes
             dist.barrier()
             start = time.perf_counter()
             if counted:
                 mark = counter.bytes
                 counter.start()
-            if exchange is not None:
-                exchange.hold_local()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()  # DDP waits for every bucket's future (callbacks' collectives included)
-            opt.step()
-            if exchange is not None:
-                exchange.exchange()
-            opt.zero_grad(set_to_none=False)
+            _step(model, opt, exchange, x, y)
             elapsed = time.perf_counter() - start
             if counted:
                 counter.stop()
                 peer_bytes[i] += counter.bytes - mark
             if step >= args.warmup:
                 times[i].append(elapsed)
+    # A run whose exchanges are in flight while it steps on: its steps in a block, with no barrier
+    # between them (a barrier on the process group would wait for the exchange in flight); each step
+    # timed on its own, the block's collectives finished afterwards, untimed.
+    for i in sorted(delayed):
+        (_, model, state), opt, exchange = runs[i], optimizers[i], exchanges[i]
+        gen_block = torch.Generator().manual_seed(1 + args.rank)
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                before[i] = state.telemetry.total.copy()
+                dist.barrier()
+            x = torch.randn(args.batch_size, width, generator=gen_block)
+            y = torch.randn(args.batch_size, width, generator=gen_block)
+            start = time.perf_counter()
+            _step(model, opt, exchange, x, y)
+            if step >= args.warmup:
+                times[i].append(time.perf_counter() - start)
+        exchange.hold_global()  # what is still in flight arrives
+        dist.barrier()
     counter.uninstall()
     # A step lasts as long as its slowest rank.
     t = torch.tensor(times, dtype=torch.float64)
@@ -131,6 +177,10 @@ def worker(args: argparse.Namespace) -> int:
     for i, ((name, _, state), ts, snapshot) in enumerate(zip(runs, t.tolist(), before, strict=True)):
         counters = None if state is None else state.telemetry.total - snapshot
         summaries.append(_summary(name, counters, ts, args, width, peer_bytes.get(i)))
+        if state is not None:
+            telemetry = state.telemetry
+            summaries[-1]["peak_step_wire_bytes"] = telemetry.peak_step_wire_bytes
+            summaries[-1]["wait_s_per_step"] = telemetry.wait_seconds / max(1, args.warmup + args.steps)
         if state is not None and state.config.timed_fallback is not None:
             summaries[-1]["timed_fallback"] = state.config.timed_fallback.decisions
     if args.rank == 0 and args.result:
@@ -165,6 +215,8 @@ def _summary(
         "name": name,
         "status": "ok",
         "median_s": statistics.median(times),
+        # with local steps most steps exchange nothing: the mean over whole cycles is the step's cost
+        "mean_s": statistics.fmean(times),
         "times_s": times,
         "bytes_per_step": float(params * 4),
         # through each rank under the ring model: dense DDP and torch's hooks all-reduce

@@ -69,12 +69,16 @@ def test_table_ratios_against_dense() -> None:
              "buckets": None, "dense_buckets": None},
             {"name": "sparse_ddp topk", "median_s": 0.5, "bytes_per_step": 88.0, "compression_ratio": 10.0,
              "hook_ms": 1.5, "buckets": 6, "dense_buckets": 0},
+            # local steps: the median is a step without an exchange, the ratio is of the means
+            {"name": "every 4", "median_s": 0.4, "mean_s": 1.0, "bytes_per_step": 8.0, "compression_ratio": 110.0,
+             "hook_ms": 1.0, "buckets": 6, "dense_buckets": 0, "peak_step_wire_bytes": 3.2e6},
         ],
     }  # fmt: skip
     table = format_table(result)
     assert "1 Gbit/s" in table
-    assert "| sparse_ddp topk | 0.500 | 4.00x |" in table
-    assert "| dense DDP | 2.000 | 1.00x |" in table
+    assert "| sparse_ddp topk | 0.500 | 0.500 | 4.00x |" in table  # figures saved before means: the median
+    assert "| dense DDP | 2.000 | 2.000 | 1.00x |" in table
+    assert "| every 4 | 0.400 | 1.000 | 2.00x | 0.00 | - | 3.20 | 110.0x |" in table
 
 
 def test_table_shows_a_failed_peer() -> None:
@@ -88,8 +92,8 @@ def test_table_shows_a_failed_peer() -> None:
         ],
     }  # fmt: skip
     table = format_table(result)
-    assert "| dense DDP | 2.000 | 1.00x | 0.00 | - | - | - | - | ok |" in table  # figures without wire bytes
-    assert "| bf16 (torch hook) | - | - | - | - | - | - | - | failed: RuntimeError: no bf16 here |" in table
+    assert "| dense DDP | 2.000 | 2.000 | 1.00x | 0.00 | - | - | - | - | - | ok |" in table  # no wire bytes yet
+    assert "| bf16 (torch hook) | - | - | - | - | - | - | - | - | - | failed: RuntimeError: no bf16 here |" in table
 
 
 def test_failure_reason_prefers_the_rank_that_failed_first() -> None:
@@ -245,6 +249,6 @@ def test_step_bench_failing_peer_is_a_row(tmp_path) -> None:
     if torch.version.cuda is None and torch.version.hip is None:
         assert bf16["status"].startswith("failed: TypeError: BF16 all reduce communication hook required")
         assert bf16["median_s"] is None
-        assert "| bf16 (torch hook) | - | - | - | - | - | - | - | failed: TypeError: BF16" in table
+        assert "| bf16 (torch hook) | - | - | - | - | - | - | - | - | - | failed: TypeError: BF16" in table
     else:  # a CUDA build registers it: gloo then all-reduces bfloat16 on CPU
         assert bf16["status"] == "ok" or bf16["status"].startswith("failed: ")
