@@ -46,7 +46,9 @@ from lightning_sparse.config import SparseConfig
 from lightning_sparse.core import SparseCore
 from lightning_sparse.fabric_hooks import FabricHooks
 from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.fsdp import (
+from lightning_sparse.outer import OuterStep
+from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.sharding import (
     bind_shards,
     check_mesh,
     check_sharding_arguments,
@@ -57,8 +59,6 @@ from lightning_sparse.fsdp import (
     settings_doc,
     shard_module,
 )
-from lightning_sparse.outer import OuterStep
-from lightning_sparse.schedules import DensitySchedule
 
 __all__ = ["SparseFSDPStrategy"]
 

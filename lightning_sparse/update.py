@@ -40,10 +40,11 @@ from lightning_sparse._utils import all_finite, all_reduce_mean_
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
+from lightning_sparse.update_parts import Bucket, InFlight, StagedAverage, split_fragments
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.comm import wait
 
-__all__ = ["UpdateExchange", "average_optimizer_states"]
+__all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
 #: parameters per exchanged message at most (bytes of float32 updates), like DDP's 25 MB buckets
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -90,11 +91,11 @@ class UpdateExchange:
         self._synced: dict[str, int] = {}
         self._local: set[str] = set()
         #: per group of parameters (an optimizer's), its buckets
-        self._buckets: dict[tuple[int, ...], list[_Bucket]] = {}
+        self._buckets: dict[tuple[int, ...], list[Bucket]] = {}
         #: per group of parameters (an optimizer's), its fragments
         self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
         #: exchanges launched and not applied yet (``sync_delay``)
-        self._in_flight: list[_InFlight] = []
+        self._in_flight: list[InFlight] = []
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -239,7 +240,7 @@ class UpdateExchange:
             self._local.discard(name)
 
     # ------------------------------------------------------------------ the exchange
-    def _buckets_for(self, names: list[str]) -> list[_Bucket]:
+    def _buckets_for(self, names: list[str]) -> list[Bucket]:
         """The buckets of a group of parameters; their global values live in one flat tensor per
         bucket, so that the exchange adds the average of what was sent straight into it."""
         key = tuple(id(self._params[n]) for n in names)
@@ -256,7 +257,7 @@ class UpdateExchange:
             groups[-1].append(n)
             size += 4 * p.numel()
         buckets = [
-            _Bucket(group, [self._params[n] for n in group], self._global, self._home(self._params[group[0]]))
+            Bucket(group, [self._params[n] for n in group], self._global, self._home(self._params[group[0]]))
             for group in groups
         ]
         self._buckets[key] = buckets
@@ -292,7 +293,7 @@ class UpdateExchange:
         group = tuple(names)
         self._complete(group)  # exchanges launched sync_delay steps ago arrive
         fragments = self._fragments_of(names)
-        launch: list[_Bucket] = []
+        launch: list[Bucket] = []
         for f, fragment in enumerate(fragments):
             cycle = "|".join(sorted(fragment))  # optimizer steps since this fragment's last exchange
             start = (len(fragments) - 1 - f) * h // len(fragments)  # fragments' exchanges staggered over the cycle
@@ -326,21 +327,21 @@ class UpdateExchange:
             plan = state.plan(bucket.delta, bucket.params)
             futures.append(steps.bucket(bucket.delta, plan, last=i == len(launch) - 1, inputs_finite=True))
         if delay:
-            self._in_flight.append(_InFlight(group, launch, futures, delay))
+            self._in_flight.append(InFlight(group, launch, futures, delay))
             return  # the collectives progress in the background; the view stays in the module
         for bucket, future in zip(launch, futures, strict=True):
             self._apply(bucket, future)
             self._hold_global(bucket.names)
         steps.mark_end()
 
-    def _apply(self, bucket: _Bucket, future: Future[Average]) -> None:
+    def _apply(self, bucket: Bucket, future: Future[Average]) -> None:
         """Wait for a bucket's average and apply it to its global values through the outer step."""
         state = self.state
         waited = time.perf_counter()
         average: Any = future.wait()
         state.telemetry.wait_seconds += time.perf_counter() - waited
         if self.offload:  # applied on the device, as without offloading, then copied back
-            average = _StagedAverage(average, bucket.delta.device)
+            average = StagedAverage(average, bucket.delta.device)
         self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
 
     @torch.no_grad()
@@ -350,7 +351,7 @@ class UpdateExchange:
         (something needs the global model). The module keeps the view: at each parameter
         ``p += (global_new - global_old) - sent``, the view becomes the new global values plus all
         it has not had averaged yet (its residual and its progress since the launch)."""
-        keep: list[_InFlight] = []
+        keep: list[InFlight] = []
         memory = self.state.memory
         for flight in self._in_flight:
             if group is not None:
@@ -435,7 +436,7 @@ class UpdateExchange:
         state.memory.clear()
         state.telemetry.record("unsent parts", counters, "dense (flush)")
 
-    def _count_local(self, bucket: _Bucket) -> None:
+    def _count_local(self, bucket: Bucket) -> None:
         """Telemetry of a step between exchanges: what dense DDP would have moved for it."""
         state = self.state
         counters = Counters(numel=bucket.delta.numel())
@@ -451,108 +452,6 @@ class UpdateExchange:
                 "Further occurrences are counted in UpdateExchange.nonfinite_updates.",
                 stacklevel=3,
             )
-
-
-class _Bucket:
-    """Parameters exchanged in one message: their update buffer (float32) and global values (one
-    flat tensor in the parameters' dtype; ``globals_[name]`` becomes a view into it)."""
-
-    def __init__(self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor], home: torch.device) -> None:
-        self.names = names
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        first = params[0]
-        self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
-        pin = home.type == "cpu" and first.is_cuda
-        self.glob = torch.empty(numel, dtype=first.dtype, device=home, pin_memory=pin)
-        self._pending: Tensor | None = None
-        self.views: list[Tensor] = []
-        pos = 0
-        for name, p in zip(names, params, strict=True):
-            view = self.glob[pos : pos + p.numel()].view(p.shape)
-            old = globals_.get(name)
-            if old is not None:
-                view.copy_(old)  # the rank's view is held in the module: keep the global value
-            globals_[name] = view
-            self.views.append(view)
-            pos += p.numel()
-
-    def pending_buffer(self) -> Tensor:
-        """A float32 buffer like :attr:`delta` for what this rank hands over while an exchange is in
-        flight (``sync_delay``; made on first use)."""
-        if self._pending is None:
-            self._pending = torch.empty_like(self.delta)
-        return self._pending
-
-    def owns(self, globals_: dict[str, Tensor]) -> bool:
-        """Whether the global values of its parameters still live in this bucket."""
-        return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
-
-
-class _InFlight:
-    """An exchange launched and not applied yet: its optimizer group, buckets, futures and the
-    optimizer steps left before it is applied."""
-
-    def __init__(self, group: tuple[str, ...], buckets: list[_Bucket], futures: list[Future[Average]], left: int):
-        self.group = group
-        self.buckets = buckets
-        self.futures = futures
-        self.left = left
-
-
-def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "strided") -> list[list[str]]:
-    """Split parameter tensors (name, number of elements), in module order, into ``count`` fragments
-    of about equal size, each in module order.
-
-    ``"strided"``: each tensor joins the fragment with the fewest elements so far (the first such),
-    so equal blocks go round robin; ``"contiguous"``: runs of consecutive tensors, each cut where the
-    elements so far pass the next equal share (every fragment keeps at least one tensor).
-
-    Example:
-        >>> sizes = [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
-        >>> split_fragments(sizes, 2), split_fragments(sizes, 2, "contiguous")
-        ([['a', 'c'], ['b', 'd']], [['a', 'b'], ['c', 'd']])
-    """
-    if how == "strided":
-        parts: list[list[str]] = [[] for _ in range(count)]
-        totals = [0] * count
-        for name, numel in sizes:
-            f = totals.index(min(totals))
-            parts[f].append(name)
-            totals[f] += numel
-        return parts
-    parts = [[]]
-    closed = 0  # elements of the fragments already closed
-    current = 0  # elements of the open one
-    total = sum(n for _, n in sizes)
-    for i, (name, numel) in enumerate(sizes):
-        left = len(sizes) - i  # tensors not placed yet, this one included
-        unopened = count - len(parts)
-        target = (total - closed) / (unopened + 1)  # an equal share of what the open and later ones hold
-        if parts[-1] and unopened and (current + numel / 2 > target or left == unopened):
-            parts.append([])
-            closed += current
-            current = 0
-        parts[-1].append(name)
-        current += numel
-    return parts
-
-
-class _StagedAverage:
-    """An exchange's average for global values that live off the device (``offload_global``): each
-    :meth:`add_to` adds it into a copy of ``out`` on the device, with the same operations as into
-    ``out`` itself, and copies the result back, so the bits are those of an exchange without
-    offloading; an outer optimizer steps where its parameters are, on the CPU."""
-
-    def __init__(self, average: Average, device: torch.device) -> None:
-        self.average = average
-        self.device = device
-
-    def add_to(self, out: Tensor) -> Tensor:
-        staged = out.to(self.device, copy=True)  # one bucket at a time: bounded on the device
-        self.average.add_to(staged)
-        out.copy_(staged)
-        return out
 
 
 @torch.no_grad()

@@ -1,0 +1,302 @@
+"""What both front ends of ``sparse_fsdp`` share, from its settings to the shards' checkpoint files.
+
+Its settings, the mesh, sharding a module, binding the exchange to each process's shards, counting
+FSDP2's traffic inside a group, and the optimizer states of the per-process checkpoint files.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from torch.optim import Optimizer
+
+from lightning_sparse.config import setting_docs
+from lightning_sparse.core import SparseCore
+from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.stats import Telemetry
+
+__all__ = [
+    "FSDP_SETTINGS",
+    "MESH_DIMS",
+    "bind_shards",
+    "check_mesh",
+    "check_sharding_arguments",
+    "count_group_traffic",
+    "load_local_optimizer_states",
+    "local_tree",
+    "make_mesh",
+    "mesh_shape",
+    "settings_doc",
+    "shard_module",
+]
+
+#: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
+FSDP_SETTINGS = (
+    "compress",
+    "compressor",
+    "density",
+    "error_feedback",
+    "min_numel",
+    "warmup_steps",
+    "value_dtype",
+    "seed",
+    "fallback_to_dense",
+    "momentum_correction",
+    "exchange",
+    "compact_indices",
+    "sync_every",
+    "outer_optimizer",
+    "value_bits",
+    "batchnorm_batches",
+    "sync_delay",
+    "fragments",
+    "fragment_split",
+    "offload_global",
+    "bucket_cap_mb",
+)
+MESH_DIMS = ("replicate", "shard")
+
+
+def settings_doc() -> str:
+    docs = setting_docs()
+    lines = []
+    for name in FSDP_SETTINGS:
+        text = docs[name]
+        if name == "bucket_cap_mb":
+            text = "size of the exchange's messages in MB (None: 25)."
+        lines.append(textwrap.fill(f"{name}: {text}", 112, initial_indent="    ", subsequent_indent="        "))
+    return "\n".join(lines)
+
+
+def check_sharding_arguments(
+    compress: Any, fallback_to_dense: Any, momentum_correction: Any, shard_size: Any, sharded_modules: Any
+) -> None:
+    """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError)."""
+    if compress != "update":
+        raise ValueError(
+            f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
+            "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
+        )
+    if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
+        raise ValueError(
+            f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
+            "'bytes' or False (a timed fallback switches to DDP's plain steps)"
+        )
+    if momentum_correction:
+        raise ValueError(
+            f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
+            "(it is a gradient-mode setting)"
+        )
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
+    if sharded_modules is not None and (
+        isinstance(sharded_modules, str)
+        or not all(isinstance(m, str) and m for m in sharded_modules)
+        or not sharded_modules
+    ):
+        raise ValueError(
+            f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
+            "names, or None"
+        )
+
+
+def make_mesh(device: torch.device, world_size: int, shard_size: int) -> Any:
+    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups of ``shard_size``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world_size % shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} is not allowed with {world_size} processes: expected a divisor of the "
+            "number of processes"
+        )
+    return init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIMS)
+
+
+def mesh_shape(mesh: Any) -> list[int]:
+    """[groups, shard_size] of a mesh: what a checkpoint records and a resume must match."""
+    return [int(mesh[d].size()) for d in MESH_DIMS]
+
+
+def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -> None:
+    """Refuse a checkpoint not written by ``sparse_fsdp``, or on another mesh (ValueError)."""
+    if entry is None:
+        raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
+    if entry.get("mesh") != shape:
+        raise ValueError(
+            f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
+            f"is resumed on {shape}: SparseFSDPStrategy resumes on the same number of processes and shard_size"
+        )
+
+
+def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] | None, ours: bool) -> bool:
+    """Shard ``module`` on the ``"shard"`` mesh: every module whose class is named in ``sharded_modules``,
+    then ``module`` itself; or check that the caller sharded it (``sharded_modules`` None). ``ours``:
+    this strategy sharded ``module`` in an earlier run. Returns whether it was sharded here."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+    if sharded and ours:
+        return False  # sharded by this strategy in an earlier run (fit, then validate)
+    if sharded and sharded_modules:
+        raise ValueError(
+            f"sharded_modules={sharded_modules!r} is not allowed for a module that is sharded already (by "
+            "configure_model or a parallelize_fn): expected None"
+        )
+    if sharded:
+        return False
+    if not sharded_modules:
+        raise TypeError(
+            "SparseFSDPStrategy found no module sharded with fully_shard: shard the model yourself "
+            "(fully_shard(module, mesh=device_mesh['shard']) in the LightningModule's configure_model, or in a "
+            "parallelize_fn with Fabric), or name the module classes to shard in "
+            "SparseFSDPStrategy(sharded_modules=[...])"
+        )
+    names = set(sharded_modules)
+    found = {type(m).__name__ for m in module.modules()}
+    if not names & found:
+        raise ValueError(
+            f"sharded_modules={sharded_modules!r} names no module of the model: its module classes are {sorted(found)}"
+        )
+    for m in list(module.modules()):
+        if type(m).__name__ in names and not isinstance(m, FSDPModule):
+            fully_shard(m, mesh=mesh)
+    # then the module itself: the rest (embeddings, final norms, a tied output layer), gathered in its forward
+    fully_shard(module, mesh=mesh)
+    return True
+
+
+def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
+    """Count the bytes of every all-gather and reduce-scatter FSDP2 issues for ``module`` inside the
+    group into ``telemetry.group_bytes`` (ring model: ``(S - 1) / S`` of the gathered or scattered
+    tensor through each of the group's ``S`` processes). Each of its collectives is wrapped, not
+    changed. Returns False where this torch has no FSDP2 collectives to wrap."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:
+        return False
+
+    class _CountedAllGather(AllGather):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+            size = dist.get_world_size(group)
+            telemetry.record_group((size - 1) / size * output_tensor.numel() * output_tensor.element_size())
+            return self.inner(output_tensor, input_tensor, group, async_op)
+
+    class _CountedReduceScatter(ReduceScatter):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+            size = dist.get_world_size(group)
+            telemetry.record_group((size - 1) / size * input_tensor.numel() * input_tensor.element_size())
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    counted = False
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before per-parameter meshes: one group or none
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [] if one is None else [one]
+        for g in groups:
+            gather, scatter = getattr(g, "_all_gather_comm", None), getattr(g, "_reduce_scatter_comm", None)
+            if gather is None or scatter is None:
+                continue
+            if not isinstance(gather, _CountedAllGather):
+                g._all_gather_comm = _CountedAllGather(getattr(gather, "inner", gather))
+            if not isinstance(scatter, _CountedReduceScatter):
+                g._reduce_scatter_comm = _CountedReduceScatter(getattr(scatter, "inner", scatter))
+            counted = True
+    if counted and telemetry.group_bytes is None:
+        telemetry.group_bytes = 0.0
+    return counted
+
+
+def bind_shards(
+    core: SparseCore,
+    module: torch.nn.Module,
+    mesh: Any,
+    device: torch.device,
+    scaler: Any,
+    optimizers: Callable[[], list[Any]],
+) -> None:
+    """Bind the exchange to this process's shards of ``module``'s parameters, across the ``"replicate"``
+    dimension."""
+    named = [(n, p) for n, p in module.named_parameters()]
+    # the exchange works on this process's shards: to_local().detach() shares the DTensor's
+    # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
+    # autograd; the DTensors, which the optimizer holds, stand for them
+    local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
+    count_group_traffic(module, core.state.telemetry)
+    replicate = mesh["replicate"]
+    core.bind(
+        local,
+        replicate.get_group(),
+        int(replicate.get_local_rank()),
+        int(replicate.size()),
+        device,
+        scaler,
+        optimizers=optimizers,
+        module=module,
+        aliases=named,
+    )
+
+
+def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optimizer, dict[str, Any]]]) -> None:
+    """Give each optimizer the state this process saved (:func:`local_tree` of
+    ``get_optimizer_state_dict``), its tensors made DTensors again like their parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    params = dict(module.named_parameters())
+    for optimizer, state in pairs:
+        tree = _sharded_tree(state, params)
+        set_optimizer_state_dict(module, optimizer, tree, options=StateDictOptions(full_state_dict=False))
+
+
+def local_tree(state: Any) -> Any:
+    """An optimizer's ``state_dict()`` with every DTensor replaced by this process's local tensor."""
+    if hasattr(state, "to_local") and hasattr(state, "placements"):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: local_tree(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [local_tree(v) for v in state]
+        return type(state)(items) if isinstance(state, tuple) else items
+    return state
+
+
+def _sharded_tree(state: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What :func:`_local_tree` wrote of ``get_optimizer_state_dict``'s state (keyed by parameter
+    name), its tensors of a parameter's local shape made DTensors again like that parameter."""
+    from torch.distributed.tensor import DTensor
+
+    restored: dict[str, Any] = {}
+    for name, slot in state["state"].items():
+        p = params[name]
+        if not isinstance(p, DTensor):
+            restored[name] = slot
+            continue
+        local_shape = p.to_local().shape
+        restored[name] = {
+            k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and v.shape == local_shape and v.dim() > 0
+            else v
+            for k, v in slot.items()
+        }
+    return {**state, "state": restored}
