@@ -54,6 +54,16 @@ def run(args: argparse.Namespace) -> int:
     if args.probe_timeout <= 0:
         raise ValueError(f"--probe-timeout={args.probe_timeout} is not allowed: expected a number of seconds > 0")
     wrap: Callable[[list[str]], list[str]] = (lambda cmd: cmd) if link is None else link.wrap
+    baseline: dict[str, Any] | None = None
+    if getattr(args, "unshaped_baseline", False) and link is not None:
+        # the same runs on the unshaped loopback, in the same invocation: each run's compute floor
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "result.json"
+            print("step: the unshaped baseline ...", file=sys.stderr)
+            why = _launch(args, Path(tmp) / "unshaped", lambda cmd: cmd, free_port(), ["--peers"], result_path=path)
+            if why is not None:
+                raise RuntimeError(f"the unshaped baseline failed: {why}")
+            baseline = json.loads(path.read_text())
     with tempfile.TemporaryDirectory() as tmp, link if link is not None else contextlib.nullcontext():
 
         def launch(tag: str, extra: list[str], **kwargs: Any) -> str | None:
@@ -87,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     result["link"] = describe_link(rate, delay)
     result["bandwidth_bits"] = rate
     result["latency_s"] = delay
+    if baseline is not None:
+        unshaped = {r["name"]: r.get("mean_s") for r in baseline["runs"]}
+        for r in result["runs"]:
+            r["unshaped_mean_s"] = unshaped.get(r["name"])
     print(format_table(result))
     if args.json:
         write_json(args.json, result)

@@ -141,6 +141,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds a peer's probe (its ranks alone, a few steps) may take before it counts as failed",
     )
+    parser.add_argument(
+        "--unshaped-baseline",
+        action="store_true",
+        help="with a shaped link: run the same timed runs on the unshaped loopback first and report each "
+        "run's mean step on the link against its own unshaped one and the unshaped dense one (the compute floor)",
+    )
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense DDP run (ratios then absent)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run first (bucket rebuild, caches)")

@@ -252,3 +252,19 @@ def test_step_bench_failing_peer_is_a_row(tmp_path) -> None:
         assert "| bf16 (torch hook) | - | - | - | - | - | - | - | - | - | failed: TypeError: BF16" in table
     else:  # a CUDA build registers it: gloo then all-reduces bfloat16 on CPU
         assert bf16["status"] == "ok" or bf16["status"].startswith("failed: ")
+
+
+def test_table_compares_each_run_with_its_unshaped_self() -> None:
+    result = {
+        "world_size": 2, "link": describe_link(1e7, 0.0), "layers": 2, "width": 10, "params": 220, "batch_size": 4,
+        "threads": 1, "density": 0.01, "steps": 8, "warmup": 2, "torch": "x",
+        "runs": [
+            {"name": DENSE, "median_s": 2.0, "mean_s": 2.0, "unshaped_mean_s": 0.5, "bytes_per_step": 880.0,
+             "compression_ratio": None, "hook_ms": None, "buckets": None, "dense_buckets": None},
+            {"name": "delay 1", "median_s": 0.4, "mean_s": 0.525, "unshaped_mean_s": 0.5, "bytes_per_step": 8.0,
+             "compression_ratio": 110.0, "hook_ms": 1.0, "buckets": 6, "dense_buckets": 0},
+        ],
+    }  # fmt: skip
+    table = format_table(result)
+    assert "| dense DDP | 2.000 | 0.500 | 4.00x | 4.00x |" in table
+    assert "| delay 1 | 0.525 | 0.500 | 1.05x | 1.05x |" in table
