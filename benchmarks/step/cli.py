@@ -17,7 +17,7 @@ from benchmarks._ranks import free_port
 from benchmarks.peers import Peer
 from benchmarks.step.launcher import _launch
 from benchmarks.step.link import ShapedLink, describe_link
-from benchmarks.step.options import parse_latency, parse_params, parse_rate
+from benchmarks.step.options import DENSE, parse_latency, parse_params, parse_rate
 from benchmarks.step.report import failed_row, format_table
 from benchmarks.step.worker import worker
 
@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
                 failed[name] = why
         ok = [name for name in peers if name not in failed]
         result_path = Path(tmp) / "result.json"
-        why = launch("run", ["--peers", *ok], result_path=result_path, echo=True)
+        # with an unshaped baseline, dense DDP runs there only (the compute floor; on a slow link its
+        # every step would carry the whole model)
+        shaped_only = ["--no-dense"] if baseline is not None else []
+        why = launch("run", ["--peers", *ok, *shaped_only], result_path=result_path, echo=True)
         if why is not None:
             # Once more, without the peers if there were any (a peer can crash the run even after a
             # clean probe). A failure that repeats is raised below; one that does not is printed here.
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         unshaped = {r["name"]: r.get("mean_s") for r in baseline["runs"]}
         for r in result["runs"]:
             r["unshaped_mean_s"] = unshaped.get(r["name"])
+        result["unshaped_dense_mean_s"] = unshaped.get(DENSE)
     print(format_table(result))
     if args.json:
         write_json(args.json, result)

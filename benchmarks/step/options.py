@@ -145,7 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--unshaped-baseline",
         action="store_true",
         help="with a shaped link: run the same timed runs on the unshaped loopback first and report each "
-        "run's mean step on the link against its own unshaped one and the unshaped dense one (the compute floor)",
+        "run's mean step on the link against its own unshaped one and the unshaped dense one (the compute "
+        "floor); dense DDP then runs unshaped only",
     )
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense DDP run (ratios then absent)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
