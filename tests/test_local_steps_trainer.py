@@ -28,6 +28,14 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "nesterov_2bit": {"outer_optimizer": "nesterov", "value_bits": 2},
     "offloaded": {"outer_optimizer": "nesterov", "value_bits": 2, "offload_global": True},
+    # the density warm-up that keeps BatchNorm models' views together early (docs/results.md)
+    "density_warmup": {
+        "density": {
+            "class_path": "lightning_sparse.WarmupDensity",
+            "init_args": {"start": 0.3, "end": 0.05, "steps": 24},
+        },
+        "value_bits": 2,
+    },
 }
 
 
