@@ -116,6 +116,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
         offload_global: bool = False,
+        offload_residual: bool = False,
         bucket_cap_mb: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

@@ -110,6 +110,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
         offload_global: bool = False,
+        offload_residual: bool = False,
         bucket_cap_mb: float | None = None,
         compression_monitor: bool = True,
         process_group_backend: str | None = None,

@@ -54,6 +54,7 @@ FSDP_SETTINGS = (
     "value_bits",
     "batchnorm_batches",
     "offload_global",
+    "offload_residual",
     "bucket_cap_mb",
 )
 MESH_DIMS = ("replicate", "shard")

@@ -158,7 +158,7 @@ class UpdateExchange:
                 g.copy_(p)
             e = memory.get(name) if name in memory else None
             if e is not None:
-                p.add_(e.view_as(p))
+                p.add_(e.view_as(p).to(p.device))  # offloaded: a copy on the device
             self._local.add(name)
 
     @torch.no_grad()
@@ -255,6 +255,8 @@ class UpdateExchange:
                 g = self._global[name].reshape(-1)
                 # delta = p_after - p_before, p_before = global + e as the module held it (float32)
                 e = memory.get(name) if name in memory else None
+                if e is not None and e.device != seg.device:
+                    e = e.to(seg.device)  # an offloaded residual
                 if e is None:
                     seg.copy_(g)
                 elif g.device == seg.device:
@@ -282,6 +284,7 @@ class UpdateExchange:
             if self.offload:  # applied on the device, as without offloading, then copied back
                 average = _StagedAverage(average, bucket.delta.device)
             self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
+            memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
             self._hold_global(bucket.names)
         steps.mark_end()
 
@@ -313,7 +316,9 @@ class UpdateExchange:
         parts = [
             (state.memory.get(n) if n in state.memory else None, self._params[n]) for n in names
         ]  # fmt: skip
-        flat = torch.cat([e if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts])
+        flat = torch.cat(
+            [e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts]
+        )
         counters = Counters(numel=flat.numel(), buckets=1, dense_buckets=1)
         wait(state.wire.comm.all_reduce(flat, counters))
         flat.div_(state.world_size)
@@ -334,6 +339,7 @@ class UpdateExchange:
         for name, p in zip(bucket.names, bucket.params, strict=True):
             memory.accumulate(name, bucket.delta[pos : pos + p.numel()])
             pos += p.numel()
+        memory.unstage(bucket.names)
         self._hold_global(bucket.names)
         state = self.state
         counters = Counters(numel=bucket.delta.numel())

@@ -474,6 +474,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "seed": {"seed": 7},
     "batchnorm_batches": {"batchnorm_batches": 0},
     "offload_global": {"offload_global": True},
+    "offload_residual": {"offload_residual": True},
     "fallback_to_dense": {"fallback_to_dense": "time"},
     "momentum_correction": {"compress": "gradient", "momentum_correction": 0.9},
     "exchange": {"exchange": "split"},
