@@ -206,6 +206,15 @@ class SparseConfig:
             exchange stages one bucket at a time on the device. The residual stays on the device."""
         ),
     )
+    offload_residual: bool = field(
+        default=False,
+        metadata=_doc(
+            """update mode: keep the residual (what each process has not sent yet) in CPU memory; an
+            exchange copies each bucket's residuals to the device and back. With ``offload_global``
+            the device holds only the model (under ``sparse_fsdp``, its shards), gradients and
+            optimizer state between exchanges."""
+        ),
+    )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
     static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
     gradient_as_bucket_view: bool | None = field(
@@ -312,6 +321,12 @@ class SparseConfig:
                 "offload_global=True is not allowed with compress='gradient': only update mode keeps a global copy; "
                 "use compress='update', or offload_global=False."
             )
+        check_bool("offload_residual", self.offload_residual)
+        if self.offload_residual and self.compress != "update":
+            raise ValueError(
+                "offload_residual=True is not allowed with compress='gradient': the hook's residuals stay with the "
+                "gradients; use compress='update', or offload_residual=False."
+            )
         if self.compress == "gradient" and self.sync_every != 1:
             raise ValueError(
                 f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
@@ -393,6 +408,7 @@ class SparseConfig:
             "sync_delay": self.sync_delay,
             "fragments": self.fragments,
             "fragment_split": self.fragment_split,
+            "offload_residual": self.offload_residual,
         }
 
     @classmethod

@@ -141,6 +141,10 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         offload_global: update mode: keep the global copy of the parameters (and an outer optimizer's state) in
             CPU memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an exchange
             stages one bucket at a time on the device. The residual stays on the device.
+        offload_residual: update mode: keep the residual (what each process has not sent yet) in CPU memory; an
+            exchange copies each bucket's residuals to the device and back. With ``offload_global`` the device
+            holds only the model (under ``sparse_fsdp``, its shards), gradients and optimizer state between
+            exchanges.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -189,6 +193,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
+        offload_residual: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool | None = None,

@@ -119,6 +119,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
+        offload_residual: bool = False,
         bucket_cap_mb: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

@@ -113,6 +113,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
+        offload_residual: bool = False,
         bucket_cap_mb: float | None = None,
         compression_monitor: bool = True,
         process_group_backend: str | None = None,

@@ -29,6 +29,16 @@ class ErrorFeedback:
         self._residuals: dict[str, Tensor] = {}
         # Names whose buffer is known to hold zeros without having been zeroed (saves a pass).
         self._zero: set[str] = set()
+        #: where the residuals live between exchanges when offloaded (``offload_residual``); None: with
+        #: their parameters. An exchange works on a copy on the device (:meth:`accumulate` makes it,
+        #: :meth:`unstage` writes it back).
+        self.home: torch.device | None = None
+        self._staged: dict[str, Tensor] = {}
+
+    def _buffer(self, name: str) -> Tensor | None:
+        """The residual of ``name`` as the exchange sees it: its device copy while staged."""
+        staged = self._staged.get(name)
+        return staged if staged is not None else self._residuals.get(name)
 
     def __contains__(self, name: str) -> bool:
         """Whether ``name`` has a residual that may be non-zero."""
@@ -43,18 +53,24 @@ class ErrorFeedback:
 
     def get(self, name: str) -> Tensor | None:
         """The residual of ``name`` (None if it never had one)."""
-        e = self._residuals.get(name)
+        e = self._buffer(name)
         if e is not None and name in self._zero:
             e.zero_()
             self._zero.discard(name)
         return e
 
     def accumulate(self, name: str, grad: Tensor) -> Tensor:
-        """Add the flat gradient into the residual in place and return it: ``p = g + e`` (fp32)."""
-        e = self._residuals.get(name)
+        """Add the flat gradient into the residual in place and return it: ``p = g + e`` (fp32).
+        Offloaded, the residual is first copied to ``grad``'s device (staged until :meth:`unstage`)."""
+        if self.home is not None and name not in self._staged:
+            master = self._residuals.get(name)
+            if master is not None and master.numel() == grad.numel():
+                self._staged[name] = master.to(grad.device, copy=True)
+        store = self._staged if self.home is not None else self._residuals
+        e = store.get(name)
         if e is None or e.numel() != grad.numel() or e.device != grad.device:
             e = grad.to(torch.float32, copy=True)
-            self._residuals[name] = e
+            store[name] = e
         elif name in self._zero:
             e.copy_(grad)
         else:
@@ -69,7 +85,8 @@ class ErrorFeedback:
         quantized values pass ``p[indices] - sent``, the rounding error, so that
         ``sent + e_new == p`` holds exactly.
         """
-        e = self._residuals[name]
+        e = self._buffer(name)
+        assert e is not None
         if remainder is None:
             e.index_fill_(0, indices, 0.0)
         else:
@@ -83,7 +100,7 @@ class ErrorFeedback:
         until the next :meth:`accumulate` of ``name``. In a lower precision only the rounding
         error stays behind.
         """
-        e = self._residuals.get(name)
+        e = self._buffer(name)
         if e is None or name in self._zero:
             return None
         if sent_as == torch.float32:
@@ -93,9 +110,22 @@ class ErrorFeedback:
         e.sub_(sent.to(torch.float32))
         return sent
 
+    def unstage(self, names: list[str] | None = None) -> None:
+        """Offloaded: write the device copies of ``names`` (default: all) back to :attr:`home` and drop them."""
+        for name in list(self._staged) if names is None else names:
+            staged = self._staged.pop(name, None)
+            if staged is None:
+                continue
+            master = self._residuals.get(name)
+            if master is None or master.numel() != staged.numel():
+                pin = staged.is_cuda and self.home is not None and self.home.type == "cpu"
+                master = torch.empty(staged.numel(), dtype=torch.float32, device=self.home, pin_memory=pin)
+                self._residuals[name] = master
+            master.copy_(staged)
+
     def copy(self, name: str) -> Tensor | None:
         """A copy of the residual of ``name`` (None if it has no buffer), for :meth:`put`."""
-        e = self._residuals.get(name)
+        e = self._buffer(name)
         if e is None:
             return None
         return torch.zeros_like(e) if name in self._zero else e.clone()
@@ -110,16 +140,19 @@ class ErrorFeedback:
 
     def scale_(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (e.g. when a gradient scaler changes its scale)."""
+        self.unstage()
         for name, e in self._residuals.items():
             if name not in self._zero:
                 e.mul_(factor)
 
     def clear(self) -> None:
         self._residuals.clear()
+        self._staged.clear()
         self._zero.clear()
 
     def norm_sq(self) -> float:
         """Sum of squared residual entries over all parameters (one read of every residual)."""
+        self.unstage()
         total = 0.0
         for name, e in self._residuals.items():
             if name not in self._zero:
@@ -129,11 +162,14 @@ class ErrorFeedback:
     def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
         """The residuals by name, on the CPU; ``copy=False`` hands out the CPU ones themselves (to
         write them at once)."""
+        self.unstage()
         zero = self._zero
         return {n: torch.zeros(e.numel()) if n in zero else _on_cpu(e, copy) for n, e in self._residuals.items()}
 
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
         self._zero.clear()
+        self._staged.clear()
+        device = self.home if self.home is not None else device
         self._residuals = {
             name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
         }

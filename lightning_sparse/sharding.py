@@ -57,6 +57,7 @@ FSDP_SETTINGS = (
     "fragments",
     "fragment_split",
     "offload_global",
+    "offload_residual",
     "bucket_cap_mb",
 )
 MESH_DIMS = ("replicate", "shard")

@@ -57,6 +57,8 @@ class SparseState:
         self.compressor: Compressor = config.compressor  # type: ignore[assignment]
         self.schedule: DensitySchedule = config.schedule
         self.memory = ErrorFeedback()
+        if config.offload_residual:  # update mode: the residuals live in CPU memory between exchanges
+            self.memory.home = torch.device("cpu")
         self.velocity = LocalMomentum()
         self.telemetry = Telemetry()
         #: one optimizer step of the exchange: the step counter, the step's bookkeeping, the buckets

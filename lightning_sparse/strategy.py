@@ -115,6 +115,10 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         offload_global: update mode: keep the global copy of the parameters (and an outer optimizer's state) in
             CPU memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an exchange
             stages one bucket at a time on the device. The residual stays on the device.
+        offload_residual: update mode: keep the residual (what each process has not sent yet) in CPU memory; an
+            exchange copies each bucket's residuals to the device and back. With ``offload_global`` the device
+            holds only the model (under ``sparse_fsdp``, its shards), gradients and optimizer state between
+            exchanges.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
@@ -166,6 +170,7 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
+        offload_residual: bool = False,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,

@@ -171,7 +171,7 @@ class UpdateExchange:
                 g.copy_(p)
             e = memory.get(name) if name in memory else None
             if e is not None:
-                p.add_(e.view_as(p))
+                p.add_(e.view_as(p).to(p.device))  # offloaded: a copy on the device
             self._local.add(name)
 
     @torch.no_grad()
@@ -194,6 +194,7 @@ class UpdateExchange:
             delta = self._progress(name, e)
             if delta.any():  # a backward without a step, or nothing stepped yet: nothing to fold
                 memory.accumulate(name, delta)
+                memory.unstage([name])
         self._hold_global(names)
 
     def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None) -> Tensor:
@@ -203,6 +204,8 @@ class UpdateExchange:
         p = self._params[name]
         g = self._global[name].reshape(-1)
         seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
+        if e is not None and e.device != seg.device:
+            e = e.to(seg.device)  # an offloaded residual
         if e is None:
             seg.copy_(g)
         elif g.device == seg.device:
@@ -317,6 +320,8 @@ class UpdateExchange:
             for name, p in zip(bucket.names, bucket.params, strict=True):
                 seg = bucket.delta[pos : pos + p.numel()]
                 e = memory.get(name) if name in memory else None
+                if e is not None and e.device != seg.device:
+                    e = e.to(seg.device)  # an offloaded residual
                 # delta = p - (global + e): the cycle's progress, from the view it started from
                 self._progress(name, e, out=seg)
                 if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
@@ -331,6 +336,7 @@ class UpdateExchange:
             return  # the collectives progress in the background; the view stays in the module
         for bucket, future in zip(launch, futures, strict=True):
             self._apply(bucket, future)
+            memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
             self._hold_global(bucket.names)
         steps.mark_end()
 
@@ -371,12 +377,13 @@ class UpdateExchange:
                     seg = change[pos : pos + p.numel()]
                     e = memory.get(name) if name in memory else None
                     if e is not None:
-                        seg.sub_(e)  # u - e_new: what this rank sent
+                        seg.sub_(e.to(seg.device))  # u - e_new: what this rank sent
                     seg.neg_()
                     step = (bucket.glob[pos : pos + p.numel()] - old[pos : pos + p.numel()]).to(seg.device)
                     seg.add_(step)  # (global_new - global_old) - sent
                     p.add_(seg.view_as(p).to(p.dtype))
                     pos += p.numel()
+                memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
         self._in_flight = keep
 
     def _fragments_of(self, names: list[str]) -> list[list[str]]:
@@ -424,7 +431,9 @@ class UpdateExchange:
         parts = [
             (state.memory.get(n) if n in state.memory else None, self._params[n]) for n in names
         ]  # fmt: skip
-        flat = torch.cat([e if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts])
+        flat = torch.cat(
+            [e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts]
+        )
         counters = Counters(numel=flat.numel(), buckets=1, dense_buckets=1)
         wait(state.wire.comm.all_reduce(flat, counters))
         flat.div_(state.world_size)

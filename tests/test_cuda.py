@@ -76,6 +76,7 @@ def _update_exchange_on_cuda(rank: int, world: int, port: int, out_dir: str, off
             value_bits=2,
             warmup_steps=0,
             offload_global=offload,
+            offload_residual=offload,
         )
         exchange = UpdateExchange(state)
         exchange.bind(named)
@@ -84,7 +85,7 @@ def _update_exchange_on_cuda(rank: int, world: int, port: int, out_dir: str, off
         for step in range(6):
             glob = {n: p.detach().clone() for n, p in named}  # the module holds the global model here
             exchange.hold_local()
-            e_old = {n: state.memory.get(n).clone() if n in state.memory else None for n, _ in named}
+            e_old = {n: state.memory.get(n).to("cuda", copy=True) if n in state.memory else None for n, _ in named}
             before = {n: p.detach().clone() for n, p in named}
             with torch.no_grad():
                 for _, p in named:
@@ -95,7 +96,8 @@ def _update_exchange_on_cuda(rank: int, world: int, port: int, out_dir: str, off
                 assert g.device.type == ("cpu" if offload else "cuda") and g.is_pinned() == offload
             for n, p in named:
                 e_new = state.memory.get(n)
-                assert e_new.device.type == "cuda" and p.device.type == "cuda"
+                assert e_new.device.type == ("cpu" if offload else "cuda") and p.device.type == "cuda"
+                e_new = e_new.to(p.device)
                 old = e_old[n] if e_old[n] is not None else torch.zeros_like(e_new)
                 if step % 2 == 0:  # a local step: its progress joins the residual exactly, nothing moves
                     assert torch.equal(e_new, old + delta[n]) and torch.equal(p.detach(), glob[n])

@@ -15,6 +15,7 @@ from lightning_sparse import FabricSparseFSDPStrategy
 SPARSE = {"min_numel": 256, "density": 0.05}
 LOCAL = {**SPARSE, "sync_every": 4, "value_bits": 2, "warmup_steps": 0}
 SHARD = {"shard_size": 2, "sharded_modules": ["Block"]}
+OFFLOAD = {"offload_global": True, "offload_residual": True}
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +27,9 @@ def hsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "runs": [
             {"name": "default", "steps": 16, "args": {**SPARSE, **SHARD}, "check_joint_setup": True},
             {"name": "own_sharding", "steps": 16, "parallelize": True, "args": {**SPARSE, "shard_size": 2}},
-            # saved after step 6, in the middle of a 4-step cycle
-            {"name": "full", "steps": 14, "args": {**LOCAL, **SHARD}, "save_at": 6, "save_to": ckpt},
-            {"name": "resumed", "steps": 14, "args": {**LOCAL, **SHARD}, "resume_from": ckpt},
+            # saved after step 6, in the middle of a 4-step cycle; the global copy and residuals on the CPU
+            {"name": "full", "steps": 14, "args": {**LOCAL, **SHARD, **OFFLOAD}, "save_at": 6, "save_to": ckpt},
+            {"name": "resumed", "steps": 14, "args": {**LOCAL, **SHARD, **OFFLOAD}, "resume_from": ckpt},
         ],
     }
     return {"root": root, **run_trainer(config, root / "runs", timeout=600, worker="fabric_fsdp_worker.py")}

@@ -27,7 +27,15 @@ CASES: dict[str, dict[str, Any]] = {
         "outer_optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.9, "momentum": 0.5}},
     },
     "nesterov_2bit": {"outer_optimizer": "nesterov", "value_bits": 2},
-    "offloaded": {"outer_optimizer": "nesterov", "value_bits": 2, "offload_global": True},
+    "offloaded": {"outer_optimizer": "nesterov", "value_bits": 2, "offload_global": True, "offload_residual": True},
+    # the density warm-up that keeps BatchNorm models' views together early (docs/results.md)
+    "density_warmup": {
+        "density": {
+            "class_path": "lightning_sparse.WarmupDensity",
+            "init_args": {"start": 0.3, "end": 0.05, "steps": 24},
+        },
+        "value_bits": 2,
+    },
 }
 
 
@@ -86,8 +94,8 @@ def test_resume_mid_cycle_equals_uninterrupted_fit(launches: dict[str, Any], nam
 
 
 def test_offloaded_global_copy_trains_the_same_bits(launches: dict[str, Any]) -> None:
-    # offload_global stages each bucket's global values on the device and applies the average with the
-    # same operations: the fit ends where it ends without offloading, to the bit
+    # offload_global and offload_residual stage each bucket's global values and residuals on the device and
+    # work on them with the same operations: the fit ends where it ends without offloading, to the bit
     for rank in range(2):
         a, b = launches["first"]["full_nesterov_2bit"][rank], launches["first"]["full_offloaded"][rank]
         for key in a["params"]:

@@ -78,3 +78,30 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
     # the old residual entered this step at the new scale (x 1/4, exact), then conservation as usual
     assert torch.equal(out + state.memory.get("w"), before * 0.25 + g)
     assert state.step_exchange.last_loss_scale == 256.0
+
+
+def test_offloaded_residuals_are_staged_for_an_exchange_and_written_back() -> None:
+    import torch
+
+    from lightning_sparse.memory import ErrorFeedback
+
+    plain, offloaded = ErrorFeedback(), ErrorFeedback()
+    offloaded.home = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        g = torch.randn(100, generator=gen)
+        idx = torch.randperm(100, generator=gen)[:10]
+        for ef in (plain, offloaded):
+            p = ef.accumulate("w", g)
+            ef.keep_unsent("w", idx, p[idx] * 0.25)  # a coded send: the rounding stays behind
+        assert "w" in offloaded._staged and offloaded._staged["w"] is not offloaded._residuals.get("w")
+        offloaded.unstage(["w"])
+        assert not offloaded._staged and torch.equal(offloaded.get("w"), plain.get("w"))
+    # a whole-residual send and a checkpoint: the same residuals, on the home device
+    for ef in (plain, offloaded):
+        ef.accumulate("w", torch.ones(100))
+        ef.flush("w", torch.float32)
+    assert torch.equal(offloaded.state_dict()["w"], plain.state_dict()["w"])
+    assert not offloaded._staged
+    offloaded.load_state_dict({"w": torch.ones(100)}, device=torch.device("meta"))
+    assert offloaded.get("w").device.type == "cpu"  # loaded to its home, not the parameters' device

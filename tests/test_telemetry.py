@@ -477,6 +477,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "sync_delay": {"sync_every": 4, "sync_delay": 1},
     "fragments": {"sync_every": 4, "fragments": 2},
     "fragment_split": {"sync_every": 4, "fragments": 2, "fragment_split": "contiguous"},
+    "offload_residual": {"offload_residual": True},
     "fallback_to_dense": {"fallback_to_dense": "time"},
     "momentum_correction": {"compress": "gradient", "momentum_correction": 0.9},
     "exchange": {"exchange": "split"},
