@@ -273,11 +273,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         followed its own gradients), to its own file in ``<path>.sparse/``; the checkpoint holds a
         small entry under ``"lightning_sparse"`` that names that folder.
         """
-        if CHECKPOINT_KEY in state:
-            raise ValueError(
-                f"state[{CHECKPOINT_KEY!r}] is not allowed with SparseDDPStrategy: the strategy saves its own "
-                "state under that key; use another name."
-            )
+        self._check_state_keys(state)
         self._core.global_model()  # the checkpoint holds the global model (every rank saves together)
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]

@@ -222,11 +222,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         ``ModelParallelStrategy`` saves it, a ``torch.distributed.checkpoint`` folder; each process's
         residuals and optimizer states in its own file in ``<path>.sparse/`` (every process's
         optimizer followed its own gradients: the shared folder keeps one copy of each shard)."""
-        if CHECKPOINT_KEY in state:
-            raise ValueError(
-                f"state[{CHECKPOINT_KEY!r}] is not allowed with SparseFSDPStrategy: the strategy saves its own "
-                "state under that key; use another name."
-            )
+        self._check_state_keys(state)
         if storage_options is not None:
             raise TypeError(
                 f"storage_options={storage_options!r} is not allowed with SparseFSDPStrategy: expected None"

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_sparse._utils import note_run_end
+from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.shell import SparseShell
 
 __all__ = ["FabricHooks"]
@@ -66,6 +67,14 @@ class FabricHooks(SparseShell):
         output = self._sparse_step(optimizer, step)
         self._graph_pending = False
         return output
+
+    def _check_state_keys(self, state: dict[str, Any]) -> None:
+        """Refuse a user's entry under the key the strategy saves its own state under (ValueError)."""
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"state[{CHECKPOINT_KEY!r}] is not allowed with {type(self).__name__}: the strategy saves its own "
+                "state under that key; use another name."
+            )
 
     def get_module_state_dict(self, module: Module) -> dict[str, Any | Tensor]:
         """The module's state with the global parameters (update mode)."""

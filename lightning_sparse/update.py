@@ -160,9 +160,9 @@ class UpdateExchange:
                 continue
             p = self._params[name]
             g = self._global.get(name)
-            home = self._home(p)
+            home, pin = self._place(p)
             if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != home:
-                g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=self._pin(p))
+                g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=pin)
                 self._global[name] = g
                 self._synced.pop(name, None)
             # The module holds the global value unless something wrote to the parameter since
@@ -227,13 +227,12 @@ class UpdateExchange:
         """Whether the global copy lives in CPU memory (``offload_global``)."""
         return bool(self.state.config.offload_global)
 
-    def _home(self, p: Tensor) -> torch.device:
-        """Where the global copy of ``p`` lives: the CPU when offloaded, else ``p``'s device."""
-        return torch.device("cpu") if self.offload else p.device
-
-    def _pin(self, p: Tensor) -> bool:
-        """Pin an offloaded copy of a CUDA parameter (its copies to and from the device are faster)."""
-        return self.offload and p.is_cuda
+    def _place(self, p: Tensor) -> tuple[torch.device, bool]:
+        """Where the global copy of ``p`` lives (the CPU when offloaded, else ``p``'s device), and
+        whether it is pinned (an offloaded copy of a CUDA parameter: faster copies to and from it)."""
+        if self.offload:
+            return torch.device("cpu"), p.is_cuda
+        return p.device, False
 
     def _hold_global(self, names: Iterable[str]) -> None:
         for name in names:
@@ -260,7 +259,7 @@ class UpdateExchange:
             groups[-1].append(n)
             size += 4 * p.numel()
         buckets = [
-            Bucket(group, [self._params[n] for n in group], self._global, self._home(self._params[group[0]]))
+            Bucket(group, [self._params[n] for n in group], self._global, *self._place(self._params[group[0]]))
             for group in groups
         ]
         self._buckets[key] = buckets

@@ -15,13 +15,14 @@ class Bucket:
     """Parameters exchanged in one message: their update buffer (float32) and global values (one
     flat tensor in the parameters' dtype; ``globals_[name]`` becomes a view into it)."""
 
-    def __init__(self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor], home: torch.device) -> None:
+    def __init__(
+        self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor], home: torch.device, pin: bool
+    ) -> None:
         self.names = names
         self.params = params
         numel = sum(p.numel() for p in params)
         first = params[0]
         self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
-        pin = home.type == "cpu" and first.is_cuda
         self.glob = torch.empty(numel, dtype=first.dtype, device=home, pin_memory=pin)
         self._pending: Tensor | None = None
         self.views: list[Tensor] = []
