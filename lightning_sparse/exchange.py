@@ -103,6 +103,9 @@ class StepExchange:
         self.telemetry = telemetry
         #: optimizer steps this rank finished exchanging (saved in checkpoints)
         self.step = 0
+        #: optimizer steps this rank finished, with or without an exchange (local steps count here
+        #: only); errors name the step by it
+        self.optimizer_step = 0
         #: the residual norm is measured every this many steps (0: never; CompressionMonitor
         #: measures it itself when it logs)
         self.residual_norm_interval = 50
@@ -205,11 +208,13 @@ class StepExchange:
             self.telemetry.record("density schedule", counters, "density schedule")
         self.telemetry.end_step()
         self.step += 1
+        self.optimizer_step += 1
 
     def end_unexchanged(self) -> None:
         """Close the telemetry's step of an optimizer step that exchanged nothing (a local step
-        between exchanges, a step every rank's scaler skipped); the step counter stays."""
+        between exchanges, a step every rank's scaler skipped); the exchange counter stays."""
         self.telemetry.end_step()
+        self.optimizer_step += 1
 
     @property
     def times_whole_steps(self) -> bool:
@@ -236,7 +241,7 @@ class StepExchange:
         if self.skips is None:
             return _done(buffer)
         counters = Counters()
-        where = f"the overflow check of optimizer step {self.step}"
+        where = f"the overflow check of optimizer step {self.optimizer_step}"
         future = self.skips.agree(
             self.wire.comm, buffer, last, counters, lambda what, cause: self.error(where, what, cause)
         )
@@ -299,7 +304,9 @@ class StepExchange:
                 method = compressor.name or type(compressor).__name__
                 if self._exchange_of(buffer, sparse, ks) == "split":
                     method += " (split)"  # what exchange="auto" picked shows in the telemetry's rows
-        where = f"the exchange of {plan.label} ({method}) at optimizer step {self.step}"
+        where = f"the exchange of {plan.label} ({method}) at optimizer step {self.optimizer_step}"
+        if self.optimizer_step != self.step:  # local steps, or skipped ones: the exchanges counted apart
+            where += f" (exchange {self.step})"
         try:
             if send_sparse:
                 parts = [
@@ -376,11 +383,12 @@ class StepExchange:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The step counter and the last loss scale seen."""
-        return {"step": self.step, "last_loss_scale": self._last_loss_scale}
+        """The step counters and the last loss scale seen."""
+        return {"step": self.step, "optimizer_step": self.optimizer_step, "last_loss_scale": self._last_loss_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.optimizer_step = int(state.get("optimizer_step", self.step))
         self._last_loss_scale = state.get("last_loss_scale")
 
     @property

@@ -341,10 +341,15 @@ class UpdateExchange:
 
     def _apply(self, bucket: Bucket, future: Future[Average]) -> None:
         """Wait for a bucket's average and apply it to its global values through the outer step."""
-        state = self.state
+        self._apply_average(bucket, self._wait(future))
+
+    def _wait(self, future: Future[Average]) -> Any:
         waited = time.perf_counter()
-        average: Any = future.wait()
-        state.telemetry.wait_seconds += time.perf_counter() - waited
+        average = future.wait()
+        self.state.telemetry.wait_seconds += time.perf_counter() - waited
+        return average
+
+    def _apply_average(self, bucket: Bucket, average: Any) -> None:
         if self.offload:  # applied on the device, as without offloading, then copied back
             average = StagedAverage(average, bucket.delta.device)
         self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
@@ -355,7 +360,8 @@ class UpdateExchange:
         parameters; an optimizer step passed) and apply those due; ``None``: apply every one now
         (something needs the global model). The module keeps the view: at each parameter
         ``p += (global_new - global_old) - sent``, the view becomes the new global values plus all
-        it has not had averaged yet (its residual and its progress since the launch)."""
+        it has not had averaged yet (its residual and its progress since the launch), computed as
+        ``p += global_new - (global_old + sent)``."""
         keep: list[InFlight] = []
         memory = self.state.memory
         for flight in self._in_flight:
@@ -368,19 +374,25 @@ class UpdateExchange:
                     keep.append(flight)
                     continue
             for bucket, future in zip(flight.buckets, flight.futures, strict=True):
-                old = bucket.glob.clone()
-                self._apply(bucket, future)
-                change = bucket.pending_buffer()  # u, what this rank handed over; becomes the view's change
+                average = self._wait(future)
+                # In place in the float32 buffer, no allocation (a fresh buffer of the model's size
+                # costs page faults worth several passes): u - e_new is what this rank sent, and
+                # global_old + sent where the global values would be with its own part alone.
+                target = bucket.pending_buffer()
                 pos = 0
                 for name, p in zip(bucket.names, bucket.params, strict=True):
-                    seg = change[pos : pos + p.numel()]
                     e = memory.get(name) if name in memory else None
                     if e is not None:
-                        seg.sub_(e.to(seg.device))  # u - e_new: what this rank sent
-                    seg.neg_()
-                    step = (bucket.glob[pos : pos + p.numel()] - old[pos : pos + p.numel()]).to(seg.device)
-                    seg.add_(step)  # (global_new - global_old) - sent
-                    p.add_(seg.view_as(p).to(p.dtype))
+                        target[pos : pos + p.numel()].sub_(e.to(target.device))
+                    pos += p.numel()
+                target.add_(bucket.glob.to(target.device))
+                self._apply_average(bucket, average)
+                # the view's change: global_new - (global_old + sent), exactly 0 where nothing was
+                # sent or arrived, so those coordinates of the view keep their bits
+                change = torch.sub(bucket.glob.to(target.device), target, out=target)
+                pos = 0
+                for p in bucket.params:
+                    p.add_(change[pos : pos + p.numel()].view_as(p).to(p.dtype))
                     pos += p.numel()
                 memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
         self._in_flight = keep

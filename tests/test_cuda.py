@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,86 +51,66 @@ def test_trainer_on_one_gpu_with_nccl(compressor: str, tmp_path: Path) -> None:
         torch.testing.assert_close(value.cpu(), on_cpu["params"][name], rtol=1e-3, atol=1e-4)
 
 
-def _update_exchange_on_cuda(rank: int, world: int, port: int, out_dir: str, offload: bool = False) -> None:
-    """Update mode's exchange on CUDA tensors, two processes sharing one GPU over gloo: every step
-    checks conservation bit for bit and that the global model is the same on both processes."""
+def _update_exchange_on_cuda(rank: int, world: int, port: int, out_dir: str, settings: dict[str, Any]) -> None:
+    """Update mode's exchange on CUDA tensors, two processes sharing one GPU over gloo: the checks of
+    ``tests/test_sync_delay.py`` at every step (each arrival the mean of what was sent, the view
+    keeping its sent part while an exchange travels, one global model), on the GPU."""
     import os
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from test_sync_delay import _delay_worker
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))  # fmt: skip
     try:
-        torch.manual_seed(0)
-        shapes = {"w": (300, 200), "v": (4000,), "b": (200,)}
-        named = [(n, torch.nn.Parameter(torch.randn(s, device="cuda"))) for n, s in shapes.items()]
-        state = SparseState(
-            compress="update",
-            density=0.02,
-            min_numel=1000,
-            sync_every=2,
-            value_bits=2,
-            warmup_steps=0,
-            offload_global=offload,
-            offload_residual=offload,
-        )
-        exchange = UpdateExchange(state)
-        exchange.bind(named)
-        gen = torch.Generator(device="cuda").manual_seed(rank)
-        checks = 0
-        for step in range(6):
-            glob = {n: p.detach().clone() for n, p in named}  # the module holds the global model here
-            exchange.hold_local()
-            e_old = {n: state.memory.get(n).to("cuda", copy=True) if n in state.memory else None for n, _ in named}
-            before = {n: p.detach().clone() for n, p in named}
-            with torch.no_grad():
-                for _, p in named:
-                    p.add_(torch.randn(p.shape, device="cuda", generator=gen) * 0.01)
-            delta = {n: (p.detach() - before[n]).reshape(-1).float() for n, p in named}
-            exchange.exchange()
-            for g in exchange._global.values():  # the global copy: in pinned CPU memory when offloaded
-                assert g.device.type == ("cpu" if offload else "cuda") and g.is_pinned() == offload
-            for n, p in named:
-                e_new = state.memory.get(n)
-                assert e_new.device.type == ("cpu" if offload else "cuda") and p.device.type == "cuda"
-                e_new = e_new.to(p.device)
-                old = e_old[n] if e_old[n] is not None else torch.zeros_like(e_new)
-                if step % 2 == 0:  # a local step: its progress joins the residual exactly, nothing moves
-                    assert torch.equal(e_new, old + delta[n]) and torch.equal(p.detach(), glob[n])
-                    continue
-                sent = old + delta[n] - e_new
-                every = [torch.empty_like(sent) for _ in range(world)]
-                dist.all_gather(every, sent)
-                moved = (p.detach() - glob[n]).reshape(-1)
-                # the global model moved by the mean of what the processes sent, nothing more or less
-                torch.testing.assert_close(moved, sum(every) / world, rtol=1e-5, atol=1e-6)
-                assert sent.count_nonzero() > 0
-                checks += 1
-            flat = torch.cat([p.detach().reshape(-1) for _, p in named])
-            every = [torch.empty_like(flat) for _ in range(world)]
-            dist.all_gather(every, flat)
-            assert torch.equal(every[0], every[1]), "the global model differs between the processes"
-        torch.save({"checks": checks, "steps": state.step}, f"{out_dir}/rank{rank}.pt")
+        result = _delay_worker(rank, world, device="cuda", **settings)
+        torch.save(result, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("offload", [False, True])
-def test_update_exchange_on_cuda_tensors_two_processes(tmp_path: Path, offload: bool) -> None:
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"delay": 0, "fragments": 1, "value_bits": 2},
+        {"delay": 0, "fragments": 1, "offload": True},
+        {"delay": 1, "fragments": 2, "value_bits": 2},
+        {"delay": 4, "fragments": 1, "offload": True},
+    ],
+    ids=["blocking", "offloaded", "delayed-fragments", "delayed-offloaded"],
+)
+def test_update_exchange_on_cuda_tensors_two_processes(tmp_path: Path, settings: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
     from lightning_sparse._utils import free_port
 
-    args = (2, free_port(), str(tmp_path), offload)
-    mp.start_processes(_update_exchange_on_cuda, args=args, nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _update_exchange_on_cuda, args=(2, free_port(), str(tmp_path), settings), nprocs=2, start_method="spawn"
+    )
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert all(r["checks"] == 9 and r["steps"] == 3 for r in results)
+    assert all(all(r["ok"]) for r in results), [r["ok"] for r in results]
+    offload = settings.get("offload", False)
+    # the global copy: in pinned CPU memory when offloaded, on the GPU otherwise
+    assert results[0]["placed"] == ({"cpu pinned"} if offload else {"cuda:0"})
+    applied = results[0]["applied"]["a"]
+    assert applied == {0: [4, 8, 12], 1: [3, 7, 11], 4: [8, 12]}[settings["delay"]]
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL ranks on one GPU are refused)")
+def test_delayed_fragments_over_nccl_on_two_gpus(tmp_path: Path) -> None:
+    # NCCL carries the exchange on its own stream; the ranks' next steps are queued while it travels
+    strategy = {"compressor": "topk", "density": 0.05, "sync_every": 4, "sync_delay": 1, "fragments": 2}
+    strategy["value_bits"] = 2
+    cfg = {"accelerator": "cuda", "devices": 2, "max_steps": 22, "data_by_step": True, "strategy": strategy}
+    results = run_trainer(cfg, tmp_path / "nccl", timeout=600)
+    assert all(r["global_step"] == 22 for r in results)
+    for name, value in results[0]["params"].items():  # the end of fit applied what was in flight: one model
+        assert torch.isfinite(value).all() and torch.equal(value, results[1]["params"][name]), name
+    assert results[0]["telemetry"]["sent_bytes"] > 0
 
 
 @pytest.mark.dist

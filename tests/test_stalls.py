@@ -136,3 +136,24 @@ def test_a_killed_rank_ends_the_others_and_the_fit_resumes(tmp_path: Path, mode:
             assert torch.equal(resumed[1 - rank]["params"][key], value), "the replicas differ"
         for key, value in uninterrupted[rank]["residuals"].items():
             assert torch.equal(resumed[rank]["residuals"][key], value), f"rank {rank}: residual {key} differs"
+
+
+def test_a_delayed_exchange_that_stalls_names_the_step_that_launched_it(tmp_path: Path) -> None:
+    """sync_every=4, sync_delay=2: exchanges launch at the 4th and 8th optimizer steps (0-based 3 and
+    7, as errors count them) and are waited for two steps later. Rank 1 stops before its 6th step;
+    rank 0 goes on past the launch at the 8th (it does not wait there) and times out waiting at the
+    10th. Its error names optimizer step 7, where the exchange was launched (exchange 1)."""
+    strategy = {
+        "compressor": "topk", "density": 0.05, "fallback_to_dense": False, "sync_every": 4, "sync_delay": 2,
+        "warmup_steps": 0, "timeout_s": TIMEOUT_S,
+    }  # fmt: skip
+    config = {"n": 256, "max_steps": 16, "data_by_step": True, "strategy": strategy}
+    text = _launch({**config, "stall_at_step": 5, "stall_rank": 1, "stall": "stop"}, tmp_path)
+    pattern = (
+        r"lightning_sparse: rank 0 of 2 \(update mode\): the exchange of .+ at optimizer step (\d+) \(exchange 1\) "
+        r"failed in its "
+        r"all-gather of [\d,]+ bytes: .+\. Another rank did not take part in time"
+    )
+    match = re.search(pattern, text)
+    assert match, text[-6000:]
+    assert match.group(1) == "7", match.group(0)

@@ -20,14 +20,32 @@ from lightning_sparse import SparseConfig
 SIZES = {"a": 2000, "b": 500, "c": 2000, "d": 500}
 
 
-def _delay_worker(rank: int, world: int, delay: int, fragments: int) -> dict[str, Any]:
+def _delay_worker(
+    rank: int,
+    world: int,
+    delay: int,
+    fragments: int,
+    device: str = "cpu",
+    offload: bool = False,
+    value_bits: int | None = None,
+) -> dict[str, Any]:
+    """Twelve steps of random progress at every rank, checked at every step. On ``device`` (the
+    parameters, the exchange's buffers; what is checked is copied to the CPU, where gloo compares)."""
     from lightning_sparse.state import SparseState
     from lightning_sparse.update import UpdateExchange
 
     gen = torch.Generator().manual_seed(0)
-    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in SIZES.items()]
+    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen).to(device))) for n, s in SIZES.items()]
     config = SparseConfig(
-        density=0.05, min_numel=100, sync_every=4, sync_delay=delay, fragments=fragments, warmup_steps=0
+        density=0.05,
+        min_numel=100,
+        sync_every=4,
+        sync_delay=delay,
+        fragments=fragments,
+        warmup_steps=0,
+        value_bits=value_bits,
+        offload_global=offload,
+        offload_residual=offload,
     )
     state = SparseState(config)
     memory = state.memory
@@ -36,7 +54,7 @@ def _delay_worker(rank: int, world: int, delay: int, fragments: int) -> dict[str
     noise = torch.Generator().manual_seed(100 + rank)
 
     def residual(n: str) -> torch.Tensor:
-        return memory.get(n).clone() if n in memory else torch.zeros(SIZES[n])
+        return memory.get(n).to("cpu", copy=True) if n in memory else torch.zeros(SIZES[n])
 
     def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tensors[n].reshape(-1) for n in SIZES])
@@ -50,27 +68,30 @@ def _delay_worker(rank: int, world: int, delay: int, fragments: int) -> dict[str
     launched: dict[str, list[int]] = {n: [] for n in SIZES}
     applied: dict[str, list[int]] = {n: [] for n in SIZES}
     in_flight: dict[str, list[torch.Tensor]] = {n: [] for n in SIZES}  # what each launch sent, oldest first
+    placed: set[str] = set()  # where the global values lived
     for step in range(1, 13):
         exchange.hold_local()
         with torch.no_grad():
             for _, p in named:
-                p.add_(torch.randn(p.shape, generator=noise) * 0.01)
-        view = {n: p.detach().clone() for n, p in named}
-        glob = {n: exchange._global[n].clone() for n in SIZES}  # the global values, aside
+                p.add_((torch.randn(p.shape, generator=noise) * 0.01).to(device))
+        view = {n: p.detach().to("cpu", copy=True) for n, p in named}
+        glob = {n: exchange._global[n].to("cpu", copy=True) for n in SIZES}  # the global values, aside
         e_old = {n: residual(n) for n in SIZES}
         exchange.exchange()
-        new_glob = {n: exchange._global[n].clone() for n in SIZES}
+        new_glob = {n: exchange._global[n].to("cpu", copy=True) for n in SIZES}
+        placed.update(str(g.device) + (" pinned" if g.is_pinned() else "") for g in exchange._global.values())
         ok.append(same_everywhere(flat(new_glob)))  # one global model at every step
-        for n, p in named:
+        for n, param in named:
+            p = param.detach().cpu()
             arrived = not torch.equal(new_glob[n], glob[n])
             if not torch.equal(residual(n), e_old[n]):  # n was launched: what it sent left its residual
                 launched[n].append(step)
                 # the view and global values the launch started from (an arrival at this step comes first)
-                start, g = (view[n], glob[n]) if delay == 0 else (p.detach(), new_glob[n])
+                start, g = (view[n], glob[n]) if delay == 0 else (p, new_glob[n])
                 u = e_old[n] + (start.reshape(-1) - (g.reshape(-1) + e_old[n]))
                 in_flight[n].append(u - residual(n))
                 if delay and not arrived:
-                    ok.append(torch.equal(p.detach(), view[n]))  # nothing left the view at the launch
+                    ok.append(torch.equal(p, view[n]))  # nothing left the view at the launch
             if arrived:  # an exchange of n arrived: the mean of what the processes sent
                 applied[n].append(step)
                 mine = in_flight[n].pop(0)
@@ -80,10 +101,11 @@ def _delay_worker(rank: int, world: int, delay: int, fragments: int) -> dict[str
                 ok.append(torch.allclose(new_glob[n] - glob[n], mean, rtol=1e-5, atol=1e-6))
                 if delay:  # the view: the new global values plus all it has not had averaged yet
                     expected = view[n] + (new_glob[n] - glob[n]) - mine.view_as(view[n])
-                    ok.append(torch.allclose(p.detach(), expected, rtol=1e-5, atol=1e-6))
+                    ok.append(torch.allclose(p, expected, rtol=1e-5, atol=1e-6))
     exchange.hold_global()  # what is still in flight arrives
-    ok.append(same_everywhere(flat({n: p.detach() for n, p in named})))
-    return {"ok": ok, "launched": launched, "applied": applied, "wait": state.telemetry.wait_seconds}
+    ok.append(same_everywhere(flat({n: p.detach().cpu() for n, p in named})))
+    ok.append(all(p.device.type == torch.device(device).type for _, p in named))
+    return {"ok": ok, "launched": launched, "applied": applied, "placed": placed, "wait": state.telemetry.wait_seconds}
 
 
 @pytest.mark.dist

@@ -68,8 +68,12 @@ VARIANT_KEYS = {
     "shard": "shard_size",  # with --shard-size: 0 runs sparse_ddp on the same processes
     "density_start": "density_start",  # a density warm-up (WarmupDensity) from this to the run's density
     "density_steps": "density_steps",  # its length in optimizer steps (default 40)
+    "delay": "sync_delay",  # apply each exchange this many optimizer steps after its launch
+    "fragments": "fragments",  # exchange the parameters in this many staggered fragments
+    "split": "fragment_split",  # how: strided (the default) or contiguous (module order)
 }
 _FLOAT_KEYS = {"density_start"}
+_TEXT_KEYS = {"outer", "split"}
 
 
 def parse_variant(spec: str) -> dict[str, Any]:
@@ -80,6 +84,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
         {'sync_every': 4, 'value_bits': 2}
         >>> parse_variant("sync_every=4,density_start=0.1")
         {'sync_every': 4, 'density_start': 0.1}
+        >>> parse_variant("sync_every=4,delay=1,fragments=4")
+        {'sync_every': 4, 'sync_delay': 1, 'fragments': 4}
         >>> parse_variant("")
         {}
     """
@@ -88,7 +94,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
         key, _, value = part.partition("=")
         if key not in VARIANT_KEYS or not value:
             raise ValueError(f"--variants {spec!r} is not allowed: expected key=value pairs of {sorted(VARIANT_KEYS)}")
-        out[VARIANT_KEYS[key]] = value if key == "outer" else float(value) if key in _FLOAT_KEYS else int(value)
+        out[VARIANT_KEYS[key]] = value if key in _TEXT_KEYS else float(value) if key in _FLOAT_KEYS else int(value)
     return out
 
 
@@ -152,6 +158,10 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"{run['value_bits']}-bit values")
     if run.get("warmup_steps") is not None:
         extra.append(f"{run['warmup_steps']} warm-up")
+    if run.get("fragments", 1) != 1:
+        extra.append(f"{run['fragments']} {run.get('fragment_split', 'strided')} fragments")
+    if run.get("sync_delay"):
+        extra.append(f"applied {run['sync_delay']} step{'s' if run['sync_delay'] > 1 else ''} later")
     if run.get("density_start"):
         extra.append(f"density from {run['density_start']:g} over {run.get('density_steps', 40)} steps")
     if run.get("shard_size"):

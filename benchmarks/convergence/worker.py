@@ -103,6 +103,9 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         outer_optimizer=config.get("outer_optimizer"),
         value_bits=config.get("value_bits"),
         warmup_steps=config.get("warmup_steps", 1),
+        sync_delay=config.get("sync_delay", 0),
+        fragments=config.get("fragments", 1),
+        fragment_split=config.get("fragment_split", "strided"),
         compression_monitor=False,
     )
 

@@ -52,7 +52,9 @@ def worker(args: argparse.Namespace) -> int:
     width = model_shape(params, args.layers)
 
     def make_model() -> nn.Module:
-        torch.manual_seed(0)  # same initial weights in every run and on every rank
+        # same initial weights in every run and on every rank: DDP's initial broadcast is skipped
+        # (init_sync=False), which on a slow link would take minutes per model
+        torch.manual_seed(0)
         layers: list[nn.Module] = []
         for _ in range(args.layers):
             layers += [nn.Linear(width, width), nn.Tanh()]
@@ -61,7 +63,7 @@ def worker(args: argparse.Namespace) -> int:
     runs: list[tuple[str, DistributedDataParallel, Any]] = []
     exchanges: list[Any] = []  # per run: its UpdateExchange (update mode), else None
     if not args.no_dense:
-        runs.append((DENSE, DistributedDataParallel(make_model()), None))
+        runs.append((DENSE, DistributedDataParallel(make_model(), init_sync=False), None))
         exchanges.append(None)
     gather_exchanges: list[Exchange] = args.exchanges  # top-k-type compressors: each one asked for
     other_exchanges: list[Exchange] = ["auto"]
@@ -95,7 +97,7 @@ def worker(args: argparse.Namespace) -> int:
                 fragments=fragments,
                 **extra_args,
             )
-            model = DistributedDataParallel(make_model(), **strategy._ddp_kwargs)
+            model = DistributedDataParallel(make_model(), init_sync=False, **strategy._ddp_kwargs)
             state = strategy.sparse_state
             exchange = strategy.update_exchange
             if exchange is not None:
@@ -119,7 +121,7 @@ def worker(args: argparse.Namespace) -> int:
     peer_bytes: dict[int, int] = {}  # run index -> bytes its timed steps handed to collectives
     for name in args.peers:
         peer = Peer.parse(name)
-        model = DistributedDataParallel(make_model())
+        model = DistributedDataParallel(make_model(), init_sync=False)
         model.register_comm_hook(*peer.registered_hook())
         peer_bytes[len(runs)] = 0
         runs.append((peer.label, model, None))
