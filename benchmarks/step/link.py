@@ -7,6 +7,9 @@ import shutil
 import subprocess
 from typing import Any
 
+#: the packet size on the shaped link (bytes)
+MTU = 1500
+
 
 class ShapedLink:
     """A network namespace whose loopback is limited to ``rate`` bits/s (tbf) with ``delay`` s (netem).
@@ -39,11 +42,16 @@ class ShapedLink:
         self._run("ip", "netns", "add", self.name)
         try:
             ns = ("ip", "netns", "exec", self.name)
+            # An Ethernet MTU, so that the token bucket can be small: with loopback's 64 KiB packets
+            # it had to hold 256 KiB, and an exchange of that size crossed at memory speed whenever
+            # the link had been idle for a moment (a small exchange was then never shaped at all).
+            self._run(*ns, "ip", "link", "set", "lo", "mtu", str(MTU))
             self._run(*ns, "ip", "link", "set", "lo", "up")
             rate = f"{int(self.rate_bits)}bit"
-            # tbf needs a bucket of at least one MTU (64 KiB on loopback) and about rate/HZ.
-            burst = max(256 * 1024, int(self.rate_bits / 8 / 250))
-            tbf = ("tbf", "rate", rate, "burst", str(burst), "latency", "50ms")
+            # tbf needs a bucket of at least one packet and about rate/HZ; a queue of 200 ms at the
+            # rate before it drops (a link's buffer; drops make TCP's throughput erratic)
+            burst = max(8 * MTU, int(self.rate_bits / 8 / 250))
+            tbf = ("tbf", "rate", rate, "burst", str(burst), "latency", "200ms")
             if self.delay_s > 0:
                 delay = f"{self.delay_s * 1e6:.0f}us"
                 try:

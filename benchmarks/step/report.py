@@ -64,17 +64,20 @@ def format_table(result: dict[str, Any]) -> str:
     if any(r.get("unshaped_mean_s") for r in result["runs"]):
         lines += [
             "",
-            "mean step on this link against the same run on the unshaped loopback, in the same invocation:",
+            "mean step on this link against the same run on the unshaped loopback, in the same invocation"
+            + (f" (unshaped dense DDP, the compute floor: {floor:.3f} s):" if floor else ":"),
             "",
-            "| run | mean step s | unshaped mean step s | link / unshaped | link / unshaped dense |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            "| run | mean step s | unshaped mean step s | link / unshaped | link / unshaped dense "
+            "| unshaped: dense / run |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in result["runs"]:
             mean, base = r.get("mean_s"), r.get("unshaped_mean_s")
             if mean is None or base is None:
                 continue
             vs_floor = f"{mean / floor:.2f}x" if floor else "-"
-            lines.append(f"| {r['name']} | {mean:.3f} | {base:.3f} | {mean / base:.2f}x | {vs_floor} |")
+            speed = f"{floor / base:.2f}x" if floor else "-"
+            lines.append(f"| {r['name']} | {mean:.3f} | {base:.3f} | {mean / base:.2f}x | {vs_floor} | {speed} |")
     timed = [(r["name"], r["timed_fallback"][-1]) for r in result["runs"] if r.get("timed_fallback")]
     if timed:
         lines += ["", "timed fallback (median exchange window of the trial steps, slowest rank):"]

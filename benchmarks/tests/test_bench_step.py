@@ -266,9 +266,11 @@ def test_table_compares_each_run_with_its_unshaped_self() -> None:
         ],
     }  # fmt: skip
     table = format_table(result)
-    assert "| dense DDP | 2.000 | 0.500 | 4.00x | 4.00x |" in table
-    assert "| delay 1 | 0.525 | 0.500 | 1.05x | 1.05x |" in table
+    assert "| dense DDP | 2.000 | 0.500 | 4.00x | 4.00x | 1.00x |" in table
+    assert "| delay 1 | 0.525 | 0.500 | 1.05x | 1.05x | 1.00x |" in table
     # dense DDP on the unshaped loopback only: the floor comes from there
     result["runs"] = result["runs"][1:]
     result["unshaped_dense_mean_s"] = 0.25
-    assert "| delay 1 | 0.525 | 0.500 | 1.05x | 2.10x |" in format_table(result)
+    table = format_table(result)
+    assert "| delay 1 | 0.525 | 0.500 | 1.05x | 2.10x | 0.50x |" in table
+    assert "(unshaped dense DDP, the compute floor: 0.250 s)" in table
