@@ -375,6 +375,7 @@ class UpdateExchange:
                     continue
             for bucket, future in zip(flight.buckets, flight.futures, strict=True):
                 average = self._wait(future)
+                average.settle()  # the residuals hold what this rank did not send (split: only now)
                 # In place in the float32 buffer, no allocation (a fresh buffer of the model's size
                 # costs page faults worth several passes): u - e_new is what this rank sent, and
                 # global_old + sent where the global values would be with its own part alone.

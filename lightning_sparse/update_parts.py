@@ -112,3 +112,7 @@ class StagedAverage:
         self.average.add_to(staged)
         out.copy_(staged)
         return out
+
+    def settle(self) -> None:
+        """Settle this rank's residuals (:meth:`Average.settle`)."""
+        self.average.settle()

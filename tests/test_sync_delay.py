@@ -28,6 +28,8 @@ def _delay_worker(
     device: str = "cpu",
     offload: bool = False,
     value_bits: int | None = None,
+    how: str = "auto",
+    outer: str | None = None,
 ) -> dict[str, Any]:
     """Twelve steps of random progress at every rank, checked at every step. On ``device`` (the
     parameters, the exchange's buffers; what is checked is copied to the CPU, where gloo compares)."""
@@ -46,6 +48,8 @@ def _delay_worker(
         value_bits=value_bits,
         offload_global=offload,
         offload_residual=offload,
+        exchange=how,
+        outer_optimizer=outer,
     )
     state = SparseState(config)
     memory = state.memory
@@ -81,24 +85,30 @@ def _delay_worker(
         new_glob = {n: exchange._global[n].to("cpu", copy=True) for n in SIZES}
         placed.update(str(g.device) + (" pinned" if g.is_pinned() else "") for g in exchange._global.values())
         ok.append(same_everywhere(flat(new_glob)))  # one global model at every step
+        # launched at this step: in flight with its whole delay ahead (without a delay: what it sent left the
+        # residual; the split exchange settles the residual when its second round arrives, the all-gather at once)
+        just = {n for f in exchange._in_flight if f.left == delay for b in f.buckets for n in b.names}
         for n, param in named:
             p = param.detach().cpu()
             arrived = not torch.equal(new_glob[n], glob[n])
-            if not torch.equal(residual(n), e_old[n]):  # n was launched: what it sent left its residual
+            if n in just if delay else not torch.equal(residual(n), e_old[n]):
                 launched[n].append(step)
                 # the view and global values the launch started from (an arrival at this step comes first)
                 start, g = (view[n], glob[n]) if delay == 0 else (p, new_glob[n])
                 u = e_old[n] + (start.reshape(-1) - (g.reshape(-1) + e_old[n]))
-                in_flight[n].append(u - residual(n))
+                in_flight[n].append(u if how == "split" and delay else u - residual(n))
                 if delay and not arrived:
                     ok.append(torch.equal(p, view[n]))  # nothing left the view at the launch
             if arrived:  # an exchange of n arrived: the mean of what the processes sent
                 applied[n].append(step)
                 mine = in_flight[n].pop(0)
+                if how == "split" and delay:
+                    mine = mine - residual(n)  # settled now
                 every = [torch.empty(SIZES[n]) for _ in range(world)]
                 dist.all_gather(every, mine)
                 mean = (sum(every) / world).view_as(glob[n])
-                ok.append(torch.allclose(new_glob[n] - glob[n], mean, rtol=1e-5, atol=1e-6))
+                if outer is None:  # the plain outer step adds it; another one steps with it
+                    ok.append(torch.allclose(new_glob[n] - glob[n], mean, rtol=1e-5, atol=1e-6))
                 if delay:  # the view: the new global values plus all it has not had averaged yet
                     expected = view[n] + (new_glob[n] - glob[n]) - mine.view_as(view[n])
                     ok.append(torch.allclose(p, expected, rtol=1e-5, atol=1e-6))
@@ -117,11 +127,15 @@ def test_delayed_exchanges_apply_the_mean_later_and_keep_replicas(dist2: Any, wo
         one = pool.run(_delay_worker, delay=1, fragments=1)
         four = pool.run(_delay_worker, delay=4, fragments=1)
         staggered = pool.run(_delay_worker, delay=1, fragments=2)
+        split = pool.run(_delay_worker, delay=2, fragments=2, how="split", value_bits=2)
+        nesterov = pool.run(_delay_worker, delay=1, fragments=1, outer="nesterov")
     finally:
         if pool is not dist2:
             pool.stop()
-    for r in now + one + four + staggered:
-        assert all(r["ok"]), r["ok"]
+    runs = {"now": now, "one": one, "four": four, "staggered": staggered, "split": split, "nesterov": nesterov}
+    for label, results in runs.items():
+        for r in results:
+            assert all(r["ok"]), (label, [i for i, ok in enumerate(r["ok"]) if not ok], len(r["ok"]))
     for n in SIZES:
         assert now[0]["launched"][n] == now[0]["applied"][n] == [4, 8, 12]
         assert one[0]["launched"][n] == [4, 8, 12] and one[0]["applied"][n] == [5, 9]
@@ -129,6 +143,10 @@ def test_delayed_exchanges_apply_the_mean_later_and_keep_replicas(dist2: Any, wo
     # strided fragments: a and d exchanged at steps 2, 6, 10 and applied a step later; b and c at 4, 8, 12
     assert staggered[0]["launched"] == {"a": [2, 6, 10], "b": [4, 8, 12], "c": [4, 8, 12], "d": [2, 6, 10]}
     assert staggered[0]["applied"] == {"a": [3, 7, 11], "b": [5, 9], "c": [5, 9], "d": [3, 7, 11]}
+    # the split exchange (two rounds, the second in flight), 2-bit values, two steps later
+    assert split[0]["launched"] == staggered[0]["launched"]
+    assert split[0]["applied"] == {"a": [4, 8, 12], "b": [6, 10], "c": [6, 10], "d": [4, 8, 12]}
+    assert nesterov[0]["applied"] == one[0]["applied"]
 
 
 @pytest.mark.dist

@@ -153,11 +153,15 @@ class Pending:
     ``apply(out)`` runs once every future of the bucket has completed; it adds the average over
     ranks of what the ranks sent for its own coordinates into ``out`` (laid out like the bucket).
     ``dense`` (the dense pattern only) instead returns that average as the bucket's buffer itself.
+    ``settle`` (a part whose residuals are settled only once its collectives arrived: the split
+    exchange) takes what was sent out of this rank's residuals; ``apply`` calls it too, and it
+    acts once.
     """
 
     futures: list[Issued]
     apply: Callable[[Tensor], Any]
     dense: Callable[[], Tensor] | None = None
+    settle: Callable[[], None] | None = None
 
 
 class Average:
@@ -182,6 +186,15 @@ class Average:
         for part in self.parts:
             part.apply(out)
         return out
+
+    def settle(self) -> None:
+        """Settle this rank's residuals now, before the average is used (done by :meth:`add_to`
+        otherwise): afterwards they hold exactly what this rank did not send."""
+        if self.error is not None:
+            raise self.error
+        for part in self.parts:
+            if part.settle is not None:
+                part.settle()
 
     def as_dense(self) -> Tensor:
         """The average as a dense tensor: the bucket's buffer, overwritten."""

@@ -305,13 +305,26 @@ class SketchPattern(WirePattern):
         counters.sent_numel += sum(ks)
         issued = futures(ctx.comm.all_reduce(values, counters))
 
-        def apply(out: Tensor) -> None:
-            start = 0
-            for m, k, p, cand in zip(members, ks, ps, cands, strict=True):
-                sums = values[start : start + cand.numel()]
-                start += cand.numel()
-                chosen = compressor.pick(sums, k)
-                idx = cand[chosen]
+        picked: list[tuple[Tensor, Tensor]] = []  # per member: the k coordinates kept, their sums
+
+        def pick() -> list[tuple[Tensor, Tensor]]:
+            if not picked:
+                start = 0
+                for k, cand in zip(ks, cands, strict=True):
+                    sums = values[start : start + cand.numel()]
+                    start += cand.numel()
+                    chosen = compressor.pick(sums, k)
+                    picked.append((cand[chosen], sums[chosen]))
+            return picked
+
+        settled = False
+
+        def settle_residuals() -> None:  # once: what this rank contributed at the kept coordinates
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            for m, p, (idx, _) in zip(members, ps, pick(), strict=True):
                 if ctx.error_feedback and p is not None:  # p: the residual buffer, untouched since launch
                     exact = p[idx]
                     sent = quantize(exact, vdtype)
@@ -319,9 +332,13 @@ class SketchPattern(WirePattern):
                     ctx.memory.keep_unsent(m.name, idx, remainder)
                 if ctx.momentum_correction and p is not None:
                     ctx.velocity.mask(m.name, idx)
-                out.index_add_(0, idx + m.offset, sums[chosen].to(out.dtype), alpha=1.0 / world)
 
-        return Pending(issued, apply)
+        def apply(out: Tensor) -> None:
+            settle_residuals()
+            for m, (idx, sums) in zip(members, pick(), strict=True):
+                out.index_add_(0, idx + m.offset, sums.to(out.dtype), alpha=1.0 / world)
+
+        return Pending(issued, apply, settle=settle_residuals)
 
 
 # --------------------------------------------------------------------------- dense

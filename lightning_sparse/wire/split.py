@@ -159,17 +159,16 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=buffer.device)
     issued = futures(ctx.comm.all_gather(gathered, message, counters))
 
-    def apply(out: Tensor) -> None:
-        size = second.size
-        selected = []
-        for j in range(world):
-            loc, vals = second.unpack(gathered[j * size : (j + 1) * size])
-            coords = regions.to_space(loc, j)
-            out.index_add_(0, space.to_bucket(coords), vals.to(out.dtype), alpha=1.0 / world)
-            selected.append(coords)
-        if not (ctx.error_feedback or ctx.momentum_correction):
+    size = second.size
+    settled = False
+
+    def settle_residuals() -> None:
+        # this rank's residuals: what reached the global selection was sent, the rest stays (once)
+        nonlocal settled
+        if settled or not (ctx.error_feedback or ctx.momentum_correction):
             return
-        # settle this rank's residuals: what reached the global selection was sent, the rest stays
+        settled = True
+        selected = [regions.to_space(second.unpack(gathered[j * size : (j + 1) * size])[0], j) for j in range(world)]
         sent_pos = placed.sort().values
         accepted = sent_pos[torch.isin(sel.coords[sent_pos], torch.cat(selected))]
         settle(ctx, call, space, sel, accepted)
@@ -180,4 +179,11 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
                 if e is not None:
                     e.index_add_(0, idx, diff[part])
 
-    return Pending(issued, apply)
+    def apply(out: Tensor) -> None:
+        for j in range(world):
+            loc, vals = second.unpack(gathered[j * size : (j + 1) * size])
+            coords = regions.to_space(loc, j)
+            out.index_add_(0, space.to_bucket(coords), vals.to(out.dtype), alpha=1.0 / world)
+        settle_residuals()
+
+    return Pending(issued, apply, settle=settle_residuals)
