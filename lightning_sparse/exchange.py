@@ -358,12 +358,13 @@ class StepExchange:
                     f.future.value()
                 except Exception as error:
                     return Average(buffer, parts, self.error(where, f.what, first_line(error)))
-            return Average(buffer, parts)
+            return Average(buffer, parts, waits=[f.future for f in issued])
 
         if not issued:
             return _done(finish(None))
-        if len(issued) == 1:
-            return issued[0].future.then(finish)
+        # collect_all even for one future: then() on a CUDA future (NCCL's) records the streams of
+        # the tensors in its callback's value, which an Average does not hand out; the Average
+        # makes the using stream wait for the collectives itself (Average.add_to)
         return torch.futures.collect_all([f.future for f in issued]).then(finish)
 
     def _apply_local_momentum(self, call: BucketCall) -> None:

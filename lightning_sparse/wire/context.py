@@ -172,17 +172,32 @@ class Average:
     parameters, or into a buffer of zeros for an outer optimizer to take as its gradient).
     """
 
-    def __init__(self, buffer: Tensor, parts: list[Pending], error: Exception | None = None) -> None:
+    def __init__(
+        self,
+        buffer: Tensor,
+        parts: list[Pending],
+        error: Exception | None = None,
+        waits: list[torch.futures.Future[Any]] | None = None,
+    ) -> None:
         self.buffer = buffer
         self.parts = parts
         #: the exchange failed (a collective failed or timed out): using the average raises it
         self.error = error
+        #: the collectives' own futures: waited for on the thread (and CUDA stream) that uses the
+        #: average, so that it reads what the collectives wrote (instant once they completed)
+        self.waits = waits or []
+
+    def _ready(self) -> None:
+        if self.error is not None:
+            raise self.error
+        for future in self.waits:
+            future.wait()
+        self.waits = []
 
     def add_to(self, out: Tensor) -> Tensor:
         """Add the average into ``out`` (a flat tensor laid out like the bucket; only the
         coordinates that were sent are touched) and return ``out``."""
-        if self.error is not None:
-            raise self.error
+        self._ready()
         for part in self.parts:
             part.apply(out)
         return out
@@ -190,16 +205,14 @@ class Average:
     def settle(self) -> None:
         """Settle this rank's residuals now, before the average is used (done by :meth:`add_to`
         otherwise): afterwards they hold exactly what this rank did not send."""
-        if self.error is not None:
-            raise self.error
+        self._ready()
         for part in self.parts:
             if part.settle is not None:
                 part.settle()
 
     def as_dense(self) -> Tensor:
         """The average as a dense tensor: the bucket's buffer, overwritten."""
-        if self.error is not None:
-            raise self.error
+        self._ready()
         if len(self.parts) == 1 and self.parts[0].dense is not None:
             return self.parts[0].dense()
         return self.add_to(self.buffer.zero_())
