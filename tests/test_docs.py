@@ -107,6 +107,16 @@ COMMANDS = {
     '"sync_every=8,value_bits=2,warmup=0" "sync_every=16,outer=nesterov,value_bits=2,warmup=0"': (
         "benchmarks/tests/test_bench_convergence.py::test_convergence_variants_and_library_peers"
     ),
+    # Results: hiding the exchange (the tests: a small model, 8 steps; the tiny GPT)
+    "python -m benchmarks step --bandwidth 10mbit --unshaped-baseline --compressors topk --modes update "
+    "--sync-every 4 --sync-delay 0 1 2 --fragments 1 4 --value-bits 2 --warmup-exchanges 0 --steps 24 "
+    "--warmup 8": "benchmarks/tests/test_bench_step.py::test_step_bench_delay_and_fragments_against_unshaped",
+    "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 --modes update "
+    '--variants "sync_every=4,value_bits=2,warmup=0" "sync_every=4,value_bits=2,warmup=0,delay=1" '
+    '"sync_every=4,value_bits=2,warmup=0,fragments=4,delay=1" '
+    '"sync_every=4,value_bits=2,warmup=0,fragments=4,delay=1,split=contiguous"': (
+        "benchmarks/tests/test_bench_convergence.py::test_convergence_delay_and_fragment_variants"
+    ),
     # Wire bytes at scale (the test: a small model, 2 and 4 processes)
     "python -m benchmarks scale --json docs/scale/scale.json --plot docs/scale/wire_bytes.png": (
         "benchmarks/tests/test_bench_scale.py::test_measured_equals_model"

@@ -545,3 +545,23 @@ def test_convergence_gpt_tiny_sharded_in_groups(tmp_path: Path) -> None:
     assert hsdp["param_bytes"] == pytest.approx(ddp["param_bytes"] / 2, rel=0.01)
     assert hsdp["sent_bytes"] == 4 * hsdp["param_bytes"] == fsdp["dense_bytes"] == local["dense_bytes"]
     assert 0 < local["sent_bytes"] < fsdp["sent_bytes"] < hsdp["sent_bytes"]
+
+
+@pytest.mark.dist
+def test_convergence_delay_and_fragment_variants(tmp_path: Path) -> None:
+    """--variants with a delay and fragments (strided and in module order): each row says so, and a
+    delay moves the same bytes as the exchange it delays."""
+    out = tmp_path / "out"
+    argv = ["convergence", "--tasks", "gpt", "--tiny", "--compressors", "topk", "--densities", "0.01", "--no-dense"]
+    argv += ["--modes", "update", "--peers", "--epochs", "1", "--limit-train-batches", "8", "--timeout", "240"]
+    argv += ["--variants", "sync_every=4,value_bits=2,warmup=0", "sync_every=4,value_bits=2,warmup=0,delay=1"]
+    argv += ["sync_every=4,value_bits=2,warmup=0,fragments=4,delay=1,split=contiguous", "--out", str(out)]
+    assert main(argv) == 0
+    md = (out / "convergence.md").read_text()
+    assert "| topk (update, every 4 steps, 2-bit values, 0 warm-up, applied 1 step later) | 0.01 |" in md
+    assert "4 contiguous fragments, applied 1 step later) | 0.01 |" in md
+    runs = json.loads((out / "convergence.json").read_text())["runs"]["gpt"]
+    assert [r["status"] for r in runs] == ["ok"] * 3
+    blocking, delayed, fragments = runs
+    assert delayed["sent_bytes"] == blocking["sent_bytes"] and delayed["sync_delay"] == 1
+    assert fragments["fragments"] == 4 and fragments["fragment_split"] == "contiguous"

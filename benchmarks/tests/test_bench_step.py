@@ -274,3 +274,37 @@ def test_table_compares_each_run_with_its_unshaped_self() -> None:
     table = format_table(result)
     assert "| delay 1 | 0.525 | 0.500 | 1.05x | 2.10x | 0.50x |" in table
     assert "(unshaped dense DDP, the compute floor: 0.250 s)" in table
+
+
+@pytest.mark.dist
+def test_step_bench_delay_and_fragments_against_unshaped(tmp_path) -> None:
+    """`--sync-delay 0 1 --fragments 1 4 --unshaped-baseline` (shaped where this machine can): a row
+    per setting, each with its mean step over whole cycles, its peak bytes of one step's exchange
+    (4 fragments of 4 equal matrices: a quarter) and, on a shaped link, its unshaped mean step."""
+    out = tmp_path / "step.json"
+    cmd = [
+        sys.executable, "-m", "benchmarks", "step", "--bandwidth", "100mbit", "--unshaped-baseline",
+        "--params", "4e5", "--layers", "4", "--steps", "8", "--warmup", "4", "--batch-size", "4", "--threads", "1",
+        "--compressors", "topk", "--modes", "update", "--sync-every", "4", "--sync-delay", "0", "1",
+        "--fragments", "1", "4", "--value-bits", "2", "--warmup-exchanges", "0", "--timeout", "240",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    base = "sparse_ddp topk (update, every 4 steps, 2-bit values"
+    names = [base + ")", base + ", 4 fragments)", base + ", delay 1)", base + ", 4 fragments, delay 1)"]
+    assert set(names) <= set(runs), sorted(runs)
+    for name in names:
+        r = runs[name]
+        assert len(r["times_s"]) == 8 and r["mean_s"] == pytest.approx(sum(r["times_s"]) / 8)
+        assert r["wait_s_per_step"] >= 0.0
+    # the same exchanges, whenever they are applied; a quarter of the model in each fragment's exchange
+    assert runs[names[2]]["bytes_per_step"] == runs[names[0]]["bytes_per_step"]
+    for whole, part in ((names[0], names[1]), (names[2], names[3])):
+        assert runs[part]["peak_step_wire_bytes"] <= 0.3 * runs[whole]["peak_step_wire_bytes"]
+    if ShapedLink.unavailable() is None:
+        assert all(runs[n]["unshaped_mean_s"] > 0 for n in names)
+        assert DENSE not in runs and result["unshaped_dense_mean_s"] > 0  # dense DDP runs unshaped only
+        assert "the compute floor" in done.stdout
