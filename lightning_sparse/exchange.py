@@ -287,7 +287,8 @@ class StepExchange:
         send_sparse = False
         method = "dense (warm-up)" if sparse else "dense (small tensors)"  # how the bucket is sent, for telemetry
         timed = config.timed_fallback
-        if sparse and self.step >= config.warmup_steps:
+        past_warmup = self.step >= config.warmup_steps
+        if sparse and past_warmup:
             density = schedule.density(self.step)
             ks = [k_for(m.numel, density) for m in sparse]
             kind = timed.kind(self.step) if timed is not None else SPARSE
@@ -313,6 +314,11 @@ class StepExchange:
                     PATTERNS[compressor.pattern].launch(ctx, call, ks),
                     DENSE_PATTERN.launch_members(ctx, call, plan.dense_members),
                 ]
+            elif not sparse and config.value_bits is not None and config.compress == "update" and past_warmup:
+                # a bucket of small tensors only (a fragment can be one): coded like the small
+                # tensors beside a sparse send, where that moves fewer bytes
+                counters.dense_buckets = 1
+                parts = [DENSE_PATTERN.launch_members(ctx, call, plan.dense_members)]
             else:
                 counters.dense_buckets = 1
                 parts = [DENSE_PATTERN.launch(ctx, call)]

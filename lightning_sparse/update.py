@@ -113,6 +113,12 @@ class UpdateExchange:
         aliases = list(aliases)
         trainable = {n for n, a in aliases if a.requires_grad}  # an alias says whether its tensor trains
         named = [(n, p) for n, p in named_parameters if p.requires_grad or n in trainable]
+        count = self.state.config.fragments
+        if count > 1 and 0 < len(named) < count:  # at setup; an optimizer of fewer is caught at its first exchange
+            raise ValueError(
+                f"fragments={count} is not allowed for a model of {len(named)} trainable parameter tensors: "
+                f"expected at most {len(named)} (a fragment holds whole tensors)"
+            )
         self.state.bind(named, process_group=process_group, check_consistency=check_consistency, trainable_only=False)
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}

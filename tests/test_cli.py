@@ -79,7 +79,7 @@ def test_config_parses_into_the_configured_strategy(config: Path) -> None:
             assert state.schedule.density(10_000) == density
         elif isinstance(density, dict):
             assert type(state.schedule).__name__ == density["class_path"].rsplit(".", 1)[-1]
-        for key in ("error_feedback", "min_numel", "warmup_steps", "seed"):
+        for key in ("error_feedback", "min_numel", "warmup_steps", "seed", "sync_every", "sync_delay", "fragments"):
             if key in args:
                 assert getattr(state.config, key) == args[key], key
         fallback = args.get("fallback_to_dense", True)

@@ -145,7 +145,13 @@ def test_more_fragments_than_tensors_are_refused() -> None:
     from lightning_sparse.state import SparseState
     from lightning_sparse.update import UpdateExchange
 
+    params = [(n, torch.nn.Parameter(torch.zeros(4))) for n in ("w", "b", "v")]
+    # at setup: the model has fewer tensors than fragments
+    exchange = UpdateExchange(SparseState(SparseConfig(sync_every=4, fragments=4)))
+    with pytest.raises(ValueError, match=r"fragments=4 is not allowed for a model of 3 trainable parameter tensors"):
+        exchange.bind(params)
+    # at the first exchange: an optimizer holds fewer than the model
     exchange = UpdateExchange(SparseState(SparseConfig(sync_every=4, fragments=3)))
-    exchange.bind([("w", torch.nn.Parameter(torch.zeros(4))), ("b", torch.nn.Parameter(torch.zeros(2)))])
+    exchange.bind(params)
     with pytest.raises(ValueError, match=r"fragments=3 is not allowed for an optimizer of 2 trainable parameter"):
         exchange._fragments_of(["w", "b"])

@@ -30,6 +30,8 @@ def _delay_worker(
     value_bits: int | None = None,
     how: str = "auto",
     outer: str | None = None,
+    sizes: dict[str, int] = SIZES,
+    min_numel: int = 100,
 ) -> dict[str, Any]:
     """Twelve steps of random progress at every rank, checked at every step. On ``device`` (the
     parameters, the exchange's buffers; what is checked is copied to the CPU, where gloo compares)."""
@@ -37,10 +39,10 @@ def _delay_worker(
     from lightning_sparse.update import UpdateExchange
 
     gen = torch.Generator().manual_seed(0)
-    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen).to(device))) for n, s in SIZES.items()]
+    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen).to(device))) for n, s in sizes.items()]
     config = SparseConfig(
         density=0.05,
-        min_numel=100,
+        min_numel=min_numel,
         sync_every=4,
         sync_delay=delay,
         fragments=fragments,
@@ -58,10 +60,10 @@ def _delay_worker(
     noise = torch.Generator().manual_seed(100 + rank)
 
     def residual(n: str) -> torch.Tensor:
-        return memory.get(n).to("cpu", copy=True) if n in memory else torch.zeros(SIZES[n])
+        return memory.get(n).to("cpu", copy=True) if n in memory else torch.zeros(sizes[n])
 
     def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([tensors[n].reshape(-1) for n in SIZES])
+        return torch.cat([tensors[n].reshape(-1) for n in sizes])
 
     def same_everywhere(t: torch.Tensor) -> bool:
         every = [torch.empty_like(t) for _ in range(world)]
@@ -69,9 +71,9 @@ def _delay_worker(
         return all(torch.equal(every[0], x) for x in every[1:])
 
     ok: list[bool] = []
-    launched: dict[str, list[int]] = {n: [] for n in SIZES}
-    applied: dict[str, list[int]] = {n: [] for n in SIZES}
-    in_flight: dict[str, list[torch.Tensor]] = {n: [] for n in SIZES}  # what each launch sent, oldest first
+    launched: dict[str, list[int]] = {n: [] for n in sizes}
+    applied: dict[str, list[int]] = {n: [] for n in sizes}
+    in_flight: dict[str, list[torch.Tensor]] = {n: [] for n in sizes}  # what each launch sent, oldest first
     placed: set[str] = set()  # where the global values lived
     for step in range(1, 13):
         exchange.hold_local()
@@ -79,10 +81,10 @@ def _delay_worker(
             for _, p in named:
                 p.add_((torch.randn(p.shape, generator=noise) * 0.01).to(device))
         view = {n: p.detach().to("cpu", copy=True) for n, p in named}
-        glob = {n: exchange._global[n].to("cpu", copy=True) for n in SIZES}  # the global values, aside
-        e_old = {n: residual(n) for n in SIZES}
+        glob = {n: exchange._global[n].to("cpu", copy=True) for n in sizes}  # the global values, aside
+        e_old = {n: residual(n) for n in sizes}
         exchange.exchange()
-        new_glob = {n: exchange._global[n].to("cpu", copy=True) for n in SIZES}
+        new_glob = {n: exchange._global[n].to("cpu", copy=True) for n in sizes}
         placed.update(str(g.device) + (" pinned" if g.is_pinned() else "") for g in exchange._global.values())
         ok.append(same_everywhere(flat(new_glob)))  # one global model at every step
         # launched at this step: in flight with its whole delay ahead (without a delay: what it sent left the
@@ -104,7 +106,7 @@ def _delay_worker(
                 mine = in_flight[n].pop(0)
                 if how == "split" and delay:
                     mine = mine - residual(n)  # settled now
-                every = [torch.empty(SIZES[n]) for _ in range(world)]
+                every = [torch.empty(sizes[n]) for _ in range(world)]
                 dist.all_gather(every, mine)
                 mean = (sum(every) / world).view_as(glob[n])
                 if outer is None:  # the plain outer step adds it; another one steps with it
@@ -115,7 +117,15 @@ def _delay_worker(
     exchange.hold_global()  # what is still in flight arrives
     ok.append(same_everywhere(flat({n: p.detach().cpu() for n, p in named})))
     ok.append(all(p.device.type == torch.device(device).type for _, p in named))
-    return {"ok": ok, "launched": launched, "applied": applied, "placed": placed, "wait": state.telemetry.wait_seconds}
+    small = state.telemetry.methods.get("dense (small tensors)")
+    return {
+        "ok": ok,
+        "launched": launched,
+        "applied": applied,
+        "placed": placed,
+        "wait": state.telemetry.wait_seconds,
+        "coded_bytes": None if small is None else small.sent_bytes,
+    }
 
 
 @pytest.mark.dist
@@ -129,10 +139,13 @@ def test_delayed_exchanges_apply_the_mean_later_and_keep_replicas(dist2: Any, wo
         staggered = pool.run(_delay_worker, delay=1, fragments=2)
         split = pool.run(_delay_worker, delay=2, fragments=2, how="split", value_bits=2)
         nesterov = pool.run(_delay_worker, delay=1, fragments=1, outer="nesterov")
+        # a fragment of small tensors only (b and c, below min_numel): coded, not a float all-reduce
+        small = pool.run(_delay_worker, delay=1, fragments=2, value_bits=2, sizes={"a": 2000, "b": 60, "c": 60})
     finally:
         if pool is not dist2:
             pool.stop()
     runs = {"now": now, "one": one, "four": four, "staggered": staggered, "split": split, "nesterov": nesterov}
+    runs["small"] = small
     for label, results in runs.items():
         for r in results:
             assert all(r["ok"]), (label, [i for i, ok in enumerate(r["ok"]) if not ok], len(r["ok"]))
@@ -147,6 +160,8 @@ def test_delayed_exchanges_apply_the_mean_later_and_keep_replicas(dist2: Any, wo
     assert split[0]["launched"] == staggered[0]["launched"]
     assert split[0]["applied"] == {"a": [4, 8, 12], "b": [6, 10], "c": [6, 10], "d": [4, 8, 12]}
     assert nesterov[0]["applied"] == one[0]["applied"]
+    assert small[0]["launched"] == {"a": [2, 6, 10], "b": [4, 8, 12], "c": [4, 8, 12]}
+    assert small[0]["coded_bytes"] < 120 * 4 * 3  # three exchanges of b and c, each under a float32 all-reduce
 
 
 @pytest.mark.dist
