@@ -40,7 +40,7 @@ from lightning_sparse._utils import all_finite, all_reduce_mean_
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
-from lightning_sparse.update_parts import Bucket, InFlight, StagedAverage, split_fragments
+from lightning_sparse.update_parts import Bucket, InFlight, StagedAverage, check_fragments, split_fragments
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.comm import wait
 
@@ -113,12 +113,7 @@ class UpdateExchange:
         aliases = list(aliases)
         trainable = {n for n, a in aliases if a.requires_grad}  # an alias says whether its tensor trains
         named = [(n, p) for n, p in named_parameters if p.requires_grad or n in trainable]
-        count = self.state.config.fragments
-        if count > 1 and 0 < len(named) < count:  # at setup; an optimizer of fewer is caught at its first exchange
-            raise ValueError(
-                f"fragments={count} is not allowed for a model of {len(named)} trainable parameter tensors: "
-                f"expected at most {len(named)} (a fragment holds whole tensors)"
-            )
+        check_fragments(self.state.config.fragments, len(named), "a model")  # an optimizer's: at its first exchange
         self.state.bind(named, process_group=process_group, check_consistency=check_consistency, trainable_only=False)
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
@@ -412,11 +407,7 @@ class UpdateExchange:
         key = tuple(names)
         found = self._fragments.get(key)
         if found is None:
-            if count > len(names):
-                raise ValueError(
-                    f"fragments={count} is not allowed for an optimizer of {len(names)} trainable parameter tensors: "
-                    f"expected at most {len(names)}"
-                )
+            check_fragments(count, len(names), "an optimizer")
             sizes = [(n, self._params[n].numel()) for n in names]
             found = self._fragments[key] = split_fragments(sizes, count, self.state.config.fragment_split)
         return found

@@ -59,6 +59,19 @@ class InFlight:
         self.left = left
 
 
+def check_fragments(count: int, tensors: int, holder: str) -> None:
+    """Refuse more fragments than ``holder`` (a model, an optimizer) has parameter tensors.
+
+    Example:
+        >>> check_fragments(4, 6, "a model")
+    """
+    if count > 1 and 0 < tensors < count:
+        raise ValueError(
+            f"fragments={count} is not allowed for {holder} of {tensors} trainable parameter tensors: expected at "
+            f"most {tensors} (a fragment holds whole tensors)"
+        )
+
+
 def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "strided") -> list[list[str]]:
     """Split parameter tensors (name, number of elements), in module order, into ``count`` fragments
     of about equal size, each in module order.

@@ -36,12 +36,15 @@ def normalise(table: str) -> list[str]:
     Example:
         >>> normalise("t\\n-----\\nx  1  2 B  3 B  1.0x  1.0x  1.0000  0.123  4.5%")
         ['t', '---', 'x | 1 | 2 B | 3 B | 1.0x | 1.0x | 1.0000 | <time> | <time>']
+        >>> normalise("waiting for exchanges took 0.14 s.")
+        ['waiting for exchanges took <time> s.']
     """
     out = []
     for line in table.strip("\n").splitlines():
         if line.strip() and set(line.strip()) == {"-"}:
             out.append("---")
             continue
+        line = re.sub(r"waiting for exchanges took [\d.]+ s", "waiting for exchanges took <time> s", line)
         cells = re.split(r"\s{2,}", line.strip())
         if len(cells) == 1 + len(COLUMNS):  # a row: its name, then one cell per column
             for name in TIMED:
