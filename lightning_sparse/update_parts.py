@@ -125,7 +125,3 @@ class StagedAverage:
         self.average.add_to(staged)
         out.copy_(staged)
         return out
-
-    def settle(self) -> None:
-        """Settle this rank's residuals (:meth:`Average.settle`)."""
-        self.average.settle()

@@ -153,9 +153,9 @@ class Pending:
     ``apply(out)`` runs once every future of the bucket has completed; it adds the average over
     ranks of what the ranks sent for its own coordinates into ``out`` (laid out like the bucket).
     ``dense`` (the dense pattern only) instead returns that average as the bucket's buffer itself.
-    ``settle`` (a part whose residuals are settled only once its collectives arrived: the split
-    exchange) takes what was sent out of this rank's residuals; ``apply`` calls it too, and it
-    acts once.
+    ``settle`` (a part whose residuals are settled only once its collectives arrived: the split and
+    count-sketch exchanges) takes what was sent out of this rank's residuals; :class:`Average`
+    calls it once, before the first ``apply``.
     """
 
     futures: list[Issued]
@@ -186,6 +186,7 @@ class Average:
         #: the collectives' own futures: waited for on the thread (and CUDA stream) that uses the
         #: average, so that it reads what the collectives wrote (instant once they completed)
         self.waits = waits or []
+        self._settled = False
 
     def _ready(self) -> None:
         if self.error is not None:
@@ -197,15 +198,18 @@ class Average:
     def add_to(self, out: Tensor) -> Tensor:
         """Add the average into ``out`` (a flat tensor laid out like the bucket; only the
         coordinates that were sent are touched) and return ``out``."""
-        self._ready()
+        self.settle()
         for part in self.parts:
             part.apply(out)
         return out
 
     def settle(self) -> None:
-        """Settle this rank's residuals now, before the average is used (done by :meth:`add_to`
-        otherwise): afterwards they hold exactly what this rank did not send."""
+        """Settle this rank's residuals (once; :meth:`add_to` does it first): afterwards they hold
+        exactly what this rank did not send."""
         self._ready()
+        if self._settled:
+            return
+        self._settled = True
         for part in self.parts:
             if part.settle is not None:
                 part.settle()

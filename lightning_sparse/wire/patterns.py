@@ -317,13 +317,7 @@ class SketchPattern(WirePattern):
                     picked.append((cand[chosen], sums[chosen]))
             return picked
 
-        settled = False
-
-        def settle_residuals() -> None:  # once: what this rank contributed at the kept coordinates
-            nonlocal settled
-            if settled:
-                return
-            settled = True
+        def settle_residuals() -> None:  # what this rank contributed at the kept coordinates
             for m, p, (idx, _) in zip(members, ps, pick(), strict=True):
                 if ctx.error_feedback and p is not None:  # p: the residual buffer, untouched since launch
                     exact = p[idx]
@@ -334,7 +328,6 @@ class SketchPattern(WirePattern):
                     ctx.velocity.mask(m.name, idx)
 
         def apply(out: Tensor) -> None:
-            settle_residuals()
             for m, (idx, sums) in zip(members, pick(), strict=True):
                 out.index_add_(0, idx + m.offset, sums.to(out.dtype), alpha=1.0 / world)
 

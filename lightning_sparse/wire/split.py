@@ -160,17 +160,21 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     issued = futures(ctx.comm.all_gather(gathered, message, counters))
 
     size = second.size
-    settled = False
+    received: list[tuple[Tensor, Tensor]] = []  # per rank: its chosen coordinates (in the space), values
+
+    def receive() -> list[tuple[Tensor, Tensor]]:
+        if not received:  # decoded once, for the residuals and for the average
+            for j in range(world):
+                loc, vals = second.unpack(gathered[j * size : (j + 1) * size])
+                received.append((regions.to_space(loc, j), vals))
+        return received
 
     def settle_residuals() -> None:
-        # this rank's residuals: what reached the global selection was sent, the rest stays (once)
-        nonlocal settled
-        if settled or not (ctx.error_feedback or ctx.momentum_correction):
+        # this rank's residuals: what reached the global selection was sent, the rest stays
+        if not (ctx.error_feedback or ctx.momentum_correction):
             return
-        settled = True
-        selected = [regions.to_space(second.unpack(gathered[j * size : (j + 1) * size])[0], j) for j in range(world)]
         sent_pos = placed.sort().values
-        accepted = sent_pos[torch.isin(sel.coords[sent_pos], torch.cat(selected))]
+        accepted = sent_pos[torch.isin(sel.coords[sent_pos], torch.cat([c for c, _ in receive()]))]
         settle(ctx, call, space, sel, accepted)
         if rounding is not None:
             coords, diff = rounding
@@ -180,10 +184,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
                     e.index_add_(0, idx, diff[part])
 
     def apply(out: Tensor) -> None:
-        for j in range(world):
-            loc, vals = second.unpack(gathered[j * size : (j + 1) * size])
-            coords = regions.to_space(loc, j)
+        for coords, vals in receive():
             out.index_add_(0, space.to_bucket(coords), vals.to(out.dtype), alpha=1.0 / world)
-        settle_residuals()
 
     return Pending(issued, apply, settle=settle_residuals)
