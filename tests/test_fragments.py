@@ -1,17 +1,16 @@
 """Fragments (``fragments``, update mode with ``sync_every > 1``): the split, the staggered
 exchanges on 2 and 4 real gloo processes (conservation per tensor, one global model, nothing
-touched between a fragment's exchanges, lower peak bytes), exact resume with the Trainer, errors."""
+touched between a fragment's exchanges, lower peak bytes), errors. Exact resume with the Trainer:
+tests/test_local_steps_trainer.py (case "fragments")."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import DistPool
-from conftest import run_trainer
 
 from lightning_sparse import SparseConfig
 from lightning_sparse.update import split_fragments
@@ -99,28 +98,6 @@ def test_fragments_exchange_staggered_and_conserve(dist2: Any, world: int) -> No
     # strided: a and d in the first fragment (exchanged at steps 2, 6), b and c in the second (4, 8)
     assert split[0]["synced_at"] == {"a": [2, 6], "b": [4, 8], "c": [4, 8], "d": [2, 6]}
     assert split[0]["peak"] <= 0.75 * whole[0]["peak"]
-
-
-@pytest.mark.dist
-def test_resume_mid_cycle_with_fragments_is_exact(tmp_path: Path) -> None:
-    base: dict[str, Any] = {"n": 256, "max_steps": 30, "data_by_step": True, "optimizer": "adamw", "lr": 0.01}
-    strategy = {"compressor": "topk", "density": 0.05, "sync_every": 3, "fragments": 2, "warmup_steps": 0}
-    ckpt = str(tmp_path / "frag.ckpt")
-    full = run_trainer(
-        {**base, "runs": [{"name": "full", "strategy": strategy, "ckpt_at_epoch": 1, "ckpt_out": ckpt}]},
-        tmp_path / "first",
-    )["full"]
-    resumed = run_trainer(
-        {**base, "runs": [{"name": "resumed", "strategy": strategy, "ckpt_path": ckpt}]}, tmp_path / "second"
-    )["resumed"]
-    for a, b in zip(full, resumed, strict=True):
-        assert a["global_step"] == b["global_step"] == 30
-        for key in a["params"]:
-            assert torch.equal(a["params"][key], b["params"][key]), key
-        for key in a["residuals"]:
-            assert torch.equal(a["residuals"][key], b["residuals"][key]), key
-    for key in full[0]["params"]:  # the end of fit: one global model
-        assert torch.equal(full[0]["params"][key], full[1]["params"][key]), key
 
 
 @pytest.mark.parametrize(

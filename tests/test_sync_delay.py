@@ -1,19 +1,18 @@
 """Exchanges in flight (``sync_delay``, update mode with ``sync_every > 1``), on 2 and 4 real gloo
 processes: the global values identical on every process at every step, each exchange applied
 ``sync_delay`` steps after its launch with the mean of what the processes sent (kept exactly apart
-from their residuals), the view keeping its own sent part meanwhile; with fragments; exact resume
-with the Trainer from a checkpoint written while an exchange was in flight; the errors."""
+from their residuals), the view keeping its own sent part meanwhile; with fragments; the errors.
+Exact resume with the Trainer from a checkpoint written while an exchange was in flight:
+tests/test_local_steps_trainer.py (case "delayed")."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import DistPool
-from conftest import run_trainer
 
 from lightning_sparse import SparseConfig
 
@@ -162,29 +161,6 @@ def test_delayed_exchanges_apply_the_mean_later_and_keep_replicas(dist2: Any, wo
     assert nesterov[0]["applied"] == one[0]["applied"]
     assert small[0]["launched"] == {"a": [2, 6, 10], "b": [4, 8, 12], "c": [4, 8, 12]}
     assert small[0]["coded_bytes"] < 120 * 4 * 3  # three exchanges of b and c, each under a float32 all-reduce
-
-
-@pytest.mark.dist
-def test_resume_from_a_checkpoint_written_with_an_exchange_in_flight(tmp_path: Path) -> None:
-    # sync_every=3, sync_delay=2: launched at step 15, due at 17; the checkpoint after step 16 has it in flight
-    base: dict[str, Any] = {"n": 256, "max_steps": 30, "data_by_step": True, "optimizer": "adamw", "lr": 0.01}
-    strategy = {"compressor": "topk", "density": 0.05, "sync_every": 3, "sync_delay": 2, "value_bits": 2}
-    ckpt = str(tmp_path / "delay.ckpt")
-    full = run_trainer(
-        {**base, "runs": [{"name": "full", "strategy": strategy, "ckpt_at_epoch": 1, "ckpt_out": ckpt}]},
-        tmp_path / "first",
-    )["full"]
-    resumed = run_trainer(
-        {**base, "runs": [{"name": "resumed", "strategy": strategy, "ckpt_path": ckpt}]}, tmp_path / "second"
-    )["resumed"]
-    for a, b in zip(full, resumed, strict=True):
-        assert a["global_step"] == b["global_step"] == 30
-        for key in a["params"]:
-            assert torch.equal(a["params"][key], b["params"][key]), key
-        for key in a["residuals"]:
-            assert torch.equal(a["residuals"][key], b["residuals"][key]), key
-    for key in full[0]["params"]:  # the end of fit applied what was in flight: one global model
-        assert torch.equal(full[0]["params"][key], full[1]["params"][key]), key
 
 
 @pytest.mark.parametrize(
