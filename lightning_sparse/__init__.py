@@ -24,7 +24,7 @@ from lightning_sparse.compressors import (
     register_compressor,
 )
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.cost import exchange_cost
+from lightning_sparse.cost import exchange_collectives, exchange_cost, exchange_time
 from lightning_sparse.exchange import ExchangeError
 from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
 from lightning_sparse.fabric import register_fabric_strategies
@@ -70,7 +70,9 @@ __all__ = [
     "WarmupDensity",
     "__version__",
     "end_process_group",
+    "exchange_collectives",
     "exchange_cost",
+    "exchange_time",
     "register_compressor",
     "register_fabric_strategies",
     "register_fsdp_strategy",

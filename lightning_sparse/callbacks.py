@@ -24,6 +24,7 @@ METRIC_NAMES = (
     "sparse/wire_bytes",
     "sparse/residual_norm",
     "sparse/compress_ms",
+    "sparse/collectives",
 )
 #: logged in update mode too: how far the global model lags this rank's own view
 UPDATE_METRIC_NAMES = ("sparse/unsent_ratio",)
@@ -52,6 +53,8 @@ def compression_figures(
     - ``sparse/unsent_ratio`` (update mode): that norm over the norm of the global parameters, how
       far the model that validation and checkpoints see lags this rank's own view;
     - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch);
+    - ``sparse/collectives``: collectives this rank issued per step (an update exchange's buckets
+      leave as one all-gather and one all-reduce; every collective costs a round trip);
     - ``sparse/group_bytes`` (``sparse_fsdp``): bytes FSDP2's collectives inside this process's group
       moved through it per step over those steps (ring model; ``group_bytes`` is their total).
 
@@ -72,6 +75,7 @@ def compression_figures(
         "sparse/wire_bytes": interval.wire_bytes / steps,
         "sparse/residual_norm": float(residual_norm),
         "sparse/compress_ms": 1000.0 * interval.compress_seconds / steps,
+        "sparse/collectives": interval.collectives / steps,
         **({} if unsent_ratio is None else {"sparse/unsent_ratio": float(unsent_ratio)}),
         **({} if group_bytes is None else {"sparse/group_bytes": float(group_bytes) / steps}),
     }

@@ -6,6 +6,12 @@ byte rule), and, sparse, how (the gather pattern's all-gather or split, or the c
 pattern), with the ring-model bytes that moves through each rank. It is built from the same pieces
 as the exchange (:mod:`lightning_sparse.wire`, :func:`~lightning_sparse.schedules.k_for`), so its
 answer is the exchange's; the telemetry's ``wire_bytes`` of that bucket is the same figure.
+
+:func:`exchange_time` adds the link: every collective costs a round trip whatever its size, so an
+exchange takes ``collectives x round trip + bytes / bandwidth``. Across data centres (tens of
+milliseconds a round trip) the number of collectives (:func:`exchange_collectives`) weighs as
+much as the bytes: an update exchange issues one collective per kind and round for all its buckets
+together.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from lightning_sparse.wire import (
 )
 from lightning_sparse.wire.patterns import coded_members_pay
 
-__all__ = ["exchange_cost"]
+__all__ = ["exchange_collectives", "exchange_cost", "exchange_time"]
 
 
 def exchange_cost(
@@ -109,3 +115,88 @@ def _small_tensors_bytes(ctx: WireContext, numel: int, itemsize: int) -> float:
     if numel and bits is not None and coded_members_pay(world, numel, bits, itemsize):
         return ring_all_gather_bytes(world, quant.message_bytes(numel, bits))
     return ring_all_reduce_bytes(world, numel * itemsize)
+
+
+def exchange_collectives(
+    config: SparseConfig,
+    numels: Sequence[int],
+    world_size: int,
+    dtype: torch.dtype = torch.float32,
+    step: int | None = None,
+) -> int:
+    """How many collectives one exchange of a bucket of ``numels`` issues (arguments as
+    :func:`exchange_cost`); in update mode the same holds for all of an exchange's buckets together,
+    which leave as one collective per kind and round.
+
+    A dense bucket: one all-reduce. Sparse: the pattern's rounds (an all-gather; the split
+    exchange's all-to-all, then its all-gather; random-k's all-reduce; the count-sketch's two
+    all-reduces), and the small tensors beside them in one all-reduce, or, as ``value_bits`` codes,
+    in the same all-gather; calls of one kind, dtype and round travel together. 0 at world size 1.
+
+    Example:
+        >>> from lightning_sparse import SparseConfig
+        >>> exchange_collectives(SparseConfig(), [1_000_000, 1000], world_size=8)
+        2
+        >>> exchange_collectives(SparseConfig(value_bits=2), [1_000_000, 1000], world_size=8)
+        1
+        >>> exchange_collectives(SparseConfig(compressor="countsketch"), [1_000_000, 1000], world_size=8)
+        2
+    """
+    cost, how = exchange_cost(config, numels, world_size, dtype, step)
+    if world_size <= 1:
+        return 0
+    if how == "dense":
+        return 1
+    sizes = [int(n) for n in numels]
+    small = sum(n for n in sizes if n < config.min_numel or n == 0)
+    ctx = wire_context(config, Collectives(None, world_size))
+    vdtype = ctx.vdtype(torch.empty(0, dtype=dtype))
+    coded_small = (
+        bool(small)
+        and ctx.value_bits is not None
+        and coded_members_pay(world_size, small, ctx.value_bits, dtype.itemsize)
+    )
+    # per round, the (kind, dtype) of each call; the small tensors join the pattern's last round
+    rounds: list[set[tuple[str, torch.dtype]]]
+    if how == "allgather":
+        rounds = [{("all-gather", torch.uint8)}]
+    elif how == "split":
+        rounds = [{("all-to-all", torch.uint8)}, {("all-gather", torch.uint8)}]
+    elif how == "shared":
+        rounds = [{("all-reduce", vdtype)}]
+    else:  # sketch: the tables (float32), then the exact values at the candidates
+        rounds = [{("all-reduce", torch.float32)}, {("all-reduce", vdtype)}]
+    if small:
+        rounds[-1].add(("all-gather", torch.uint8) if coded_small else ("all-reduce", dtype))
+    return sum(len(r) for r in rounds)
+
+
+def exchange_time(
+    config: SparseConfig,
+    numels: Sequence[int],
+    world_size: int,
+    bandwidth: float,
+    round_trip: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    step: int | None = None,
+) -> float:
+    """Seconds one exchange of a bucket takes on a link of ``bandwidth`` bytes per second and
+    ``round_trip`` seconds: ``collectives x round_trip + wire bytes / bandwidth`` (the ring-model
+    bytes of :func:`exchange_cost`, the collectives of :func:`exchange_collectives`; other
+    arguments as there). A model: a ring's steps each wait for the link too, and a collective
+    library may pipeline them; it counts one round trip per collective.
+
+    Example:
+        >>> from lightning_sparse import SparseConfig
+        >>> config = SparseConfig(compressor="topk", density=0.01)
+        >>> round(exchange_time(config, [25_000_000], 2, bandwidth=125e6, round_trip=0.05), 3)  # 1 Gbit/s, 50 ms
+        0.06
+        >>> round(exchange_time(config, [25_000_000], 2, bandwidth=125e6, round_trip=0.05, step=0), 3)  # dense
+        0.85
+    """
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth={bandwidth!r} is not allowed: expected bytes per second > 0.")
+    if not round_trip >= 0:
+        raise ValueError(f"round_trip={round_trip!r} is not allowed: expected seconds >= 0.")
+    wire, _ = exchange_cost(config, numels, world_size, dtype, step)
+    return exchange_collectives(config, numels, world_size, dtype, step) * round_trip + wire / bandwidth

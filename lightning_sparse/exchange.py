@@ -50,7 +50,7 @@ from lightning_sparse.wire import (
     count_dense,
     sparse_pays,
 )
-from lightning_sparse.wire.comm import CollectiveError, first_line
+from lightning_sparse.wire.comm import CollectiveError, Rounds, first_line, run
 
 __all__ = ["ExchangeError", "StepExchange", "wire_context"]
 
@@ -260,6 +260,18 @@ class StepExchange:
         closes). ``inputs_finite``: the caller made every input finite (the update exchange drops
         a non-finite update on its rank), so the patterns skip their own per-tensor check.
         """
+        return run(self.bucket_rounds(buffer, plan, last=last, inputs_finite=inputs_finite))
+
+    def bucket_rounds(
+        self, buffer: Tensor, plan: BucketPlan, *, last: bool = True, inputs_finite: bool = False
+    ) -> Rounds[Future[Average]]:
+        """:meth:`bucket` in rounds (:data:`~lightning_sparse.wire.comm.Rounds`): it yields after
+        issuing a first round whose result the bucket needs (the split and count-sketch
+        exchanges), so that several buckets driven together
+        (:func:`~lightning_sparse.wire.comm.run_together`) issue their rounds together. With
+        several buckets driven together, close the step after the last one with :meth:`close`
+        rather than ``last=True``."""
+        spent = 0.0  # this bucket's own time: the others' work between its rounds is theirs
         start = time.perf_counter()
         if not self._in_step:
             self.begin()
@@ -310,10 +322,17 @@ class StepExchange:
             where += f" (exchange {self.step})"
         try:
             if send_sparse:
-                parts = [
-                    PATTERNS[compressor.pattern].launch(ctx, call, ks),
-                    DENSE_PATTERN.launch_members(ctx, call, plan.dense_members),
-                ]
+                rounds = PATTERNS[compressor.pattern].launch_rounds(ctx, call, ks)
+                while True:
+                    try:
+                        next(rounds)
+                    except StopIteration as stop:
+                        sparse_part = stop.value
+                        break
+                    spent += time.perf_counter() - start
+                    yield
+                    start = time.perf_counter()
+                parts = [sparse_part, DENSE_PATTERN.launch_members(ctx, call, plan.dense_members)]
             elif not sparse and config.value_bits is not None and config.compress == "update" and past_warmup:
                 # a bucket of small tensors only (a fragment can be one): coded like the small
                 # tensors beside a sparse send, where that moves fewer bytes
@@ -327,11 +346,16 @@ class StepExchange:
         future = self._average(buffer, parts, where)
         if timed is not None:
             future = timed.track(future)
-        counters.compress_seconds = time.perf_counter() - start
+        counters.compress_seconds = spent + time.perf_counter() - start
         self.telemetry.record(plan.label, counters, method)
         if last:
             self._end()
         return future
+
+    def close(self) -> None:
+        """Close the step after buckets exchanged with ``last=False`` (driven together)."""
+        if self._in_step:
+            self._end()
 
     def sparse_is_cheaper(self, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> bool:
         """The byte rule for a bucket: ring-model wire bytes of the sparse exchange of its ``sparse``
@@ -364,7 +388,7 @@ class StepExchange:
                     f.future.value()
                 except Exception as error:
                     return Average(buffer, parts, self.error(where, f.what, first_line(error)))
-            return Average(buffer, parts, waits=[f.future for f in issued])
+            return Average(buffer, parts, waits=issued)
 
         if not issued:
             return _done(finish(None))

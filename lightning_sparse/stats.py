@@ -20,7 +20,9 @@ class Counters:
     world size 1, where nothing crosses the wire.
     ``dense_buckets`` counts buckets sent dense (warm-up, fallback, all tensors small),
     ``fallback_buckets`` those sent dense because sparse would have moved more bytes, and
-    ``nonfinite_buckets`` those in which this rank found a non-finite gradient.
+    ``nonfinite_buckets`` those in which this rank found a non-finite gradient. ``collectives``
+    counts the collectives this rank issued (one that several buckets' calls were coalesced into
+    counts once, with the first of them).
 
     Example:
         >>> c = Counters(dense_bytes=4000, sent_bytes=80, numel=1000, sent_numel=10)
@@ -38,6 +40,7 @@ class Counters:
     fallback_buckets: int = 0
     nonfinite_buckets: int = 0
     compress_seconds: float = 0.0
+    collectives: int = 0
     wire_bytes: float = 0.0
     dense_wire_bytes: float = 0.0
 

@@ -42,7 +42,7 @@ from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
 from lightning_sparse.update_parts import Bucket, InFlight, StagedAverage, check_fragments, split_fragments
 from lightning_sparse.wire import Average, count_dense
-from lightning_sparse.wire.comm import wait
+from lightning_sparse.wire.comm import Rounds, run_together, wait
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
@@ -314,23 +314,28 @@ class UpdateExchange:
             steps.end_unexchanged()
             return
         delay = state.config.sync_delay
-        futures: list[Future[Average]] = []
-        for i, bucket in enumerate(launch):
-            pos = 0
-            for name, p in zip(bucket.names, bucket.params, strict=True):
-                seg = bucket.delta[pos : pos + p.numel()]
-                e = memory.get(name) if name in memory else None
-                if e is not None and e.device != seg.device:
-                    e = e.to(seg.device)  # an offloaded residual
-                # delta = p - (global + e): the cycle's progress, from the view it started from
-                self._progress(name, e, out=seg)
-                if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
-                    u = bucket.pending_buffer()[pos : pos + p.numel()]
-                    torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
-                pos += p.numel()
-            # every update is finite now (a non-finite one was dropped above): the patterns skip their check
-            plan = state.plan(bucket.delta, bucket.params)
-            futures.append(steps.bucket(bucket.delta, plan, last=i == len(launch) - 1, inputs_finite=True))
+        launches: list[Rounds[Future[Average]]] = []
+        # every bucket's collectives leave as one per kind and round (buckets bound the exchange's
+        # buffers, not the number of round trips)
+        with steps.wire.comm.coalescing():
+            for bucket in launch:
+                pos = 0
+                for name, p in zip(bucket.names, bucket.params, strict=True):
+                    seg = bucket.delta[pos : pos + p.numel()]
+                    e = memory.get(name) if name in memory else None
+                    if e is not None and e.device != seg.device:
+                        e = e.to(seg.device)  # an offloaded residual
+                    # delta = p - (global + e): the cycle's progress, from the view it started from
+                    self._progress(name, e, out=seg)
+                    if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
+                        u = bucket.pending_buffer()[pos : pos + p.numel()]
+                        torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
+                    pos += p.numel()
+                # every update is finite now (a non-finite one was dropped above): the patterns skip their check
+                plan = state.plan(bucket.delta, bucket.params)
+                launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
+            futures = run_together(launches)
+            steps.close()
         if delay:
             self._in_flight.append(InFlight(group, launch, futures, delay))
             return  # the collectives progress in the background; the view stays in the module

@@ -54,7 +54,7 @@ def _decode(
     total_k = sum(ks)
     vdtype = state.config.value_dtype or captured_dtype
     compressor = state.compressor
-    used = 1
+    reduced = _Reduced(captured)
     if kind == "gather":
         from lightning_sparse.wire import MessageLayout, SparseSpace
 
@@ -69,12 +69,12 @@ def _decode(
         sent[idx] = vals
     elif compressor.pattern == "sketch":
         # round 1: the tables (summed on the wire); round 2: exact values at the candidates
-        (_, _, tables), (kind2, mine, sums) = captured[0], captured[1]
-        assert kind2 == "reduce" and mine.dtype == vdtype
-        used = 2
+        shapes = [compressor.table_shape(m.numel, k) for m, k in zip(sparse, ks, strict=True)]
+        _, tables = reduced.take(sum(r * c for r, c in shapes), torch.float32)
+        counts = [compressor.num_candidates(m.numel, k) for m, k in zip(sparse, ks, strict=True)]
+        mine, sums = reduced.take(sum(counts), vdtype)
         pos_t = pos_v = 0
-        for m, k in zip(sparse, ks, strict=True):
-            rows, cols = compressor.table_shape(m.numel, k)
+        for m, k, (rows, cols) in zip(sparse, ks, shapes, strict=True):
             table = tables[pos_t : pos_t + rows * cols].view(rows, cols)
             ctx = CompressContext(step=step, key=m.key, rank=state.rank, world_size=2, seed=state.config.seed)
             cand = compressor.candidates(table, m.numel, k, ctx)
@@ -88,8 +88,8 @@ def _decode(
     else:  # shared: the indices are never sent; every rank derives them from the shared seed
         from lightning_sparse.wire import SparseSpace
 
+        first, _ = reduced.take(total_k, vdtype)
         vals = first.float()
-        assert first.numel() == total_k and first.dtype == vdtype, "values only, no indices"
         pos = 0
         for i in SparseSpace.of(plan).members:  # the values travel by tensor name, coordinates ascending
             m, k = sparse[i], ks[i]
@@ -98,13 +98,38 @@ def _decode(
             sent[m.offset + idx] = vals[pos : pos + k]
             pos += k
     if dense:
-        assert len(captured) == used + 1 and captured[used][0] == "reduce"
-        dvals = captured[used][1].float()
+        dvals, _ = reduced.take(sum(m.numel for m in dense))
+        dvals = dvals.float()
         pos = 0
         for m in dense:
             sent[m.offset : m.offset + m.numel] = dvals[pos : pos + m.numel]
             pos += m.numel
+    assert reduced.done(), "every all-reduce's input is accounted for"
     return sent
+
+
+class _Reduced:
+    """The captured all-reduces' (input as sent, output) read as consecutive parts: the exchange
+    coalesces the calls of a step, so one all-reduce may carry several parts (the sparse values
+    and the small tensors beside them, say)."""
+
+    def __init__(self, captured: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        self.parts = [(inp.reshape(-1), out.reshape(-1)) for kind, inp, out in captured if kind == "reduce"]
+        self.i = self.pos = 0
+
+    def take(self, n: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.i < len(self.parts), f"expected an all-reduce of {n} more values"
+        inp, out = self.parts[self.i]
+        assert self.pos + n <= inp.numel(), f"an all-reduce of {inp.numel()} values cannot hold {n} more"
+        assert dtype is None or inp.dtype == dtype, f"values travel as {inp.dtype}, expected {dtype}"
+        got = inp[self.pos : self.pos + n], out[self.pos : self.pos + n]
+        self.pos += n
+        if self.pos == inp.numel():
+            self.i, self.pos = self.i + 1, 0
+        return got
+
+    def done(self) -> bool:
+        return self.i == len(self.parts)
 
 
 @contextlib.contextmanager

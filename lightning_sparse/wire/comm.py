@@ -4,19 +4,60 @@
 counts the bytes it hands over and their ring traffic into the given
 :class:`~lightning_sparse.stats.Counters` (so no collective goes uncounted, and none is counted
 twice), and returns the collective's future, or None at world size 1, where nothing is issued.
+
+Inside :meth:`Collectives.coalescing` the calls are queued instead, and leave the block as one
+collective per kind (and dtype): every bucket of an exchange then crosses the wire in one
+all-gather and one all-reduce, whatever the number of buckets. Across data centres each
+collective costs a round trip, so their number matters as much as their bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse.stats import Counters
 from lightning_sparse.wire.cost import count_all_gather, count_all_reduce, count_all_to_all
+
+T = TypeVar("T")
+#: a launch in rounds: it yields after issuing a round whose result it needs before the next (an
+#: all-to-all or a table all-reduce), and returns its result. Driven together
+#: (:func:`run_together`), every bucket's first round leaves in one collective, then every second.
+Rounds = Generator[None, None, T]
+
+
+def run(rounds: Rounds[T]) -> T:
+    """Drive a launch in rounds to its end, alone."""
+    while True:
+        try:
+            next(rounds)
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_together(launches: list[Rounds[T]]) -> list[T]:
+    """Drive several launches in rounds in lock-step, in order: each takes its first round, then
+    each its second, ... Inside :meth:`Collectives.coalescing` the rounds of all of them then
+    leave together (waiting for one issues what is queued). The same order on every rank."""
+    results: dict[int, T] = {}
+    active = list(range(len(launches)))
+    while active:
+        going = []
+        for i in active:
+            try:
+                next(launches[i])
+                going.append(i)
+            except StopIteration as stop:
+                results[i] = stop.value
+        active = going
+    return [results[i] for i in range(len(launches))]
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -26,10 +67,23 @@ def _nbytes(tensor: Tensor) -> int:
 @dataclass(frozen=True)
 class Issued:
     """A collective in flight: its future, and what it is (for the error that says where a stalled
-    exchange was)."""
+    exchange was).
+
+    A call queued by :meth:`Collectives.coalescing` has a ``future`` of its own that completes with
+    the coalesced collective, and a ``queued`` entry: :meth:`wait` then issues the queue if it is
+    still waiting (a round that must arrive before the next is prepared) and copies the call's part
+    of the coalesced result into its own output, on the waiting thread (and CUDA stream)."""
 
     future: Future[list[Tensor]]
     what: str
+    queued: _Queued | None = None
+
+    def wait(self) -> None:
+        """Wait for the collective; its output then holds the result. Raises what it raised."""
+        if self.queued is not None:
+            self.queued.ready()
+        else:
+            self.future.wait()
 
 
 class CollectiveError(RuntimeError):
@@ -83,6 +137,35 @@ class Collectives:
 
     group: dist.ProcessGroup | None = None
     world: int = 1
+    #: the calls queued inside :meth:`coalescing`, and the count of collectives issued
+    queue: _Queue = field(default_factory=lambda: _Queue(), compare=False, repr=False)
+
+    @property
+    def issued(self) -> int:
+        """Collectives this rank issued through this object so far (a coalesced one counts once)."""
+        return self.queue.issued
+
+    @contextmanager
+    def coalescing(self) -> Iterator[None]:
+        """Queue every collective called inside the block; at its end they are issued as one
+        collective per kind and dtype, in the order each kind was first called (the same on every
+        rank, as the calls are). Waiting for a queued call inside the block issues what is queued
+        first. Nested blocks issue at the outermost one's end.
+
+        Example:
+            >>> comm = Collectives(group=None, world=1)
+            >>> with comm.coalescing():
+            ...     comm.all_reduce(torch.ones(2)) is None    # one process: nothing is issued
+            True
+        """
+        queue = self.queue
+        queue.depth += 1
+        try:
+            yield
+        finally:
+            queue.depth -= 1
+            if queue.depth == 0:
+                queue.flush(self)
 
     def all_reduce(self, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Sum ``tensor`` in place over the group."""
@@ -90,7 +173,16 @@ class Collectives:
             count_all_reduce(counters, self.world, _nbytes(tensor))
         if self.world <= 1:
             return None
-        return Issued(all_reduce(tensor, self.group), f"all-reduce of {_nbytes(tensor):,} bytes")
+        what = f"all-reduce of {_nbytes(tensor):,} bytes"
+        if self.queue.depth:
+            return self.queue.put(self, "all-reduce", tensor, tensor, what, counters)
+        self._count_issued(counters)
+        return Issued(all_reduce(tensor, self.group), what)
+
+    def _count_issued(self, counters: Counters | None) -> None:
+        self.queue.issued += 1
+        if counters is not None:
+            counters.collectives += 1
 
     def all_gather(self, output: Tensor, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Concatenate every rank's ``tensor`` (same size on all ranks) into ``output``."""
@@ -115,7 +207,124 @@ class Collectives:
         if self.world <= 1:
             output.copy_(tensor)  # one process: what it would receive is what it sends
             return None
-        return Issued(issue(output, tensor, self.group), f"{name} of {_nbytes(tensor):,} bytes")
+        what = f"{name} of {_nbytes(tensor):,} bytes"
+        if self.queue.depth:
+            return self.queue.put(self, name, output, tensor, what, counters)
+        self._count_issued(counters)
+        return Issued(issue(output, tensor, self.group), what)
+
+
+_ISSUE: dict[str, Callable[[Tensor, Tensor, dist.ProcessGroup | None], Future[list[Tensor]]]] = {
+    "all-gather": lambda output, tensor, group: all_gather(output, tensor, group),
+    "all-to-all": lambda output, tensor, group: all_to_all(output, tensor, group),
+    "all-reduce": lambda output, tensor, group: all_reduce(output, group),
+}
+
+
+class _Queued:
+    """One call queued by :meth:`Collectives.coalescing`: where its part of the coalesced collective
+    lies, and the future its caller holds."""
+
+    def __init__(self, queue: _Queue, kind: str, output: Tensor, tensor: Tensor) -> None:
+        self.queue = queue
+        self.kind = kind
+        self.output = output
+        self.tensor = tensor
+        self.future: Future[list[Tensor]] = Future()
+        #: set when issued: the coalesced collective's future, its output and this call's columns there
+        self.issued: Future[list[Tensor]] | None = None
+        self.merged: Tensor | None = None
+        self.columns = slice(0)
+        self._copied = False
+
+    def ready(self) -> None:
+        if self.issued is None:
+            self.queue.flush_now()  # a round waited for inside the block: issue what is queued
+        assert self.issued is not None and self.merged is not None
+        self.issued.wait()  # raises the collective's error; on CUDA, orders this stream after it
+        if self._copied:
+            return
+        self._copied = True
+        if self.kind == "all-reduce":
+            self.output.copy_(self.merged[self.columns].view_as(self.output))
+        else:  # rows: one per rank (the source of an all-gather's part, of an all-to-all's chunk)
+            world = self.merged.shape[0]
+            self.output.view(world, -1).copy_(self.merged[:, self.columns])
+
+
+class _Queue:
+    """The calls queued inside :meth:`Collectives.coalescing` (shared by copies of a
+    :class:`Collectives`), and the count of collectives issued."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.issued = 0
+        self.calls: list[_Queued] = []
+        self._comm: Collectives | None = None
+
+    def put(
+        self, comm: Collectives, kind: str, output: Tensor, tensor: Tensor, what: str, counters: Counters | None
+    ) -> Issued:
+        self._comm = comm
+        key = (kind, tensor.dtype, tensor.device)
+        if all((c.kind, c.tensor.dtype, c.tensor.device) != key for c in self.calls):
+            # the first call of its kind in this batch: the collective it joins is counted here
+            self.issued += 1
+            if counters is not None:
+                counters.collectives += 1
+        call = _Queued(self, kind, output, tensor)
+        self.calls.append(call)
+        return Issued(call.future, f"{what} (coalesced)", call)
+
+    def flush_now(self) -> None:
+        assert self._comm is not None
+        self.flush(self._comm)
+
+    def flush(self, comm: Collectives) -> None:
+        """Issue the queued calls: one collective per kind, dtype and device, in first-call order."""
+        self._comm = comm
+        calls, self.calls = self.calls, []
+        groups: dict[tuple[str, torch.dtype, torch.device], list[_Queued]] = {}
+        for call in calls:
+            groups.setdefault((call.kind, call.tensor.dtype, call.tensor.device), []).append(call)
+        for (kind, _, _), members in groups.items():
+            _issue_merged(kind, members, comm)
+
+
+def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
+    world = comm.world
+    if kind == "all-reduce":
+        merged = torch.cat([c.tensor.reshape(-1) for c in calls]) if len(calls) > 1 else calls[0].tensor.reshape(-1)
+        output = merged
+        widths = [c.tensor.numel() for c in calls]
+    else:
+        # all-gather: each rank's parts side by side, one row per rank after the collective;
+        # all-to-all: chunk j of every call side by side in row j (what goes to rank j)
+        rows = [c.tensor.reshape(1 if kind == "all-gather" else world, -1) for c in calls]
+        joined = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
+        widths = [r.shape[1] for r in rows]
+        merged = joined.reshape(-1)  # flat on the wire: one bucket's message goes as it did alone
+        output = torch.empty((world, joined.shape[1]), dtype=merged.dtype, device=merged.device)
+    future = _ISSUE[kind](output.view(-1), merged, comm.group)
+    start = 0
+    for call, width in zip(calls, widths, strict=True):
+        call.issued, call.merged, call.columns = future, output, slice(start, start + width)
+        start += width
+    placeholders = [c.future for c in calls]
+
+    def done(f: Future[list[Tensor]]) -> None:  # on the completing thread: no tensor is touched here
+        error = None
+        try:
+            f.value()
+        except Exception as e:  # the callers' futures fail alike
+            error = e
+        for p in placeholders:
+            if error is not None:
+                p.set_exception(error)  # type: ignore[arg-type]  # torch types it as the result
+            else:
+                p.set_result([])
+
+    future.add_done_callback(done)
 
 
 def futures(*maybe: Issued | None) -> list[Issued]:
@@ -127,6 +336,6 @@ def wait(issued: Issued | None) -> None:
     """Wait for a collective, if one was issued; a failure raises :class:`CollectiveError`."""
     if issued is not None:
         try:
-            issued.future.wait()
+            issued.wait()
         except Exception as error:
             raise CollectiveError(issued.what, error) from error

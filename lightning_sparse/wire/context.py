@@ -177,22 +177,22 @@ class Average:
         buffer: Tensor,
         parts: list[Pending],
         error: Exception | None = None,
-        waits: list[torch.futures.Future[Any]] | None = None,
+        waits: list[Issued] | None = None,
     ) -> None:
         self.buffer = buffer
         self.parts = parts
         #: the exchange failed (a collective failed or timed out): using the average raises it
         self.error = error
-        #: the collectives' own futures: waited for on the thread (and CUDA stream) that uses the
-        #: average, so that it reads what the collectives wrote (instant once they completed)
+        #: the collectives: waited for on the thread (and CUDA stream) that uses the average, so
+        #: that it reads what the collectives wrote (instant once they completed)
         self.waits = waits or []
         self._settled = False
 
     def _ready(self) -> None:
         if self.error is not None:
             raise self.error
-        for future in self.waits:
-            future.wait()
+        for issued in self.waits:
+            issued.wait()
         self.waits = []
 
     def add_to(self, out: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor
 from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.compressors import CompressContext, CountSketch
 from lightning_sparse.wire import quant
-from lightning_sparse.wire.comm import Issued, futures, wait
+from lightning_sparse.wire.comm import Issued, Rounds, futures, run, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
@@ -87,7 +87,13 @@ class WirePattern:
 
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
         """Compress the bucket's sparse members, update their residuals, launch the collectives."""
-        raise NotImplementedError
+        return run(self.launch_rounds(ctx, call, ks))
+
+    def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
+        """:meth:`launch` in rounds (:data:`~lightning_sparse.wire.comm.Rounds`): a pattern whose
+        second round needs the first's result yields between them; the others do not yield."""
+        return self.launch(ctx, call, ks)
+        yield  # a generator that returns at once
 
 
 def bucket_wire_bytes(
@@ -148,10 +154,13 @@ class GatherPattern(WirePattern):
         return self.choose(s.world, list(s.ks), s.vbytes, list(s.numels), s.exchange, s.compact, s.value_bits)[1]
 
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
+        return run(self.launch_rounds(ctx, call, ks))
+
+    def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
         vdtype = ctx.vdtype(call.buffer)
         numels = [m.numel for m in call.plan.sparse_members]
         if self.exchange_for(ctx, ks, numels, vdtype.itemsize) == "split":
-            return launch_split(ctx, call, ks, vdtype)
+            return (yield from launch_split(ctx, call, ks, vdtype))
         return _launch_allgather(ctx, call, ks, vdtype)
 
 
@@ -241,7 +250,8 @@ class SketchPattern(WirePattern):
     ``value_dtype`` stays in).
 
     Ordering: round 1 is waited for here, on the hook's thread, and round 2 is issued right
-    after it, before the hook returns. Every collective of every bucket is therefore issued by
+    after it, before the hook returns (in update mode, every bucket's round 1 first, as one
+    all-reduce, then every round 2: :meth:`launch_rounds`). Every collective of every bucket is therefore issued by
     the same thread in the same order on every rank; issuing round 2 from a completion callback
     (a process-group thread) could interleave it differently with other buckets' collectives on
     each rank. The cost is that backward waits for one small all-reduce per bucket.
@@ -257,15 +267,20 @@ class SketchPattern(WirePattern):
         return ring_all_reduce_bytes(sizes.world, table_bytes) + ring_all_reduce_bytes(sizes.world, value_bytes)
 
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
+        return run(self.launch_rounds(ctx, call, ks))
+
+    def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
         compressor = typing.cast(CountSketch, ctx.compressor)  # the compressors of pattern "sketch" sketch
         world = ctx.world_size
         buffer, plan, counters = call.buffer, call.plan, call.counters
         vdtype = ctx.vdtype(buffer)
         members = plan.sparse_members
         shapes = [compressor.table_shape(m.numel, k) for m, k in zip(members, ks, strict=True)]
-        # The tables live only until round 1 completes, inside this call: a reused buffer saves
-        # the page faults of a fresh multi-MB allocation every step.
-        tables = scratch("patterns.sketch_tables", sum(r * c for r, c in shapes), torch.float32, buffer.device).zero_()
+        # The tables live only until round 1 completes: a reused buffer saves the page faults of a
+        # fresh multi-MB allocation every step. One per bucket: the buckets of an update exchange
+        # hold theirs across their first rounds together.
+        size = sum(r * c for r, c in shapes)
+        tables = scratch(f"patterns.sketch_tables.{plan.label}", size, torch.float32, buffer.device).zero_()
         ps: list[Tensor | None] = []
         ctxs: list[CompressContext] = []
         views: list[Tensor] = []
@@ -289,7 +304,9 @@ class SketchPattern(WirePattern):
             ctxs.append(cctx)
             views.append(view)
             pos += rows * cols
-        wait(ctx.comm.all_reduce(tables, counters))  # round 1, on this thread (see above)
+        first_round = ctx.comm.all_reduce(tables, counters)
+        yield  # the other buckets' first rounds are issued meanwhile
+        wait(first_round)  # round 1, on this thread (see above)
         cands = [
             compressor.candidates(view, m.numel, k, cctx)
             for view, m, k, cctx in zip(views, members, ks, ctxs, strict=True)

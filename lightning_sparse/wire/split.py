@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_sparse.wire.comm import futures, wait
+from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
@@ -111,8 +111,9 @@ def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: i
     return kept[torch.argsort(owner[kept], stable=True)]
 
 
-def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Pending:
-    """Launch the split exchange of a gather-pattern bucket (see :class:`GatherPattern`)."""
+def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Rounds[Pending]:
+    """Launch the split exchange of a gather-pattern bucket (see :class:`GatherPattern`), in rounds:
+    it yields once its all-to-all is issued, and waits for it when resumed."""
     world, rank, buffer, counters = ctx.world_size, ctx.rank, call.buffer, call.counters
     space = SparseSpace.of(call.plan)
     regions = Regions(space.numel, world)
@@ -136,8 +137,11 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     counters.sent_numel += placed.numel()
     incoming = torch.empty_like(outgoing)
     # waited for on this thread, and stage 2 issued right after: every collective of every bucket
-    # is issued by one thread in the same order on every rank (see SketchPattern)
-    wait(ctx.comm.all_to_all(incoming, outgoing, counters))
+    # is issued by one thread in the same order on every rank (see SketchPattern); the other
+    # buckets' first rounds are issued meanwhile (yield)
+    first_round = ctx.comm.all_to_all(incoming, outgoing, counters)
+    yield
+    wait(first_round)
 
     # stage 2: this rank, as an owner, sums its region (in rank order) and keeps the largest sums
     parts = [first.unpack(incoming[r]) for r in range(world)]
