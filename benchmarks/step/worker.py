@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from benchmarks._json import write_json
-from benchmarks.peers import CollectiveCounter, Peer
 from benchmarks.opcount import count_comm_calls
+from benchmarks.peers import CollectiveCounter, Peer
 from benchmarks.step.options import DENSE, FALLBACKS, Exchange, parse_params
 from lightning_sparse import end_process_group
 
