@@ -12,4 +12,5 @@ COMMANDS: dict[str, str] = {
     "scale": "benchmarks.scale",
     "checkpoint": "benchmarks.checkpoint",
     "sharding": "benchmarks.sharding",
+    "gpu": "benchmarks.gpu",
 }

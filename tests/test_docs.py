@@ -67,6 +67,10 @@ COMMANDS = {
     "--modes update gradient --peers powersgd:4 fp16 --fallback time --steps 30": (
         "benchmarks/tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
+    # Results: step time on a GPU (the test: on CPUs, a tiny GPT, 4 steps)
+    "python -m benchmarks gpu --json gpu_step.json": (
+        "benchmarks/tests/test_bench_gpu.py::test_gpu_bench_runs_every_row_on_cpus"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

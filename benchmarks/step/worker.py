@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from benchmarks._json import write_json
+from benchmarks.opcount import count_comm_calls
 from benchmarks.peers import CollectiveCounter, Peer
 from benchmarks.step.options import DENSE, FALLBACKS, Exchange, parse_params
 from lightning_sparse import end_process_group
@@ -132,6 +133,10 @@ def worker(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(1 + args.rank)
     times: list[list[float]] = [[] for _ in runs]
     before: list[Any] = [None for _ in runs]
+    # the package's collectives (lightning_sparse.wire.comm's calls) of each run's timed steps
+    collectives = [0 for _ in runs]
+    comm_calls = count_comm_calls()
+    calls = comm_calls.__enter__()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:  # the figures of the timed steps only
             before = [None if state is None else state.telemetry.total.copy() for _, _, state in runs]
@@ -146,8 +151,11 @@ def worker(args: argparse.Namespace) -> int:
             if counted:
                 mark = counter.bytes
                 counter.start()
+            issued = sum(calls.values())
             _step(model, opt, exchange, x, y)
             elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                collectives[i] += sum(calls.values()) - issued
             if counted:
                 counter.stop()
                 peer_bytes[i] += counter.bytes - mark
@@ -166,12 +174,15 @@ def worker(args: argparse.Namespace) -> int:
             x = torch.randn(args.batch_size, width, generator=gen_block)
             y = torch.randn(args.batch_size, width, generator=gen_block)
             start = time.perf_counter()
+            issued = sum(calls.values())
             _step(model, opt, exchange, x, y)
             if step >= args.warmup:
                 times[i].append(time.perf_counter() - start)
+                collectives[i] += sum(calls.values()) - issued
         exchange.hold_global()  # what is still in flight arrives
         dist.barrier()
     counter.uninstall()
+    comm_calls.__exit__(None, None, None)
     # A step lasts as long as its slowest rank.
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -180,6 +191,9 @@ def worker(args: argparse.Namespace) -> int:
         counters = None if state is None else state.telemetry.total - snapshot
         summaries.append(_summary(name, counters, ts, args, width, peer_bytes.get(i)))
         if state is not None:
+            # the exchanges' own: dense DDP's and torch's hooks' collectives do not go through the package
+            summaries[-1]["collectives"] = collectives[i]
+            summaries[-1]["collectives_per_step"] = collectives[i] / max(1, args.steps)
             telemetry = state.telemetry
             summaries[-1]["peak_step_wire_bytes"] = telemetry.peak_step_wire_bytes
             summaries[-1]["wait_s_per_step"] = telemetry.wait_seconds / max(1, args.warmup + args.steps)
@@ -227,6 +241,8 @@ def _summary(
         "hook_ms": None,
         "buckets": None,
         "dense_buckets": None,
+        "collectives": None,
+        "collectives_per_step": None,
     }
     if counters is not None:
         steps = len(times)

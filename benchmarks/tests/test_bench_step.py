@@ -136,6 +136,9 @@ def _check(result: dict) -> None:
         assert 0 < run["bytes_per_step"] < dense["bytes_per_step"] / 5
         assert run["compression_ratio"] == pytest.approx(dense["bytes_per_step"] / run["bytes_per_step"])
         assert run["dense_buckets"] == 0  # the timed steps come after the dense warm-up step
+        # the package's collectives: one bucket per step, a collective or two each
+        assert 1 <= run["collectives_per_step"] <= 2 and run["collectives"] == 2 * run["collectives_per_step"]
+    assert dense["collectives"] is None  # DDP's own all-reduces do not go through the package
 
 
 @pytest.mark.dist
