@@ -26,6 +26,7 @@ fold) and the view the cycle started from.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -198,10 +199,11 @@ class UpdateExchange:
                 memory.unstage([name])
         self._hold_global(names)
 
-    def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None) -> Tensor:
+    def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None, check: bool = True) -> Tensor:
         """``p - (global + e)`` of one parameter in float32 (into ``out``, a flat float32 tensor, or
         a new one): what the rank's optimizer did to it since its view was put in the module. Not
-        finite: dropped (zeros), with a warning."""
+        finite: dropped (zeros), with a warning (``check=False``: the caller checks, see
+        :meth:`_drop_nonfinite`)."""
         p = self._params[name]
         g = self._global[name].reshape(-1)
         seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
@@ -215,12 +217,28 @@ class UpdateExchange:
             seg.copy_(g)
             seg.add_(e)
         torch.sub(p.reshape(-1), seg, out=seg)
-        if not all_finite(seg):
+        if check and not all_finite(seg):
             # This rank's optimizer produced a non-finite parameter: drop its progress here (like a
             # gradient scaler's skip, on this rank only); its residual is kept.
             seg.zero_()
             self._warn_nonfinite(name)
         return seg
+
+    def _drop_nonfinite(self, parts: list[tuple[str, Tensor, Tensor | None, int]]) -> None:
+        """Drop (zero, with a warning) the progress of every parameter of a bucket that is not
+        finite, as :meth:`_progress` does for one: their largest magnitudes in one operator
+        (``_foreach_norm`` of order inf: NaN or inf where a value is), then one host read for the
+        bucket, not one per parameter."""
+        if not parts:
+            return
+        largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))
+        finite = torch.isfinite(largest)
+        if bool(finite.all()):
+            return
+        for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):  # rare: per parameter
+            if not ok:
+                seg.zero_()
+                self._warn_nonfinite(name)
 
     # ------------------------------------------------------------------ where the global copy lives
     @property
@@ -320,17 +338,21 @@ class UpdateExchange:
         with steps.wire.comm.coalescing():
             for bucket in launch:
                 pos = 0
+                parts: list[tuple[str, Tensor, Tensor | None, int]] = []
                 for name, p in zip(bucket.names, bucket.params, strict=True):
                     seg = bucket.delta[pos : pos + p.numel()]
                     e = memory.get(name) if name in memory else None
                     if e is not None and e.device != seg.device:
                         e = e.to(seg.device)  # an offloaded residual
                     # delta = p - (global + e): the cycle's progress, from the view it started from
-                    self._progress(name, e, out=seg)
-                    if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
-                        u = bucket.pending_buffer()[pos : pos + p.numel()]
-                        torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
+                    self._progress(name, e, out=seg, check=False)
+                    parts.append((name, seg, e, pos))
                     pos += p.numel()
+                self._drop_nonfinite(parts)
+                if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
+                    for _, seg, e, pos in parts:
+                        u = bucket.pending_buffer()[pos : pos + seg.numel()]
+                        torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
                 # every update is finite now (a non-finite one was dropped above): the patterns skip their check
                 plan = state.plan(bucket.delta, bucket.params)
                 launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))

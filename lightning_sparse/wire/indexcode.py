@@ -169,9 +169,11 @@ def decode_indices(data: Tensor, n: int, k: int, count: int) -> Tensor:
     size = low_bytes + unary_bytes
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != size:
         raise _bad("data", data, f"expected a 1-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes")
-    ones = torch.nonzero(_unpack(data[low_bytes:])).flatten()[:count]
-    if ones.numel() < count:
-        raise bad_argument("count", count, f"the message holds only {ones.numel()} indices")
+    # a fixed-size result, so nothing waits on the host (a message with fewer than ``count`` indices
+    # pads with -1, which fails the device-side assertion)
+    ones = torch.nonzero_static(_unpack(data[low_bytes:]), size=count, fill_value=-1).flatten()
+    if count:
+        torch._assert_async(ones[-1] >= 0, f"count={count} is not allowed: the message holds fewer indices")
     v = (torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1) << b
     if b:
         shifts = torch.arange(b - 1, -1, -1, device=data.device)
