@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from benchmarks.step.worker import model_shape
-from lightning_sparse import SparseConfig, SparseState, exchange_cost
+from lightning_sparse import SparseConfig, SparseState, exchange_collectives, exchange_cost
 from lightning_sparse.schedules import k_for
 from lightning_sparse.wire import ring_all_reduce_bytes
 
@@ -29,6 +29,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 COLUMNS = (DENSE, *CONFIGS)
 #: gradients are float32: the dense parts and a dense bucket travel as 4-byte values
 GRAD_DTYPE = torch.float32
+#: the links of the time table: (name, bytes per second, round trip in seconds); across data centres
+#: a round trip costs tens of milliseconds whatever a collective's size
+LINKS = (("1 Gbit/s", 125e6, 0.0), ("1 Gbit/s, 50 ms", 125e6, 0.05), ("10 Gbit/s, 50 ms", 1.25e9, 0.05))
 
 
 @dataclass(frozen=True)
@@ -89,14 +92,33 @@ def bucket_wire(config: str, density: float, world: int, bucket: Bucket) -> tupl
     return exchange_cost(make_config(config, density), numels, world, GRAD_DTYPE)
 
 
+def bucket_collectives(config: str, density: float, world: int, bucket: Bucket) -> int:
+    """Collectives one bucket's exchange issues (:func:`lightning_sparse.exchange_collectives`)."""
+    if config == DENSE:
+        return 1 if world > 1 else 0
+    numels = [numel for _, numel in bucket.tensors]
+    return exchange_collectives(make_config(config, density), numels, world, GRAD_DTYPE)
+
+
 def model_row(buckets: list[Bucket], density: float, world: int) -> dict[str, Any]:
-    """Every column's wire bytes per rank per step at ``world`` ranks, and how each bucket goes."""
-    row: dict[str, Any] = {"world": world, "bytes": {}, "sent_as": {}}
+    """Every column's wire bytes per rank per step at ``world`` ranks, how each bucket goes, and the
+    collectives: per bucket in DDP's hook (gradient mode), and coalesced in update mode, where an
+    exchange's buckets leave together (as many as the largest bucket's)."""
+    row: dict[str, Any] = {"world": world, "bytes": {}, "sent_as": {}, "collectives": {}, "update_collectives": {}}
     for column in COLUMNS:
         figures = [bucket_wire(column, density, world, b) for b in buckets]
         row["bytes"][column] = sum(wire for wire, _ in figures)  # summed in bucket order, as the telemetry
         row["sent_as"][column] = [how for _, how in figures]
+        counts = [bucket_collectives(column, density, world, b) for b in buckets]
+        row["collectives"][column] = sum(counts)
+        row["update_collectives"][column] = max(counts)
     return row
+
+
+def link_seconds(row: dict[str, Any], column: str, bandwidth: float, round_trip: float, update: bool) -> float:
+    """Seconds a step's exchange takes on a link: ``collectives x round trip + wire bytes / bandwidth``."""
+    collectives = row["update_collectives" if update else "collectives"][column]
+    return collectives * round_trip + row["bytes"][column] / bandwidth
 
 
 def describe_size(params: int, layers: int, cap_bytes: int, density: float) -> dict[str, Any]:

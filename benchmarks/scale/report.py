@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.scale.model import COLUMNS, CONFIGS, DENSE
+from benchmarks.scale.model import COLUMNS, CONFIGS, DENSE, LINKS, link_seconds
 from lightning_sparse.wire import MessageLayout
 
 HEADERS = {
@@ -125,7 +125,31 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(line(measured[w], "measured", small["size"]["params"], small_rows[w]["sent_as"]["auto"]))
             lines.append(line(small_rows[w], "model", small["size"]["params"], small_rows[w]["sent_as"]["auto"]))
         lines.append(line(row, "model", big["size"]["params"], row["sent_as"]["auto"]))
-    lines += ["", "targets:"]
+    lines += ["", *format_links(big), "", "targets:"]
     for t in result["targets"]:
         lines.append(f"- ({t['name']}) {'PASS' if t['passed'] else 'FAIL'}: {t['text']}: {t['value']}")
     return "\n".join(lines)
+
+
+def format_links(model: dict[str, Any]) -> list[str]:
+    """A step's exchange in seconds on each link of :data:`LINKS` (``collectives x round trip + wire
+    bytes / bandwidth``), dense DDP against the defaults (auto) with a collective per bucket (gradient
+    mode, in DDP's hook) and with every bucket's together (update mode)."""
+    names = [name for name, _, _ in LINKS]
+    lines = [
+        f"seconds per step's exchange on a link (collectives x round trip + wire bytes / bandwidth; "
+        f"{model['size']['params'] / 1e6:.2f}M parameters in {len(model['size']['buckets'])} buckets); "
+        "columns: dense / auto, a collective per bucket / auto, update mode's coalesced exchange",
+        "",
+        "| W | " + " | ".join(names) + " |",
+        "| ---: | " + " | ".join("---" for _ in names) + " |",
+    ]
+    for row in model["rows"]:
+        cells = []
+        for _, bandwidth, round_trip in LINKS:
+            dense = link_seconds(row, DENSE, bandwidth, round_trip, update=False)
+            per_bucket = link_seconds(row, "auto", bandwidth, round_trip, update=False)
+            together = link_seconds(row, "auto", bandwidth, round_trip, update=True)
+            cells.append(f"{dense:.3f} / {per_bucket:.3f} / {together:.3f}")
+        lines.append(f"| {row['world']} | " + " | ".join(cells) + " |")
+    return lines

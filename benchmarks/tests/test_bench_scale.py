@@ -120,3 +120,21 @@ def test_a_hang_is_killed_with_a_clear_error() -> None:
     # the processes cannot even start within 0.5 s: they are killed and the error says why
     with pytest.raises(RuntimeError, match=r"2 measuring processes did not finish within --timeout=0.5 s"):
         main(["scale", "--params", "2e6", "--measure-params", "3e5", "--world-sizes", "2", "--timeout", "0.5"])
+
+
+def test_link_times_count_a_round_trip_per_collective() -> None:
+    from benchmarks.scale.model import DENSE, LINKS, ddp_buckets, link_seconds, mlp_tensors, model_row
+    from benchmarks.scale.report import format_links
+
+    buckets = ddp_buckets(mlp_tensors(2_000_000, 4), 1 << 20)  # several buckets
+    assert len(buckets) > 2
+    row = model_row(buckets, 0.01, 8)
+    # in DDP's hook a collective (or two) per bucket; coalesced, as many as one bucket's
+    assert row["collectives"][DENSE] == len(buckets)
+    assert row["collectives"]["auto"] >= len(buckets) and row["update_collectives"]["auto"] <= 2
+    slow = link_seconds(row, "auto", 125e6, 0.05, update=False)
+    assert slow == row["collectives"]["auto"] * 0.05 + row["bytes"]["auto"] / 125e6
+    assert link_seconds(row, "auto", 125e6, 0.05, update=True) < slow
+    model = {"size": {"params": sum(b.numel for b in buckets), "buckets": buckets}, "rows": [row]}
+    table = format_links(model)
+    assert len(table) == 5 and all(name in table[2] for name, _, _ in LINKS)
