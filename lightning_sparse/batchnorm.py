@@ -62,12 +62,13 @@ class _Link:
 @dataclass
 class _Entry:
     """One recorded call: the module, its inputs (detached, or links to earlier calls' outputs),
-    and weak references to the tensors it returned (for the links of later calls)."""
+    and weak references to the tensors it returned with their version counters (for the links of
+    later calls)."""
 
     module: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    outputs: list[tuple[Path, weakref.ref[Tensor]]] = field(default_factory=list)
+    outputs: list[tuple[Path, weakref.ref[Tensor], int]] = field(default_factory=list)
 
 
 #: a frame of the call stack: Lightning's redirected call (not a call of the model), a recorded
@@ -220,7 +221,7 @@ class GlobalBatchNorm:
             if not current:
                 self._passes.pop()
             return
-        frame.outputs = [(path, weakref.ref(t)) for path, t in _tensors(output)]
+        frame.outputs = [(path, weakref.ref(t), t._version) for path, t in _tensors(output)]
 
     # ------------------------------------------------------------------ recomputing
     @torch.no_grad()
@@ -356,9 +357,10 @@ def _record(entries: list[_Entry], args: tuple[Any, ...], kwargs: dict[str, Any]
     link to it, any other tensor is detached (a reference, no copy)."""
     returned: dict[int, tuple[Tensor, _Link]] = {}
     for i, e in enumerate(entries):
-        for path, ref in e.outputs:
+        for path, ref, version in e.outputs:
             t = ref()
-            if t is not None:  # alive, so its id is its own while we hold it
+            # alive, so its id is its own while we hold it; changed in place since: not what the call returned
+            if t is not None and t._version == version:
                 returned[id(t)] = (t, _Link(i, path))
 
     def keep(t: Any, _: Path) -> Any:

@@ -344,10 +344,20 @@ def test_keyword_inputs_and_dict_outputs_are_linked() -> None:
 def test_an_input_derived_between_calls_is_replayed_as_recorded() -> None:
     from lightning_sparse.batchnorm import GlobalBatchNorm
 
+    x = _batches(1)[0]
+    model = _TwoPart()
+    norms = GlobalBatchNorm(batches=4)
+    norms.attach(model)
+    changed = model.backbone(x)
+    changed.mul_(2)  # the tensor backbone returned, changed in place since: no link
+    model.head(changed)
+    assert norms.links == 0
+    model.head(model.backbone(x))
+    assert norms.links == 1
+
     model = _TwoPart()
     norms = GlobalBatchNorm(batches=2)
     norms.attach(model)
-    x = _batches(1)[0]
     features = model.backbone(x) * 2  # not the tensor backbone returned: no link
     model.head(features)
     assert norms.links == 0
