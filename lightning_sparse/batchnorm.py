@@ -8,22 +8,39 @@ validation, checkpoints and the end of fit see. Measured on a ResNet-18-shaped C
 (SGD momentum, ``sync_every=4``): the global model validated at 0.19 with the statistics as
 training left them and at 0.99 with statistics recomputed under its own parameters.
 
-:class:`GlobalBatchNorm` keeps the inputs of the module's last training forward passes and, when
-the strategy puts the global model in the module for such a use, recomputes every BatchNorm
-layer's statistics under the global parameters from them (as ``torch.optim.swa_utils.update_bn``
-does for an averaged model), then averages them over the processes so that every process holds
-the same model. Training itself is untouched: BatchNorm normalises a training batch with that
-batch's own statistics, and the random number generators are restored afterwards.
+:class:`GlobalBatchNorm` keeps the inputs of the last training forward passes and, when the
+strategy puts the global model in the module for such a use, recomputes the BatchNorm layers'
+statistics under the global parameters from them (as ``torch.optim.swa_utils.update_bn`` does for
+an averaged model), then averages them over the processes so that every process holds the same
+model. Training itself is untouched: BatchNorm normalises a training batch with that batch's own
+statistics, and the random number generators are restored afterwards.
+
+What is kept is what training called, wherever it called it: every module whose subtree holds a
+BatchNorm layer is watched, and each outermost call of one of them in a training forward (the
+LightningModule itself, ``self.net``, a backbone then a head, a network inside a helper method, with
+positional or keyword arguments) is recorded with its inputs. Calls nested inside a recorded one are
+not recorded (the replay of the outer call runs them). An input that is the very tensor an earlier
+call of the same pass returned is recorded as a link to that call, so that the replay feeds it the
+earlier call's replayed output: ``self.head(self.backbone(x))`` recomputes the head's statistics
+from the global backbone's features. A BatchNorm layer that no recorded call reaches (a network
+entered through ``module.forward(...)``, a functional call) keeps the statistics training gathered,
+averaged over the processes.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
 
 from lightning_sparse._utils import all_reduce_mean_
 from lightning_sparse.stats import Counters, Telemetry
@@ -31,13 +48,40 @@ from lightning_sparse.wire import count_all_reduce
 
 __all__ = ["GlobalBatchNorm"]
 
+Path = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Link:
+    """In a recorded input: the output of the pass's ``entry``-th call, at ``path`` inside it."""
+
+    entry: int
+    path: Path
+
+
+@dataclass
+class _Entry:
+    """One recorded call: the module, its inputs (detached, or links to earlier calls' outputs),
+    and weak references to the tensors it returned with their version counters (for the links of
+    later calls)."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[tuple[Path, weakref.ref[Tensor], int]] = field(default_factory=list)
+
+
+#: a frame of the call stack: Lightning's redirected call (not a call of the model), a recorded
+#: outermost call, or any other call of a watched module
+_REDIRECTED, _NESTED = "redirected", "nested"
+
 
 class GlobalBatchNorm:
     """Recomputes the BatchNorm statistics of a module's global model from its last training inputs.
 
     Args:
-        batches: how many of the latest training forward passes' inputs are kept (references to
-            the tensors the module was called with) and replayed; 0 turns it off.
+        batches: how many of the latest training forward passes are kept (references to the tensors
+            the watched modules were called with) and replayed; 0 turns it off.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
@@ -49,32 +93,74 @@ class GlobalBatchNorm:
         0
         >>> int(net[1].num_batches_tracked)
         1
+
+        A backbone and a head called one after the other: the head's input is linked to the
+        backbone's output, and the replay feeds it the backbone's output under the global parameters.
+
+        >>> class Model(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+        ...         self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        >>> model = Model()
+        >>> norms = GlobalBatchNorm(batches=2)
+        >>> norms.attach(model)
+        True
+        >>> _ = model.head(model.backbone(torch.randn(16, 4)))
+        >>> [[type(e.module).__name__ for e in p] for p in norms.passes], norms.links
+        ([['Sequential', 'Sequential']], 1)
     """
 
     def __init__(self, batches: int) -> None:
         self.batches = int(batches)
         self._module: nn.Module | None = None
-        self._norms: list[nn.modules.batchnorm._BatchNorm] = []
-        self._inputs: deque[tuple[tuple[Any, ...], dict[str, Any]]] = deque(maxlen=max(self.batches, 1))
+        self._norms: list[_BatchNorm] = []
+        self._names: dict[_BatchNorm, str] = {}
+        self._handles: list[RemovableHandle] = []
+        self._passes: deque[list[_Entry]] = deque(maxlen=max(self.batches, 1))
+        self._stack: list[tuple[nn.Module, _Entry | str]] = []
+        self._active = 0  # frames of the stack that are calls of the model (not redirected ones)
         self._replaying = False
-        #: training forward passes since the statistics were last recomputed
+        self._ended = False  # a redirected call (Lightning's training_step) ended: a pass ends with it
+        self._reached: set[_BatchNorm] = set()
+        self._fallback_step: int | None = None
+        #: training forward passes recorded since the statistics were last recomputed
         self.stale = False
+        #: names of the BatchNorm layers whose statistics the last call could not recompute (no
+        #: recorded call reaches them) and averaged over the processes as training left them
+        self.fallback: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_module=None, _norms=[], _inputs=deque(maxlen=max(self.batches, 1)))
+        state.update(
+            _module=None, _norms=[], _names={}, _handles=[], _stack=[], _active=0, _reached=set(),
+            _passes=deque(maxlen=max(self.batches, 1)),
+        )  # fmt: skip
         return state
 
-    def attach(self, module: nn.Module) -> bool:
-        """Keep the inputs of ``module``'s training forward passes, if it has BatchNorm layers that
-        track running statistics and ``batches`` is not 0. Returns whether it attached."""
-        norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        norms = [m for m in norms if m.track_running_stats]
-        if self.batches == 0 or not norms:
+    def attach(self, module: nn.Module, step: int = 0) -> bool:
+        """Watch the calls of ``module`` and of every submodule that holds a BatchNorm layer tracking
+        running statistics, if there is one and ``batches`` is not 0. ``step``: the optimizer step
+        the processes are at (a fallback average is due once it moves). Returns whether it attached."""
+        named = [(n, m) for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        if self.batches == 0 or not named:
             return False
-        if self._module is not module:  # a second fit with the same module keeps its hook
-            self._module, self._norms = module, norms
-            module.register_forward_pre_hook(self._keep, with_kwargs=True)
+        if self._module is module:  # a second fit with the same module keeps its hooks
+            return True
+        for handle in self._handles:
+            handle.remove()
+        self._module, self._norms, self._names = module, [m for _, m in named], {m: n for n, m in named}
+        self._passes.clear()
+        self._stack, self._active, self._ended = [], 0, False
+        self._reached = set()
+        self._fallback_step = step
+        # the root, every ancestor of a BatchNorm layer, and the layers themselves
+        prefixes = {".".join(n.split(".")[:i]) for n, _ in named for i in range(n.count(".") + 2)}
+        self._handles = []
+        for name, sub in module.named_modules():
+            if name in prefixes:
+                self._handles.append(sub.register_forward_pre_hook(self._enter, with_kwargs=True))
+                self._handles.append(sub.register_forward_hook(self._leave, always_call=True))
         return True
 
     @property
@@ -84,31 +170,107 @@ class GlobalBatchNorm:
 
     @property
     def kept(self) -> int:
-        """How many training forward passes' inputs are kept now."""
-        return len(self._inputs)
+        """How many training forward passes are kept now."""
+        return len(self._passes)
 
-    def _keep(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    @property
+    def passes(self) -> list[list[_Entry]]:
+        """The kept passes, oldest first: each the recorded calls of one training forward, in order."""
+        return list(self._passes)
+
+    @property
+    def links(self) -> int:
+        """How many recorded inputs are links to an earlier call's output (in the kept passes)."""
+        return sum(1 for p in self._passes for e in p for v in _leaves((e.args, e.kwargs)) if isinstance(v, _Link))
+
+    # ------------------------------------------------------------------ recording
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         patched = module.__dict__.get("forward")
         if patched is not None and getattr(patched, "__func__", None) is not type(module).forward:
             # not a call of the model: Lightning routes training_step's arguments through DDP with
-            # the module's forward patched on the instance; the real forward is called inside
+            # the module's forward patched on the instance; the real calls come inside it
+            self._stack.append((module, _REDIRECTED))
             return
-        if module.training and torch.is_grad_enabled() and not self._replaying:
-            self._inputs.append((_detached(args), _detached(kwargs)))
-            self.stale = True
+        self._active += 1
+        if self._active > 1 or not (module.training and torch.is_grad_enabled()) or self._replaying:
+            self._stack.append((module, _NESTED))  # the replay of the outermost call runs it
+            return
+        current = self._passes[-1] if self._passes else None
+        if current is None or self._ended or any(e.module is module for e in current):
+            current = []  # a module entered again, or a new training_step: the next training forward
+            self._passes.append(current)
+            self._ended = False
+        entry = _Entry(module, *_record(current, args, kwargs))
+        current.append(entry)
+        self._stack.append((module, entry))
+        self.stale = True
 
+    def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self._stack or self._stack[-1][0] is not module:
+            return  # a pre-hook ahead of ours raised: this call was never entered
+        _, frame = self._stack.pop()
+        if frame is _REDIRECTED:
+            self._ended = True
+            return
+        self._active -= 1
+        if not isinstance(frame, _Entry):
+            return
+        if output is None and sys.exc_info()[0] is not None:  # the call raised: nothing to replay
+            current = self._passes[-1]
+            current.remove(frame)
+            if not current:
+                self._passes.pop()
+            return
+        frame.outputs = [(path, weakref.ref(t), t._version) for path, t in _tensors(output)]
+
+    # ------------------------------------------------------------------ recomputing
     @torch.no_grad()
     def recompute(
-        self, group: dist.ProcessGroup | None = None, world_size: int = 1, telemetry: Telemetry | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        world_size: int = 1,
+        telemetry: Telemetry | None = None,
+        step: int | None = None,
     ) -> int:
-        """Recompute every BatchNorm layer's running statistics under the parameters the module
-        holds now (the global model), from the kept inputs, and average them over the ``world_size``
-        processes of ``group`` (every process must call it at the same point; ``world_size`` 1: this
-        process's own). Does nothing when no training forward ran since the last time. Returns the
-        bytes handed to the all-reduce."""
+        """Recompute the running statistics of every BatchNorm layer the kept calls reach, under the
+        parameters the module holds now (the global model), and average every layer's statistics
+        over the ``world_size`` processes of ``group`` (every process must call it at the same
+        point; ``world_size`` 1: this process's own). Layers no kept call reaches keep the
+        statistics training gathered, averaged (listed in :attr:`fallback`). Runs when a training
+        forward was recorded since the last time, or, where some layer is not reached, when
+        ``step`` (the optimizer step the processes are at) moved. Returns the bytes handed to the
+        all-reduce."""
         module = self._module
-        if module is None or not self._inputs or not self.stale:
+        if module is None or self._replaying:
             return 0
+        replay = self.stale and bool(self._passes)
+        unreached = [m for m in self._norms if m not in self._reached]
+        moved = step is not None and step != self._fallback_step and bool(unreached)
+        if not (replay or moved):
+            return 0
+        if replay:
+            self._replay(module)
+            self.stale = False
+            unreached = [m for m in self._norms if m not in self._reached]
+        self.fallback = [self._names[m] for m, n in zip(unreached, _tracked(unreached), strict=True) if n > 0]
+        if world_size > 1 and step is not None:
+            self._fallback_step = step
+        stats = [t for m in self._norms for t in (m.running_mean, m.running_var) if t is not None]
+        nbytes = all_reduce_mean_(stats, group, world_size, torch.float32)
+        if nbytes and telemetry is not None:
+            counters = Counters()
+            count_all_reduce(counters, world_size, nbytes)
+            telemetry.record("BatchNorm statistics", counters, "BatchNorm statistics")
+        return nbytes
+
+    def _replay(self, module: nn.Module) -> None:
+        """Reset the layers under the kept calls' modules and run the kept passes again, each call
+        fed the replayed outputs of the calls it is linked to. A layer under them that the replay
+        did not run gets its statistics back."""
+        targets = {id(e.module): e.module for p in self._passes for e in p}.values()
+        below = {id(m) for t in targets for m in t.modules()}
+        under = [m for m in self._norms if id(m) in below]
+        saved = {m: _stats(m) for m in under}
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         modes = {m: m.training for m in module.modules()}
@@ -116,12 +278,15 @@ class GlobalBatchNorm:
         self._replaying = True
         try:
             module.eval()  # dropout and the like stay off; only BatchNorm gathers statistics
-            for m in self._norms:
+            for m in under:
                 m.reset_running_stats()
                 m.momentum = None  # a plain average over the replayed batches
                 m.train()
-            for args, kwargs in self._inputs:
-                module(*args, **kwargs)
+            for entries in self._passes:
+                outputs: list[Any] = []
+                for e in entries:
+                    args, kwargs = _resolve((e.args, e.kwargs), outputs)
+                    outputs.append(e.module(*args, **kwargs))
         finally:
             self._replaying = False
             for layer, mode in modes.items():
@@ -131,21 +296,89 @@ class GlobalBatchNorm:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-        self.stale = False
-        stats = [t for m in self._norms for t in (m.running_mean, m.running_var) if t is not None]
-        nbytes = all_reduce_mean_(stats, group, world_size, torch.float32)
-        if nbytes and telemetry is not None:
-            counters = Counters()
-            count_all_reduce(counters, world_size, nbytes)
-            telemetry.record("BatchNorm statistics", counters, "BatchNorm statistics")
-        return nbytes
+        self._reached = set()
+        for m, count in zip(under, _tracked(under), strict=True):
+            if count > 0:
+                self._reached.add(m)
+            else:  # under a kept call's module, but not run by it
+                _restore(m, saved[m])
 
 
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach()
+def _tracked(norms: list[_BatchNorm]) -> list[int]:
+    """Each layer's ``num_batches_tracked`` (one read from the device for all of them)."""
+    counts = [m.num_batches_tracked for m in norms if m.num_batches_tracked is not None]
+    return torch.stack(counts).tolist() if len(counts) == len(norms) and counts else [1] * len(norms)
+
+
+def _stats(m: _BatchNorm) -> list[Tensor | None]:
+    return [None if t is None else t.clone() for t in (m.running_mean, m.running_var, m.num_batches_tracked)]
+
+
+def _restore(m: _BatchNorm, saved: list[Tensor | None]) -> None:
+    for t, s in zip((m.running_mean, m.running_var, m.num_batches_tracked), saved, strict=True):
+        if t is not None and s is not None:
+            t.copy_(s)
+
+
+def _map(value: Any, fn: Callable[[Any, Path], Any], path: Path = ()) -> Any:
+    """``value`` with ``fn(leaf, path)`` in place of every tensor and link, through tuples (named
+    ones too), lists and dicts."""
+    if isinstance(value, (Tensor, _Link)):
+        return fn(value, path)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map(v, fn, (*path, i)) for i, v in enumerate(value)))
     if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
+        return type(value)(_map(v, fn, (*path, i)) for i, v in enumerate(value))
     if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
+        return {k: _map(v, fn, (*path, k)) for k, v in value.items()}
     return value
+
+
+def _tensors(value: Any, path: Path = ()) -> Iterator[tuple[Path, Tensor]]:
+    """Every tensor in ``value`` (a module's output: tuples, lists, dicts, ``ModelOutput``) with its path."""
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, (*path, i))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, (*path, k))
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    found: list[Any] = []
+    _map(value, lambda leaf, _: found.append(leaf))
+    return iter(found)
+
+
+def _record(entries: list[_Entry], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` as kept: a tensor an earlier call of the pass returned becomes a
+    link to it, any other tensor is detached (a reference, no copy)."""
+    returned: dict[int, tuple[Tensor, _Link]] = {}
+    for i, e in enumerate(entries):
+        for path, ref, version in e.outputs:
+            t = ref()
+            # alive, so its id is its own while we hold it; changed in place since: not what the call returned
+            if t is not None and t._version == version:
+                returned[id(t)] = (t, _Link(i, path))
+
+    def keep(t: Any, _: Path) -> Any:
+        found = returned.get(id(t))
+        return found[1] if found is not None and found[0] is t else t.detach()
+
+    return _map(args, keep), _map(kwargs, keep)
+
+
+def _resolve(value: Any, outputs: list[Any]) -> Any:
+    """A kept input with every link replaced by the replayed output it points to."""
+
+    def fetch(leaf: Any, _: Path) -> Any:
+        if not isinstance(leaf, _Link):
+            return leaf
+        out = outputs[leaf.entry]
+        for key in leaf.path:
+            out = out[key]
+        return out
+
+    return _map(value, fetch)

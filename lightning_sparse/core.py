@@ -122,7 +122,7 @@ class SparseCore:
         # each rank keeps its own gradient; the exchange runs after the optimizer step
         self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
         if module is not None and self.batchnorm is not None:
-            self.batchnorm.attach(module)
+            self.batchnorm.attach(module, self.state.step)
         if optimizers is not None:
             self.update.on_dense = lambda: average_optimizer_states(optimizers(), process_group)
 
@@ -175,13 +175,17 @@ class SparseCore:
         if norms is None or not norms.attached:
             return
         state = self.state
-        if norms.stale:
-            norms.recompute(state.process_group, state.world_size if together else 1, state.telemetry)
-        elif norms.kept == 0 and state.step > 0 and not self._warned_batchnorm:
+        world_size = state.world_size if together else 1
+        norms.recompute(state.process_group, world_size, state.telemetry, state.step)
+        if norms.fallback and world_size > 1 and not self._warned_batchnorm:
             self._warned_batchnorm = True
+            names = ", ".join(norms.fallback[:3]) + (", ..." if len(norms.fallback) > 3 else "")
             rank_zero_warn(
-                "lightning_sparse: the model has BatchNorm layers but its forward was not called in training "
-                "(a training_step that calls submodules only?), so the global model's BatchNorm statistics "
-                "cannot be recomputed and stay those gathered with each process's own view (see "
+                f"lightning_sparse: {len(norms.fallback)} BatchNorm layer(s) ({names}) ran in training outside "
+                "any call the strategy could replay, so the global model's statistics there cannot be "
+                "recomputed under its parameters: they are the statistics each process gathered with its own "
+                "view, averaged over the processes. Calling the network as a module in training_step "
+                "(self(x), self.net(x), self.net(pixel_values=x), self.head(self.backbone(x))) rather than "
+                "through its .forward(...) or a functional call lets them be recomputed (see "
                 "docs/guarantees.md, 'BatchNorm statistics of the global model')."
             )

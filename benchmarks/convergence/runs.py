@@ -66,13 +66,14 @@ VARIANT_KEYS = {
     "value_bits": "value_bits",
     "warmup": "warmup_steps",
     "shard": "shard_size",  # with --shard-size: 0 runs sparse_ddp on the same processes
+    "density": "density",  # this variant's density in place of --densities' (e.g. one low-density row)
     "density_start": "density_start",  # a density warm-up (WarmupDensity) from this to the run's density
     "density_steps": "density_steps",  # its length in optimizer steps (default 40)
     "delay": "sync_delay",  # apply each exchange this many optimizer steps after its launch
     "fragments": "fragments",  # exchange the parameters in this many staggered fragments
     "split": "fragment_split",  # how: strided (the default) or contiguous (module order)
 }
-_FLOAT_KEYS = {"density_start"}
+_FLOAT_KEYS = {"density", "density_start"}
 _TEXT_KEYS = {"outer", "split"}
 
 
@@ -84,6 +85,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
         {'sync_every': 4, 'value_bits': 2}
         >>> parse_variant("sync_every=4,density_start=0.1")
         {'sync_every': 4, 'density_start': 0.1}
+        >>> parse_variant("density=0.0025")
+        {'density': 0.0025}
         >>> parse_variant("sync_every=4,delay=1,fragments=4")
         {'sync_every': 4, 'sync_delay': 1, 'fragments': 4}
         >>> parse_variant("")

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
+import torch
+from torch import nn
 
 from benchmarks.convergence.runs import ACCURACY, VAL_LOSS, Metric
 from benchmarks.convergence.targets import gpt_target_check, target_check
@@ -68,6 +70,46 @@ def _vision(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.Lightni
     return ResNetClassifier(), DigitImagesDataModule(batch_size=32, seed=0)
 
 
+class SubmoduleVision(L.LightningModule):
+    """The vision task's model written the way most LightningModules are: the network a plain
+    ``nn.Module`` in ``self.net``, called as ``self.net(x)`` in ``training_step`` (never ``self(x)``).
+    Built from a ``ResNetClassifier``'s layers, so it starts from the same weights.
+
+    Example:
+        >>> from lightning_sparse.demos import ResNetClassifier
+        >>> model = SubmoduleVision(ResNetClassifier(width=4, blocks=(1, 1)))
+        >>> model.net(torch.zeros(2, 1, 16, 16)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, resnet: L.LightningModule) -> None:
+        super().__init__()
+        self.hparams.update(resnet.hparams)
+        layers = [resnet.stem, resnet.body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), resnet.head]
+        self.net = nn.Sequential(*layers)  # type: ignore[arg-type]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        h = self.hparams
+        return torch.optim.SGD(self.parameters(), lr=h["lr"], momentum=h["momentum"], weight_decay=h["weight_decay"])
+
+
+def _vision_submodule(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    resnet, data = _vision(seed, tiny)
+    return SubmoduleVision(resnet), data
+
+
 #: the gpt task's context (characters): 64 costs ~3x the step time of 32 on one CPU thread
 GPT_CONTEXT = 32
 
@@ -107,6 +149,15 @@ TASKS: dict[str, ConvergenceTask] = {
         "momentum 0.9 weight decay 5e-4",
         epochs=10,
         build=_vision,
+        limit_train_batches=20,
+        tiny_description="--tiny: width 4, one block in each of two stages, 16x16 images",
+    ),
+    "vision_submodule": ConvergenceTask(
+        "vision_submodule",
+        "the vision task with the ResNet-18 a submodule that training_step calls (self.net(x)), as most "
+        "LightningModules are written",
+        epochs=10,
+        build=_vision_submodule,
         limit_train_batches=20,
         tiny_description="--tiny: width 4, one block in each of two stages, 16x16 images",
     ),
