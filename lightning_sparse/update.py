@@ -26,7 +26,6 @@ fold) and the view the cycle started from.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -37,11 +36,19 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse._utils import all_finite, all_reduce_mean_
+from lightning_sparse._utils import all_finite
 from lightning_sparse.outer import AddAverage, OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.stats import Counters
-from lightning_sparse.update_parts import Bucket, InFlight, StagedAverage, check_fragments, split_fragments
+from lightning_sparse.update_parts import (
+    Bucket,
+    InFlight,
+    StagedAverage,
+    average_optimizer_states,
+    check_fragments,
+    drop_nonfinite,
+    split_fragments,
+)
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.comm import Rounds, run_together, wait
 
@@ -224,22 +231,6 @@ class UpdateExchange:
             self._warn_nonfinite(name)
         return seg
 
-    def _drop_nonfinite(self, parts: list[tuple[str, Tensor, Tensor | None, int]]) -> None:
-        """Drop (zero, with a warning) the progress of every parameter of a bucket that is not
-        finite, as :meth:`_progress` does for one: their largest magnitudes in one operator
-        (``_foreach_norm`` of order inf: NaN or inf where a value is), then one host read for the
-        bucket, not one per parameter."""
-        if not parts:
-            return
-        largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))
-        finite = torch.isfinite(largest)
-        if bool(finite.all()):
-            return
-        for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):  # rare: per parameter
-            if not ok:
-                seg.zero_()
-                self._warn_nonfinite(name)
-
     # ------------------------------------------------------------------ where the global copy lives
     @property
     def offload(self) -> bool:
@@ -348,7 +339,7 @@ class UpdateExchange:
                     self._progress(name, e, out=seg, check=False)
                     parts.append((name, seg, e, pos))
                     pos += p.numel()
-                self._drop_nonfinite(parts)
+                drop_nonfinite(parts, self._warn_nonfinite)
                 if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
                     for _, seg, e, pos in parts:
                         u = bucket.pending_buffer()[pos : pos + seg.numel()]
@@ -497,27 +488,3 @@ class UpdateExchange:
                 "Further occurrences are counted in UpdateExchange.nonfinite_updates.",
                 stacklevel=3,
             )
-
-
-@torch.no_grad()
-def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup | None = None) -> None:
-    """Replace every floating tensor of the optimizers' states by its mean over the ranks (one
-    all-reduce per optimizer, in parameter order, the same on every rank).
-
-    Example:
-        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
-        >>> average_optimizer_states([opt])  # one process: nothing to average
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
-        return
-    world = dist.get_world_size(group)
-    for optimizer in optimizers:
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        tensors = [
-            value
-            for g in inner.param_groups
-            for p in g["params"]
-            for _, value in sorted(inner.state.get(p, {}).items())
-            if isinstance(value, Tensor) and value.is_floating_point()
-        ]
-        all_reduce_mean_(tensors, group, world, torch.float64)

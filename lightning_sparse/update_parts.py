@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_sparse._utils import all_reduce_mean_
 from lightning_sparse.wire import Average
 
-__all__ = ["Bucket", "InFlight", "StagedAverage", "split_fragments"]
+__all__ = [
+    "Bucket",
+    "InFlight",
+    "StagedAverage",
+    "average_optimizer_states",
+    "drop_nonfinite",
+    "split_fragments",
+]
 
 
 class Bucket:
@@ -125,3 +138,52 @@ class StagedAverage:
         self.average.add_to(staged)
         out.copy_(staged)
         return out
+
+
+def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Callable[[str], None]) -> None:
+    """Zero the progress of every parameter of a bucket that is not finite (``parts``: name, its
+    progress, residual, offset), with ``warn(name)``: their largest magnitudes in one operator
+    (``_foreach_norm`` of order inf: NaN or inf where a value is), then one host read for the
+    bucket, not one per parameter.
+
+    Example:
+        >>> seg = torch.tensor([1.0, float("nan")])
+        >>> drop_nonfinite([("w", seg, None, 0)], print)
+        w
+        >>> seg
+        tensor([0., 0.])
+    """
+    if not parts:
+        return
+    largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))
+    finite = torch.isfinite(largest)
+    if bool(finite.all()):
+        return
+    for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):  # rare: per parameter
+        if not ok:
+            seg.zero_()
+            warn(name)
+
+
+@torch.no_grad()
+def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup | None = None) -> None:
+    """Replace every floating tensor of the optimizers' states by its mean over the ranks (one
+    all-reduce per optimizer, in parameter order, the same on every rank).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+        >>> average_optimizer_states([opt])  # one process: nothing to average
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return
+    world = dist.get_world_size(group)
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        tensors = [
+            value
+            for g in inner.param_groups
+            for p in g["params"]
+            for _, value in sorted(inner.state.get(p, {}).items())
+            if isinstance(value, Tensor) and value.is_floating_point()
+        ]
+        all_reduce_mean_(tensors, group, world, torch.float64)
