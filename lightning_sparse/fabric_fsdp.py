@@ -56,6 +56,7 @@ from lightning_sparse.sharding import (
     local_tree,
     make_mesh,
     mesh_shape,
+    reshard,
     settings_doc,
     shard_module,
 )
@@ -201,6 +202,26 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         self._watch_forward(module)
         self._module = module
         return module
+
+    @override
+    def _watch_forward(self, module: Module) -> None:
+        """Watch the forward of every FSDP2 unit, not only the module's: a loop may call a submodule
+        (``model.model(input_ids=x, labels=x)``), whose forward then starts the unit's forward and
+        backward. The watch is the same at every unit (a unit inside a watched forward finds the
+        module holding what it should)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in [m for m in module.modules() if isinstance(m, FSDPModule)] or [module]:
+            super()._watch_forward(unit)
+            unit.register_forward_hook(self._after_forward)
+
+    @staticmethod
+    def _after_forward(module: Module, args: Any, output: Any) -> None:
+        # FSDP2's root unit keeps its gathered parameters after a forward, for the backward; after an
+        # evaluation forward no backward frees them, and the next forward would reuse them although
+        # the shards have changed since (the process's own view, an exchange): shard them again
+        if not (module.training and torch.is_grad_enabled()):
+            reshard(module)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

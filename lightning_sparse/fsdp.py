@@ -38,6 +38,7 @@ from lightning_sparse.sharding import (
     local_tree,
     make_mesh,
     mesh_shape,
+    reshard,
     settings_doc,
     shard_module,
 )
@@ -167,6 +168,61 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     def _shard_model(self, module: torch.nn.Module) -> None:
         if shard_module(module, self.device_mesh["shard"], self.sharded_modules, module is self._sharded_here):
             self._sharded_here = module
+
+    # ------------------------------------------------------------------ steps through the root's forward
+    # FSDP2 all-gathers a unit's parameters in that unit's forward, and the root unit (the
+    # LightningModule, sharded last) also starts every forward and backward of all the units. A
+    # training_step that calls a submodule (self.model(...)) never runs the LightningModule's forward:
+    # every step method runs inside it instead, as Lightning's DDP runs it inside DDP's forward.
+    def _root_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(self.model, FSDPModule) and self.model is module:
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._core.hold_local()  # as TrainerHooks.training_step: the forward runs on this process's view
+        with self.precision_plugin.train_step_context():
+            return self._root_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._root_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._root_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._root_step("predict_step", *args, **kwargs)
+
+    # the root keeps its gathered parameters after an evaluation's forward (no backward frees them):
+    # shard it again, so that the next forward gathers what the shards hold by then
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.model is not None:
+            reshard(self.model)
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        if self.model is not None:
+            reshard(self.model)
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        if self.model is not None:
+            reshard(self.model)
 
     def _bind(self) -> None:
         assert self.model is not None
