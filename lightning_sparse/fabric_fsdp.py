@@ -211,7 +211,8 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         module holding what it should)."""
         from torch.distributed.fsdp import FSDPModule
 
-        for unit in [m for m in module.modules() if isinstance(m, FSDPModule)] or [module]:
+        units: list[Module] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in units or [module]:
             super()._watch_forward(unit)
             unit.register_forward_hook(self._after_forward)
 
