@@ -62,8 +62,15 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     The model is sharded either by the LightningModule's ``configure_model``, which calls
     ``fully_shard(module, mesh=self.device_mesh["shard"])`` itself (as with Lightning's
     ``ModelParallelStrategy``), or by the strategy: every module whose class is named in
-    ``sharded_modules``, then the LightningModule itself, which holds the rest (FSDP2 gathers it in the
-    module's ``forward``: the ``training_step`` calls ``self(...)``).
+    ``sharded_modules``, then every direct child of the LightningModule that holds parameters those do
+    not (``self.model``), then the LightningModule itself with whatever is left. A module that shares a
+    parameter with a module outside it (tied input and output embeddings) is not a unit of its own: the
+    parameter stays with the unit around both. Where the LightningModule is a unit (sharded here, or by
+    ``configure_model``), ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` run
+    inside its forward, so FSDP2 gathers what it holds whether a step calls ``self(x)`` or a submodule
+    (``self.model(input_ids=x, labels=x)``, as with Hugging Face models). A submodule's output must
+    expose its tensors to FSDP2 (a tensor, tuple, dict, dataclass or Hugging Face ``ModelOutput``).
+    Fit, then validate, test and predict on the same Trainer, as usual.
     Checkpoints are folders of ``torch.distributed.checkpoint`` (the global model, written once, each
     shard by one process) with each process's residuals and optimizer state in a file of its own
     beside them (``<path>.sparse/``); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
@@ -73,7 +80,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     Args:
         shard_size: processes per group (FSDP2 inside, the exchange across); None (default): the
             processes of one node. Must divide the number of processes.
-        sharded_modules: names of module classes to shard (e.g. ``["TransformerBlock"]``), for a
+        sharded_modules: names of module classes to shard (e.g. ``["GPT2Block"]``), for a
             LightningModule without a ``configure_model`` that shards it; None: ``configure_model`` does.
 {settings}
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when

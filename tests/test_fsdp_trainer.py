@@ -124,7 +124,7 @@ def test_gpt_in_a_submodule_fits_then_validates_tests_and_predicts(gpt: dict[str
             assert torch.equal(r["full"][name], whole[name]), f"{run}: {name} differs"
         assert r["tied"]  # the module's tie is kept
         assert torch.equal(r["full"]["model.wte.weight"], r["full"]["model.lm_head.weight"])
-        assert sum(r["losses"][-2:]) < 0.8 * sum(r["losses"][:2]), r["losses"]
+        assert sum(r["losses"][-2:]) < 0.9 * sum(r["losses"][:2]), r["losses"]
         assert 0 < r["telemetry"]["sent_bytes"] < r["telemetry"]["dense_bytes"]
         # one global model seen by every stage: the same figures on every process and stage
         assert r["val_loss"] == r["test_loss"] == r["val_loss_again"] == ranks[0]["val_loss"]
