@@ -1,7 +1,7 @@
 """A Hugging Face ``GPT2LMHeadModel`` held in ``self.model`` and called with keyword arguments, the way
 Hugging Face models are trained with Lightning: the ``hf-gpt`` tasks of the convergence benchmark.
 
-Needs the ``transformers`` package (``pip install transformers``; not a dependency of the library).
+Needs the ``transformers`` package (the ``bench`` extra; not a dependency of the library).
 """
 
 from __future__ import annotations
