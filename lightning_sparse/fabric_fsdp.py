@@ -56,6 +56,7 @@ from lightning_sparse.sharding import (
     local_tree,
     make_mesh,
     mesh_shape,
+    reshard,
     settings_doc,
     shard_module,
 )
@@ -70,7 +71,9 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     settings (see there for each) and the same mesh ``("replicate", "shard")``. The module is sharded
     by ``parallelize_fn(module, device_mesh)``, which calls
     ``fully_shard(..., mesh=device_mesh["shard"])`` itself, or by the strategy: every module whose
-    class is named in ``sharded_modules``, then the module itself. Set the module up first
+    class is named in ``sharded_modules``, then every direct child holding parameters those do not,
+    then the module itself (tied parameters stay with the unit around every module using them). The
+    loop may call the module or a submodule (``model.model(input_ids=x, labels=x)``). Set the module up first
     (``fabric.setup_module``), then make the optimizer from its parameters (``fabric.setup_optimizers``):
     FSDP2 replaces the parameters it shards. ``fabric.save(path, {{"model": model, "optimizer":
     optimizer, ...}})`` writes the global model as a ``torch.distributed.checkpoint`` folder and each
@@ -201,6 +204,27 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         self._watch_forward(module)
         self._module = module
         return module
+
+    @override
+    def _watch_forward(self, module: Module) -> None:
+        """Watch the forward of every FSDP2 unit, not only the module's: a loop may call a submodule
+        (``model.model(input_ids=x, labels=x)``), whose forward then starts the unit's forward and
+        backward. The watch is the same at every unit (a unit inside a watched forward finds the
+        module holding what it should)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units: list[Module] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in units or [module]:
+            super()._watch_forward(unit)
+            unit.register_forward_hook(self._after_forward)
+
+    @staticmethod
+    def _after_forward(module: Module, args: Any, output: Any) -> None:
+        # FSDP2's root unit keeps its gathered parameters after a forward, for the backward; after an
+        # evaluation forward no backward frees them, and the next forward would reuse them although
+        # the shards have changed since (the process's own view, an exchange): shard them again
+        if not (module.training and torch.is_grad_enabled()):
+            reshard(module)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

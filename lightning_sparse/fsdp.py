@@ -38,6 +38,7 @@ from lightning_sparse.sharding import (
     local_tree,
     make_mesh,
     mesh_shape,
+    reshard,
     settings_doc,
     shard_module,
 )
@@ -61,8 +62,15 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     The model is sharded either by the LightningModule's ``configure_model``, which calls
     ``fully_shard(module, mesh=self.device_mesh["shard"])`` itself (as with Lightning's
     ``ModelParallelStrategy``), or by the strategy: every module whose class is named in
-    ``sharded_modules``, then the LightningModule itself, which holds the rest (FSDP2 gathers it in the
-    module's ``forward``: the ``training_step`` calls ``self(...)``).
+    ``sharded_modules``, then every direct child of the LightningModule that holds parameters those do
+    not (``self.model``), then the LightningModule itself with whatever is left. A module that shares a
+    parameter with a module outside it (tied input and output embeddings) is not a unit of its own: the
+    parameter stays with the unit around both. Where the LightningModule is a unit (sharded here, or by
+    ``configure_model``), ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` run
+    inside its forward, so FSDP2 gathers what it holds whether a step calls ``self(x)`` or a submodule
+    (``self.model(input_ids=x, labels=x)``, as with Hugging Face models). A submodule's output must
+    expose its tensors to FSDP2 (a tensor, tuple, dict, dataclass or Hugging Face ``ModelOutput``).
+    Fit, then validate, test and predict on the same Trainer, as usual.
     Checkpoints are folders of ``torch.distributed.checkpoint`` (the global model, written once, each
     shard by one process) with each process's residuals and optimizer state in a file of its own
     beside them (``<path>.sparse/``); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
@@ -72,7 +80,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     Args:
         shard_size: processes per group (FSDP2 inside, the exchange across); None (default): the
             processes of one node. Must divide the number of processes.
-        sharded_modules: names of module classes to shard (e.g. ``["TransformerBlock"]``), for a
+        sharded_modules: names of module classes to shard (e.g. ``["GPT2Block"]``), for a
             LightningModule without a ``configure_model`` that shards it; None: ``configure_model`` does.
 {settings}
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
@@ -167,6 +175,61 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     def _shard_model(self, module: torch.nn.Module) -> None:
         if shard_module(module, self.device_mesh["shard"], self.sharded_modules, module is self._sharded_here):
             self._sharded_here = module
+
+    # ------------------------------------------------------------------ steps through the root's forward
+    # FSDP2 all-gathers a unit's parameters in that unit's forward, and the root unit (the
+    # LightningModule, sharded last) also starts every forward and backward of all the units. A
+    # training_step that calls a submodule (self.model(...)) never runs the LightningModule's forward:
+    # every step method runs inside it instead, as Lightning's DDP runs it inside DDP's forward.
+    def _root_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(self.model, FSDPModule) and self.model is module:
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._core.hold_local()  # as TrainerHooks.training_step: the forward runs on this process's view
+        with self.precision_plugin.train_step_context():
+            return self._root_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._root_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._root_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._root_step("predict_step", *args, **kwargs)
+
+    # the root keeps its gathered parameters after an evaluation's forward (no backward frees them):
+    # shard it again, so that the next forward gathers what the shards hold by then
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.model is not None:
+            reshard(self.model)
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        if self.model is not None:
+            reshard(self.model)
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        if self.model is not None:
+            reshard(self.model)
 
     def _bind(self) -> None:
         assert self.model is not None

@@ -31,8 +31,10 @@ __all__ = [
     "local_tree",
     "make_mesh",
     "mesh_shape",
+    "reshard",
     "settings_doc",
     "shard_module",
+    "sharding_units",
 ]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
@@ -134,10 +136,67 @@ def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -
         )
 
 
+def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[torch.nn.Module]:
+    """The modules :func:`shard_module` makes FSDP2 units of, in the order it shards them: every module
+    whose class is named in ``sharded_modules`` (inner ones first), then every direct child of ``module``
+    that holds parameters none of those units holds, then ``module`` itself (whatever is left, and the
+    one root every forward, backward and all-gather order starts from).
+
+    A module that shares a parameter with a module outside it (tied input and output embeddings, a
+    weight used by two children) does not become a unit of its own: FSDP2 manages each parameter in
+    exactly one unit, so the shared parameter stays with the smallest unit that holds every module
+    using it (a child, or ``module``).
+
+    Example:
+        >>> from torch import nn
+        >>> class Block(nn.Sequential): ...
+        >>> class GPT(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.wte, self.blocks = nn.Embedding(16, 8), nn.Sequential(Block(nn.Linear(8, 8)))
+        ...         self.head = nn.Linear(8, 16, bias=False)
+        ...         self.head.weight = self.wte.weight  # tied
+        >>> class Root(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.model, self.scale = GPT(), nn.Parameter(torch.ones(1))
+        >>> root = Root()
+        >>> [type(m).__name__ for m in sharding_units(root, ["Block"])]
+        ['Block', 'GPT', 'Root']
+        >>> [type(m).__name__ for m in sharding_units(root.model, ["Embedding", "Block"])]  # wte is tied: no unit
+        ['Block', 'GPT']
+    """
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(m)
+
+    def shares_outside(m: torch.nn.Module) -> bool:
+        inside = {id(x) for x in m.modules()}
+        return any(id(h) not in inside for p in m.parameters() for h in holders[id(p)])
+
+    names = set(sharded_modules)
+    depth = {id(m): name.count(".") for name, m in module.named_modules() if name}
+    listed = [m for m in module.modules() if m is not module and type(m).__name__ in names]
+    # inner units first: FSDP2 leaves a unit's parameters out of the units sharded after it around it
+    listed.sort(key=lambda m: -depth[id(m)])
+    units = [m for m in listed if any(True for _ in m.parameters()) and not shares_outside(m)]
+    covered = {id(p) for u in units for p in u.parameters()}
+    for child in module.children():
+        if any(child is u for u in units) or shares_outside(child):
+            continue
+        if any(id(p) not in covered for p in child.parameters()):
+            units.append(child)
+            covered.update(id(p) for p in child.parameters())
+    return [*units, module]
+
+
 def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] | None, ours: bool) -> bool:
-    """Shard ``module`` on the ``"shard"`` mesh: every module whose class is named in ``sharded_modules``,
-    then ``module`` itself; or check that the caller sharded it (``sharded_modules`` None). ``ours``:
-    this strategy sharded ``module`` in an earlier run. Returns whether it was sharded here."""
+    """Shard ``module`` on the ``"shard"`` mesh as :func:`sharding_units` says (the modules of the classes
+    named in ``sharded_modules``, then the children holding the rest, then ``module`` itself); or check
+    that the caller sharded it (``sharded_modules`` None). ``ours``: this strategy sharded ``module`` in
+    an earlier run. Returns whether it was sharded here."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     sharded = any(isinstance(m, FSDPModule) for m in module.modules())
@@ -163,12 +222,21 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
         raise ValueError(
             f"sharded_modules={sharded_modules!r} names no module of the model: its module classes are {sorted(found)}"
         )
-    for m in list(module.modules()):
-        if type(m).__name__ in names and not isinstance(m, FSDPModule):
-            fully_shard(m, mesh=mesh)
-    # then the module itself: the rest (embeddings, final norms, a tied output layer), gathered in its forward
-    fully_shard(module, mesh=mesh)
+    for unit in sharding_units(module, sharded_modules):
+        fully_shard(unit, mesh=mesh)
     return True
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Put every FSDP2 unit of ``module`` back in its sharded state. The root unit keeps its
+    all-gathered parameters after a forward that has no backward (validation, testing, prediction):
+    FSDP2 would reuse them at the next forward, although the exchange has written new values into the
+    shards since."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:

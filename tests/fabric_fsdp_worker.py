@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import torch
-from fsdp_worker import Blocks, _data
+from fsdp_worker import Blocks, TiedGPT, _data, _tokens
 from lightning.fabric import Fabric
 
 import lightning_sparse
@@ -30,6 +30,44 @@ def _shard_blocks(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(module, mesh=mesh["shard"])
     return module
+
+
+class LM(torch.nn.Module):
+    """A module holding a Hugging Face-like causal LM in ``self.model``; the loop calls the submodule
+    (``model.model(input_ids=x, labels=x)``), never this module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TiedGPT()
+
+
+def _run_gpt(fabric: Fabric, cfg: dict[str, Any]) -> dict[str, Any]:
+    model = fabric.setup_module(LM())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
+    rank, world = fabric.global_rank, fabric.world_size
+    (tokens,) = _tokens(256, 1).tensors
+    losses = []
+    for step in range(cfg["steps"]):
+        x = tokens[(torch.arange(8) + (step * world + rank) * 8) % len(tokens)]
+        loss = model.model(input_ids=x, labels=x).loss
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        if step == cfg["steps"] // 2:  # an evaluation in the middle of the loop, then training on
+            model.eval()
+            with torch.no_grad():
+                model.model(input_ids=_tokens(16, 2).tensors[0]).logits.sum()
+            model.train()
+    model.eval()
+    with torch.no_grad():
+        eval_loss = float(model.model(input_ids=_tokens(64, 2).tensors[0], labels=_tokens(64, 2).tensors[0]).loss)
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.module.named_parameters(remove_duplicate=False)
+    }
+    inner = model.module.model
+    return {"losses": losses, "eval_loss": eval_loss, "full": full, "tied": inner.lm_head.weight is inner.wte.weight}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -47,6 +85,14 @@ def run(cfg: dict[str, Any]) -> None:
     fabric = Fabric(accelerator="cpu", devices=cfg["devices"], strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0, verbose=False)
+    if cfg.get("model") == "gpt":
+        result = _run_gpt(fabric, cfg)
+        sparse = fabric.strategy.sparse_state  # type: ignore[attr-defined]
+        result["telemetry"] = sparse.telemetry.total.as_dict()
+        result["coords"] = fabric.strategy.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+        torch.save(result, f"{cfg['name']}_rank{fabric.global_rank}.pt")
+        fabric.barrier()
+        return
     model = fabric.setup_module(Blocks())
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.03))
     rank, world = fabric.global_rank, fabric.world_size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
@@ -77,6 +77,107 @@ class Blocks(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+VOCAB, CONTEXT = 64, 16
+
+
+class GPTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(self.ln(h)))
+
+
+class LMOutput(NamedTuple):
+    """What a Hugging Face causal LM returns, as far as the tests need it (a NamedTuple: FSDP2 finds the
+    tensors of a module's output to run its backward hooks on; Hugging Face's ModelOutput is a pytree too)."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class TiedGPT(nn.Module):
+    """A small GPT with tied input/output embeddings, called like a Hugging Face GPT2LMHeadModel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(CONTEXT, WIDTH)
+        self.h = nn.ModuleList([GPTBlock() for _ in range(2)])
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+        nn.init.normal_(self.wte.weight, std=0.1)
+        nn.init.normal_(self.wpe.weight, std=0.1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LMOutput:
+        h = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.h:
+            h = block(h)
+        logits = self.lm_head(self.ln_f(h))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return LMOutput(loss, logits)
+
+
+class GPTModule(L.LightningModule):
+    """The GPT held in ``self.model``; ``call="model"``: the steps call ``self.model(input_ids=..., labels=...)``
+    (as with Hugging Face models), ``"self"``: they call ``self(x)``. ``self_sharded``: ``configure_model``
+    shards the blocks, then the LightningModule, itself."""
+
+    def __init__(self, call: str = "model", self_sharded: bool = False) -> None:
+        super().__init__()
+        self.model = TiedGPT()
+        self.call, self.self_sharded = call, self_sharded
+        self.losses: list[float] = []
+        self.batches: list[float] = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        # Lightning calls configure_model at the start of every stage (fit, then validate, ...)
+        if not self.self_sharded or isinstance(self, FSDPModule):
+            return
+        mesh = self.device_mesh["shard"]
+        for block in self.model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, labels=x).loss
+
+    def _loss(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x) if self.call == "self" else self.model(input_ids=x, labels=x).loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch[0])
+        self.losses.append(float(loss.detach()))
+        self.batches.append(float(batch[0].sum()))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch[0]), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch[0]), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0]).logits.argmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def _tokens(n: int, seed: int) -> TensorDataset:
+    """Sequences a model can learn: each token the previous one plus a step of the sequence's own."""
+    g = torch.Generator().manual_seed(seed)
+    start, step = torch.randint(0, VOCAB, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    return TensorDataset((start + step * torch.arange(CONTEXT)) % VOCAB)
+
+
 class _SaveAtEpochEnd(L.Callback):
     """Write a checkpoint at the end of a given epoch (end-of-epoch: the reliable resume point)."""
 
@@ -108,7 +209,12 @@ def _strategy(cfg: dict[str, Any]) -> Any:
 
 def fit_once(cfg: dict[str, Any]) -> None:
     L.seed_everything(0, verbose=False)
-    model = Blocks(self_sharded=cfg.get("self_sharded", False))
+    gpt = cfg.get("model") == "gpt"
+    model: Any = (
+        GPTModule(cfg.get("call", "model"), cfg.get("self_sharded", False))
+        if gpt
+        else Blocks(self_sharded=cfg.get("self_sharded", False))
+    )
     trainer = L.Trainer(
         accelerator=cfg.get("accelerator", "cpu"),
         devices=cfg["devices"],
@@ -132,10 +238,10 @@ def fit_once(cfg: dict[str, Any]) -> None:
     # uninterrupted one saw (Lightning's own sampler reshuffles per epoch, and a strategy that restores
     # after setup, as Lightning's ModelParallelStrategy does, starts the resumed epoch's order late)
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    rows = _data(cfg.get("samples", 512), 1)
+    rows = _tokens(cfg.get("samples", 512), 1) if gpt else _data(cfg.get("samples", 512), 1)
     sampler = DistributedSampler(rows, num_replicas=cfg["devices"], rank=rank, shuffle=False)
     train = DataLoader(rows, batch_size=8, sampler=sampler)
-    val_rows = _data(64, 2)
+    val_rows = _tokens(64, 2) if gpt else _data(64, 2)
     val = DataLoader(val_rows, batch_size=16, sampler=DistributedSampler(val_rows, cfg["devices"], rank, shuffle=False))
     ckpt = cfg.get("resume_from")
     trainer.fit(model, train, val if cfg.get("validate") else None, ckpt_path=ckpt)
@@ -158,6 +264,17 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["residuals"] = state.memory.state_dict()
     if cfg.get("validate"):
         result["val_loss"] = float(trainer.validate(model, val, verbose=False)[0]["val_loss"])
+    if cfg.get("evaluate"):  # then the other stages on the same Trainer, and the whole model after them
+        result["test_loss"] = float(trainer.test(model, val, verbose=False)[0]["test_loss"])
+        result["val_loss_again"] = float(trainer.validate(model, val, verbose=False)[0]["val_loss"])
+        result["predictions"] = torch.cat(trainer.predict(model, val))
+        # every unit's parameters gathered (an all-gather in each group, in the same order everywhere)
+        result["full"] = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters(remove_duplicate=False)
+        }
+        inner = model.model
+        result["tied"] = inner.lm_head.weight is inner.wte.weight
     prefix = f"{cfg['name']}_" if cfg.get("name") else ""
     torch.save(result, f"{prefix}rank{trainer.global_rank}.pt")
 

@@ -30,6 +30,8 @@ def hsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             # saved after step 6, in the middle of a 4-step cycle; the global copy and residuals on the CPU
             {"name": "full", "steps": 14, "args": {**LOCAL, **SHARD, **OFFLOAD}, "save_at": 6, "save_to": ckpt},
             {"name": "resumed", "steps": 14, "args": {**LOCAL, **SHARD, **OFFLOAD}, "resume_from": ckpt},
+            # a GPT with tied embeddings in module.model, the loop calling model.model(input_ids=..., labels=...)
+            {"name": "gpt", "model": "gpt", "steps": 8, "args": {**LOCAL, **SHARD, "sharded_modules": ["GPTBlock"]}},
         ],
     }
     return {"root": root, **run_trainer(config, root / "runs", timeout=600, worker="fabric_fsdp_worker.py")}
@@ -75,6 +77,19 @@ def test_resume_mid_cycle_is_exact(hsdp: dict[str, Any]) -> None:
     folder = hsdp["root"] / "mid.sparse"
     assert sorted(p.name for p in folder.iterdir()) == [f"rank0000{r}-of-00004.pt" for r in range(4)]
     assert (hsdp["root"] / "mid").is_dir()  # the global model: a torch.distributed.checkpoint folder
+
+
+@pytest.mark.dist
+def test_a_loop_calling_a_submodule_trains_then_evaluates_one_model(hsdp: dict[str, Any]) -> None:
+    ranks = hsdp["gpt"]
+    whole = ranks[0]["full"]
+    for r in ranks:
+        for name in whole:  # the whole model, gathered: the same on every process
+            assert torch.equal(r["full"][name], whole[name]), name
+        assert r["tied"] and torch.equal(r["full"]["model.wte.weight"], r["full"]["model.lm_head.weight"])
+        assert r["eval_loss"] == ranks[0]["eval_loss"]
+        assert sum(r["losses"][-2:]) < 0.9 * sum(r["losses"][:2]), r["losses"]
+        assert 0 < r["telemetry"]["sent_bytes"] < r["telemetry"]["dense_bytes"]
 
 
 @pytest.mark.dist

@@ -1,6 +1,7 @@
 """``sparse_fsdp`` with the Trainer on real gloo processes (tests/fsdp_worker.py): 4 processes as 2
 groups of 2 (sparse HSDP), 2 as 2 groups of 1 (must end where ``sparse_ddp`` ends), 2 as one group
-of 2 (plain FSDP2), exact resume mid-cycle, and the errors at construction and setup."""
+of 2 (plain FSDP2), exact resume mid-cycle, a GPT with tied embeddings held in ``self.model`` (fit,
+then validate, test and predict on the same Trainer), and the errors at construction and setup."""
 
 from __future__ import annotations
 
@@ -91,6 +92,55 @@ def test_resume_mid_cycle_is_exact(hsdp: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
+def gpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A GPT with tied input/output embeddings in ``self.model``, called with keyword arguments
+    (``self.model(input_ids=x, labels=x).loss``) from every step, as Hugging Face models are: 4
+    processes in 2 groups of 2; 8 steps, a validation after step 4 (epochs of 4 batches) and at the
+    end, then validate, test, validate and predict on the same Trainer."""
+    root = tmp_path_factory.mktemp("fsdp_gpt")
+    shard = {"shard_size": 2, "sharded_modules": ["GPTBlock"]}
+    base = {"model": "gpt", "steps": 8, "samples": 128, "validate": True, "evaluate": True}
+    config = {
+        "devices": 4,
+        "runs": [
+            {"name": "submodule", **base, "args": {**SPARSE, **shard}},
+            {"name": "submodule_local", **base, "args": {**LOCAL, **shard}},
+            # configure_model shards the blocks, then the LightningModule itself (docs/sharding.md)
+            {"name": "own_sharding", **base, "self_sharded": True, "args": {**SPARSE, "shard_size": 2}},
+            {"name": "self_call", **base, "call": "self", "args": {**SPARSE, **shard}},
+        ],
+    }
+    return run_trainer(config, root, timeout=600, worker="fsdp_worker.py")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("run", ["submodule", "submodule_local", "own_sharding", "self_call"])
+def test_gpt_in_a_submodule_fits_then_validates_tests_and_predicts(gpt: dict[str, Any], run: str) -> None:
+    ranks = gpt[run]
+    whole = ranks[0]["full"]
+    for r in ranks:
+        assert r["global_step"] == 8
+        for name in whole:  # the whole model, gathered: the same on every process
+            assert torch.equal(r["full"][name], whole[name]), f"{run}: {name} differs"
+        assert r["tied"]  # the module's tie is kept
+        assert torch.equal(r["full"]["model.wte.weight"], r["full"]["model.lm_head.weight"])
+        assert sum(r["losses"][-2:]) < 0.9 * sum(r["losses"][:2]), r["losses"]
+        assert 0 < r["telemetry"]["sent_bytes"] < r["telemetry"]["dense_bytes"]
+        # one global model seen by every stage: the same figures on every process and stage
+        assert r["val_loss"] == r["test_loss"] == r["val_loss_again"] == ranks[0]["val_loss"]
+        assert r["predictions"].shape == (16, 16)
+
+
+@pytest.mark.dist
+def test_gpt_ends_on_the_same_bits_however_it_is_called_or_sharded(gpt: dict[str, Any]) -> None:
+    for run in ("own_sharding", "self_call"):
+        for a, b in zip(gpt["submodule"], gpt[run], strict=True):
+            assert a["losses"] == b["losses"], run
+            for name in a["full"]:
+                assert torch.equal(a["full"][name], b["full"][name]), f"{run}: {name}"
+
+
+@pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp_pairs")
     settings = {**SPARSE, "warmup_steps": 0}
@@ -162,6 +212,46 @@ def test_registered_and_configured() -> None:
 def test_a_model_nobody_shards_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="found no module sharded with fully_shard"):
         run_trainer({"devices": 2, "steps": 2, "args": {"shard_size": 1}}, tmp_path, worker="fsdp_worker.py")
+
+
+def test_sharding_units_keep_tied_parameters_in_one_unit() -> None:
+    from torch import nn
+
+    from lightning_sparse.sharding import sharding_units
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.other, self.scale = Net(), nn.Linear(4, 4), nn.Parameter(torch.ones(1))
+
+    root = Root()
+    units = sharding_units(root, ["Block"])
+    assert units == [*root.model.blocks, root.model, root.other, root]
+    # a listed module tied to a module outside it is left to the unit around both
+    assert sharding_units(root, ["Block", "Embedding", "Linear"]) == [
+        *(b.fc for b in root.model.blocks),
+        *root.model.blocks,
+        root.other,  # listed (a Linear) before the children holding the rest
+        root.model,
+        root,
+    ]
+    # children that share a parameter stay with the root, and so does a child whose parameters are all
+    # in units already (the blocks' list)
+    root.other.weight = root.model.blocks[0].fc.weight
+    assert sharding_units(root, ["Block"]) == [root.model.blocks[1], root]
 
 
 def test_settings_match_the_config() -> None:

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             }
             shard = getattr(args, "shard_size", None)
             if shard is not None:
-                if not task.sharded_modules:
+                if not task.sharded_modules and not task.self_sharded:
                     raise ValueError(
                         f"--shard-size is not allowed with --tasks {task_name}: it names no module to shard"
                     )

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
 from lightning_sparse.fsdp import finish_sharded_setup
+from lightning_sparse.sharding import reshard, sharding_units
 
 
 class DenseHSDPStrategy(ModelParallelStrategy):
@@ -47,8 +48,33 @@ class DenseHSDPStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            for m in list(self.model.modules()):
-                if type(m).__name__ in self.sharded_modules:
-                    fully_shard(m, mesh=self.device_mesh)
-            fully_shard(self.model, mesh=self.device_mesh)
+            for unit in sharding_units(self.model, self.sharded_modules):  # as sparse_fsdp shards it
+                fully_shard(unit, mesh=self.device_mesh)
         finish_sharded_setup(self, trainer)
+
+    def _root_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # as sparse_fsdp: every step inside the root unit's forward (a step may call self.model(...))
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(self.model, FSDPModule) and self.model is module:
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._root_step("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._root_step("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._root_step("test_step", *args, **kwargs)
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.model is not None:
+            reshard(self.model)

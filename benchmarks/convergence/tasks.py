@@ -31,6 +31,9 @@ class ConvergenceTask:
         target: ``target(runs) -> check`` of the task's goal (default: ``target_check``).
         tiny_description: what ``--tiny`` changes, for the tables (``None``: the task has no tiny size).
         sharded_modules: the module classes ``--shard-size`` shards with FSDP2.
+        self_sharded: the module shards itself in ``configure_model`` under ``--shard-size``.
+        evaluate_after_fit: after the fit, validate and test on the same Trainer, and check that the
+            whole model is the same on every process.
 
     Example:
         >>> task = TASKS["digits"]
@@ -48,6 +51,8 @@ class ConvergenceTask:
     tiny_description: str | None = None
     #: module classes ``--shard-size`` shards (``sharded_modules``); empty: the task cannot be sharded
     sharded_modules: tuple[str, ...] = ()
+    self_sharded: bool = False
+    evaluate_after_fit: bool = False
 
 
 def _digits(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
@@ -122,6 +127,27 @@ def _gpt(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningD
     return TinyGPT(context=GPT_CONTEXT), GPTDataModule(batch_size=16, context=GPT_CONTEXT, n_val=1024, seed=0)
 
 
+#: the hf-gpt tasks' context (characters): 128 cost ~6 s a step on 4 processes on 2 CPU cores, 32 ~1 s
+HF_GPT_CONTEXT = 32
+
+
+def _hf_gpt(
+    seed: int, tiny: bool = False, self_sharded: bool = False
+) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from benchmarks.convergence.hf_gpt import HFGPT
+    from lightning_sparse.demos import GPTDataModule
+
+    if tiny:
+        model = HFGPT(context=16, width=32, layers=1, heads=2, self_sharded=self_sharded)
+        return model, GPTDataModule(16, context=16, n_train=4096, n_val=64)
+    model = HFGPT(context=HF_GPT_CONTEXT, self_sharded=self_sharded)
+    return model, GPTDataModule(batch_size=16, context=HF_GPT_CONTEXT, n_val=1024, seed=0)
+
+
+def _hf_gpt_own(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    return _hf_gpt(seed, tiny, self_sharded=True)
+
+
 def _gpt_target(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return gpt_target_check(runs)
 
@@ -175,6 +201,33 @@ TASKS: dict[str, ConvergenceTask] = {
         target=_gpt_target,
         tiny_description="--tiny: width 32, 1 block, 2 heads, context 16, 4,096 train / 64 validation windows",
         sharded_modules=("_Block",),
+    ),
+    "hf-gpt": ConvergenceTask(
+        "hf-gpt",
+        f"Hugging Face GPT2LMHeadModel (4 blocks, width 256, 4 heads, context {HF_GPT_CONTEXT}, tied embeddings, "
+        "97-character vocabulary; 3.2M parameters) held in self.model and called as self.model(input_ids=x, "
+        "labels=x).loss, on the gpt task's data and optimizer; validated and tested on the same Trainer after "
+        "the fit",
+        epochs=6,
+        build=_hf_gpt,
+        metric=VAL_LOSS,
+        limit_train_batches=100,
+        target=_gpt_target,
+        tiny_description="--tiny: width 32, 1 block, 2 heads, context 16, 4,096 train / 64 validation windows",
+        sharded_modules=("GPT2Block",),
+        evaluate_after_fit=True,
+    ),
+    "hf-gpt-own": ConvergenceTask(
+        "hf-gpt-own",
+        "the hf-gpt task, its configure_model calling fully_shard itself (each GPT2Block, then self.model)",
+        epochs=6,
+        build=_hf_gpt_own,
+        metric=VAL_LOSS,
+        limit_train_batches=100,
+        target=_gpt_target,
+        tiny_description="--tiny: width 32, 1 block, 2 heads, context 16, 4,096 train / 64 validation windows",
+        self_sharded=True,
+        evaluate_after_fit=True,
     ),
 }
 

@@ -87,7 +87,11 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
     extra: dict[str, Any] = {}
     if config.get("shard_size"):
         cls = lightning_sparse.SparseFSDPStrategy
-        extra = {"shard_size": config["shard_size"], "sharded_modules": list(TASKS[config["task"]].sharded_modules)}
+        # None: the module shards itself in configure_model
+        extra = {
+            "shard_size": config["shard_size"],
+            "sharded_modules": list(TASKS[config["task"]].sharded_modules) or None,
+        }
     density: Any = config["density"]
     if config.get("density_start"):  # a density warm-up to the run's density
         steps = config.get("density_steps", 40)
@@ -183,6 +187,7 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         if counter is not None:
             counter.uninstall()
     seconds = time.perf_counter() - start
+    after = _evaluate_after_fit(trainer, model, data) if task.evaluate_after_fit else {}
     if not trainer.is_global_zero:
         return None
     sent, dense = recorder.bytes_so_far(trainer)
@@ -200,6 +205,7 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         "fit_seconds": seconds,
         "points": recorder.points,
     }
+    result.update(after)
     if counter is not None:
         result["collective_calls"] = counter.calls
     state = getattr(trainer.strategy, "sparse_state", None)
@@ -210,6 +216,34 @@ def fit_run(config: dict[str, Any]) -> dict[str, Any] | None:
         result["buckets"] = total.buckets
         result["sent_as"] = {name: c.sent_bytes for name, c in sorted(state.telemetry.methods.items())}
     return result
+
+
+def _evaluate_after_fit(trainer: L.Trainer, model: L.LightningModule, data: Any) -> dict[str, Any]:
+    """Validate and test on the Trainer that fitted, then compare the whole model (every sharded
+    parameter gathered) across all processes: its figures, on every rank."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    val = trainer.validate(model, datamodule=data, verbose=False)[0]
+    test = trainer.test(model, dataloaders=data.val_dataloader(), verbose=False)[0]
+    digest = hashlib.sha256()
+    for _, p in model.named_parameters():
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # an all-gather inside the group
+        digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(digests, digest.hexdigest())
+    inner = getattr(model, "model", None)
+    tied = None
+    if inner is not None and hasattr(inner, "get_input_embeddings"):
+        tied = inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
+    return {
+        "after_fit_val_loss": float(val["val_loss"]),
+        "after_fit_test_loss": float(test["test_loss"]),
+        "identical_on_all_processes": len(set(digests)) == 1,
+        "tied": tied,
+    }
 
 
 def _worker_main(argv: list[str]) -> int:
