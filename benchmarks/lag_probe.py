@@ -2,7 +2,7 @@
 
 Run from a checkout (the processes are started by Lightning's launcher)::
 
-    python -m benchmarks.lag_probe --out lag.json --sync-every 4 --width 16
+    python -m benchmarks.lag_probe --out lag.json --sync-every 4 --width 16 [--submodule]
 
 It fits the vision task (``lightning_sparse.demos.ResNetClassifier`` on the digits at 32x32) with
 ``sparse_ddp`` (or plain DDP, ``--dense``), then records on rank 0:
@@ -35,6 +35,20 @@ from torch import nn
 from lightning_sparse import SparseDDPStrategy
 from lightning_sparse.demos import DigitImagesDataModule, ResNetClassifier
 from lightning_sparse.schedules import WarmupDensity
+
+
+def _model(args: argparse.Namespace) -> L.LightningModule:
+    resnet = ResNetClassifier(width=args.width)
+    if not args.submodule:
+        return resnet
+    from benchmarks.convergence.tasks import SubmoduleVision
+
+    return SubmoduleVision(resnet)  # the same layers and weights, called as self.net(x)
+
+
+def _network(model: nn.Module) -> nn.Module:
+    net = getattr(model, "net", None)
+    return net if isinstance(net, nn.Module) else model
 
 
 @torch.no_grad()
@@ -93,11 +107,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bn-batches", type=int, default=16)
+    parser.add_argument(
+        "--submodule",
+        action="store_true",
+        help="the network in self.net, called as self.net(x) from training_step (never self(x))",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     L.seed_everything(args.seed, workers=True)
     data = DigitImagesDataModule(batch_size=32, seed=0)
-    model = ResNetClassifier(width=args.width)
+    model = _model(args)
     if args.dense:
         strategy: Any = "ddp"
     else:
@@ -148,12 +167,13 @@ def main() -> None:
         out["wire_bytes"] = float(total.wire_bytes)
         out["dense_wire_bytes"] = float(total.dense_wire_bytes)
     out["bn_identical_across_ranks"] = bool(torch.equal(bn_every[0], bn_every[1]))
+    net = _network(model)  # what the probes call: the model's forward, or its self.net
     if rank == 0:
-        fresh = ResNetClassifier(width=args.width)
+        fresh = _model(args)
         fresh.load_state_dict(torch.load(ckpt, weights_only=False)["state_dict"])
-        out["checkpoint_acc"] = accuracy(fresh, data.val_dataloader())
-    out["global_acc"] = accuracy(model, val)
-    out["global_acc_bn_recomputed"] = accuracy(recompute_bn(model, train, 20), val)
+        out["checkpoint_acc"] = accuracy(_network(fresh), data.val_dataloader())
+    out["global_acc"] = accuracy(net, val)
+    out["global_acc_bn_recomputed"] = accuracy(recompute_bn(net, train, 20), val)
     params = dict(model.named_parameters())
     glob = {n: p.detach().clone() for n, p in params.items()}
     update = getattr(trainer.strategy, "update_exchange", None)
@@ -176,8 +196,8 @@ def main() -> None:
     with torch.no_grad():
         for n, p in params.items():
             p.add_(resid[n])
-    out["view_acc"] = accuracy(model, val)
-    out["view_acc_bn_recomputed"] = accuracy(recompute_bn(model, train, 20), val)
+    out["view_acc"] = accuracy(net, val)
+    out["view_acc_bn_recomputed"] = accuracy(recompute_bn(net, train, 20), val)
     flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
@@ -188,8 +208,8 @@ def main() -> None:
         for p in params.values():
             p.copy_(mean_view[pos : pos + p.numel()].view_as(p))
             pos += p.numel()
-    out["mean_view_acc"] = accuracy(model, val)
-    out["mean_view_acc_bn_recomputed"] = accuracy(recompute_bn(model, train, 20), val)
+    out["mean_view_acc"] = accuracy(net, val)
+    out["mean_view_acc_bn_recomputed"] = accuracy(recompute_bn(net, train, 20), val)
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(glob[n])

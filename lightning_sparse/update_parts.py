@@ -152,7 +152,9 @@ def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Ca
         w
         >>> seg
         tensor([0., 0.])
+        >>> drop_nonfinite([("empty", torch.empty(0), None, 0)], print)  # nothing to drop
     """
+    parts = [part for part in parts if part[1].numel()]  # an empty shard (FSDP2) has no largest value
     if not parts:
         return
     largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))

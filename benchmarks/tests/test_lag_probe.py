@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.dist
-def test_lag_probe_measures_a_tiny_fit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", [[], ["--submodule"]], ids=["self", "submodule"])
+def test_lag_probe_measures_a_tiny_fit(tmp_path: Path, shape: list[str]) -> None:
     out = tmp_path / "lag.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "benchmarks.lag_probe", "--out", str(out), "--width", "4", "--steps", "6"]
     proc = subprocess.run(
-        [*cmd, "--sync-every", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [*cmd, "--sync-every", "2", *shape], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
