@@ -274,7 +274,7 @@ class _Queue:
                 counters.collectives += 1
         call = _Queued(self, kind, output, tensor)
         self.calls.append(call)
-        return Issued(call.future, f"{what} (coalesced)", call)
+        return Issued(call.future, what, call)
 
     def flush_now(self) -> None:
         assert self._comm is not None
