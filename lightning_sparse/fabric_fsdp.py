@@ -71,8 +71,8 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     settings (see there for each) and the same mesh ``("replicate", "shard")``. The module is sharded
     by ``parallelize_fn(module, device_mesh)``, which calls
     ``fully_shard(..., mesh=device_mesh["shard"])`` itself, or by the strategy: every module whose
-    class is named in ``sharded_modules``, then every direct child holding parameters those do not,
-    then the module itself (tied parameters stay with the unit around every module using them). The
+    class is named in ``sharded_modules``, then every direct child around them holding parameters they
+    do not, then the module itself (tied parameters stay with the unit around every module using them). The
     loop may call the module or a submodule (``model.model(input_ids=x, labels=x)``). Set the module up first
     (``fabric.setup_module``), then make the optimizer from its parameters (``fabric.setup_optimizers``):
     FSDP2 replaces the parameters it shards. ``fabric.save(path, {{"model": model, "optimizer":

@@ -62,12 +62,12 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     The model is sharded either by the LightningModule's ``configure_model``, which calls
     ``fully_shard(module, mesh=self.device_mesh["shard"])`` itself (as with Lightning's
     ``ModelParallelStrategy``), or by the strategy: every module whose class is named in
-    ``sharded_modules``, then every direct child of the LightningModule that holds parameters those do
-    not (``self.model``), then the LightningModule itself with whatever is left. A module that shares a
-    parameter with a module outside it (tied input and output embeddings) is not a unit of its own: the
-    parameter stays with the unit around both. Where the LightningModule is a unit (sharded here, or by
-    ``configure_model``), ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` run
-    inside its forward, so FSDP2 gathers what it holds whether a step calls ``self(x)`` or a submodule
+    ``sharded_modules``, then every direct child of the LightningModule around such blocks that holds
+    parameters they do not (``self.model``), then the LightningModule itself with whatever is left. A
+    module that shares a parameter with a module outside it (tied input and output embeddings) is not
+    a unit of its own: the parameter stays with the unit around both. Where the LightningModule is a
+    unit (sharded here, or by ``configure_model``), ``training_step``, ``validation_step``,
+    ``test_step`` and ``predict_step`` run inside its forward, so FSDP2 gathers what it holds whether a step calls ``self(x)`` or a submodule
     (``self.model(input_ids=x, labels=x)``, as with Hugging Face models). A submodule's output must
     expose its tensors to FSDP2 (a tensor, tuple, dict, dataclass or Hugging Face ``ModelOutput``).
     Fit, then validate, test and predict on the same Trainer, as usual.

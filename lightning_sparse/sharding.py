@@ -139,8 +139,10 @@ def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -
 def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[torch.nn.Module]:
     """The modules :func:`shard_module` makes FSDP2 units of, in the order it shards them: every module
     whose class is named in ``sharded_modules`` (inner ones first), then every direct child of ``module``
-    that holds parameters none of those units holds, then ``module`` itself (whatever is left, and the
-    one root every forward, backward and all-gather order starts from).
+    around such blocks (``self.model``) that holds parameters none of those units holds, then ``module``
+    itself (whatever is left, and the one root every forward, backward and all-gather order starts
+    from). The LightningModule's own layers stay in its unit: its forward may use their weights
+    outside their own calls (an output layer tied to an embedding).
 
     A module that shares a parameter with a module outside it (tied input and output embeddings, a
     weight used by two children) does not become a unit of its own: FSDP2 manages each parameter in
@@ -186,7 +188,11 @@ def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[
     for child in module.children():
         if any(child is u for u in units) or shares_outside(child):
             continue
-        if any(id(p) not in covered for p in child.parameters()):
+        # only a child around listed blocks (self.model): the LightningModule's own layers (an
+        # embedding whose weight its forward also uses as the output layer, a head) stay in its unit,
+        # which every step's forward gathers
+        holds_blocks = any(any(m is u for u in units) for m in child.modules())
+        if holds_blocks and any(id(p) not in covered for p in child.parameters()):
             units.append(child)
             covered.update(id(p) for p in child.parameters())
     return [*units, module]
