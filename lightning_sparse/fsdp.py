@@ -64,13 +64,13 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     ``ModelParallelStrategy``), or by the strategy: every module whose class is named in
     ``sharded_modules``, then every direct child of the LightningModule around such blocks that holds
     parameters they do not (``self.model``), then the LightningModule itself with whatever is left. A
-    module that shares a parameter with a module outside it (tied input and output embeddings) is not
-    a unit of its own: the parameter stays with the unit around both. Where the LightningModule is a
-    unit (sharded here, or by ``configure_model``), ``training_step``, ``validation_step``,
-    ``test_step`` and ``predict_step`` run inside its forward, so FSDP2 gathers what it holds whether a step calls ``self(x)`` or a submodule
-    (``self.model(input_ids=x, labels=x)``, as with Hugging Face models). A submodule's output must
-    expose its tensors to FSDP2 (a tensor, tuple, dict, dataclass or Hugging Face ``ModelOutput``).
-    Fit, then validate, test and predict on the same Trainer, as usual.
+    module that shares a parameter with a module outside it (tied input and output embeddings) is not a
+    unit of its own: the parameter stays with the unit around both. Where the LightningModule is a unit
+    (sharded here, or by ``configure_model``), ``training_step``, ``validation_step``, ``test_step`` and
+    ``predict_step`` run inside its forward, so FSDP2 gathers what it holds whether a step calls
+    ``self(x)`` or a submodule (``self.model(input_ids=x, labels=x)``, as with Hugging Face models). A
+    submodule's output must expose its tensors to FSDP2 (a tensor, tuple, dict, dataclass or Hugging
+    Face ``ModelOutput``). Fit, then validate, test and predict on the same Trainer, as usual.
     Checkpoints are folders of ``torch.distributed.checkpoint`` (the global model, written once, each
     shard by one process) with each process's residuals and optimizer state in a file of its own
     beside them (``<path>.sparse/``); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
