@@ -176,13 +176,8 @@ class Collectives:
         what = f"all-reduce of {_nbytes(tensor):,} bytes"
         if self.queue.depth:
             return self.queue.put(self, "all-reduce", tensor, tensor, what, counters)
-        self._count_issued(counters)
+        self.queue.count(counters)
         return Issued(all_reduce(tensor, self.group), what)
-
-    def _count_issued(self, counters: Counters | None) -> None:
-        self.queue.issued += 1
-        if counters is not None:
-            counters.collectives += 1
 
     def all_gather(self, output: Tensor, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Concatenate every rank's ``tensor`` (same size on all ranks) into ``output``."""
@@ -210,7 +205,7 @@ class Collectives:
         what = f"{name} of {_nbytes(tensor):,} bytes"
         if self.queue.depth:
             return self.queue.put(self, name, output, tensor, what, counters)
-        self._count_issued(counters)
+        self.queue.count(counters)
         return Issued(issue(output, tensor, self.group), what)
 
 
@@ -262,16 +257,19 @@ class _Queue:
         self.calls: list[_Queued] = []
         self._comm: Collectives | None = None
 
+    def count(self, counters: Counters | None) -> None:
+        """Count one collective issued (into ``counters`` too, where given)."""
+        self.issued += 1
+        if counters is not None:
+            counters.collectives += 1
+
     def put(
         self, comm: Collectives, kind: str, output: Tensor, tensor: Tensor, what: str, counters: Counters | None
     ) -> Issued:
         self._comm = comm
         key = (kind, tensor.dtype, tensor.device)
         if all((c.kind, c.tensor.dtype, c.tensor.device) != key for c in self.calls):
-            # the first call of its kind in this batch: the collective it joins is counted here
-            self.issued += 1
-            if counters is not None:
-                counters.collectives += 1
+            self.count(counters)  # the first call of its kind in this batch: the collective it joins
         call = _Queued(self, kind, output, tensor)
         self.calls.append(call)
         return Issued(call.future, what, call)
