@@ -142,7 +142,11 @@ def exchange_collectives(
         >>> exchange_collectives(SparseConfig(compressor="countsketch"), [1_000_000, 1000], world_size=8)
         2
     """
-    cost, how = exchange_cost(config, numels, world_size, dtype, step)
+    return _collectives(config, numels, world_size, dtype, exchange_cost(config, numels, world_size, dtype, step)[1])
+
+
+def _collectives(config: SparseConfig, numels: Sequence[int], world_size: int, dtype: torch.dtype, how: str) -> int:
+    """:func:`exchange_collectives` of an exchange sent as ``how`` (what :func:`exchange_cost` answered)."""
     if world_size <= 1:
         return 0
     if how == "dense":
@@ -198,5 +202,5 @@ def exchange_time(
         raise ValueError(f"bandwidth={bandwidth!r} is not allowed: expected bytes per second > 0.")
     if not round_trip >= 0:
         raise ValueError(f"round_trip={round_trip!r} is not allowed: expected seconds >= 0.")
-    wire, _ = exchange_cost(config, numels, world_size, dtype, step)
-    return exchange_collectives(config, numels, world_size, dtype, step) * round_trip + wire / bandwidth
+    wire, how = exchange_cost(config, numels, world_size, dtype, step)
+    return _collectives(config, numels, world_size, dtype, how) * round_trip + wire / bandwidth
