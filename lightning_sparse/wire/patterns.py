@@ -86,7 +86,8 @@ class WirePattern:
         raise NotImplementedError
 
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
-        """Compress the bucket's sparse members, update their residuals, launch the collectives."""
+        """Compress the bucket's sparse members, update their residuals, launch the collectives (a
+        pattern implements this or :meth:`launch_rounds`)."""
         return run(self.launch_rounds(ctx, call, ks))
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
@@ -152,9 +153,6 @@ class GatherPattern(WirePattern):
     def cost(self, sizes: Sizes) -> float:
         s = sizes
         return self.choose(s.world, list(s.ks), s.vbytes, list(s.numels), s.exchange, s.compact, s.value_bits)[1]
-
-    def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
-        return run(self.launch_rounds(ctx, call, ks))
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
         vdtype = ctx.vdtype(call.buffer)
@@ -265,9 +263,6 @@ class SketchPattern(WirePattern):
         table_bytes = sum(r * c for r, c in (compressor.table_shape(n, k) for n, k in pairs)) * 4
         value_bytes = sum(compressor.num_candidates(n, k) for n, k in pairs) * sizes.vbytes
         return ring_all_reduce_bytes(sizes.world, table_bytes) + ring_all_reduce_bytes(sizes.world, value_bytes)
-
-    def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
-        return run(self.launch_rounds(ctx, call, ks))
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
         compressor = typing.cast(CountSketch, ctx.compressor)  # the compressors of pattern "sketch" sketch
