@@ -109,6 +109,36 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> t
     return buf[:numel]
 
 
+class RegionViews:
+    """Views of a flat tensor at fixed ``(offset, numel)`` regions (``shapes``: each view's shape),
+    made once per tensor and kept: making them costs one operator each, as many as there are
+    regions, where the operators that use them (``torch._foreach_*``) cost one.
+
+    Example:
+        >>> views = RegionViews(((0, 2), (2, 3)))
+        >>> flat = torch.arange(5.0)
+        >>> [v.tolist() for v in views.of(flat)], views.of(flat) is views.of(flat)
+        ([[0.0, 1.0], [2.0, 3.0, 4.0]], True)
+    """
+
+    def __init__(self, regions: tuple[tuple[int, int], ...], shapes: tuple[torch.Size, ...] | None = None) -> None:
+        self.regions = regions
+        self.shapes = shapes
+        self._key: tuple[int, int, torch.dtype, torch.device] | None = None
+        self._views: list[torch.Tensor] = []
+
+    def of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The views of ``flat`` (the same list while ``flat`` is the same memory)."""
+        key = (flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
+        if key != self._key:
+            views = [flat[a : a + n] for a, n in self.regions]
+            if self.shapes is not None:
+                views = [v.view(shape) for v, shape in zip(views, self.shapes, strict=True)]
+            self._views = views
+            self._key = key
+        return self._views
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every entry of ``t`` is finite, in one read: the float32 sum is finite unless an
     entry is NaN/Inf (or, very rarely, finite entries overflow it: confirmed element-wise then)."""

@@ -34,6 +34,8 @@ class ErrorFeedback:
         #: :meth:`unstage` writes it back).
         self.home: torch.device | None = None
         self._staged: dict[str, Tensor] = {}
+        # layout -> (flat buffer, its named views): see :meth:`flat`
+        self._flats: dict[tuple[tuple[str | None, int], ...], tuple[Tensor, list[tuple[str, Tensor]]]] = {}
 
     def _buffer(self, name: str) -> Tensor | None:
         """The residual of ``name`` as the exchange sees it: its device copy while staged."""
@@ -58,6 +60,51 @@ class ErrorFeedback:
             e.zero_()
             self._zero.discard(name)
         return e
+
+    def flat(self, layout: tuple[tuple[str | None, int], ...], device: torch.device) -> Tensor | None:
+        """One flat float32 tensor laid out as ``layout`` (``(name, numel)`` in order; a ``None`` name:
+        a region that belongs to no residual and stays zero), whose named regions *are* those names'
+        residuals: each name's residual becomes a view into it, so an exchange can work on a whole
+        bucket's residuals with one operator where it would take one per tensor. Made once per layout
+        (the residuals so far copied in) and kept while the views stay the residuals; None when the
+        residuals are offloaded (they live elsewhere between exchanges).
+
+        Example:
+            >>> ef = ErrorFeedback()
+            >>> _ = ef.accumulate("w", torch.tensor([1.0, 2.0]))
+            >>> e = ef.flat((("w", 2), (None, 1), ("v", 1)), torch.device("cpu"))
+            >>> e, ef.get("w").data_ptr() == e.data_ptr()
+            (tensor([1., 2., 0., 0.]), True)
+        """
+        if self.home is not None:
+            return None
+        cached = self._flats.get(layout)
+        if cached is not None and cached[0].device == device:
+            buf, views = cached
+            if all(self._residuals.get(n) is v for n, v in views):
+                for name, view in views:
+                    if name in self._zero:  # flushed whole by a dense send
+                        view.zero_()
+                        self._zero.discard(name)
+                return buf
+        names = {n for n, _ in layout if n is not None}
+        for key in [k for k in self._flats if any(n in names for n, _ in k if n is not None)]:
+            del self._flats[key]  # a name belongs to one flat buffer at a time
+        buf = torch.zeros(sum(n for _, n in layout), dtype=torch.float32, device=device)
+        views = []
+        pos = 0
+        for name, numel in layout:
+            if name is not None:
+                view = buf[pos : pos + numel]
+                old = self._residuals.get(name)
+                if old is not None and name not in self._zero and old.numel() == numel:
+                    view.copy_(old)
+                self._residuals[name] = view
+                self._zero.discard(name)
+                views.append((name, view))
+            pos += numel
+        self._flats[layout] = (buf, views)
+        return buf
 
     def accumulate(self, name: str, grad: Tensor) -> Tensor:
         """Add the flat gradient into the residual in place and return it: ``p = g + e`` (fp32).
@@ -146,6 +193,7 @@ class ErrorFeedback:
                 e.mul_(factor)
 
     def clear(self) -> None:
+        self._flats.clear()
         self._residuals.clear()
         self._staged.clear()
         self._zero.clear()
@@ -169,6 +217,7 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
         self._zero.clear()
         self._staged.clear()
+        self._flats.clear()
         device = self.home if self.home is not None else device
         self._residuals = {
             name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()

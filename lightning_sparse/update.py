@@ -43,10 +43,12 @@ from lightning_sparse.stats import Counters
 from lightning_sparse.update_parts import (
     Bucket,
     InFlight,
+    ShapedResiduals,
     StagedAverage,
     average_optimizer_states,
     check_fragments,
     drop_nonfinite,
+    fragments_of,
     split_fragments,
 )
 from lightning_sparse.wire import Average, count_dense
@@ -104,6 +106,7 @@ class UpdateExchange:
         self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
         #: exchanges launched and not applied yet (``sync_delay``)
         self._in_flight: list[InFlight] = []
+        self._shaped_residuals = ShapedResiduals()  # for :meth:`hold_local`
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -134,10 +137,12 @@ class UpdateExchange:
         self._buckets = {}
         self._fragments = {}
         self._in_flight = []
+        self._shaped_residuals = ShapedResiduals()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         empty: dict[str, Any] = {"_params": {}, "_names": {}, "_global": {}, "_synced": {}, "_local": set()}
+        empty["_shaped_residuals"] = ShapedResiduals()
         state.update(empty, _buckets={}, _fragments={}, _in_flight=[])
         return state
 
@@ -164,6 +169,8 @@ class UpdateExchange:
         if self._timed_dense():
             return  # a plain DDP step: the module holds the replicas, identical on every rank
         memory = self.state.memory
+        views: list[Tensor] = []
+        residuals: list[Tensor] = []
         for name in self._names_of(params):
             if name in self._local:
                 continue
@@ -179,9 +186,14 @@ class UpdateExchange:
             if self._synced.get(name) != p._version:
                 g.copy_(p)
             e = memory.get(name) if name in memory else None
-            if e is not None:
+            if e is not None and e.device == p.device:
+                views.append(p)
+                residuals.append(self._shaped_residuals.of(name, e, p))
+            elif e is not None:
                 p.add_(e.view_as(p).to(p.device))  # offloaded: a copy on the device
             self._local.add(name)
+        if views:
+            torch._foreach_add_(views, residuals)  # one operator, not one per tensor
 
     @torch.no_grad()
     def hold_global(self, params: Iterable[Tensor] | None = None) -> None:
@@ -304,7 +316,7 @@ class UpdateExchange:
         h = state.config.sync_every
         group = tuple(names)
         self._complete(group)  # exchanges launched sync_delay steps ago arrive
-        fragments = self._fragments_of(names)
+        fragments = fragments_of(self._fragments, names, self._params, self.state.config)
         launch: list[Bucket] = []
         for f, fragment in enumerate(fragments):
             cycle = "|".join(sorted(fragment))  # optimizer steps since this fragment's last exchange
@@ -328,8 +340,17 @@ class UpdateExchange:
         # buffers, not the number of round trips)
         with steps.wire.comm.coalescing():
             for bucket in launch:
+                plan = state.plan(bucket.delta, bucket.params)
+                flat = bucket.progress(memory, plan)
+                if flat is not None:  # the whole bucket in a few operators
+                    parts = [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)]
+                    drop_nonfinite(parts, self._warn_nonfinite)
+                    if delay:  # u = e + delta (the residual's regions of the small tensors hold zeros)
+                        torch.add(bucket.delta, flat, out=bucket.pending_buffer())
+                    launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
+                    continue
                 pos = 0
-                parts: list[tuple[str, Tensor, Tensor | None, int]] = []
+                parts = []
                 for name, p in zip(bucket.names, bucket.params, strict=True):
                     seg = bucket.delta[pos : pos + p.numel()]
                     e = memory.get(name) if name in memory else None
@@ -345,7 +366,6 @@ class UpdateExchange:
                         u = bucket.pending_buffer()[pos : pos + seg.numel()]
                         torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
                 # every update is finite now (a non-finite one was dropped above): the patterns skip their check
-                plan = state.plan(bucket.delta, bucket.params)
                 launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
             futures = run_together(launches)
             steps.close()
@@ -355,8 +375,15 @@ class UpdateExchange:
         for bucket, future in zip(launch, futures, strict=True):
             self._apply(bucket, future)
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
-            self._hold_global(bucket.names)
+            self._hold_bucket(bucket)
         steps.mark_end()
+
+    def _hold_bucket(self, bucket: Bucket) -> None:
+        """:meth:`_hold_global` of a bucket's parameters in one operator."""
+        torch._foreach_copy_(bucket.params, bucket.views)
+        for name, p in zip(bucket.names, bucket.params, strict=True):
+            self._synced[name] = p._version
+            self._local.discard(name)
 
     def _apply(self, bucket: Bucket, future: Future[Average]) -> None:
         """Wait for a bucket's average and apply it to its global values through the outer step."""
@@ -399,36 +426,15 @@ class UpdateExchange:
                 # costs page faults worth several passes): u - e_new is what this rank sent, and
                 # global_old + sent where the global values would be with its own part alone.
                 target = bucket.pending_buffer()
-                pos = 0
-                for name, p in zip(bucket.names, bucket.params, strict=True):
-                    e = memory.get(name) if name in memory else None
-                    if e is not None:
-                        target[pos : pos + p.numel()].sub_(e.to(target.device))
-                    pos += p.numel()
+                bucket.subtract_residuals(target, memory, self.state.plan(bucket.delta, bucket.params))
                 target.add_(bucket.glob.to(target.device))
                 self._apply_average(bucket, average)
                 # the view's change: global_new - (global_old + sent), exactly 0 where nothing was
                 # sent or arrived, so those coordinates of the view keep their bits
                 change = torch.sub(bucket.glob.to(target.device), target, out=target)
-                pos = 0
-                for p in bucket.params:
-                    p.add_(change[pos : pos + p.numel()].view_as(p).to(p.dtype))
-                    pos += p.numel()
+                bucket.add_change(change)
                 memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
         self._in_flight = keep
-
-    def _fragments_of(self, names: list[str]) -> list[list[str]]:
-        """The fragments of a group of parameters (``fragments`` of about equal size; one: all)."""
-        count = self.state.config.fragments
-        if count == 1:
-            return [names]
-        key = tuple(names)
-        found = self._fragments.get(key)
-        if found is None:
-            check_fragments(count, len(names), "an optimizer")
-            sizes = [(n, self._params[n].numel()) for n in names]
-            found = self._fragments[key] = split_fragments(sizes, count, self.state.config.fragment_split)
-        return found
 
     # ------------------------------------------------------------------ timed fallback to plain DDP
     def _timed_dense(self) -> bool:

@@ -11,15 +11,18 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse._utils import all_reduce_mean_
-from lightning_sparse.wire import Average
+from lightning_sparse._utils import RegionViews, all_reduce_mean_
+from lightning_sparse.memory import ErrorFeedback
+from lightning_sparse.wire import Average, BucketPlan
 
 __all__ = [
     "Bucket",
     "InFlight",
+    "ShapedResiduals",
     "StagedAverage",
     "average_optimizer_states",
     "drop_nonfinite",
+    "fragments_of",
     "split_fragments",
 ]
 
@@ -38,6 +41,11 @@ class Bucket:
         self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
         self.glob = torch.empty(numel, dtype=first.dtype, device=home, pin_memory=pin)
         self._pending: Tensor | None = None
+        self._regions: tuple[tuple[int, int], ...] = ()
+        self._delta_views: list[Tensor] | None = None
+        self._flat_params: list[Tensor] | None = None
+        self._change_views: RegionViews | None = None
+        self._cast: Tensor | None = None
         self.views: list[Tensor] = []
         pos = 0
         for name, p in zip(names, params, strict=True):
@@ -47,7 +55,81 @@ class Bucket:
                 view.copy_(old)  # the rank's view is held in the module: keep the global value
             globals_[name] = view
             self.views.append(view)
+            self._regions += ((pos, p.numel()),)
             pos += p.numel()
+
+    def progress(self, memory: ErrorFeedback, plan: BucketPlan) -> Tensor | None:
+        """Into :attr:`delta`: what the rank's optimizer did to the bucket's parameters since its view
+        was put in the module, ``p - (global + e)``, for the whole bucket at once, with its
+        residuals as one flat tensor (returned). The same float32 operations as one tensor at a
+        time, so the same bits. None (nothing done) where that cannot be: offloaded residuals, a
+        parameter that is not contiguous, a small tensor with a residual of its own (``value_bits``
+        codes them)."""
+        if memory.home is not None:
+            return None
+        params = self.flat_params()
+        if params is None or any(m.name in memory for m in plan.dense_members):
+            return None
+        delta, glob = self.delta, self.glob
+        e = memory.flat(plan.residual_layout, delta.device)
+        if e is None:
+            return None
+        if glob.device == delta.device:
+            torch.add(glob, e, out=delta)
+        else:  # offloaded global values: float32(global) + e on the device
+            delta.copy_(glob)
+            delta.add_(e)
+        delta.neg_()  # p + -(global + e) is p - (global + e), to the bit
+        torch._foreach_add_(self.delta_views(), params)
+        return e
+
+    def delta_views(self) -> list[Tensor]:
+        """Each parameter's region of :attr:`delta` (made once)."""
+        if self._delta_views is None:
+            self._delta_views = RegionViews(self._regions).of(self.delta)
+        return self._delta_views
+
+    def flat_params(self) -> list[Tensor] | None:
+        """The parameters as flat views (kept while each still holds the same memory), None where
+        one is not contiguous (the exchange then takes it one tensor at a time)."""
+        views = self._flat_params
+        if views is None or any(v.data_ptr() != p.data_ptr() for v, p in zip(views, self.params, strict=True)):
+            if not all(p.is_contiguous() for p in self.params):
+                return None
+            views = self._flat_params = [p.view(-1) for p in self.params]
+        return views
+
+    def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan) -> None:
+        """``target -= e`` (``target`` laid out like :attr:`delta`): in one operator where the bucket's
+        residuals are one flat tensor (zeros where a tensor has none: the same bits)."""
+        flat = None
+        if memory.home is None and not any(m.name in memory for m in plan.dense_members):
+            flat = memory.flat(plan.residual_layout, target.device)
+        if flat is not None:
+            target.sub_(flat)
+            return
+        for (pos, numel), name in zip(self._regions, self.names, strict=True):
+            e = memory.get(name) if name in memory else None
+            if e is not None:
+                target[pos : pos + numel].sub_(e.to(target.device))
+
+    def add_change(self, change: Tensor) -> None:
+        """Add ``change`` (float32, laid out like :attr:`delta`), cast to their dtype, to the
+        parameters: one ``_foreach_add_`` where they live on its device."""
+        if self.params[0].device == change.device:
+            torch._foreach_add_(self.params, self._change_views_of(change))
+            return
+        for (pos, numel), p in zip(self._regions, self.params, strict=True):
+            p.add_(change[pos : pos + numel].view_as(p).to(p.dtype))
+
+    def _change_views_of(self, change: Tensor) -> list[Tensor]:
+        if change.dtype != self.glob.dtype:
+            if self._cast is None:
+                self._cast = torch.empty(change.numel(), dtype=self.glob.dtype, device=change.device)
+            change = self._cast.copy_(change)
+        if self._change_views is None:
+            self._change_views = RegionViews(self._regions, tuple(p.shape for p in self.params))
+        return self._change_views.of(change)
 
     def pending_buffer(self) -> Tensor:
         """A float32 buffer like :attr:`delta` for what this rank hands over while an exchange is in
@@ -59,6 +141,50 @@ class Bucket:
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         """Whether the global values of its parameters still live in this bucket."""
         return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
+
+
+class ShapedResiduals:
+    """Each parameter's residual in the parameter's shape, made once per residual (a view costs an
+    operator; the local view is put up with one ``_foreach_add_`` of them).
+
+    Example:
+        >>> shaped, e = ShapedResiduals(), torch.zeros(6)
+        >>> shaped.of("w", e, torch.ones(2, 3)).shape, shaped.of("w", e, torch.ones(2, 3)) is shaped.of("w", e, e)
+        (torch.Size([2, 3]), True)
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def of(self, name: str, e: Tensor, p: Tensor) -> Tensor:
+        held = self._held.get(name)
+        if held is None or held[0] is not e:
+            held = self._held[name] = (e, e.view_as(p))
+        return held[1]
+
+
+def fragments_of(
+    cache: dict[tuple[str, ...], list[list[str]]], names: list[str], params: dict[str, Tensor], config: Any
+) -> list[list[str]]:
+    """The fragments of a group of parameters (``config.fragments`` of about equal size; one: all),
+    kept in ``cache``.
+
+    Example:
+        >>> from lightning_sparse.config import SparseConfig
+        >>> params = {n: torch.zeros(4) for n in "abcd"}
+        >>> fragments_of({}, list(params), params, SparseConfig(fragments=2, sync_every=2))
+        [['a', 'c'], ['b', 'd']]
+    """
+    count = config.fragments
+    if count == 1:
+        return [names]
+    key = tuple(names)
+    found = cache.get(key)
+    if found is None:
+        check_fragments(count, len(names), "an optimizer")
+        sizes = [(n, params[n].numel()) for n in names]
+        found = cache[key] = split_fragments(sizes, count, config.fragment_split)
+    return found
 
 
 class InFlight:

@@ -8,6 +8,7 @@ are defined here, below the wire code, so nothing in it imports the state above 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +41,19 @@ class BucketPlan:
     numel: int
     label: str
 
-    @property
+    @functools.cached_property
     def sparse_members(self) -> tuple[Member, ...]:
         return tuple(m for m in self.members if m.sparse)
 
-    @property
+    @functools.cached_property
     def dense_members(self) -> tuple[Member, ...]:
         return tuple(m for m in self.members if not m.sparse)
+
+    @functools.cached_property
+    def residual_layout(self) -> tuple[tuple[str | None, int], ...]:
+        """The bucket as :meth:`ErrorFeedback.flat <lightning_sparse.memory.ErrorFeedback.flat>` lays
+        out its residuals: the sparse members by name, the small tensors (no residual) as ``None``."""
+        return tuple((m.name if m.sparse else None, m.numel) for m in self.members)
 
 
 @dataclass(frozen=True)

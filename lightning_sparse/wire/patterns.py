@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import all_finite, scratch
+from lightning_sparse._utils import RegionViews, all_finite, scratch
 from lightning_sparse.compressors import CompressContext, CountSketch
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.comm import Issued, Rounds, futures, run, wait
@@ -377,22 +377,52 @@ class DensePattern(WirePattern):
         if not members:
             return Pending([], lambda out: None)
         flush_residuals(ctx, call, members)
-        values = torch.cat([call.segment(m) for m in members])
+        views = _member_views(members)
+        buffer = call.buffer
+        # one operator for all of them (views made once): a per-tensor loop costs operators by the tensor
+        values = torch.cat(views.bucket.of(buffer), out=views.message(buffer))
         world = ctx.world_size
         call.counters.sent_numel += values.numel()
         bits = ctx.value_bits
         if bits is not None and coded_members_pay(world, values.numel(), bits, values.element_size()):
-            return _launch_coded_members(ctx, call, members, values)
+            return _launch_coded_members(ctx, call, members, values.clone())
         issued = futures(ctx.comm.all_reduce(values, call.counters))
 
         def apply(out: Tensor) -> None:
             values.div_(world)
-            pos = 0
-            for m in members:
-                out[m.offset : m.offset + m.numel].add_(values[pos : pos + m.numel])
-                pos += m.numel
+            torch._foreach_add_(views.out.of(out), views.packed.of(values))
 
         return Pending(issued, apply)
+
+
+class _MemberViews:
+    """A bucket's small tensors: their views in the bucket, in the message that carries them and in
+    what the average lands in; and the message buffer itself (one per bucket and dtype: a bucket's
+    exchange is applied before its next one starts)."""
+
+    def __init__(self, members: tuple[Member, ...]) -> None:
+        regions = tuple((m.offset, m.numel) for m in members)
+        self.bucket = RegionViews(regions)
+        self.out = RegionViews(regions)
+        packed, pos = [], 0
+        for m in members:
+            packed.append((pos, m.numel))
+            pos += m.numel
+        self.packed = RegionViews(tuple(packed))
+        self.numel = pos
+        self._messages: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def message(self, like: Tensor) -> Tensor:
+        key = (like.dtype, like.device)
+        buf = self._messages.get(key)
+        if buf is None:
+            buf = self._messages[key] = torch.empty(self.numel, dtype=like.dtype, device=like.device)
+        return buf
+
+
+@functools.lru_cache(maxsize=1024)
+def _member_views(members: tuple[Member, ...]) -> _MemberViews:
+    return _MemberViews(members)
 
 
 def coded_members_pay(world: int, numel: int, bits: int, value_bytes: int = 4) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.wire import quant
+from lightning_sparse.wire import batched, quant
 from lightning_sparse.wire.context import BucketCall, Member, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 
@@ -49,6 +49,10 @@ class Selection:
     exact: Tensor
     sent: Tensor
     residual: list[Tensor | None]
+    #: selected at once (:mod:`~lightning_sparse.wire.batched`): the bucket's flat residual, and the
+    #: bucket offsets of ``coords``
+    flat: Tensor | None = None
+    at: Tensor | None = None
 
 
 def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype, settle: bool) -> Selection:
@@ -60,6 +64,11 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
     its first ``k`` coordinates or, for a shared pattern, at the coordinates every rank picks, and
     leaves its residual as it was; ``counters.nonfinite_buckets`` is then set.
     """
+    if batched.eligible(ctx, call):
+        picked = batched.batched_topk(ctx, call, ks)
+        if picked is not None:
+            exact_, sent_ = batched.select_values(picked.residual, picked.at, vdtype, keep=settle)
+            return Selection(picked.coords, exact_, sent_, [], flat=picked.residual, at=picked.at)
     compressor = ctx.compressor
     plan = call.plan
     space = SparseSpace.of(plan)
@@ -108,6 +117,15 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
 
 def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selection, accepted: Tensor) -> None:
     """Take the coordinates at positions ``accepted`` of the selection out of the residuals."""
+    if sel.flat is not None and sel.at is not None:  # selected at once: one operator for the bucket
+        at, exact, sent = sel.at[accepted], sel.exact[accepted], sel.sent[accepted]
+        if ctx.value_bits is not None:
+            sel.flat.index_copy_(0, at, quant.remainder(exact, sent))
+        elif sent.dtype != exact.dtype:
+            sel.flat.index_copy_(0, at, exact - sent.to(exact.dtype))
+        else:
+            sel.flat.index_fill_(0, at, 0.0)
+        return
     coords = sel.coords[accepted]
     for i, part, idx in space.by_member(coords):
         if sel.residual[i] is None and ctx.error_feedback:

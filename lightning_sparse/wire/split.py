@@ -182,6 +182,9 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         settle(ctx, call, space, sel, accepted)
         if rounding is not None:
             coords, diff = rounding
+            if sel.flat is not None:  # selected at once: the bucket's residuals are one tensor
+                sel.flat.index_add_(0, space.to_bucket(coords), diff)
+                return
             for i, part, idx in space.by_member(coords):
                 e = sel.residual[i]
                 if e is not None:

@@ -1,0 +1,239 @@
+"""Top-k of every sparse member of a bucket at once, in a fixed number of operators.
+
+Whatever the number of tensors in the bucket, the selection costs about thirty operators and one
+host read.
+
+The per-tensor selection (:func:`~lightning_sparse.wire.select.select_sorted`) costs a handful of
+operators and a host read or two per tensor; on a GPU, where every operator is a kernel launch and
+every read waits for the queue, a model of 150 tensors spends its exchange waiting on the host. Here
+the bucket's residuals are one flat tensor (:meth:`~lightning_sparse.memory.ErrorFeedback.flat`)
+and the selection runs on it:
+
+1. ``p = g + e`` for every sparse member: one ``_foreach_add_``.
+2. A threshold per member from a uniform sample of its magnitudes (the same number of draws for
+   every member, so the samples form a matrix: one ``topk`` along its rows), set a few standard
+   deviations low so that at least ``k`` entries of each member pass it.
+3. The entries at or above their member's threshold, into a shortlist of fixed capacity
+   (``nonzero_static``: no host read to size it), sorted by (member, magnitude descending) with one
+   sort of int64 keys.
+4. Each member's first ``k`` entries of the sorted shortlist: its exact top-``k``.
+
+One host read per bucket checks that every member's shortlist held ``k`` entries and that the
+shortlist fitted its capacity; where not (rare: a threshold estimated too high, a tensor with fewer
+than ``k`` non-zeros), the members are selected one by one as before. Either way the coordinates are
+each member's exact top-``k`` (ties aside): the same as the per-tensor selection's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
+from lightning_sparse.compressors import TopK
+from lightning_sparse.compressors.topk import sample_rank
+from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
+from lightning_sparse.wire.message import SparseSpace, quantize
+
+__all__ = ["BatchedLayout", "batched_topk", "eligible"]
+
+#: draws per member for its threshold; aim for this many draws above the true threshold
+_DRAWS = (256, 4096)
+_ABOVE = 32
+#: the threshold sits this many standard deviations of the count above it low
+_MARGIN = 4.0
+#: the shortlist holds this many times the entries the thresholds are expected to pass
+_SLACK = 1.5
+_BITS = 0x7FFFFFFF
+
+
+def eligible(ctx: WireContext, call: BucketCall) -> bool:
+    """Whether ``call``'s sparse members can be selected at once: exact top-k with plain error
+    feedback on residuals that live with the bucket (no momentum correction, no density observer,
+    no substituted inputs, no offloaded residuals)."""
+    compressor = ctx.compressor
+    return (
+        type(compressor) is TopK
+        and compressor.fast
+        and ctx.error_feedback
+        and not ctx.momentum_correction
+        and call.observe is None
+        and not call.sources
+        and ctx.memory.home is None
+        and bool(call.plan.sparse_members)
+    )
+
+
+@dataclass
+class BatchedLayout:
+    """What the batched selection of one bucket needs, made once per (plan, ks, device).
+
+    Example:
+        >>> from lightning_sparse.wire.context import BucketPlan, Member
+        >>> plan = BucketPlan((Member("w", 1, 0, 64, True), Member("b", 2, 64, 4, False)), 68, "w, b")
+        >>> layout = BatchedLayout.of(plan, (3,), torch.device("cpu"))
+        >>> layout.numel, layout.k, layout.residual_layout
+        (68, 3, (('w', 64), (None, 4)))
+    """
+
+    numel: int
+    k: int
+    capacity: int
+    draws: int
+    deepest: int  # the largest sample rank, plus 1
+    residual_layout: tuple[tuple[str | None, int], ...]
+    sizes: Tensor  # every member's numel, buffer order (repeat_interleave's repeats)
+    region_ends: Tensor  # cumulative ends of the members
+    thresholds: Tensor  # per member: +inf for dense members (filled for the sparse ones each call)
+    sparse_regions: Tensor  # the sparse members' positions among the members, buffer order
+    ks: Tensor  # their k
+    rank_col: Tensor  # the sample rank that estimates each one's k-th largest, minus 1 (S, 1)
+    take_all: Tensor  # k >= numel: every entry
+    draw_numel: Tensor  # (S, 1) numel, offset, for the draws
+    draw_offset: Tensor
+    local_k: Tensor  # position within its member of each of the K picks
+    space_order: Tensor  # the K picks from buffer order into sparse-space order
+    space_shift: Tensor  # sparse-space coordinate minus bucket offset, per pick (space order)
+    residual_views: RegionViews  # the sparse members' regions of the flat residual
+    input_views: RegionViews  # and of the bucket's input
+    space_members: tuple[tuple[int, int, int, int], ...]  # (sparse index, bucket offset, numel, k), space order
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(plan: BucketPlan, ks: tuple[int, ...], device: torch.device) -> BatchedLayout:
+        sparse = plan.sparse_members
+        space = SparseSpace.of(plan)
+        regions = [i for i, m in enumerate(plan.members) if m.sparse]
+        numels = [m.numel for m in sparse]
+        draws = min(
+            _DRAWS[1], max(_DRAWS[0], math.ceil(_ABOVE * max(d / max(k, 1) for d, k in zip(numels, ks, strict=True))))
+        )
+        ranks, shortlist = [], 0.0
+        for d, k in zip(numels, ks, strict=True):
+            j = sample_rank(draws, k, d, _MARGIN)
+            ranks.append(j - 1)
+            shortlist += min(d, d * j / draws + 1)
+        total_k = sum(ks)
+        capacity = min(plan.numel, max(total_k, math.ceil(_SLACK * shortlist) + 64))
+        # the picks in buffer order are member after member; sparse space orders members by name
+        firsts = [sum(ks[:i]) for i in range(len(ks))]
+        order = [firsts[i] + j for i in space.members for j in range(ks[i])]
+        starts = zip(space.members, space.starts, space.offsets, strict=True)
+        shift = [s - o for i, s, o in starts for _ in range(ks[i])]
+        ends, pos = [], 0
+        for m in plan.members:
+            pos += m.numel
+            ends.append(pos)
+
+        def long(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return BatchedLayout(
+            numel=plan.numel,
+            k=total_k,
+            capacity=capacity,
+            draws=draws,
+            deepest=max(ranks) + 1,
+            residual_layout=plan.residual_layout,
+            sizes=long([m.numel for m in plan.members]),
+            region_ends=long(ends),
+            thresholds=torch.full((len(plan.members),), math.inf, dtype=torch.float32, device=device),
+            sparse_regions=long(regions),
+            ks=long(list(ks)),
+            rank_col=long(ranks).unsqueeze(1),
+            take_all=torch.tensor([k >= d for d, k in zip(numels, ks, strict=True)], device=device),
+            draw_numel=long(numels).unsqueeze(1),
+            draw_offset=long([m.offset for m in sparse]).unsqueeze(1),
+            local_k=long([j for k in ks for j in range(k)]),
+            space_order=long(order),
+            space_shift=long(shift),
+            residual_views=RegionViews(tuple((m.offset, m.numel) for m in sparse)),
+            input_views=RegionViews(tuple((m.offset, m.numel) for m in sparse)),
+            space_members=tuple((i, sparse[i].offset, sparse[i].numel, ks[i]) for i in space.members),
+        )
+
+
+@dataclass
+class BatchedSelection:
+    """What :func:`batched_topk` picked: ``at``, bucket offsets in sparse-space order (ascending
+    there), ``coords`` the same in sparse space, ``residual`` the bucket's flat residual."""
+
+    at: Tensor
+    coords: Tensor
+    residual: Tensor
+
+
+def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSelection | None:
+    """Accumulate ``p = g + e`` into the bucket's flat residual and pick every sparse member's top-``k``
+    of ``|p|``. None, with nothing changed, where the inputs are not all finite (the per-tensor
+    selection then names the tensor and keeps its residual)."""
+    buffer = call.buffer
+    layout = BatchedLayout.of(call.plan, tuple(ks), buffer.device)
+    if not call.inputs_finite and not all_finite(buffer):
+        return None
+    e = ctx.memory.flat(layout.residual_layout, buffer.device)
+    if e is None:
+        return None
+    torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
+    n = layout.numel
+    a = scratch("batched.abs", n + 1, torch.float32, buffer.device)
+    torch.abs(e, out=a[:n])
+    a[n:].fill_(-1.0)  # what the shortlist's padding points at: below every magnitude
+    gen = make_generator(buffer.device, mix_seed(ctx.seed, 0xBA7C, ctx.rank, call.step, layout.numel, layout.k))
+    draws = torch.randint(0, 1 << 62, (layout.draw_numel.numel(), layout.draws), generator=gen, device=buffer.device)
+    draws.remainder_(layout.draw_numel).add_(layout.draw_offset)
+    sample = a[draws]
+    top = torch.topk(sample, layout.deepest, dim=1).values
+    threshold = top.gather(1, layout.rank_col).squeeze(1)
+    # zeros never pass (a member with fewer than k non-zeros takes the per-tensor path); k >= numel: all
+    threshold = torch.where(layout.take_all, -1.0, threshold.clamp_min(torch.finfo(torch.float32).tiny))
+    layout.thresholds.index_copy_(0, layout.sparse_regions, threshold)
+    over = layout.thresholds.repeat_interleave(layout.sizes, output_size=n)
+    mask = torch.ge(a[:n], over)
+    passed = mask.sum()
+    idx = torch.nonzero_static(mask, size=layout.capacity, fill_value=n).squeeze(1)
+    region = torch.searchsorted(layout.region_ends, idx, right=True)
+    bits = a[idx].view(torch.int32).to(torch.int64)
+    key = region.mul_(1 << 32).add_(_BITS).sub_(bits)  # member ascending, then magnitude descending
+    key, order = torch.sort(key)
+    ranked = idx[order]
+    region = key.div_(1 << 32, rounding_mode="floor")
+    starts = torch.searchsorted(region, layout.sparse_regions)
+    counts = torch.searchsorted(region, layout.sparse_regions, right=True).sub_(starts)
+    short = (counts < layout.ks).any() | (passed > layout.capacity)
+    if bool(short):  # the one host read: rare, a member is selected by itself
+        at = _one_by_one(ctx, call, layout, e)
+    else:
+        picked = ranked[starts.repeat_interleave(layout.ks, output_size=layout.k).add_(layout.local_k)]
+        at = picked.sort().values[layout.space_order]
+    return BatchedSelection(at, at + layout.space_shift, e)
+
+
+def _one_by_one(ctx: WireContext, call: BucketCall, layout: BatchedLayout, e: Tensor) -> Tensor:
+    """The members' top-``k`` of the accumulated ``e``, one at a time, in sparse-space order."""
+    compressor = ctx.compressor
+    parts = []
+    for i, offset, numel, k in layout.space_members:
+        m = call.plan.sparse_members[i]
+        idx = compressor.select(e[offset : offset + numel], k, ctx.compress_context(call.step, m))
+        parts.append(idx.sort().values + offset)
+    return torch.cat(parts)
+
+
+def select_values(e: Tensor, at: Tensor, vdtype: torch.dtype, keep: bool) -> tuple[Tensor, Tensor]:
+    """``p`` at the picks and the values as they travel; with ``keep`` the residual keeps the rest
+    (``sent + e_new == p``)."""
+    exact = e[at]
+    sent = quantize(exact, vdtype)
+    if sent is exact:
+        sent = exact.clone()  # two tensors, as callers may change what travels (the split's codes)
+    if keep:
+        if sent.dtype == exact.dtype:
+            e.index_fill_(0, at, 0.0)
+        else:
+            e.index_copy_(0, at, exact - sent.to(exact.dtype))
+    return exact, sent
