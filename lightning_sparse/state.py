@@ -14,7 +14,7 @@ from lightning_sparse._utils import stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange import StepExchange
-from lightning_sparse.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.memory import ErrorFeedback, LocalMomentum, sum_of_squares
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.stats import Telemetry
 from lightning_sparse.wire import BucketPlan, Collectives, Member, WireContext
@@ -203,7 +203,7 @@ class SparseState:
         """
         if self.config.compress != "update" or not self._params:
             return None
-        params_sq = sum(float(p.detach().float().pow(2).sum()) for p in self._params)
+        params_sq = sum_of_squares(list(self._params))
         ratio = (self.memory.norm_sq() / params_sq) ** 0.5 if params_sq > 0 else 0.0
         self.telemetry.unsent_ratio = ratio
         return ratio

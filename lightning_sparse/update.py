@@ -52,6 +52,7 @@ from lightning_sparse.update_parts import (
     split_fragments,
 )
 from lightning_sparse.wire import Average, count_dense
+from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together, wait
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
@@ -341,7 +342,7 @@ class UpdateExchange:
         with steps.wire.comm.coalescing():
             for bucket in launch:
                 plan = state.plan(bucket.delta, bucket.params)
-                flat = bucket.progress(memory, plan)
+                flat = bucket.progress(memory, plan, residual_layout(steps.wire, plan, bucket.delta))
                 if flat is not None:  # the whole bucket in a few operators
                     parts = [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)]
                     drop_nonfinite(parts, self._warn_nonfinite)
@@ -426,7 +427,8 @@ class UpdateExchange:
                 # costs page faults worth several passes): u - e_new is what this rank sent, and
                 # global_old + sent where the global values would be with its own part alone.
                 target = bucket.pending_buffer()
-                bucket.subtract_residuals(target, memory, self.state.plan(bucket.delta, bucket.params))
+                plan = self.state.plan(bucket.delta, bucket.params)
+                bucket.subtract_residuals(target, memory, plan, residual_layout(self.state.wire, plan, target))
                 target.add_(bucket.glob.to(target.device))
                 self._apply_average(bucket, average)
                 # the view's change: global_new - (global_old + sent), exactly 0 where nothing was

@@ -58,20 +58,19 @@ class Bucket:
             self._regions += ((pos, p.numel()),)
             pos += p.numel()
 
-    def progress(self, memory: ErrorFeedback, plan: BucketPlan) -> Tensor | None:
+    def progress(self, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> Tensor | None:
         """Into :attr:`delta`: what the rank's optimizer did to the bucket's parameters since its view
         was put in the module, ``p - (global + e)``, for the whole bucket at once, with its
-        residuals as one flat tensor (returned). The same float32 operations as one tensor at a
-        time, so the same bits. None (nothing done) where that cannot be: offloaded residuals, a
-        parameter that is not contiguous, a small tensor with a residual of its own (``value_bits``
-        codes them)."""
+        residuals as one flat tensor laid out as ``layout`` (returned). The same float32 operations
+        as one tensor at a time, so the same bits. None (nothing done) where that cannot be:
+        offloaded residuals, a parameter that is not contiguous, a residual ``layout`` leaves out."""
         if memory.home is not None:
             return None
         params = self.flat_params()
-        if params is None or any(m.name in memory for m in plan.dense_members):
+        if params is None or _outside(memory, plan, layout):
             return None
         delta, glob = self.delta, self.glob
-        e = memory.flat(plan.residual_layout, delta.device)
+        e = memory.flat(layout, delta.device)
         if e is None:
             return None
         if glob.device == delta.device:
@@ -99,12 +98,12 @@ class Bucket:
             views = self._flat_params = [p.view(-1) for p in self.params]
         return views
 
-    def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan) -> None:
+    def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> None:
         """``target -= e`` (``target`` laid out like :attr:`delta`): in one operator where the bucket's
         residuals are one flat tensor (zeros where a tensor has none: the same bits)."""
         flat = None
-        if memory.home is None and not any(m.name in memory for m in plan.dense_members):
-            flat = memory.flat(plan.residual_layout, target.device)
+        if memory.home is None and not _outside(memory, plan, layout):
+            flat = memory.flat(layout, target.device)
         if flat is not None:
             target.sub_(flat)
             return
@@ -185,6 +184,15 @@ def fragments_of(
         sizes = [(n, params[n].numel()) for n in names]
         found = cache[key] = split_fragments(sizes, count, config.fragment_split)
     return found
+
+
+#: how a bucket's residuals lie in one flat tensor (``lightning_sparse.wire.batched.residual_layout``)
+Layout = tuple[tuple[str | None, int], ...]
+
+
+def _outside(memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> bool:
+    """Whether a member of the bucket has a residual that ``layout`` leaves out."""
+    return any(name is None and m.name in memory for (name, _), m in zip(layout, plan.members, strict=True))
 
 
 class InFlight:

@@ -153,7 +153,7 @@ def _update_worker(rank: int, world: int, at_once: bool, settings: dict[str, Any
     saved = batched.eligible, update_parts.Bucket.progress
     if not at_once:  # the worker process outlives this test: put both back after it
         batched.eligible = lambda ctx, call: False  # type: ignore[assignment]
-        update_parts.Bucket.progress = lambda self, memory, plan: None  # type: ignore[assignment,method-assign]
+        update_parts.Bucket.progress = lambda self, *args: None  # type: ignore[assignment,method-assign]
     try:
         return _update_run(rank, settings)
     finally:

@@ -203,23 +203,19 @@ def _marked(case: str, limits: dict[str, str]) -> Any:
 # The figures today's exchange measured (148 / 10 tensors, 3 buckets). The all-gather and the split
 # select every bucket at once (``lightning_sparse.wire.batched``) and work on its residuals as one flat
 # tensor; what is listed here still goes one tensor at a time: the count-sketch and random-k
-# selections, the split's part sizes, and the small tensors' codes under ``value_bits``.
+# selections and the split's part sizes.
 HOST_READ_LIMITS: dict[str, str] = {
     "update split": "today 36 for 3 buckets (148 tensors), 36 for 3 (10)",
     "update split value_bits=2": "today 45 for 3 buckets (148 tensors), 45 for 3 (10)",
     "update countsketch": "today 373 for 3 buckets (148 tensors), 53 for 3 (10)",
     "update randomk": "today 77 for 3 buckets (148 tensors), 13 for 3 (10)",
-    "gradient allgather value_bits=2": "today 154 for 3 buckets (148 tensors), 6 for 3 (10)",
     "gradient split": "today 36 for 3 buckets (148 tensors), 36 for 3 (10)",
     "gradient countsketch": "today 444 for 3 buckets (148 tensors), 60 for 3 (10)",
     "gradient randomk": "today 148 for 3 buckets (148 tensors), 20 for 3 (10)",
 }
 OPS_LIMITS: dict[str, str] = {
-    "update allgather value_bits=2": "today 3550 for 148 tensors, 1073 for 10 (3.31x)",
-    "update split value_bits=2": "today 5187 for 148 tensors, 2695 for 10 (1.92x)",
     "update countsketch": "today 6164 for 148 tensors, 970 for 10 (6.35x)",
     "update randomk": "today 913 for 148 tensors, 170 for 10 (5.37x)",
-    "gradient allgather value_bits=2": "today 3815 for 148 tensors, 1083 for 10 (3.52x)",
     "gradient countsketch": "today 6690 for 148 tensors, 973 for 10 (6.88x)",
     "gradient randomk": "today 1451 for 148 tensors, 197 for 10 (7.37x)",
 }

@@ -263,8 +263,9 @@ def test_unsent_ratio_is_the_unsent_part_over_the_parameters() -> None:
     state.memory.accumulate("w", torch.full((12,), 0.5))
     state.memory.accumulate("b", torch.ones(5))
     expected = math.sqrt(12 * 0.25 + 5) / math.sqrt(12 * 4.0)
-    assert state.measure_unsent_ratio() == pytest.approx(expected, rel=1e-12)
-    assert state.telemetry.unsent_ratio == pytest.approx(expected, rel=1e-12)
+    # float32 norms (one _foreach_norm, one host read), squared and summed in float64
+    assert state.measure_unsent_ratio() == pytest.approx(expected, rel=1e-6)
+    assert state.telemetry.unsent_ratio == pytest.approx(expected, rel=1e-6)
     gradient = SparseState(compress="gradient")
     gradient.bind(named)
     assert gradient.measure_unsent_ratio() is None

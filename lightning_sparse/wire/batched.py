@@ -36,10 +36,11 @@ from torch import Tensor
 from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
 from lightning_sparse.compressors import TopK
 from lightning_sparse.compressors.topk import sample_rank
+from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 
-__all__ = ["BatchedLayout", "batched_topk", "eligible"]
+__all__ = ["BatchedLayout", "batched_topk", "eligible", "residual_layout"]
 
 #: draws per member for its threshold; aim for this many draws above the true threshold
 _DRAWS = (256, 4096)
@@ -49,6 +50,28 @@ _MARGIN = 4.0
 #: the shortlist holds this many times the entries the thresholds are expected to pass
 _SLACK = 1.5
 _BITS = 0x7FFFFFFF
+
+
+def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple[tuple[str | None, int], ...]:
+    """How a bucket's residuals lie in their flat tensor (:meth:`ErrorFeedback.flat
+    <lightning_sparse.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors' too
+    where they travel coded (``value_bits``) and so keep a rounding error of their own. Every part of
+    the exchange asks here, so that all of them see one flat tensor.
+
+    Example:
+        >>> from lightning_sparse.wire.context import BucketPlan, Member
+        >>> plan = BucketPlan((Member("w", 1, 0, 64, True), Member("b", 2, 64, 4, False)), 68, "w, b")
+        >>> ctx = WireContext(TopK(), True, 0.0, None, 0, "auto", True, None, True)
+        >>> residual_layout(ctx, plan, torch.zeros(68))
+        (('w', 64), (None, 4))
+    """
+    bits = ctx.value_bits
+    if bits is None or not plan.dense_members:
+        return plan.residual_layout
+    small = sum(m.numel for m in plan.dense_members)
+    if quant.coded_members_pay(ctx.world_size, small, bits, buffer.element_size()):
+        return tuple((m.name, m.numel) for m in plan.members)
+    return plan.residual_layout
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
@@ -76,8 +99,8 @@ class BatchedLayout:
         >>> from lightning_sparse.wire.context import BucketPlan, Member
         >>> plan = BucketPlan((Member("w", 1, 0, 64, True), Member("b", 2, 64, 4, False)), 68, "w, b")
         >>> layout = BatchedLayout.of(plan, (3,), torch.device("cpu"))
-        >>> layout.numel, layout.k, layout.residual_layout
-        (68, 3, (('w', 64), (None, 4)))
+        >>> layout.numel, layout.k
+        (68, 3)
     """
 
     numel: int
@@ -85,7 +108,6 @@ class BatchedLayout:
     capacity: int
     draws: int
     deepest: int  # the largest sample rank, plus 1
-    residual_layout: tuple[tuple[str | None, int], ...]
     sizes: Tensor  # every member's numel, buffer order (repeat_interleave's repeats)
     region_ends: Tensor  # cumulative ends of the members
     thresholds: Tensor  # per member: +inf for dense members (filled for the sparse ones each call)
@@ -138,7 +160,6 @@ class BatchedLayout:
             capacity=capacity,
             draws=draws,
             deepest=max(ranks) + 1,
-            residual_layout=plan.residual_layout,
             sizes=long([m.numel for m in plan.members]),
             region_ends=long(ends),
             thresholds=torch.full((len(plan.members),), math.inf, dtype=torch.float32, device=device),
@@ -173,9 +194,11 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     selection then names the tensor and keeps its residual)."""
     buffer = call.buffer
     layout = BatchedLayout.of(call.plan, tuple(ks), buffer.device)
-    if not call.inputs_finite and not all_finite(buffer):
-        return None
-    e = ctx.memory.flat(layout.residual_layout, buffer.device)
+    if not call.inputs_finite:
+        if not all_finite(buffer):
+            return None
+        call.inputs_finite = True  # the whole bucket, small tensors included: they need not look again
+    e = ctx.memory.flat(residual_layout(ctx, call.plan, buffer), buffer.device)
     if e is None:
         return None
     torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))

@@ -26,14 +26,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import RegionViews, all_finite, scratch
+from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.compressors import CompressContext, CountSketch
-from lightning_sparse.wire import quant
-from lightning_sparse.wire.comm import Issued, Rounds, futures, run, wait
+from lightning_sparse.wire.comm import Rounds, futures, run, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
+from lightning_sparse.wire.quant import coded_members_pay  # noqa: F401 (where callers find it)
 from lightning_sparse.wire.select import flush_residuals, select_sorted, settle
+from lightning_sparse.wire.small import all_gather_message, launch_small
 from lightning_sparse.wire.split import launch_split, split_wire_bytes
 
 #: how a gather-pattern bucket crosses the wire (``exchange=...``)
@@ -190,7 +191,7 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
         sel.sent = layout.unpack(message)[1]
         settle(ctx, call, space, sel, torch.arange(sel.coords.numel(), device=sel.coords.device))
     call.counters.sent_numel += sel.coords.numel()
-    gathered, issued = _all_gather(ctx, call, message)
+    gathered, issued = all_gather_message(ctx, call, message)
 
     def apply(out: Tensor) -> None:
         size = layout.size
@@ -201,16 +202,6 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
             out.index_add_(0, space.to_bucket(coords), values.to(out.dtype), alpha=1.0 / world)
 
     return Pending(issued, apply)
-
-
-def _all_gather(ctx: WireContext, call: BucketCall, message: Tensor) -> tuple[Tensor, list[Issued]]:
-    """All-gather every rank's ``message`` (counted): the gathered bytes in rank order, and the futures."""
-    world = ctx.world_size
-    if world <= 1:
-        ctx.comm.all_gather(message, message, call.counters)  # counted; nothing crosses the wire
-        return message, []
-    gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=message.device)
-    return gathered, futures(ctx.comm.all_gather(gathered, message, call.counters))
 
 
 # --------------------------------------------------------------------------- shared
@@ -374,98 +365,7 @@ class DensePattern(WirePattern):
         return Pending(issued, lambda out: out.add_(dense()), dense)
 
     def launch_members(self, ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending:
-        if not members:
-            return Pending([], lambda out: None)
-        flush_residuals(ctx, call, members)
-        views = _member_views(members)
-        buffer = call.buffer
-        # one operator for all of them (views made once): a per-tensor loop costs operators by the tensor
-        values = torch.cat(views.bucket.of(buffer), out=views.message(buffer))
-        world = ctx.world_size
-        call.counters.sent_numel += values.numel()
-        bits = ctx.value_bits
-        if bits is not None and coded_members_pay(world, values.numel(), bits, values.element_size()):
-            return _launch_coded_members(ctx, call, members, values.clone())
-        issued = futures(ctx.comm.all_reduce(values, call.counters))
-
-        def apply(out: Tensor) -> None:
-            values.div_(world)
-            torch._foreach_add_(views.out.of(out), views.packed.of(values))
-
-        return Pending(issued, apply)
-
-
-class _MemberViews:
-    """A bucket's small tensors: their views in the bucket, in the message that carries them and in
-    what the average lands in; and the message buffer itself (one per bucket and dtype: a bucket's
-    exchange is applied before its next one starts)."""
-
-    def __init__(self, members: tuple[Member, ...]) -> None:
-        regions = tuple((m.offset, m.numel) for m in members)
-        self.bucket = RegionViews(regions)
-        self.out = RegionViews(regions)
-        packed, pos = [], 0
-        for m in members:
-            packed.append((pos, m.numel))
-            pos += m.numel
-        self.packed = RegionViews(tuple(packed))
-        self.numel = pos
-        self._messages: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-    def message(self, like: Tensor) -> Tensor:
-        key = (like.dtype, like.device)
-        buf = self._messages.get(key)
-        if buf is None:
-            buf = self._messages[key] = torch.empty(self.numel, dtype=like.dtype, device=like.device)
-        return buf
-
-
-@functools.lru_cache(maxsize=1024)
-def _member_views(members: tuple[Member, ...]) -> _MemberViews:
-    return _MemberViews(members)
-
-
-def coded_members_pay(world: int, numel: int, bits: int, value_bytes: int = 4) -> bool:
-    """Whether ``numel`` small-tensor values move fewer ring-model bytes through each rank all-gathered
-    as ``bits``-bit codes than all-reduced as they are: up to 28 ranks at 2 bits, 15 at 4 and 7
-    at 8 (float32 values); the same answer on every rank.
-
-    Example:
-        >>> coded_members_pay(2, 9728, 2), coded_members_pay(16, 9728, 8)
-        (True, False)
-    """
-    coded = ring_all_gather_bytes(world, quant.message_bytes(numel, bits))
-    return coded < ring_all_reduce_bytes(world, numel * value_bytes)
-
-
-def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Member, ...], values: Tensor) -> Pending:
-    """The small tensors of a sparse send with ``value_bits``: their values (residuals flushed in)
-    travel as codes like the selected ones, all-gathered (codes of different scales do not add up
-    in an all-reduce), and each rank keeps its rounding error in its residuals: ``sent + e_new ==
-    g + e_old`` exactly. A non-finite value arrives non-finite on every rank (the step is skipped
-    alike); its member's residual and its chunk's other values keep what they had."""
-    bits = typing.cast(int, ctx.value_bits)
-    world, n = ctx.world_size, values.numel()
-    message, sent = quant.pack(values, bits)
-    if ctx.error_feedback:
-        pos = 0
-        for m in members:
-            exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
-            pos += m.numel
-            if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
-                ctx.memory.accumulate(m.name, quant.remainder(exact, got))
-    gathered, issued = _all_gather(ctx, call, message)
-
-    def apply(out: Tensor) -> None:
-        size = message.numel()
-        for r in range(world):  # in rank order: identical bits on every rank
-            part = quant.unpack(gathered[r * size : (r + 1) * size], n, bits)
-            pos = 0
-            for m in members:
-                out[m.offset : m.offset + m.numel].add_(part[pos : pos + m.numel].to(out.dtype), alpha=1.0 / world)
-                pos += m.numel
-
-    return Pending(issued, apply)
+        return launch_small(ctx, call, members)
 
 
 #: the gather pattern (it also says which exchange a bucket takes: :meth:`GatherPattern.choose`)

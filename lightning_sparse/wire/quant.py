@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
+
 #: values share a scale in chunks of this many (in message order)
 CHUNK = 64
 #: the widths ``value_bits`` may take
@@ -133,3 +135,16 @@ def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:
     parts = [(data >> (bits * j)) & mask for j in range(per)]
     u = torch.stack(parts, dim=1).reshape(-1)[:count]
     return (u.to(torch.int16) - levels(bits)).to(torch.int8)
+
+
+def coded_members_pay(world: int, numel: int, bits: int, value_bytes: int = 4) -> bool:
+    """Whether ``numel`` small-tensor values move fewer ring-model bytes through each rank all-gathered
+    as ``bits``-bit codes than all-reduced as they are: up to 28 ranks at 2 bits, 15 at 4 and 7
+    at 8 (float32 values); the same answer on every rank.
+
+    Example:
+        >>> coded_members_pay(2, 9728, 2), coded_members_pay(16, 9728, 8)
+        (True, False)
+    """
+    coded = ring_all_gather_bytes(world, message_bytes(numel, bits))
+    return coded < ring_all_reduce_bytes(world, numel * value_bytes)

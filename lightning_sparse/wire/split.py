@@ -186,9 +186,12 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
                 sel.flat.index_add_(0, space.to_bucket(coords), diff)
                 return
             for i, part, idx in space.by_member(coords):
-                e = sel.residual[i]
-                if e is not None:
-                    e.index_add_(0, idx, diff[part])
+                if sel.residual[i] is not None:  # None: a non-finite input, whose residual stays as it was
+                    # the residual as it is now: the small tensors' coded send may have moved the
+                    # bucket's residuals into one flat tensor since the selection
+                    e = ctx.memory.get(call.plan.sparse_members[space.members[i]].name)
+                    if e is not None:
+                        e.index_add_(0, idx, diff[part])
 
     def apply(out: Tensor) -> None:
         for coords, vals in receive():
