@@ -127,3 +127,49 @@ def test_sparse_fsdp_on_one_gpu(tmp_path: Path) -> None:
     assert sum(result["losses"][-4:]) < sum(result["losses"][:4])
     assert all(t.device.type == "cuda" and torch.isfinite(t).all() for t in result["params"].values())
     assert result["group_bytes"] in (0.0, None) and result["shard_size"] == 1  # None: a torch without the hook
+
+
+def test_a_bucket_is_selected_at_once_on_cuda_with_one_host_read() -> None:
+    """The bucket-at-once top-k (``lightning_sparse.wire.batched``) on CUDA tensors: the coordinates
+    the CPU picks for the same input, and, in a steady-state step, one synchronising operation (the
+    check that every tensor's shortlist held its k), as ``tests/test_exchange_ops.py`` counts on CPUs."""
+    import warnings
+
+    from lightning_sparse.compressors import TopK
+    from lightning_sparse.memory import ErrorFeedback
+    from lightning_sparse.stats import Counters
+    from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, WireContext
+    from lightning_sparse.wire.select import select_sorted
+
+    members, offset = [], 0
+    for i in range(48):  # a GPT's blocks: matrices with small tensors between them
+        numel, sparse = ((64 * 192, True), (64, False), (64 * 64, True))[i % 3]
+        members.append(Member(f"t{i}", i, offset, numel, sparse))
+        offset += numel
+    plan = BucketPlan(tuple(members), offset, "bucket")
+    ks = [k_for(m.numel, 0.01) for m in plan.sparse_members]
+    inputs = [torch.randn(offset, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def run(device: str) -> list[torch.Tensor]:
+        ctx = WireContext(TopK(), True, 0.0, None, 0, "allgather", True, None, True, memory=ErrorFeedback())
+        picked = []
+        for step, g in enumerate(inputs):
+            call = BucketCall(g.to(device), plan, step, Counters(), inputs_finite=True)
+            if step == len(inputs) - 1 and device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        sel = select_sorted(ctx, call, ks, torch.float32, settle=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                syncs = [w for w in caught if "synchroniz" in str(w.message)]
+                assert len(syncs) <= 1, [str(w.message) for w in syncs]
+            else:
+                sel = select_sorted(ctx, call, ks, torch.float32, settle=True)
+            picked.append(sel.coords.cpu())
+        return picked
+
+    for on_cpu, on_cuda in zip(run("cpu"), run("cuda"), strict=True):
+        assert torch.equal(on_cpu, on_cuda)

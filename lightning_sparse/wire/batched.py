@@ -22,6 +22,10 @@ One host read per bucket checks that every member's shortlist held ``k`` entries
 shortlist fitted its capacity; where not (rare: a threshold estimated too high, a tensor with fewer
 than ``k`` non-zeros), the members are selected one by one as before. Either way the coordinates are
 each member's exact top-``k`` (ties aside): the same as the per-tensor selection's.
+
+On a CPU a bucket that holds a tensor of :data:`CPU_ONE_BY_ONE` elements or more is selected one
+tensor at a time (on its flat residual all the same): there the passes over the whole bucket cost
+more than the host reads they save. On CUDA every bucket is selected at once.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ _MARGIN = 4.0
 #: the shortlist holds this many times the entries the thresholds are expected to pass
 _SLACK = 1.5
 _BITS = 0x7FFFFFFF
+#: on a CPU, a bucket holding a tensor this large is selected one tensor at a time: there a host
+#: read costs nothing, and the passes over the whole bucket that the selection at once makes
+#: (magnitudes, a threshold per element, a mask, its shortlist) cost 7x the one-at-a-time
+#: shortlist's for 4M-element tensors. Every tensor of a CUDA bucket is selected at once.
+CPU_ONE_BY_ONE = 1 << 20
 
 
 def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple[tuple[str | None, int], ...]:
@@ -107,6 +116,7 @@ class BatchedLayout:
     k: int
     capacity: int
     draws: int
+    one_by_one_on_cpu: bool  # a member of at least CPU_ONE_BY_ONE elements
     deepest: int  # the largest sample rank, plus 1
     sizes: Tensor  # every member's numel, buffer order (repeat_interleave's repeats)
     region_ends: Tensor  # cumulative ends of the members
@@ -159,6 +169,7 @@ class BatchedLayout:
             k=total_k,
             capacity=capacity,
             draws=draws,
+            one_by_one_on_cpu=max(numels) >= CPU_ONE_BY_ONE,
             deepest=max(ranks) + 1,
             sizes=long([m.numel for m in plan.members]),
             region_ends=long(ends),
@@ -202,6 +213,10 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     if e is None:
         return None
     torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
+    if layout.one_by_one_on_cpu and buffer.device.type == "cpu":
+        # where a tensor is this large a host read costs nothing next to its passes, and the
+        # one-at-a-time shortlist (NumPy, in cache-sized chunks) is several times faster on a CPU
+        return BatchedSelection(at := _one_by_one(ctx, call, layout, e), at + layout.space_shift, e)
     n = layout.numel
     a = scratch("batched.abs", n + 1, torch.float32, buffer.device)
     torch.abs(e, out=a[:n])
