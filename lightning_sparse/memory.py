@@ -93,15 +93,15 @@ class ErrorFeedback:
         buf = torch.zeros(sum(n for _, n in layout), dtype=torch.float32, device=device)
         views = []
         pos = 0
-        for name, numel in layout:
-            if name is not None:
+        for region, numel in layout:
+            if region is not None:
                 view = buf[pos : pos + numel]
-                old = self._residuals.get(name)
-                if old is not None and name not in self._zero and old.numel() == numel:
+                old = self._residuals.get(region)
+                if old is not None and region not in self._zero and old.numel() == numel:
                     view.copy_(old)
-                self._residuals[name] = view
-                self._zero.discard(name)
-                views.append((name, view))
+                self._residuals[region] = view
+                self._zero.discard(region)
+                views.append((region, view))
             pos += numel
         self._flats[layout] = (buf, views)
         return buf

@@ -344,7 +344,9 @@ class UpdateExchange:
                 plan = state.plan(bucket.delta, bucket.params)
                 flat = bucket.progress(memory, plan, residual_layout(steps.wire, plan, bucket.delta))
                 if flat is not None:  # the whole bucket in a few operators
-                    parts = [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)]
+                    parts: list[tuple[str, Tensor, Tensor | None, int]] = [
+                        (n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)
+                    ]
                     drop_nonfinite(parts, self._warn_nonfinite)
                     if delay:  # u = e + delta (the residual's regions of the small tensors hold zeros)
                         torch.add(bucket.delta, flat, out=bucket.pending_buffer())
