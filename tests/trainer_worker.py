@@ -327,6 +327,9 @@ class _Stall(L.Callback):
                 raise RuntimeError("the compressor failed on purpose")
 
             state.compressor.select = broken  # type: ignore[method-assign]
+            from lightning_sparse.wire import batched
+
+            batched.batched_topk = broken  # the bucket-at-once selection does not call select
 
 
 def fit_once(cfg: dict[str, Any]) -> None:
