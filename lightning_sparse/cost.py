@@ -33,7 +33,7 @@ from lightning_sparse.wire import (
     ring_all_reduce_bytes,
     sparse_pays,
 )
-from lightning_sparse.wire.patterns import coded_members_pay
+from lightning_sparse.wire.quant import coded_members_pay
 
 __all__ = ["exchange_collectives", "exchange_cost", "exchange_time"]
 

@@ -64,13 +64,11 @@ class Bucket:
         residuals as one flat tensor laid out as ``layout`` (returned). The same float32 operations
         as one tensor at a time, so the same bits. None (nothing done) where that cannot be:
         offloaded residuals, a parameter that is not contiguous, a residual ``layout`` leaves out."""
-        if memory.home is not None:
-            return None
         params = self.flat_params()
-        if params is None or _outside(memory, plan, layout):
+        if params is None:
             return None
         delta, glob = self.delta, self.glob
-        e = memory.flat(layout, delta.device)
+        e = _flat_residual(memory, plan, layout, delta.device)
         if e is None:
             return None
         if glob.device == delta.device:
@@ -101,9 +99,7 @@ class Bucket:
     def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> None:
         """``target -= e`` (``target`` laid out like :attr:`delta`): in one operator where the bucket's
         residuals are one flat tensor (zeros where a tensor has none: the same bits)."""
-        flat = None
-        if memory.home is None and not _outside(memory, plan, layout):
-            flat = memory.flat(layout, target.device)
+        flat = _flat_residual(memory, plan, layout, target.device)
         if flat is not None:
             target.sub_(flat)
             return
@@ -190,9 +186,12 @@ def fragments_of(
 Layout = tuple[tuple[str | None, int], ...]
 
 
-def _outside(memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> bool:
-    """Whether a member of the bucket has a residual that ``layout`` leaves out."""
-    return any(name is None and m.name in memory for (name, _), m in zip(layout, plan.members, strict=True))
+def _flat_residual(memory: ErrorFeedback, plan: BucketPlan, layout: Layout, device: torch.device) -> Tensor | None:
+    """The bucket's residuals as one flat tensor laid out as ``layout``; None where they cannot be:
+    offloaded (``ErrorFeedback.flat`` says so), or a member has a residual ``layout`` leaves out."""
+    if any(name is None and m.name in memory for (name, _), m in zip(layout, plan.members, strict=True)):
+        return None
+    return memory.flat(layout, device)
 
 
 class InFlight:

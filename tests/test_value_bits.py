@@ -170,7 +170,7 @@ def test_telemetry_counts_the_packed_bytes(dist2) -> None:
 def test_small_tensors_go_coded_only_where_that_moves_fewer_bytes(bits: int, most: int) -> None:
     """All-gathered codes grow with the ranks, a float all-reduce does not: past ``most`` ranks the
     small tensors of a sparse send go back to the all-reduce (the GPT task's 9,728 small values)."""
-    from lightning_sparse.wire.patterns import coded_members_pay
+    from lightning_sparse.wire.quant import coded_members_pay
 
     assert coded_members_pay(2, 9728, bits) and coded_members_pay(most, 9728, bits)
     assert not coded_members_pay(most + 1, 9728, bits) and not coded_members_pay(64, 9728, bits)

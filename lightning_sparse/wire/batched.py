@@ -270,8 +270,17 @@ def select_values(e: Tensor, at: Tensor, vdtype: torch.dtype, keep: bool) -> tup
     if sent is exact:
         sent = exact.clone()  # two tensors, as callers may change what travels (the split's codes)
     if keep:
-        if sent.dtype == exact.dtype:
-            e.index_fill_(0, at, 0.0)
-        else:
-            e.index_copy_(0, at, exact - sent.to(exact.dtype))
+        keep_unsent(e, at, exact, sent, coded=False)
     return exact, sent
+
+
+def keep_unsent(e: Tensor, at: Tensor, exact: Tensor, sent: Tensor, coded: bool) -> None:
+    """After ``exact`` (``p`` at bucket offsets ``at``) travelled as ``sent``: what stays in the flat
+    residual ``e`` there, so that ``sent + e_new == p`` exactly (``coded``: ``sent`` is what
+    ``value_bits`` codes stand for)."""
+    if coded:
+        e.index_copy_(0, at, quant.remainder(exact, sent))
+    elif sent.dtype != exact.dtype:
+        e.index_copy_(0, at, exact - sent.to(exact.dtype))
+    else:
+        e.index_fill_(0, at, 0.0)

@@ -32,7 +32,6 @@ from lightning_sparse.wire.comm import Rounds, futures, run, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
-from lightning_sparse.wire.quant import coded_members_pay  # noqa: F401 (where callers find it)
 from lightning_sparse.wire.select import flush_residuals, select_sorted, settle
 from lightning_sparse.wire.small import all_gather_message, launch_small
 from lightning_sparse.wire.split import launch_split, split_wire_bytes
@@ -344,7 +343,7 @@ class DensePattern(WirePattern):
     :meth:`launch` sends the whole bucket (warm-up, fallback, a bucket of small tensors);
     :meth:`launch_members` the members below ``min_numel`` of a bucket sent sparse, packed into
     one message (with ``value_bits``, coded like the selected values and all-gathered, where that
-    moves fewer bytes: :func:`coded_members_pay`).
+    moves fewer bytes: :func:`~lightning_sparse.wire.quant.coded_members_pay`).
     """
 
     def cost(self, sizes: Sizes) -> float:

@@ -118,13 +118,8 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
 def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selection, accepted: Tensor) -> None:
     """Take the coordinates at positions ``accepted`` of the selection out of the residuals."""
     if sel.flat is not None and sel.at is not None:  # selected at once: one operator for the bucket
-        at, exact, sent = sel.at[accepted], sel.exact[accepted], sel.sent[accepted]
-        if ctx.value_bits is not None:
-            sel.flat.index_copy_(0, at, quant.remainder(exact, sent))
-        elif sent.dtype != exact.dtype:
-            sel.flat.index_copy_(0, at, exact - sent.to(exact.dtype))
-        else:
-            sel.flat.index_fill_(0, at, 0.0)
+        exact, sent = sel.exact[accepted], sel.sent[accepted]
+        batched.keep_unsent(sel.flat, sel.at[accepted], exact, sent, coded=ctx.value_bits is not None)
         return
     coords = sel.coords[accepted]
     for i, part, idx in space.by_member(coords):
