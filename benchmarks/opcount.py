@@ -15,7 +15,9 @@ host wait for the device:
   ``x[mask] = v``, which call ``nonzero`` inside the kernel, out of the dispatcher's sight);
 - copies from a device to the CPU (``aten::_to_copy`` / ``aten::copy_``; on CPU-only runs there
   are none), and ``Tensor.tolist()`` / ``Tensor.numpy()``, which read a CPU tensor without any
-  operator at all (they are counted by wrapping the two methods while the block runs).
+  operator at all (they are counted by wrapping the two methods while the block runs);
+- tensors made from host data (``torch.tensor([...], device=...)``, ``t[i] = 1``:
+  ``aten::lift_fresh``): on a GPU the copy from pageable host memory can make the host wait.
 
 These are the operators ``torch.cuda.set_sync_debug_mode`` reports on a GPU, and those the
 profiler shows as ``cudaStreamSynchronize``; ``torch.nonzero_static`` and ``torch.topk`` (sizes
@@ -188,6 +190,8 @@ class OpCounter(TorchDispatchMode):
                 self.host_reads[f"{packet} (no output_size)"] += 1
         elif packet in _COPIES and _device_to_host(packet, args, kwargs):
             self.host_reads[f"{packet} (device to host)"] += 1
+        elif packet == "aten::lift_fresh":
+            self.host_reads["torch.tensor (host data)"] += 1
         return func(*args, **kwargs)
 
     def __enter__(self) -> OpCounter:

@@ -225,7 +225,13 @@ class SparseConfig:
             step), ``False`` with ``compress="gradient"`` (DDP's default)."""
         ),
     )
-    bucket_cap_mb: float | None = field(default=None, metadata=_doc("as in DDP (None: DDP's default, 25)."))
+    bucket_cap_mb: float | None = field(
+        default=None,
+        metadata=_doc(
+            """as in DDP (None: DDP's default, 25); in update mode also the exchange's buckets (None: 1024,
+            so that a model of up to 256M float32 parameters is exchanged as one; 25 when offloading)."""
+        ),
+    )
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = field(
         default="popen",
         metadata=_doc('the launcher\'s start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.'),

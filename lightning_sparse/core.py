@@ -28,7 +28,7 @@ from lightning_sparse.ddp_args import check_ddp_kwargs
 from lightning_sparse.hook import sparse_comm_hook, update_comm_hook
 from lightning_sparse.outer import outer_step_for
 from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange, average_optimizer_states
+from lightning_sparse.update import DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES, UpdateExchange, average_optimizer_states
 
 __all__ = ["STRATEGY_NAMES", "SparseCore", "register_names"]
 
@@ -82,9 +82,12 @@ class SparseCore:
         #: the update exchange (``compress="update"``), else None
         self.update: UpdateExchange | None = None
         if config.compress == "update":
-            cap = 25.0 if config.bucket_cap_mb is None else float(config.bucket_cap_mb)
+            # offloading stages one bucket at a time on the device: there buckets bound its memory
+            offload = config.offload_global or config.offload_residual
+            default = OFFLOAD_BUCKET_BYTES if offload else DEFAULT_BUCKET_BYTES
+            cap = default if config.bucket_cap_mb is None else int(config.bucket_cap_mb * 1024 * 1024)
             outer = outer_step_for(config.outer_factory)
-            self.update = UpdateExchange(self.state, bucket_bytes=int(cap * 1024 * 1024), outer_step=outer)
+            self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
         #: keyword arguments of DistributedDataParallel
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         #: this rank's sparse state in the strategy's checkpoints
@@ -92,6 +95,8 @@ class SparseCore:
         #: update mode: the BatchNorm statistics of the global model
         self.batchnorm = GlobalBatchNorm(config.batchnorm_batches) if self.update is not None else None
         self._warned_batchnorm = False
+        #: update mode: DDP's reducer was switched off for the coming backward (see ``_reducer_when_needed``)
+        self._reducer_off = False
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -143,6 +148,29 @@ class SparseCore:
         group = model.process_group
         self.bind(model.module.named_parameters(), group, rank, world_size, device, scaler, optimizers, model.module)
         model.register_comm_hook(self.state, sparse_comm_hook if self.update is None else update_comm_hook)
+        if self.update is not None:
+            model.register_forward_pre_hook(self._reducer_when_needed)
+            model.register_forward_hook(self._buffers_as_before)
+
+    def _reducer_when_needed(self, model: DistributedDataParallel, args: Any) -> None:
+        """Update mode sends no gradient: switch DDP's reducer off (as ``no_sync`` does) for a
+        backward that needs none of it, so that a local step does not copy every gradient into
+        DDP's buckets. It is needed for the timed fallback's plain DDP steps and, under fp16 AMP, for
+        the ranks' agreement on a skipped step (:meth:`SparseExchange.keep_gradient`)."""
+        exchange = self.state.step_exchange
+        if exchange.plain_ddp or exchange.skips is not None:
+            if self._reducer_off:  # switched back on only where this switched it off; a ``no_sync``
+                model.require_backward_grad_sync = True  # the user opened is otherwise left alone
+                self._reducer_off = False
+        elif model.require_backward_grad_sync:
+            model.require_backward_grad_sync = False
+            self._reducer_off = True
+
+    def _buffers_as_before(self, model: DistributedDataParallel, args: Any, output: Any) -> None:
+        """A forward without the reducer stops DDP from broadcasting the module's buffers at the next
+        forward; keep them broadcast as with the reducer (``broadcast_buffers`` decides)."""
+        if self._reducer_off:
+            model.require_forward_param_sync = True
 
     def check_optimizers(self, optimizers: list[Any], world_size: int, module: torch.nn.Module | None = None) -> None:
         """Refuse an optimizer momentum under momentum correction; warn (rank 0) about combinations

@@ -150,7 +150,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
             buckets carry nothing there, so gradients living in them saves two copies of every gradient per
             step), ``False`` with ``compress="gradient"`` (DDP's default).
-        bucket_cap_mb: as in DDP (None: DDP's default, 25).
+        bucket_cap_mb: as in DDP (None: DDP's default, 25); in update mode also the exchange's buckets (None:
+            1024, so that a model of up to 256M float32 parameters is exchanged as one; 25 when offloading).
         accelerator: as in Fabric's ``DDPStrategy``.
         parallel_devices: as in Fabric's ``DDPStrategy``.
         cluster_environment: as in Fabric's ``DDPStrategy``.

@@ -57,8 +57,8 @@ from lightning_sparse.wire.comm import Rounds, run_together, wait
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
-#: parameters per exchanged message at most (bytes of float32 updates), like DDP's 25 MB buckets
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: float32 bytes per exchanged bucket at most: large, as a bucket costs a fixed number of operations
+DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES = 1024 * 1024 * 1024, 25 * 1024 * 1024  # the second: offloaded
 
 
 class UpdateExchange:

@@ -281,3 +281,59 @@ def test_training_advice_for_batchnorm_models() -> None:
     stats, drift = training_advice(SparseState(**{**local, "batchnorm_batches": 0}), [sgd_m], bn)
     assert "batchnorm_batches=0" in stats and "Leave batchnorm_batches at its default" in stats
     assert "WarmupDensity" in drift
+
+
+def _reducer_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sparse.config import SparseConfig
+    from lightning_sparse.core import SparseCore
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    net.register_buffer("seen", torch.full((1,), float(rank)))  # differs per rank until broadcast
+    core = SparseCore(SparseConfig(compressor="topk", density=0.5, sync_every=4))
+    ddp = DistributedDataParallel(net, **core.ddp_kwargs)
+    core.register_hook(ddp, rank, world, torch.device("cpu"))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+    def backward() -> tuple[list[torch.Tensor], list[int]]:
+        ddp.zero_grad(set_to_none=True)
+        ddp(x).square().sum().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        return grads, [p.grad.untyped_storage().data_ptr() for p in net.parameters()]
+
+    own_grads, own_storages = backward()
+    expected = []
+    for p in net.parameters():  # this rank's own gradient, computed without DDP
+        p.grad = None
+    net(x).square().sum().backward()
+    expected = [p.grad.clone() for p in net.parameters()]
+    exchange = core.state.step_exchange
+    exchange._plain_ddp = True  # the timed fallback's plain DDP step: the reducer averages
+    try:
+        averaged, _ = backward()
+    finally:
+        exchange._plain_ddp = False
+    again, _ = backward()
+    return {
+        "own": [torch.equal(g, e) for g, e in zip(own_grads, expected, strict=True)],
+        "own_storages": len(set(own_storages)),
+        "averaged": averaged,
+        "expected": expected,
+        "again": [torch.equal(g, e) for g, e in zip(again, expected, strict=True)],
+        "seen": float(net.seen),
+    }
+
+
+def test_local_steps_skip_ddps_reducer_until_a_plain_ddp_step(dist2) -> None:
+    """Update mode: a backward keeps each rank's own gradient without DDP's reducer (no copy into
+    its buckets: each gradient its own tensor, not a view of one bucket), a plain DDP step of the
+    timed fallback all-reduces as DDP does, and the buffers are still broadcast from rank 0."""
+    r0, r1 = dist2.run(_reducer_worker)
+    for r in (r0, r1):
+        assert all(r["own"]) and all(r["again"]), r
+        assert r["own_storages"] == 4  # with the reducer they would share its one bucket
+        assert r["seen"] == 0.0  # rank 0's buffer, broadcast at each forward as before
+    for a0, a1, e0, e1 in zip(r0["averaged"], r1["averaged"], r0["expected"], r1["expected"], strict=True):
+        assert torch.equal(a0, a1) and torch.allclose(a0, (e0 + e1) / 2)

@@ -69,6 +69,55 @@ def profile_counts(events: Any, steps: int, cuda: bool) -> dict[str, Any]:
     }
 
 
+def top_ops(prof: Any, steps: int, limit: int = 40) -> list[dict[str, Any]]:
+    """The profile's operators with the most self host time: name, calls, host and device
+    microseconds per step."""
+    per = 1.0 / max(1, steps)
+    rows = []
+    for avg in prof.key_averages():
+        device_us = getattr(avg, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(avg, "self_cuda_time_total", 0.0)
+        rows.append(
+            {
+                "name": avg.key,
+                "calls": per * avg.count,
+                "self_cpu_us": per * avg.self_cpu_time_total,
+                "self_device_us": per * float(device_us or 0.0),
+            }
+        )
+    rows.sort(key=lambda r: -r["self_cpu_us"])
+    return rows[:limit]
+
+
+def sync_sites(steps: Any) -> Counter[str]:
+    """Run ``steps()`` under ``torch.cuda.set_sync_debug_mode("warn")`` and count each synchronising
+    call by its innermost frames (three at most) in ``lightning_sparse``, else its innermost frame."""
+    import traceback
+    import warnings
+
+    import torch
+
+    sites: Counter[str] = Counter()
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        ours = [f for f in frames if "lightning_sparse" in f.filename]
+        chosen = ours[-3:] if ours else frames[-1:]
+        sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(chosen))] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            steps()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
+
+
 def worker(args: argparse.Namespace) -> int:
     """Run the rows ``args.runs`` in turn as process ``args.rank`` of ``args.world_size``; write
     their figures to ``args.out/rank{R}.json`` (row -> figures)."""
@@ -186,8 +235,13 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
                     step(i)
                 sync()
             profile = profile_counts(prof.events(), args.profile_steps, cuda)
+            profile["top_ops"] = top_ops(prof, args.profile_steps)
+            if cuda:  # where the host waits: each synchronising call's stack in this package, per step
+                profile["sync_sites"] = sync_sites(lambda: [step(i) for i in range(first, first + args.profile_steps)])
+                profile["sync_sites"] = {k: v / args.profile_steps for k, v in profile["sync_sites"].items()}
+                sync()
         else:
-            for i in range(first, first + args.profile_steps):
+            for i in range(first, first + args.profile_steps * (2 if cuda else 1)):
                 step(i)
             sync()
     if sparse:

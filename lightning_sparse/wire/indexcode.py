@@ -84,9 +84,6 @@ def index_bytes(n: int, k: int, coding: str) -> int:
     return 4 * k if coding == "int32" else rice_capacity_bytes(n, k)
 
 
-_BIT_SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)
-
-
 def _bad(name: str, value: object, allowed: str) -> ValueError:
     """The package's argument error, describing a tensor by dtype, shape and device (never its values)."""
     if isinstance(value, Tensor):
@@ -98,13 +95,13 @@ def _bad(name: str, value: object, allowed: str) -> ValueError:
 
 def _pack(bits: Tensor) -> Tensor:
     """Pack a uint8 0/1 tensor whose length is a multiple of 8 into bytes, MSB first."""
-    shifts = torch.tensor(_BIT_SHIFTS, dtype=torch.uint8, device=bits.device)
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)  # made there: no host copy
     return (bits.view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
 
 
 def _unpack(data: Tensor) -> Tensor:
     """Bits (uint8 0/1, MSB first) of a uint8 tensor."""
-    shifts = torch.tensor(_BIT_SHIFTS, dtype=torch.uint8, device=data.device)
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=data.device)
     return ((data.unsqueeze(1) >> shifts) & 1).flatten()
 
 
@@ -148,7 +145,7 @@ def encode_indices(idx: Tensor, n: int, k: int, out: Tensor | None = None, *, va
     if c:
         # position of each terminating one bit; clamped so that unchecked bad input stays in bounds
         ones = torch.cumsum((v >> b) + 1, 0).sub_(1).clamp_(0, unary.numel() - 1)
-        unary[ones] = 1
+        unary.index_fill_(0, ones, 1)  # a fill, not an assignment from a host tensor
     out[:low_bytes] = _pack(low)
     out[low_bytes:] = _pack(unary)
     return out

@@ -33,6 +33,17 @@ def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
     return values.to(dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _space_tensors(space: SparseSpace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """A space's member starts, their shifts to bucket offsets and its bounds (starts, then the
+    end) as int64 tensors on ``device``, made once: a tensor built from host data is a copy from
+    pageable memory, which a GPU's host waits for."""
+    shifts = [o - s for o, s in zip(space.offsets, space.starts, strict=True)]
+    made = torch.tensor((*space.starts, space.numel, *shifts), dtype=torch.int64, device=device)
+    n = len(space.starts)
+    return made[:n], made[n + 1 :], made[: n + 1]
+
+
 @dataclass(frozen=True)
 class SparseSpace:
     """A bucket's sparse members laid end to end: the coordinates gather messages address.
@@ -66,14 +77,14 @@ class SparseSpace:
         shifts = [o - s for o, s in zip(self.offsets, self.starts, strict=True)]
         if all(x == shifts[0] for x in shifts):
             return coords + shifts[0] if shifts[0] else coords
-        starts = torch.tensor(self.starts, dtype=torch.int64, device=coords.device)
+        starts, shifts_t, _ = _space_tensors(self, coords.device)
         member = torch.searchsorted(starts, coords, right=True) - 1
-        return coords + torch.tensor(shifts, dtype=torch.int64, device=coords.device)[member]
+        return coords + shifts_t[member]
 
     def by_member(self, coords: Tensor) -> list[tuple[int, slice, Tensor]]:
         """Split ascending coordinates by member: ``(position in space order, slice of coords, member-local
         indices)`` for each member that has any."""
-        bounds = torch.tensor((*self.starts, self.numel), dtype=torch.int64, device=coords.device)
+        bounds = _space_tensors(self, coords.device)[2]
         cuts = torch.searchsorted(coords, bounds).tolist()
         return [
             (i, slice(cuts[i], cuts[i + 1]), coords[cuts[i] : cuts[i + 1]] - self.starts[i])
