@@ -50,6 +50,7 @@ def _launch(
         ("--batch-size", args.batch_size),
         ("--precision", args.precision),
         ("--threads", args.threads),
+        ("--trace", None if args.trace is None else str(Path(args.trace).resolve())),
     ):
         if value is not None:
             forwarded += [option, str(value)]

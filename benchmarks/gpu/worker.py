@@ -90,6 +90,52 @@ def top_ops(prof: Any, steps: int, limit: int = 40) -> list[dict[str, Any]]:
     return rows[:limit]
 
 
+def label_exchange(strategy: Any) -> None:
+    """Name the update exchange's parts in the profile: the whole exchange after an optimizer step,
+    the waits for an average, and the arrival of delayed exchanges."""
+    import functools
+
+    import torch
+
+    update = strategy._core.update
+    for attr in ("exchange", "_wait", "_complete"):
+        original = getattr(update, attr)
+
+        @functools.wraps(original)
+        def labelled(*a: Any, _original: Any = original, _label: str = f"lightning_sparse.{attr}", **k: Any) -> Any:
+            with torch.profiler.record_function(_label):
+                return _original(*a, **k)
+
+        setattr(update, attr, labelled)
+
+
+def timeline(prof: Any, steps: int) -> dict[str, Any]:
+    """Per step: the host time inside each labelled part of the exchange (:func:`label_exchange`),
+    and the device's busy time (its kernels' and copies' durations summed)."""
+    per = 1.0 / max(1, steps)
+    ranges: Counter[str] = Counter()
+    for event in prof.events():
+        if event.name.startswith("lightning_sparse."):
+            ranges[event.name] += event.cpu_time_total
+    busy = 0.0
+    for avg in prof.key_averages():
+        device_us = getattr(avg, "self_device_time_total", None)
+        busy += float(device_us if device_us is not None else getattr(avg, "self_cuda_time_total", 0.0))
+    return {"host_us_in": {k: per * v for k, v in ranges.items()}, "device_busy_us": per * busy}
+
+
+def write_trace(prof: Any, path: Path) -> None:
+    """The profile as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
+    import gzip
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        path.write_bytes(gzip.compress(raw.read_bytes()))
+
+
 def sync_sites(steps: Any) -> Counter[str]:
     """Run ``steps()`` under ``torch.cuda.set_sync_debug_mode("warn")`` and count each synchronising
     call by its innermost frames (three at most) in ``lightning_sparse``, else its innermost frame."""
@@ -229,6 +275,8 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
 
         first = args.warmup + args.steps
         if rank == 0:
+            if sparse:
+                label_exchange(strategy)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with torch_profile(activities=activities) as prof:
                 for i in range(first, first + args.profile_steps):
@@ -236,6 +284,9 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
                 sync()
             profile = profile_counts(prof.events(), args.profile_steps, cuda)
             profile["top_ops"] = top_ops(prof, args.profile_steps)
+            profile.update(timeline(prof, args.profile_steps))
+            if args.trace:
+                write_trace(prof, Path(args.trace) / f"{name}.json.gz")
             if cuda:  # where the host waits: each synchronising call's stack in this package, per step
                 profile["sync_sites"] = sync_sites(lambda: [step(i) for i in range(first, first + args.profile_steps)])
                 profile["sync_sites"] = {k: v / args.profile_steps for k, v in profile["sync_sites"].items()}
