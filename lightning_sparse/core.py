@@ -156,9 +156,12 @@ class SparseCore:
         """Update mode sends no gradient: switch DDP's reducer off (as ``no_sync`` does) for a
         backward that needs none of it, so that a local step does not copy every gradient into
         DDP's buckets. It is needed for the timed fallback's plain DDP steps and, under fp16 AMP, for
-        the ranks' agreement on a skipped step (:meth:`SparseExchange.keep_gradient`)."""
+        the ranks' agreement on a skipped step (:meth:`SparseExchange.keep_gradient`), and for
+        ``static_graph``'s first backward."""
         exchange = self.state.step_exchange
-        if exchange.plain_ddp or exchange.skips is not None:
+        # static_graph: DDP's first backward runs its reducer whatever (it records the graph there)
+        first_static = model.static_graph and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
+        if exchange.plain_ddp or exchange.skips is not None or first_static:
             if self._reducer_off:  # switched back on only where this switched it off; a ``no_sync``
                 model.require_backward_grad_sync = True  # the user opened is otherwise left alone
                 self._reducer_off = False
