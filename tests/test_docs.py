@@ -71,6 +71,10 @@ COMMANDS = {
     "python -m benchmarks gpu --steps 30 --warmup 6 --profile-steps 3 --json gpu_step.json": (
         "benchmarks/tests/test_bench_gpu.py::test_gpu_bench_runs_every_row_on_cpus"
     ),
+    # Results: what grows with the number of parties (the test: 2 processes, a tiny GPT)
+    "python -m benchmarks parties --parties 2 4 8 --json parties.json": (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

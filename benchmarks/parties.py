@@ -1,0 +1,297 @@
+"""What grows with the number of parties: the gap to dense DDP and the exchange's inner figures.
+
+    python -m benchmarks parties                                   # 2, 4 and 8 processes
+    python -m benchmarks parties --parties 2 4 --samples 9600 --json parties.json
+
+For each number of processes (parties) it trains the same GPT (``lightning_sparse.demos.gpt.TinyGPT``,
+``--width``, ``--layers``) on standard-library source in a Fabric loop (AdamW lr 1e-3, betas (0.9,
+0.95), 10 % warm-up then cosine, gradient norm clipped at 1, batch 16 per process), each process on
+its own shard of the same training windows, for ``--samples`` windows in all: the same samples at
+every number of parties, so 4 parties take half the steps of 2. Rows, one after the other in the
+same processes: dense DDP, ``SparseDDPStrategy()`` (update mode, top-k 1 %, every step) and
+``sync_every=4, value_bits=2, warmup_steps=0``; ``--variants`` adds rows of other settings (the
+strategy's arguments as JSON; ``"outer_lr": c`` makes the outer step an SGD step of learning rate c,
+which adds c times the average).
+
+Per row: the validation loss at the end (the global model, 512 windows of modules never trained on)
+and its gap to dense DDP's at the same number of parties; the gap of the virtual model, the global
+model plus the mean of the residuals (where the average of everything each party made would be);
+and, averaged over the fit,
+
+- ``step``: the norm of the global model's change per optimizer step, against dense DDP's;
+- ``resid``: the residuals' norm against the parameters' (mean over processes);
+- ``apart``: how far the processes' views are apart, ``||e_i - mean e||`` against the parameters'
+  norm (their views are the global model plus their residuals);
+- ``one``: of the coordinates the average moved, the share that one party alone sent;
+- ``v``: the mean of AdamW's second moment (``exp_avg_sq``) against dense DDP's.
+
+These figures come from the processes' own tensors after each exchange (``sync_every=1`` rows every
+step; with local steps at each exchange), through extra all-reduces that the bytes do not count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks._ranks import checkout_env, free_port, run_ranks
+
+#: row -> strategy settings (None: dense DDP)
+ROWS: dict[str, dict[str, Any] | None] = {
+    "dense": None,
+    "default": {},
+    "every4": {"sync_every": 4, "value_bits": 2, "warmup_steps": 0},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parties", type=int, nargs="+", default=[2, 4, 8], help="(default: 2 4 8)")
+    parser.add_argument("--samples", type=int, default=19200, help="training windows in all (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--variants", nargs="*", default=[], metavar="NAME=JSON", help="more rows: 'wide={\"density\": 0.02}'"
+    )
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for one number of parties")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", default=None, help=argparse.SUPPRESS)
+
+
+def _rows(args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
+    rows = dict(ROWS)
+    for spec in args.variants:
+        name, _, settings = spec.partition("=")
+        if not name or not settings:
+            raise SystemExit(f"--variants {spec!r} is not allowed: expected NAME=JSON")
+        rows[name] = json.loads(settings)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return worker(args)
+    rows = _rows(args)
+    results: dict[str, Any] = {"samples": args.samples, "width": args.width, "layers": args.layers, "parties": {}}
+    for n in args.parties:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            port = free_port()
+            cmds = [
+                [sys.executable, "-m", "benchmarks", "parties", "--worker", "--rank", str(r), "--world", str(n),
+                 "--port", str(port), "--out", str(out), "--rows", json.dumps(rows), "--samples", str(args.samples),
+                 "--width", str(args.width), "--layers", str(args.layers), "--seed", str(args.seed)]
+                for r in range(n)
+            ]  # fmt: skip
+            import os
+
+            codes, timed_out = run_ranks(cmds, checkout_env(dict(os.environ)), [out / f"log{r}" for r in range(n)],
+                                         args.timeout)  # fmt: skip
+            if timed_out or any(codes) or not (out / "rank0.json").exists():
+                print((out / "log0").read_text()[-3000:], file=sys.stderr)
+                raise SystemExit(f"{n} parties failed: exit codes {codes}, timed out: {timed_out}")
+            results["parties"][str(n)] = json.loads((out / "rank0.json").read_text())
+        print(format_table(results, n), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def format_table(results: dict[str, Any], n: int) -> str:
+    """One markdown table of the rows at ``n`` parties."""
+    rows = results["parties"][str(n)]
+    dense = rows["dense"]
+    lines = [
+        f"{n} parties, {rows['dense']['steps']} steps each",
+        "| run | val loss | gap | virtual gap | step / dense | resid | apart | one | v / dense |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in rows.items():
+
+        def ratio(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key] / dense[key]:.2f}" if dense[key] else "-"
+
+        lines.append(
+            f"| {name} | {r['val_loss']:.4f} | {r['val_loss'] - dense['val_loss']:+.4f} | "
+            f"{r['virtual_loss'] - dense['val_loss']:+.4f} | {ratio('step')} | "
+            f"{r['resid']:.3f} | {r['apart']:.3f} | {r['one']:.2f} | {ratio('v')} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- one process
+def worker(args: argparse.Namespace) -> int:
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_sparse import end_process_group
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), WORLD_SIZE=str(args.world),
+                      NODE_RANK="0", LOCAL_RANK=str(args.rank), RANK=str(args.rank))  # fmt: skip
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world, timeout=timedelta(seconds=600))
+    figures = {name: run_row(args, settings) for name, settings in json.loads(args.rows).items()}
+    if args.rank == 0:
+        (Path(args.out) / "rank0.json").write_text(json.dumps(figures))
+    end_process_group(exit_code=0)
+    return 0
+
+
+def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+    from torch import nn
+
+    from lightning_sparse.demos.gpt import TinyGPT, load_gpt_tensors, warmup_cosine
+    from lightning_sparse.fabric import SparseDDPStrategy
+
+    world, rank, batch = args.world, args.rank, 16
+    if settings is not None and "outer_lr" in settings:  # an outer SGD step of this learning rate
+        import functools
+
+        settings = dict(settings)
+        settings["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=settings.pop("outer_lr"))
+    devices = [torch.device("cpu")] * world
+    strategy: Any = (
+        DDPStrategy(parallel_devices=devices, process_group_backend="gloo")
+        if settings is None
+        else SparseDDPStrategy(parallel_devices=devices, process_group_backend="gloo", **settings)
+    )
+    fabric = Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    torch.manual_seed(args.seed)
+    model = TinyGPT(context=32, width=args.width, layers=args.layers, heads=4)
+    steps = args.samples // (batch * world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps))
+    model, optimizer = fabric.setup(model, optimizer)
+    train, val = load_gpt_tensors(context=32, n_train=args.samples, n_val=512, seed=args.seed)
+    order = torch.randperm(args.samples, generator=torch.Generator().manual_seed(args.seed + 1))
+    mine = order[rank::world]  # every process its own shard of the same windows
+    params = list(model.parameters())
+    probe = _Probe(strategy if settings is not None else None, params, world)
+    for step in range(steps):
+        idx = mine[step * batch : (step + 1) * batch]
+        x, y = train.tensors[0][idx], train.tensors[1][idx]
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        probe.before()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        probe.after(optimizer)
+    if settings is not None:
+        strategy.global_model()
+    model.eval()
+    vx, vy = val.tensors
+    with torch.no_grad():
+        val_loss = float(nn.functional.cross_entropy(model(vx).flatten(0, 1), vy.flatten()))
+        virtual = val_loss
+        if settings is not None:  # the global model plus the mean of the residuals: what dense-like
+            update = strategy._core.update  # averaging of everything each party made would hold
+            mean_e = probe._residuals()
+            dist.all_reduce(mean_e)
+            mean_e /= world
+            pos = 0
+            for p in update._params.values():
+                p.add_(mean_e[pos : pos + p.numel()].view_as(p))
+                pos += p.numel()
+            virtual = float(nn.functional.cross_entropy(model(vx).flatten(0, 1), vy.flatten()))
+    model.train()
+    dist.barrier()
+    return {"steps": steps, "val_loss": val_loss, "virtual_loss": virtual, **probe.summary()}
+
+
+class _Probe:
+    """The inner figures, read after each exchange (dense DDP: every step)."""
+
+    def __init__(self, strategy: Any, params: list[Any], world: int) -> None:
+        import torch
+
+        self.strategy, self.params, self.world = strategy, params, world
+        self.series: dict[str, list[float]] = {"step": [], "resid": [], "apart": [], "one": [], "v": []}
+        self._flat = lambda tensors: torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        self._before: Any = None
+        self._progressed: Any = None  # the process's parameters as its optimizer left them
+        if strategy is not None:
+            update = strategy._core.update
+            exchange = update.exchange
+
+            def watched(*a: Any, **k: Any) -> Any:
+                self._progressed = self._flat(update._params.values())
+                return exchange(*a, **k)
+
+            update.exchange = watched
+
+    def _residuals(self) -> Any:
+        import torch
+
+        memory = self.strategy._core.state.memory
+        update = self.strategy._core.update
+        out = []
+        for name in update._params:
+            e = memory.get(name) if name in memory else None
+            out.append(e.reshape(-1).float() if e is not None else torch.zeros(update._params[name].numel()))
+        return torch.cat(out)
+
+    def before(self) -> None:
+        if self.strategy is None:
+            self._before = self._flat(self.params)
+            return
+        update = self.strategy._core.update
+        self._before = self._flat(update._global[n] if n in update._global else p for n, p in update._params.items())
+
+    def after(self, optimizer: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.strategy is None:
+            now = self._flat(self.params)
+        else:
+            update = self.strategy._core.update
+            now = self._flat(update._global[n] if n in update._global else p for n, p in update._params.items())
+        moved = now - self._before
+        if self.strategy is not None and not bool(moved.any()):
+            return  # a local step: no exchange
+        self.series["step"].append(float(moved.norm()))
+        v = [s["exp_avg_sq"] for s in optimizer.state.values() if "exp_avg_sq" in s]
+        if v:
+            self.series["v"].append(float(self._flat(v).mean()))
+        if self.strategy is None:
+            return
+        norm = float(now.norm())
+        e = self._residuals()
+        self.series["resid"].append(float(e.norm()) / norm)
+        mean_e = e.clone()
+        dist.all_reduce(mean_e)
+        mean_e /= self.world
+        self.series["apart"].append(float((e - mean_e).norm()) / norm)
+        # what this process sent: its parameters as its optimizer left them are global_old + u
+        # (u = e_old + progress), and u = sent + e_new; unsent coordinates differ by rounding only
+        sent_values = self._progressed - self._before - e
+        sent = sent_values.abs() > 1e-6 * self._progressed.abs() + 1e-12
+        count = sent.to(torch.int32)
+        dist.all_reduce(count)
+        moved_any = count > 0
+        self.series["one"].append(float((count == 1).sum()) / max(1, int(moved_any.sum())))
+
+    def summary(self) -> dict[str, float]:
+        return {k: (statistics.fmean(v) if v else math.nan) for k, v in self.series.items()}

@@ -1,0 +1,35 @@
+"""The parties benchmark on CPUs with a tiny GPT (the figures are read, their values not asserted
+beyond what must hold in any run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.parties import format_table
+
+
+@pytest.mark.dist
+def test_parties_bench_runs_dense_and_sparse_rows(tmp_path: Path) -> None:
+    out = tmp_path / "parties.json"
+    cmd = [sys.executable, "-m", "benchmarks", "parties", "--parties", "2", "--samples", "320", "--width", "32",
+           "--layers", "1", "--variants", 'outer2={"outer_lr": 2.0}', "--timeout", "300",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["parties"]["2"]
+    assert list(rows) == ["dense", "default", "every4", "outer2"]
+    assert all(r["steps"] == 10 for r in rows.values())  # 320 windows, batch 16, 2 processes
+    for name, r in rows.items():
+        assert math.isfinite(r["val_loss"]) and math.isfinite(r["virtual_loss"]), name
+        if name == "dense":
+            assert r["virtual_loss"] == r["val_loss"] and math.isnan(r["resid"])
+        else:  # residuals kept, views apart, and of the moved coordinates a share sent by one party
+            assert r["resid"] > 0 and r["apart"] > 0 and 0 <= r["one"] <= 1, (name, r)
+    assert "| outer2 |" in format_table(result, 2) and "| dense | " in proc.stdout
