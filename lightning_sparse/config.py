@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from lightning_sparse._utils import check_bool, check_int, resolve_value_dtype
 from lightning_sparse.compressors import Compressor, compressors_of_pattern, get_compressor
 from lightning_sparse.fallback import TimedFallback, as_fallback
+from lightning_sparse.ft_env import check_fault_tolerance
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.wire import EXCHANGES
@@ -215,6 +216,19 @@ class SparseConfig:
             optimizer state between exchanges."""
         ),
     )
+    fault_tolerant: bool = field(
+        default=False,
+        metadata=_doc("""update mode: this job is one replica group of several that meet on torchft at each
+            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that
+            dies does not stop the others and heals when it comes back (docs/fault-tolerance.md)."""),
+    )
+    min_replicas: int = field(
+        default=1, metadata=_doc("``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.")
+    )
+    quorum_timeout: float = field(
+        default=60.0,
+        metadata=_doc("``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take."),
+    )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
     static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
     gradient_as_bucket_view: bool | None = field(
@@ -332,6 +346,9 @@ class SparseConfig:
                 f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
                 "at every optimizer step there; use compress='update' for local steps, or sync_every=1."
             )
+        check_fault_tolerance(
+            self.fault_tolerant, self.min_replicas, self.quorum_timeout, self.compress, timed is not None
+        )
         outer = resolve_outer_optimizer(self.outer_optimizer)
         if outer is not None and self.compress == "gradient":
             raise ValueError(
@@ -409,6 +426,7 @@ class SparseConfig:
             "fragments": self.fragments,
             "fragment_split": self.fragment_split,
             "offload_residual": self.offload_residual,
+            "fault_tolerant": self.fault_tolerant,
         }
 
     @classmethod

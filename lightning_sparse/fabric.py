@@ -145,6 +145,11 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             exchange copies each bucket's residuals to the device and back. With ``offload_global`` the device
             holds only the model (under ``sparse_fsdp``, its shards), gradients and optimizer state between
             exchanges.
+        fault_tolerant: update mode: this job is one replica group of several that meet on torchft at each
+            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that dies
+            does not stop the others and heals when it comes back (docs/fault-tolerance.md).
+        min_replicas: ``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.
+        quorum_timeout: ``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -194,6 +199,9 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         offload_residual: bool = False,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
+        quorum_timeout: float = 60.0,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool | None = None,

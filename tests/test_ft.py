@@ -1,0 +1,181 @@
+"""Fault-tolerant replica groups on torchft: real Lighthouse, real jobs (tests/ft_worker.py), killed and restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from lightning_sparse._utils import free_port  # noqa: E402
+
+pytestmark = pytest.mark.dist
+HERE = Path(__file__).parent
+LIGHTHOUSE_ARGS = ["--join_timeout_ms", "1000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000"]
+
+
+class Groups:
+    """A Lighthouse on the loopback and replica groups (``ft_worker.py`` jobs) started against it; every
+    process this starts is killed at the end."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any], num_groups: int, min_replicas: int = 1) -> None:
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.num_groups = num_groups
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.old: list[subprocess.Popen[bytes]] = []
+        self.configs: dict[int, Path] = {}
+        self.config = config
+        port = free_port()
+        self.address = f"http://127.0.0.1:{port}"
+        # torchft_lighthouse, the script torchft installs beside this interpreter
+        script = Path(sys.executable).parent / "torchft_lighthouse"
+        lighthouse = [str(script) if script.exists() else "torchft_lighthouse"]
+        self.lighthouse = subprocess.Popen(
+            [*lighthouse, "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_ARGS],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def start(self, group: int, **overrides: Any) -> None:
+        cfg = self.tmp / f"config_g{group}.json"
+        cfg.write_text(json.dumps({**self.config, **overrides}))
+        env = dict(os.environ)
+        for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+            env.pop(key, None)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            TORCHFT_LIGHTHOUSE=self.address,
+            REPLICA_GROUP_ID=str(group),
+            NUM_REPLICA_GROUPS=str(self.num_groups),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
+        if group in self.procs:
+            self.old.append(self.procs[group])
+        log = open(self.tmp / f"log_g{group}_{len(self.old)}.txt", "wb")
+        self.procs[group] = subprocess.Popen(
+            [sys.executable, str(HERE / "ft_worker.py"), str(cfg)],
+            cwd=self.tmp,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the group's launcher and its processes: one process group to signal
+        )
+
+    def step(self, group: int) -> int:
+        path = self.tmp / f"progress_g{group}_r0.txt"
+        lines = path.read_text().split() if path.exists() else []
+        return int(lines[-1]) if lines else 0
+
+    def signal(self, group: int, sig: int) -> None:
+        os.killpg(self.procs[group].pid, sig)
+
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while not ready():
+            for g, p in self.procs.items():
+                if p.poll() not in (None, 0) and p.returncode != -signal.SIGKILL:
+                    raise AssertionError(f"group {g} exited with {p.returncode}:\n{self.log(g)}")
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out waiting for {what}; steps {[self.step(g) for g in self.procs]}")
+            time.sleep(0.05)
+
+    def finish(self, groups: list[int], timeout: float = 180) -> list[dict[str, Any]]:
+        for g in groups:
+            try:
+                code = self.procs[g].wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"group {g} did not finish:\n{self.log(g)}") from None
+            assert code == 0, f"group {g} exited with {code}:\n{self.log(g)}"
+        return [torch.load(self.tmp / f"result_g{g}_r0.pt", weights_only=False) for g in groups]
+
+    def log(self, group: int, tail: int = 4000) -> str:
+        logs = sorted(self.tmp.glob(f"log_g{group}_*.txt"))
+        return "\n".join(p.read_text(errors="replace")[-tail:] for p in logs)
+
+    def close(self) -> None:
+        for p in [*self.procs.values(), *self.old]:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
+        self.lighthouse.kill()
+        self.lighthouse.wait(timeout=10)
+
+
+def _identical(results: list[dict[str, Any]]) -> bool:
+    first = results[0]["params"]
+    return all(torch.equal(first[n], r["params"][n]) for r in results[1:] for n in first)
+
+
+def _run(tmp: Path, config: dict[str, Any], num_groups: int) -> list[dict[str, Any]]:
+    """Every group from the first step to the last (the Lighthouse waits for all of them)."""
+    groups = Groups(tmp, config, num_groups, min_replicas=num_groups)
+    try:
+        for g in range(num_groups):
+            groups.start(g)
+        return groups.finish(list(range(num_groups)))
+    finally:
+        groups.close()
+
+
+CONFIG = {"max_steps": 160, "sync_every": 4, "value_bits": 2, "step_sleep": 0.1, "quorum_timeout": 10.0}
+
+
+def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> None:
+    reference = _run(tmp_path / "reference", CONFIG, 3)
+    assert _identical(reference)
+    assert [r["steps"] for r in reference] == [list(range(1, 161))] * 3
+    groups = Groups(tmp_path / "faulty", CONFIG, 3, min_replicas=2)  # two start together; the third may heal in
+    try:
+        for g in range(3):
+            groups.start(g)
+        groups.wait_for("group 2 at step 30", lambda: groups.step(2) >= 30)
+        groups.signal(2, signal.SIGKILL)
+        killed_at = groups.step(0)
+        groups.wait_for("20 more steps of group 0", lambda: groups.step(0) >= killed_at + 20)
+        groups.start(2)  # the same command again
+        results = groups.finish([0, 1, 2])
+    finally:
+        groups.close()
+    survivors, restarted = results[:2], results[2]
+    for r in survivors:  # no restart, no step repeated or lost (one that booted late took the others' step)
+        assert r["steps"] == list(range(r["steps"][0], 161)) and r["heals"] <= 1  # at most at its start
+    assert restarted["heals"] >= 1 and restarted["global_step"] == 160
+    assert restarted["steps"][-1] == 160 and restarted["steps"][0] > 40  # it took over the others' step
+    assert _identical(results), "the three groups' global models differ"
+    assert abs(results[0]["val_loss"] - reference[0]["val_loss"]) < 0.05
+    assert all(r["participants"] == 3 for r in results)
+
+
+def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_path: Path) -> None:
+    config = {**CONFIG, "max_steps": 48, "check_rollback": True}
+    groups = Groups(tmp_path, config, 3, min_replicas=2)
+    try:
+        groups.start(0)
+        groups.start(1)
+        groups.start(2, die_in_exchange=20)
+        results = groups.finish([0, 1])
+    finally:
+        groups.close()
+    for r in results:
+        assert r["rollbacks"] >= 1 and r["rollback_checks"] and all(r["rollback_checks"]), r["rollback_checks"]
+        assert r["steps"] == list(range(r["steps"][0], 49))
+        assert r["participants"] == 2
+    assert _identical(results)
+    log = groups.log(0, tail=10**7)
+    assert "did not commit" in log and "rolled back" in log
