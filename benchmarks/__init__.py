@@ -13,4 +13,5 @@ COMMANDS: dict[str, str] = {
     "checkpoint": "benchmarks.checkpoint",
     "sharding": "benchmarks.sharding",
     "gpu": "benchmarks.gpu",
+    "ft": "benchmarks.ft",
 }

@@ -52,6 +52,9 @@ from lightning_sparse.core import SparseCore, register_names
 from lightning_sparse.fabric_fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric_hooks import FabricHooks
 from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.ft import FaultTolerantUpdate
+from lightning_sparse.ft_env import shard_across_groups
+from lightning_sparse.ft_front import fabric_recovery
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 
@@ -246,6 +249,12 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # fault-tolerant: shard over every replica group's processes, as torchft's DistributedSampler does
+        return shard_across_groups(super().distributed_sampler_kwargs, self._core.config.fault_tolerant)
+
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap the module in DDP and register the sparse communication on it (any device)."""
         model = super().setup_module(module)
@@ -253,6 +262,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         self._core.register_hook(
             model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers
         )
+        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes the optimizers' states too
+            self._core.update.front_end = fabric_recovery(lambda: self._optimizers)
         self._watch_forward(model)
         self._ddp_model = model
         return model

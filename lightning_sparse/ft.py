@@ -91,6 +91,12 @@ class FaultTolerantUpdate(UpdateExchange):
         return state
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps this group has taken (a healing group takes them over from a healthy one:
+        a Fabric loop that runs ``while update.steps < max_steps`` ends with the others)."""
+        return self._steps
+
+    @property
     def active(self) -> bool:
         """Always: the group exchanges with the other groups, whatever its own size."""
         return True
@@ -179,9 +185,10 @@ class FaultTolerantUpdate(UpdateExchange):
                 manager.start_quorum()
             except Exception as error:
                 raise RuntimeError(
-                    f"lightning_sparse: replica group {self._group_id()}'s quorum failed ({_gist(error)}) within "
-                    f"quorum_timeout={self.quorum_timeout:g} s; is the torchft Lighthouse at "
-                    f"TORCHFT_LIGHTHOUSE={self.env.lighthouse if self.env else None!r} running?"
+                    f"lightning_sparse: replica group {self._group_id()} found no quorum within quorum_timeout="
+                    f"{self.quorum_timeout:g} s ({_gist(error)}): fewer live groups than the Lighthouse's "
+                    "--min_replicas asked for one (the others ended or died), or the torchft Lighthouse at "
+                    f"TORCHFT_LIGHTHOUSE={self.env.lighthouse if self.env else None!r} is gone"
                 ) from error
             if manager.num_participants() >= self.min_replicas:
                 break
@@ -277,6 +284,15 @@ class FaultTolerantUpdate(UpdateExchange):
         """Heal: take a healthy group's global model, outer step, counters and inner optimizer
         states; the residual starts at zero and the module holds the global model."""
         self._in_flight = []
+        behind = self._steps
+        if behind:  # not this process's start: it was left out meanwhile
+            warnings.warn(
+                f"lightning_sparse: replica group {self._group_id()} was behind the quorum at its step {behind} "
+                f"(the others at step {received['steps']}): the other groups dropped it (it stalled longer than "
+                f"quorum_timeout={self.quorum_timeout:g} s, or its exchange failed), so it healed from a healthy "
+                "group; its unsent progress (residual) starts again at zero.",
+                stacklevel=2,
+            )
         self.state.load_state_dict(received["sparse"])
         self.state.memory.clear()
         self.outer_step.load_state_dict(received["outer"])

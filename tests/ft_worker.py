@@ -98,11 +98,70 @@ def _die_in_exchange(step: int, trainer_ref: list[Any]) -> None:
     comm.all_gather = all_gather  # type: ignore[assignment]
 
 
+def fabric_main(cfg: dict[str, Any], group: int) -> None:
+    """The same fit as a Fabric loop: it runs until the group's step count (taken over when healing) ends."""
+    from lightning_sparse.fabric import SparseDDPStrategy as FabricStrategy
+
+    strategy = FabricStrategy(
+        fault_tolerant=True,
+        compressor="topk",
+        density=0.1,
+        sync_every=cfg.get("sync_every", 4),
+        value_bits=cfg.get("value_bits", 2),
+        min_numel=0,
+        quorum_timeout=cfg.get("quorum_timeout", 10.0),
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=cfg.get("devices", 1), strategy=strategy)
+    fabric.launch()
+    module = Net(cfg.get("step_sleep", 0.0))
+    model, optimizer = fabric.setup(module.net, torch.optim.AdamW(module.net.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(data(4096, seed=7), batch_size=16, shuffle=True))
+    update = strategy.update_exchange
+    assert isinstance(update, FaultTolerantUpdate)
+    steps: list[int] = []
+    path = f"progress_g{group}_r{fabric.global_rank}.txt"
+    while update.steps < cfg["max_steps"]:
+        for x, y in loader:
+            if module.step_sleep:
+                time.sleep(module.step_sleep)
+            loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append(update.steps)
+            with open(path, "a") as f:
+                f.write(f"{update.steps}\n")
+            if update.steps >= cfg["max_steps"]:
+                break
+    strategy.global_model()
+    val = data(512, seed=99)
+    with torch.no_grad():
+        loss_value = nn.functional.mse_loss(module.net(val.tensors[0]), val.tensors[1]).item()
+    result = {
+        "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
+        "steps": steps,
+        "val_loss": loss_value,
+        "global_step": update.steps,
+        "commits": update.commits,
+        "rollbacks": update.rollbacks,
+        "heals": update.heals,
+        "quorum_seconds": update.quorum_seconds,
+        "participants": update.participants,
+        "rollback_checks": [],
+        "bytes": strategy.sparse_state.telemetry.total.sent_bytes,
+    }
+    torch.save(result, f"result_g{group}_r{fabric.global_rank}.pt")
+    update.close()
+
+
 def main() -> None:
     cfg = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
+    if cfg.get("front") == "fabric":
+        fabric_main(cfg, group)
+        return
     strategy = SparseDDPStrategy(
         fault_tolerant=cfg.get("fault_tolerant", True),
         compressor="topk",

@@ -133,13 +133,13 @@ def _run(tmp: Path, config: dict[str, Any], num_groups: int) -> list[dict[str, A
         groups.close()
 
 
-CONFIG = {"max_steps": 160, "sync_every": 4, "value_bits": 2, "step_sleep": 0.1, "quorum_timeout": 10.0}
+CONFIG = {"max_steps": 240, "sync_every": 4, "value_bits": 2, "step_sleep": 0.1, "quorum_timeout": 10.0}
 
 
 def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> None:
     reference = _run(tmp_path / "reference", CONFIG, 3)
     assert _identical(reference)
-    assert [r["steps"] for r in reference] == [list(range(1, 161))] * 3
+    assert [r["steps"] for r in reference] == [list(range(1, 241))] * 3
     groups = Groups(tmp_path / "faulty", CONFIG, 3, min_replicas=2)  # two start together; the third may heal in
     try:
         for g in range(3):
@@ -154,9 +154,9 @@ def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> Non
         groups.close()
     survivors, restarted = results[:2], results[2]
     for r in survivors:  # no restart, no step repeated or lost (one that booted late took the others' step)
-        assert r["steps"] == list(range(r["steps"][0], 161)) and r["heals"] <= 1  # at most at its start
-    assert restarted["heals"] >= 1 and restarted["global_step"] == 160
-    assert restarted["steps"][-1] == 160 and restarted["steps"][0] > 40  # it took over the others' step
+        assert r["steps"] == list(range(r["steps"][0], 241)) and r["heals"] <= 1  # at most at its start
+    assert restarted["heals"] >= 1 and restarted["global_step"] == 240
+    assert restarted["steps"][-1] == 240 and restarted["steps"][0] > 40  # it took over the others' step
     assert _identical(results), "the three groups' global models differ"
     assert abs(results[0]["val_loss"] - reference[0]["val_loss"]) < 0.05
     assert all(r["participants"] == 3 for r in results)
@@ -179,3 +179,77 @@ def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_p
     assert _identical(results)
     log = groups.log(0, tail=10**7)
     assert "did not commit" in log and "rolled back" in log
+
+
+def test_an_unreachable_lighthouse_is_named(tmp_path: Path) -> None:
+    groups = Groups(tmp_path, {**CONFIG, "max_steps": 8, "quorum_timeout": 2.0}, 1)
+    try:
+        groups.lighthouse.kill()  # nothing answers at TORCHFT_LIGHTHOUSE
+        groups.lighthouse.wait(timeout=10)
+        groups.start(0)
+        assert groups.procs[0].wait(timeout=120) != 0
+    finally:
+        groups.close()
+    assert "could not reach the torchft Lighthouse at TORCHFT_LIGHTHOUSE=" in groups.log(0, tail=10**7)
+
+
+@pytest.mark.slow
+def test_a_stalled_group_is_dropped_and_heals_when_it_wakes(tmp_path: Path) -> None:
+    config = {**CONFIG, "max_steps": 200, "quorum_timeout": 3.0}
+    groups = Groups(tmp_path, config, 3, min_replicas=2)
+    try:
+        for g in range(3):
+            groups.start(g)
+        groups.wait_for("group 2 at step 30", lambda: groups.step(2) >= 30)
+        groups.signal(2, signal.SIGSTOP)
+        stopped_at = groups.step(0)
+        groups.wait_for("the others 20 steps on", lambda: min(groups.step(0), groups.step(1)) >= stopped_at + 20, 60)
+        groups.signal(2, signal.SIGCONT)
+        results = groups.finish([0, 1, 2])
+    finally:
+        groups.close()
+    for r in results[:2]:
+        assert r["steps"] == list(range(r["steps"][0], 201))
+    assert results[2]["global_step"] == 200 and results[2]["heals"] >= 1
+    log = groups.log(2, tail=10**7)
+    assert "was behind the quorum" in log and "dropped it (it stalled longer than quorum_timeout" in log
+    assert _identical(results)
+
+
+@pytest.mark.slow
+def test_with_min_replicas_2_the_survivor_waits_for_the_other_to_heal(tmp_path: Path) -> None:
+    config = {**CONFIG, "max_steps": 240, "min_replicas": 2}
+    groups = Groups(tmp_path, config, 2)
+    try:
+        groups.start(0)
+        groups.start(1)
+        groups.wait_for("group 1 at step 20", lambda: groups.step(1) >= 20)
+        groups.signal(1, signal.SIGKILL)
+        killed_at = groups.step(0)
+        time.sleep(4.0)  # 40 steps' time: group 0 stops at its next exchange (within sync_every steps)
+        assert groups.step(0) <= killed_at + 4
+        groups.start(1)
+        results = groups.finish([0, 1])
+    finally:
+        groups.close()
+    assert results[0]["steps"] == list(range(results[0]["steps"][0], 241))
+    assert results[1]["heals"] >= 1 and results[1]["global_step"] == 240
+    assert _identical(results)
+
+
+def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
+    config = {**CONFIG, "front": "fabric", "max_steps": 160}
+    groups = Groups(tmp_path, config, 2)
+    try:
+        groups.start(0)
+        groups.start(1)
+        groups.wait_for("group 1 at step 20", lambda: groups.step(1) >= 20)
+        groups.signal(1, signal.SIGKILL)
+        groups.start(1)
+        results = groups.finish([0, 1])
+    finally:
+        groups.close()
+    steps = results[0]["steps"]
+    assert steps == list(range(steps[0], 161)) and results[0]["global_step"] == 160
+    assert results[1]["heals"] >= 1 and results[1]["global_step"] == 160
+    assert _identical(results)
