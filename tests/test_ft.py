@@ -47,7 +47,7 @@ class Groups:
             stderr=subprocess.DEVNULL,
         )
 
-    def start(self, group: int, **overrides: Any) -> None:
+    def start(self, group: int, command: list[str] | None = None, **overrides: Any) -> None:
         cfg = self.tmp / f"config_g{group}.json"
         cfg.write_text(json.dumps({**self.config, **overrides}))
         env = dict(os.environ)
@@ -66,7 +66,7 @@ class Groups:
             self.old.append(self.procs[group])
         log = open(self.tmp / f"log_g{group}_{len(self.old)}.txt", "wb")
         self.procs[group] = subprocess.Popen(
-            [sys.executable, str(HERE / "ft_worker.py"), str(cfg)],
+            command or [sys.executable, str(HERE / "ft_worker.py"), str(cfg)],
             cwd=self.tmp,
             env=env,
             stdout=log,
@@ -253,3 +253,51 @@ def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
     assert steps == list(range(steps[0], 161)) and results[0]["global_step"] == 160
     assert results[1]["heals"] >= 1 and results[1]["global_step"] == 160
     assert _identical(results)
+
+
+@pytest.mark.slow
+def test_groups_of_two_processes_heal_and_end_identical(tmp_path: Path) -> None:
+    config = {**CONFIG, "devices": 2, "max_steps": 200}
+    groups = Groups(tmp_path, config, 2)
+    try:
+        groups.start(0)
+        groups.start(1)
+        groups.wait_for("group 1 at step 20", lambda: groups.step(1) >= 20)
+        groups.signal(1, signal.SIGKILL)  # the group's launcher and both its processes
+        groups.start(1)
+        groups.finish([0, 1])
+    finally:
+        groups.close()
+    results = [torch.load(tmp_path / f"result_g{g}_r{r}.pt", weights_only=False) for g in (0, 1) for r in (0, 1)]
+    assert results[0]["steps"] == list(range(results[0]["steps"][0], 201))
+    assert results[2]["heals"] >= 1 and results[3]["heals"] >= 1 and results[2]["global_step"] == 200
+    assert _identical(results)  # both processes of both groups
+
+
+def test_the_cli_runs_replica_groups(tmp_path: Path) -> None:
+    pytest.importorskip("jsonargparse")
+    pytest.importorskip("sklearn")
+    groups = Groups(tmp_path, {}, 2, min_replicas=2)
+    fit = [
+        *("--trainer.devices=1", "--trainer.max_steps=12", "--trainer.limit_val_batches=1"),
+        *("--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=false", "--trainer.log_every_n_steps=1"),
+        *("--trainer.enable_progress_bar=false", "--trainer.strategy.init_args.fault_tolerant=true"),
+        *("--trainer.strategy.init_args.sync_every=4", "--trainer.strategy.init_args.quorum_timeout=10"),
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+    ]
+    try:
+        for g in range(2):
+            cli = [sys.executable, str(HERE.parent / "examples" / "cli.py"), "fit"]
+            cli += ["--config", str(HERE.parent / "examples" / "configs" / "topk.yaml"), *fit]
+            groups.start(g, command=[*cli, f"--trainer.logger.save_dir={tmp_path / f'g{g}'}"])
+        for g in range(2):
+            assert groups.procs[g].wait(timeout=240) == 0, groups.log(g)
+    finally:
+        groups.close()
+    for g in range(2):
+        assert "fault_tolerant=True" in groups.log(g, tail=10**7)
+        metrics = (next((tmp_path / f"g{g}").rglob("metrics.csv"))).read_text().splitlines()
+        header = metrics[0].split(",")
+        column = header.index("sparse/replica_groups")
+        seen = {row.split(",")[column] for row in metrics[1:] if row.split(",")[column]}
+        assert seen == {"2.0"}, seen  # both groups took part in every exchange
