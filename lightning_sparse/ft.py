@@ -33,6 +33,7 @@ from lightning_sparse.outer import OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.update import DEFAULT_BUCKET_BYTES, UpdateExchange
 from lightning_sparse.wire import Collectives
+from lightning_sparse.wire.comm import wait
 
 __all__ = ["FaultTolerantUpdate", "FrontEndState"]
 
@@ -171,6 +172,7 @@ class FaultTolerantUpdate(UpdateExchange):
             self._quorum_at = self._steps
             self._quorum()
             if not self._due():  # the first step, not an exchange's: the quorum ends here
+                self._barrier()
                 self._commit()
         super().hold_local(params)
 
@@ -199,6 +201,14 @@ class FaultTolerantUpdate(UpdateExchange):
         self.participants = manager.num_participants()
         rank = manager.participating_rank()
         self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
+
+    def _barrier(self) -> None:
+        """One small all-reduce among the quorum: a group that heals joins it only once its recovery
+        is complete, so the healthy groups serve their state until then (``should_commit`` ends it)."""
+        try:
+            wait(Collectives(self._pg, self.participants).all_reduce(torch.zeros(1)))
+        except Exception as error:
+            self.manager.report_error(error)
 
     def _commit(self) -> bool:
         self._open = False

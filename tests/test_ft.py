@@ -301,3 +301,12 @@ def test_the_cli_runs_replica_groups(tmp_path: Path) -> None:
         column = header.index("sparse/replica_groups")
         seen = {row.split(",")[column] for row in metrics[1:] if row.split(",")[column]}
         assert seen == {"2.0"}, seen  # both groups took part in every exchange
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [{"fragments": 2}, {"sync_delay": 1}, {"value_bits": None}], ids=str)
+def test_fragments_delays_and_plain_values_work_across_groups(tmp_path: Path, variant: dict[str, Any]) -> None:
+    config = {**CONFIG, "max_steps": 80, "step_sleep": 0.0, **variant}
+    results = _run(tmp_path, config, 2)
+    assert _identical(results)
+    assert all(r["steps"] == list(range(1, 81)) and r["commits"] >= 20 for r in results)
