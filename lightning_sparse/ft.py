@@ -33,10 +33,11 @@ from lightning_sparse.outer import OuterStep
 from lightning_sparse.state import SparseState
 from lightning_sparse.update import DEFAULT_BUCKET_BYTES, UpdateExchange
 from lightning_sparse.wire import Collectives
-from lightning_sparse.wire.comm import wait
 
 __all__ = ["FaultTolerantUpdate", "FrontEndState"]
 
+#: a process's first quorum waits this many times ``quorum_timeout`` for the other groups to start
+STARTUP_QUORUM_TRIES = 10
 #: a front end's part of the state a healing group receives: (save, load)
 FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
 
@@ -85,6 +86,7 @@ class FaultTolerantUpdate(UpdateExchange):
         self._steps = 0  # optimizer steps this process took part in (the quorum guard)
         self._quorum_at: int | None = None
         self._open = False  # a quorum waits for its should_commit
+        self._met = False  # this process had a quorum
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -171,9 +173,12 @@ class FaultTolerantUpdate(UpdateExchange):
         if self.manager is not None and self._quorum_at != self._steps and (self._quorum_at is None or self._due()):
             self._quorum_at = self._steps
             self._quorum()
-            if not self._due():  # the first step, not an exchange's: the quorum ends here
-                self._barrier()
-                self._commit()
+            if not self._due():
+                # The process's first step, not an exchange's: nothing to commit. A group behind took
+                # a healthy one's state here; groups that all start afresh meet at step 0, and torchft
+                # (init_sync) has them take the first group's state at their first exchange's quorum,
+                # where the exchange's collectives keep the state served until it has arrived.
+                self._open = False
         super().hold_local(params)
 
     def _quorum(self) -> None:
@@ -182,13 +187,15 @@ class FaultTolerantUpdate(UpdateExchange):
         manager = self.manager
         began = time.perf_counter()
         self._complete()  # exchanges in flight arrive before the process group reconfigures
+        # the process's first quorum waits longer: the other groups may still be starting
+        patience = self.quorum_timeout * (1 if self._met else STARTUP_QUORUM_TRIES)
         while True:
             try:
-                manager.start_quorum()
+                manager.start_quorum(timeout=timedelta(seconds=patience))
             except Exception as error:
                 raise RuntimeError(
-                    f"lightning_sparse: replica group {self._group_id()} found no quorum within quorum_timeout="
-                    f"{self.quorum_timeout:g} s ({_gist(error)}): fewer live groups than the Lighthouse's "
+                    f"lightning_sparse: replica group {self._group_id()} found no quorum within {patience:g} s "
+                    f"({_gist(error)}): fewer live groups than the Lighthouse's "
                     "--min_replicas asked for one (the others ended or died), or the torchft Lighthouse at "
                     f"TORCHFT_LIGHTHOUSE={self.env.lighthouse if self.env else None!r} is gone"
                 ) from error
@@ -197,18 +204,11 @@ class FaultTolerantUpdate(UpdateExchange):
             manager.should_commit()  # too few groups: this quorum commits nothing; wait and ask again
             time.sleep(0.1)
         self.quorum_seconds += time.perf_counter() - began
+        self._met = True
         self._open = True
         self.participants = manager.num_participants()
         rank = manager.participating_rank()
         self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
-
-    def _barrier(self) -> None:
-        """One small all-reduce among the quorum: a group that heals joins it only once its recovery
-        is complete, so the healthy groups serve their state until then (``should_commit`` ends it)."""
-        try:
-            wait(Collectives(self._pg, self.participants).all_reduce(torch.zeros(1)))
-        except Exception as error:
-            self.manager.report_error(error)
 
     def _commit(self) -> bool:
         self._open = False

@@ -6,6 +6,7 @@ Every step appends the Trainer's global step to ``progress_g{g}_r{rank}.txt`` (t
 kill, stop and restart groups); at the end each process writes ``result_g{g}_r{rank}.pt``: its global
 model, the steps it took, its validation loss and the exchange's counters. ``"die_in_exchange": N``
 makes the group's process kill itself inside the exchange of step N (in its first collective);
+``"checkpoint_dir"`` saves Lightning's checkpoints in its ``g{g}/``, ``"resume"`` fits on from one;
 ``"check_rollback": true`` checks, at every exchange that rolled back, that the residuals, the global
 model and the process's view are exactly as before it (written to the result).
 """
@@ -182,7 +183,8 @@ def main() -> None:
         strategy=strategy,
         max_steps=cfg["max_steps"],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(cfg.get("checkpoint_dir")),
+        default_root_dir=f"{cfg['checkpoint_dir']}/g{group}" if cfg.get("checkpoint_dir") else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -204,7 +206,7 @@ def main() -> None:
 
         trainer.callbacks.append(Watch())  # type: ignore[attr-defined]
     loader = DataLoader(data(4096, seed=7), batch_size=16, shuffle=True)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=cfg.get("resume"))
     val = data(512, seed=99)
     with torch.no_grad():
         loss = nn.functional.mse_loss(module.net(val.tensors[0]), val.tensors[1]).item()

@@ -163,18 +163,20 @@ def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> Non
 
 
 def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_path: Path) -> None:
-    config = {**CONFIG, "max_steps": 48, "check_rollback": True}
+    config = {**CONFIG, "max_steps": 160, "check_rollback": True}
     groups = Groups(tmp_path, config, 3, min_replicas=2)
     try:
         groups.start(0)
         groups.start(1)
-        groups.start(2, die_in_exchange=20)
+        groups.wait_for("groups 0 and 1 training", lambda: min(groups.step(0), groups.step(1)) >= 1)
+        groups.start(2, die_in_exchange=20)  # it joins (heals) later, and dies in its first exchange after step 20
+        assert groups.procs[2].wait(timeout=120) == -signal.SIGKILL  # it died inside the exchange
         results = groups.finish([0, 1])
     finally:
         groups.close()
     for r in results:
         assert r["rollbacks"] >= 1 and r["rollback_checks"] and all(r["rollback_checks"]), r["rollback_checks"]
-        assert r["steps"] == list(range(r["steps"][0], 49))
+        assert r["steps"] == list(range(1, 161))
         assert r["participants"] == 2
     assert _identical(results)
     log = groups.log(0, tail=10**7)
@@ -310,3 +312,21 @@ def test_fragments_delays_and_plain_values_work_across_groups(tmp_path: Path, va
     results = _run(tmp_path, config, 2)
     assert _identical(results)
     assert all(r["steps"] == list(range(1, 81)) and r["commits"] >= 20 for r in results)
+
+
+def test_a_group_saves_its_checkpoints_and_resumes_from_them(tmp_path: Path) -> None:
+    config = {**CONFIG, "max_steps": 16, "step_sleep": 0.0, "checkpoint_dir": str(tmp_path / "ckpt")}
+    groups = Groups(tmp_path, config, 2, min_replicas=2)
+    try:
+        groups.start(0)
+        groups.start(1)
+        first = groups.finish([0, 1])
+        saved = [sorted((tmp_path / "ckpt" / f"g{g}").rglob("*.ckpt")) for g in range(2)]
+        assert all(len(files) == 1 for files in saved), saved  # each group its own file
+        for g in range(2):
+            groups.start(g, max_steps=32, resume=str(saved[g][0]))
+        resumed = groups.finish([0, 1])
+    finally:
+        groups.close()
+    assert _identical(first) and _identical(resumed)
+    assert all(r["steps"] == list(range(17, 33)) for r in resumed)
