@@ -133,7 +133,7 @@ def _run(tmp: Path, config: dict[str, Any], num_groups: int) -> list[dict[str, A
         groups.close()
 
 
-CONFIG = {"max_steps": 240, "sync_every": 4, "value_bits": 2, "step_sleep": 0.1, "quorum_timeout": 10.0}
+CONFIG = {"max_steps": 240, "sync_every": 4, "value_bits": 2, "step_sleep": 0.1, "quorum_timeout": 30.0}
 
 
 def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> None:
