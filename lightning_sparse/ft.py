@@ -145,7 +145,7 @@ class FaultTolerantUpdate(UpdateExchange):
                 lighthouse_addr=env.lighthouse,
                 replica_id=f"lightning_sparse_{env.group_id}",
                 hostname=host,
-                init_sync=False,  # groups start from the same seeded model; a group behind heals
+                init_sync=True,
             )
         except Exception as error:
             raise RuntimeError(
@@ -174,10 +174,11 @@ class FaultTolerantUpdate(UpdateExchange):
             self._quorum_at = self._steps
             self._quorum()
             if not self._due():
-                # The process's first step, not an exchange's: groups that start afresh together meet
-                # here (nobody heals: they start from the same seeded model); a group that starts late
-                # meets the others at their next exchange's quorum, heals there, and exchanges with them.
-                self._commit()
+                # The process's first step, not an exchange's: nothing to commit. A group behind took
+                # a healthy one's state here; groups that all start afresh meet at step 0, and torchft
+                # (init_sync) has them take the first group's state at their first exchange's quorum,
+                # where the exchange's collectives keep the state served until it has arrived.
+                self._open = False
         super().hold_local(params)
 
     def _quorum(self) -> None:
