@@ -14,4 +14,5 @@ COMMANDS: dict[str, str] = {
     "sharding": "benchmarks.sharding",
     "gpu": "benchmarks.gpu",
     "parties": "benchmarks.parties",
+    "ft": "benchmarks.ft",
 }

@@ -221,6 +221,9 @@ class CompressionMonitor(Callback):
         figures = compression_figures(
             interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio(), inside
         )
+        replicas = getattr(getattr(trainer.strategy, "update_exchange", None), "replica_figures", None)
+        if replicas is not None:  # fault_tolerant: groups in the last quorum, rollbacks, heals
+            figures.update(replicas())
         for name, value in figures.items():
             pl_module.log(
                 name,

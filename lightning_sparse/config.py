@@ -22,7 +22,8 @@ from torch.optim import Optimizer
 from lightning_sparse._utils import check_bool, check_int, resolve_value_dtype
 from lightning_sparse.compressors import Compressor, compressors_of_pattern, get_compressor
 from lightning_sparse.fallback import TimedFallback, as_fallback
-from lightning_sparse.outer import OuterStep
+from lightning_sparse.ft_env import check_fault_tolerance
+from lightning_sparse.outer import OuterStep, resolve_outer_optimizer
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.wire import EXCHANGES
 from lightning_sparse.wire.quant import VALUE_BITS
@@ -215,6 +216,19 @@ class SparseConfig:
             optimizer state between exchanges."""
         ),
     )
+    fault_tolerant: bool = field(
+        default=False,
+        metadata=_doc("""update mode: this job is one replica group of several that meet on torchft at each
+            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that
+            dies does not stop the others and heals when it comes back (docs/fault-tolerance.md)."""),
+    )
+    min_replicas: int = field(
+        default=1, metadata=_doc("``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.")
+    )
+    quorum_timeout: float = field(
+        default=60.0,
+        metadata=_doc("``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take."),
+    )
     find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
     static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
     gradient_as_bucket_view: bool | None = field(
@@ -338,6 +352,9 @@ class SparseConfig:
                 f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
                 "at every optimizer step there; use compress='update' for local steps, or sync_every=1."
             )
+        check_fault_tolerance(
+            self.fault_tolerant, self.min_replicas, self.quorum_timeout, self.compress, timed is not None
+        )
         outer = resolve_outer_optimizer(self.outer_optimizer)
         if outer is not None and self.compress == "gradient":
             raise ValueError(
@@ -415,50 +432,13 @@ class SparseConfig:
             "fragments": self.fragments,
             "fragment_split": self.fragment_split,
             "offload_residual": self.offload_residual,
+            "fault_tolerant": self.fault_tolerant,
         }
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> SparseConfig:
         """The config of the settings among ``arguments`` (a shell's ``locals()``)."""
         return cls(**{name: arguments[name] for name in setting_names() if name in arguments})
-
-
-#: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)
-NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-
-
-def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
-    """``outer_optimizer`` as a factory of optimizers or an outer step (None: add the average), else
-    ValueError.
-
-    A class or factory is tried once on a one-element parameter list, so that something that does
-    not make a ``torch.optim.Optimizer`` is refused here rather than at the first exchange.
-
-    Example:
-        >>> resolve_outer_optimizer("nesterov")([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
-        0.7
-    """
-    if value is None:
-        return None
-    if isinstance(value, OuterStep):
-        return value
-    if value == "nesterov":
-        return functools.partial(torch.optim.SGD, **NESTEROV)
-    allowed = (
-        "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), a torch.optim.Optimizer "
-        "class or a callable that makes one from a list of parameters, or an OuterStep instance"
-    )
-    if isinstance(value, str) or not callable(value):
-        raise ValueError(f"outer_optimizer={value!r} is not allowed: {allowed}.")
-    try:
-        made = value([torch.nn.Parameter(torch.zeros(1))])
-    except Exception as error:
-        raise ValueError(
-            f"outer_optimizer={value!r} is not allowed: calling it on a parameter list failed ({error}); {allowed}."
-        ) from error
-    if not isinstance(made, Optimizer):
-        raise ValueError(f"outer_optimizer={value!r} is not allowed: it made a {type(made).__name__}; {allowed}.")
-    return typing.cast(Callable[[Iterable[Any]], Optimizer], value)
 
 
 def describe_callable(value: Any) -> Any:

@@ -25,6 +25,7 @@ from lightning_sparse.batchnorm import GlobalBatchNorm
 from lightning_sparse.checkpoint import CheckpointPayload
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.ddp_args import check_ddp_kwargs
+from lightning_sparse.ft import FaultTolerantUpdate
 from lightning_sparse.hook import sparse_comm_hook, update_comm_hook
 from lightning_sparse.outer import outer_step_for
 from lightning_sparse.state import SparseState
@@ -87,7 +88,10 @@ class SparseCore:
             default = OFFLOAD_BUCKET_BYTES if offload else DEFAULT_BUCKET_BYTES
             cap = default if config.bucket_cap_mb is None else int(config.bucket_cap_mb * 1024 * 1024)
             outer = outer_step_for(config.outer_factory)
-            self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
+            if config.fault_tolerant:  # one replica group among others, on torchft
+                self.update = FaultTolerantUpdate(self.state, cap, outer, config.min_replicas, config.quorum_timeout)
+            else:
+                self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
         #: keyword arguments of DistributedDataParallel
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         #: this rank's sparse state in the strategy's checkpoints
@@ -126,6 +130,8 @@ class SparseCore:
             return
         # each rank keeps its own gradient; the exchange runs after the optimizer step
         self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
+        if isinstance(self.update, FaultTolerantUpdate):
+            self.update.start(process_group, rank, world_size)
         if module is not None and self.batchnorm is not None:
             self.batchnorm.attach(module, self.state.step)
         if optimizers is not None:
@@ -147,6 +153,8 @@ class SparseCore:
             raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
         group = model.process_group
         self.bind(model.module.named_parameters(), group, rank, world_size, device, scaler, optimizers, model.module)
+        if isinstance(self.update, FaultTolerantUpdate):  # fault-tolerant: DDP averages inside the group
+            return
         model.register_comm_hook(self.state, sparse_comm_hook if self.update is None else update_comm_hook)
         if self.update is not None:
             model.register_forward_pre_hook(self._reducer_when_needed)

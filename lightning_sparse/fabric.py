@@ -52,6 +52,9 @@ from lightning_sparse.core import SparseCore, register_names
 from lightning_sparse.fabric_fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric_hooks import FabricHooks
 from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.ft import FaultTolerantUpdate
+from lightning_sparse.ft_env import shard_across_groups
+from lightning_sparse.ft_front import fabric_recovery
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 
@@ -145,6 +148,11 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             exchange copies each bucket's residuals to the device and back. With ``offload_global`` the device
             holds only the model (under ``sparse_fsdp``, its shards), gradients and optimizer state between
             exchanges.
+        fault_tolerant: update mode: this job is one replica group of several that meet on torchft at each
+            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that dies
+            does not stop the others and heals when it comes back (docs/fault-tolerance.md).
+        min_replicas: ``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.
+        quorum_timeout: ``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -195,6 +203,9 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         offload_residual: bool = False,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
+        quorum_timeout: float = 60.0,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool | None = None,
@@ -239,6 +250,12 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # fault-tolerant: shard over every replica group's processes, as torchft's DistributedSampler does
+        return shard_across_groups(super().distributed_sampler_kwargs, self._core.config.fault_tolerant)
+
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap the module in DDP and register the sparse communication on it (any device)."""
         model = super().setup_module(module)
@@ -246,6 +263,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         self._core.register_hook(
             model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers
         )
+        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes the optimizers' states too
+            self._core.update.front_end = fabric_recovery(lambda: self._optimizers)
         self._watch_forward(model)
         self._ddp_model = model
         return model

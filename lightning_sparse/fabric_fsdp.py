@@ -123,11 +123,16 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         offload_residual: bool = False,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
+        quorum_timeout: float = 60.0,
         bucket_cap_mb: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        check_sharding_arguments(compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules)
+        check_sharding_arguments(
+            compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules, fault_tolerant
+        )
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise ValueError(f"parallelize_fn={parallelize_fn!r} is not allowed: expected a callable or None")
         if parallelize_fn is not None and sharded_modules is not None:

@@ -122,13 +122,18 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         offload_residual: bool = False,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
+        quorum_timeout: float = 60.0,
         bucket_cap_mb: float | None = None,
         compression_monitor: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_bool("compression_monitor", compression_monitor)
-        check_sharding_arguments(compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules)
+        check_sharding_arguments(
+            compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules, fault_tolerant
+        )
         self._core = SparseCore(SparseConfig.of(locals()))
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.compression_monitor = compression_monitor

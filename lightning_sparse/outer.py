@@ -9,6 +9,8 @@ an outer optimizer (a momentum step on the average, a scaled or decayed step) is
 
 from __future__ import annotations
 
+import functools
+import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -127,3 +129,41 @@ def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | N
     if isinstance(setting, OuterStep):
         return setting
     return AddAverage() if setting is None else OptimizerStep(setting)
+
+
+#: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)
+NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
+    """``outer_optimizer`` as a factory of optimizers or an outer step (None: add the average), else
+    ValueError.
+
+    A class or factory is tried once on a one-element parameter list, so that something that does
+    not make a ``torch.optim.Optimizer`` is refused here rather than at the first exchange.
+
+    Example:
+        >>> resolve_outer_optimizer("nesterov")([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
+        0.7
+    """
+    if value is None:
+        return None
+    if isinstance(value, OuterStep):
+        return value
+    if value == "nesterov":
+        return functools.partial(torch.optim.SGD, **NESTEROV)
+    allowed = (
+        "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), a torch.optim.Optimizer "
+        "class or a callable that makes one from a list of parameters, or an OuterStep instance"
+    )
+    if isinstance(value, str) or not callable(value):
+        raise ValueError(f"outer_optimizer={value!r} is not allowed: {allowed}.")
+    try:
+        made = value([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as error:
+        raise ValueError(
+            f"outer_optimizer={value!r} is not allowed: calling it on a parameter list failed ({error}); {allowed}."
+        ) from error
+    if not isinstance(made, Optimizer):
+        raise ValueError(f"outer_optimizer={value!r} is not allowed: it made a {type(made).__name__}; {allowed}.")
+    return typing.cast(Callable[[Iterable[Any]], Optimizer], value)

@@ -60,6 +60,9 @@ FSDP_SETTINGS = (
     "fragment_split",
     "offload_global",
     "offload_residual",
+    "fault_tolerant",
+    "min_replicas",
+    "quorum_timeout",
     "bucket_cap_mb",
 )
 MESH_DIMS = ("replicate", "shard")
@@ -77,9 +80,19 @@ def settings_doc() -> str:
 
 
 def check_sharding_arguments(
-    compress: Any, fallback_to_dense: Any, momentum_correction: Any, shard_size: Any, sharded_modules: Any
+    compress: Any,
+    fallback_to_dense: Any,
+    momentum_correction: Any,
+    shard_size: Any,
+    sharded_modules: Any,
+    fault_tolerant: Any = False,
 ) -> None:
     """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError)."""
+    if fault_tolerant is True:
+        raise ValueError(
+            "fault_tolerant=True is not allowed with SparseFSDPStrategy: expected False; fault-tolerant replica "
+            "groups run with sparse_ddp (Trainer or Fabric) for now (docs/fault-tolerance.md)"
+        )
     if compress != "update":
         raise ValueError(
             f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "

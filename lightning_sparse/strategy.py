@@ -26,6 +26,9 @@ from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.core import SparseCore, register_names
 from lightning_sparse.fallback import TimedFallback
+from lightning_sparse.ft import FaultTolerantUpdate
+from lightning_sparse.ft_env import shard_across_groups
+from lightning_sparse.ft_front import trainer_recovery
 from lightning_sparse.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.trainer_hooks import TrainerHooks
@@ -119,6 +122,11 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             exchange copies each bucket's residuals to the device and back. With ``offload_global`` the device
             holds only the model (under ``sparse_fsdp``, its shards), gradients and optimizer state between
             exchanges.
+        fault_tolerant: update mode: this job is one replica group of several that meet on torchft at each
+            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that dies
+            does not stop the others and heals when it comes back (docs/fault-tolerance.md).
+        min_replicas: ``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.
+        quorum_timeout: ``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take.
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
@@ -172,6 +180,9 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         fragment_split: Literal["strided", "contiguous"] = "strided",
         offload_global: bool = False,
         offload_residual: bool = False,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
+        quorum_timeout: float = 60.0,
         compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -223,6 +234,14 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         self._core.register_hook(
             self.model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self.optimizers
         )
+        if isinstance(self._core.update, FaultTolerantUpdate):
+            self._core.update.front_end = trainer_recovery(self)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # fault-tolerant: shard over every replica group's processes, as torchft's DistributedSampler does
+        return shard_across_groups(super().distributed_sampler_kwargs, self._core.config.fault_tolerant)
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -479,6 +479,9 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "fragments": {"sync_every": 4, "fragments": 2},
     "fragment_split": {"sync_every": 4, "fragments": 2, "fragment_split": "contiguous"},
     "offload_residual": {"offload_residual": True},
+    "fault_tolerant": {"fault_tolerant": True},
+    "min_replicas": {"min_replicas": 2},
+    "quorum_timeout": {"quorum_timeout": 30.0},
     "fallback_to_dense": {"fallback_to_dense": "time"},
     "momentum_correction": {"compress": "gradient", "momentum_correction": 0.9},
     "exchange": {"exchange": "split"},
@@ -494,8 +497,9 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def test_summary_header_names_every_setting_that_differs_from_its_default() -> None:
+def test_summary_header_names_every_setting_that_differs_from_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
     import functools
+    import importlib.util
 
     from lightning_sparse.config import SparseConfig, setting_names
     from lightning_sparse.fallback import TimedFallback
@@ -506,7 +510,12 @@ def test_summary_header_names_every_setting_that_differs_from_its_default() -> N
     default = "Sparse update communication: TopK(fast=True), ConstantDensity(density=0.01); 110 steps, rank 0 of 2"
     assert fit_title(SparseConfig(), 110, 0, 2) == default
     assert fit_title(SparseConfig(seed=0, min_numel=1024, value_dtype=None, sync_every=1), 110, 0, 2) == default
+    env = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2"}
+    for key, value in env.items():  # fault_tolerant=True reads them at construction
+        monkeypatch.setenv(key, value)
     for name, kwargs in _CHANGED_SETTINGS.items():
+        if name == "fault_tolerant" and importlib.util.find_spec("torchft") is None:
+            continue  # it needs the optional package
         config = SparseConfig(**kwargs)
         also = [n for n in ("sync_every", "fragments") if n in kwargs and n != name]  # what the setting needs
         assert list(changed_settings(config)) == [*also, name], name

@@ -104,6 +104,12 @@ def first_line(error: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
+def reconfigurable(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is one ``torch.distributed`` did not create (torchft's process groups, which
+    reconfigure at each quorum): its own methods are called then, as torchft does."""
+    return group is not None and group not in dist.distributed_c10d._world.pg_map
+
+
 # The raw collectives (module functions, looked up at every call: a test may stand in its own to
 # read what crosses the wire).
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future[list[Tensor]]:
@@ -113,6 +119,10 @@ def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future
 
 def all_gather(output: Tensor, tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future[list[Tensor]]:
     """Concatenate every rank's ``tensor`` (same size on all ranks) into ``output``, asynchronously."""
+    if reconfigurable(group):
+        assert group is not None
+        opts = dist.distributed_c10d.AllgatherOptions()
+        return group.allgather_into_tensor_coalesced([output], [tensor], opts).get_future()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, tensor, group=group, async_op=True).get_future()
 

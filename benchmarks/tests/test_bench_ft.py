@@ -1,0 +1,29 @@
+"""``python -m benchmarks ft``: three replica groups, one killed and restarted, against the fit without failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ft_bench_reports_what_a_failure_costs(tmp_path: Path) -> None:
+    out = tmp_path / "ft.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "benchmarks", "ft", "--steps", "200", "--kill-at", "40", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["survivor_steps_lost"] == 0 and figures["identical_global_models"]
+    assert figures["heals_of_restarted_group"] >= 1 and figures["killed_group_steps_not_trained"] > 0
+    assert abs(figures["val_loss_faulty"][0] - figures["val_loss_clean"][0]) < 0.05

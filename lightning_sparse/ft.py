@@ -1,0 +1,338 @@
+"""Update-mode exchanges among replica groups on torchft: a quorum per exchange, rollback and healing.
+
+A replica group is one job (its own launcher and processes). With ``fault_tolerant=True`` the
+groups meet through torchft's Lighthouse: before each optimizer step at which an exchange is due
+(and before a process's first step), :class:`FaultTolerantUpdate` asks its ``torchft.Manager`` for
+a quorum of the live groups. A group behind the quorum heals there: the Manager fetches a healthy
+group's state (global model, outer step, counters, inner optimizer states; the residual starts at
+zero) through torchft's checkpoint transport and loads it. The exchange then runs among the
+quorum through torchft's reconfigurable process group (process ``r`` of each group with process
+``r`` of the others), and ``should_commit`` says whether it succeeded everywhere: if not, the
+exchange is rolled back (residuals, global model, outer step, counters as before it; the process
+keeps its own view) and the group carries on with local steps and exchanges at the next step with
+the new quorum. Inside a group of several processes DDP averages the gradients, so the group's
+processes stay identical and each exchanges the whole model with its counterparts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparse.ft_env import ReplicaGroupEnv, require_torchft
+from lightning_sparse.outer import OuterStep
+from lightning_sparse.state import SparseState
+from lightning_sparse.update import DEFAULT_BUCKET_BYTES, UpdateExchange
+from lightning_sparse.wire import Collectives
+
+__all__ = ["FaultTolerantUpdate", "FrontEndState"]
+
+#: a process's first quorum waits this many times ``quorum_timeout`` for the other groups to start
+STARTUP_QUORUM_TRIES = 10
+#: a front end's part of the state a healing group receives: (save, load)
+FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
+
+
+class FaultTolerantUpdate(UpdateExchange):
+    """The update exchange of one replica group among the live groups, on torchft.
+
+    Args:
+        state: as for :class:`~lightning_sparse.update.UpdateExchange`.
+        bucket_bytes: as for :class:`~lightning_sparse.update.UpdateExchange`.
+        outer_step: as for :class:`~lightning_sparse.update.UpdateExchange`.
+        min_replicas: the fewest replica groups an exchange runs with; with fewer the group waits.
+        quorum_timeout: seconds a quorum, a collective or a recovery may take.
+
+    Example:
+        >>> from lightning_sparse import SparseState
+        >>> exchange = FaultTolerantUpdate(SparseState(compressor="topk", density=0.5), min_replicas=2)
+        >>> exchange.active, exchange.commits, exchange.rollbacks
+        (True, 0, 0)
+    """
+
+    def __init__(
+        self,
+        state: SparseState,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        outer_step: OuterStep | None = None,
+        min_replicas: int = 1,
+        quorum_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(state, bucket_bytes, outer_step)
+        self.min_replicas = int(min_replicas)
+        self.quorum_timeout = float(quorum_timeout)
+        #: the front end's part of the healing state (optimizer states, step counters), set by it
+        self.front_end: FrontEndState | None = None
+        #: exchanges committed, rolled back; recoveries from a peer; groups in the last quorum
+        self.commits = 0
+        self.rollbacks = 0
+        self.heals = 0
+        self.participants = 0
+        #: seconds spent waiting for quorums (and for enough groups)
+        self.quorum_seconds = 0.0
+        self.manager: Any = None
+        self.env: ReplicaGroupEnv | None = None
+        self._pg: Any = None
+        self._store: Any = None
+        self._steps = 0  # optimizer steps this process took part in (the quorum guard)
+        self._quorum_at: int | None = None
+        self._open = False  # a quorum waits for its should_commit
+        self._met = False  # this process had a quorum
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(manager=None, _pg=None, _store=None, front_end=None)
+        return state
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps this group has taken (a healing group takes them over from a healthy one:
+        a Fabric loop that runs ``while update.steps < max_steps`` ends with the others)."""
+        return self._steps
+
+    @property
+    def active(self) -> bool:
+        """Always: the group exchanges with the other groups, whatever its own size."""
+        return True
+
+    # ------------------------------------------------------------------ start and end
+    def start(self, group: dist.ProcessGroup | None, group_rank: int, group_world: int) -> None:
+        """Join the replica groups: host (group rank 0) or reach this group's store, and build the
+        torchft ``Manager`` with its reconfigurable gloo process group. ``group``: the job's own
+        process group (the store's port is broadcast over it)."""
+        if self.manager is not None:
+            return
+        require_torchft()
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.env = env = ReplicaGroupEnv.read()
+        os.environ.setdefault("RUST_LOG", "warn")
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = [0]
+        if group_rank == 0:
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = [self._store.port]
+        if group_world > 1:
+            source = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.broadcast_object_list(port, src=source, group=group)
+        timeout = timedelta(seconds=self.quorum_timeout)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        try:
+            self.manager = Manager(
+                pg=self._pg,
+                load_state_dict=self._load_state_dict,
+                state_dict=self._state_dict,
+                min_replica_size=self.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                rank=group_rank,
+                world_size=group_world,
+                store_addr=host,
+                store_port=port[0],
+                lighthouse_addr=env.lighthouse,
+                replica_id=f"lightning_sparse_{env.group_id}",
+                hostname=host,
+                init_sync=True,
+            )
+        except Exception as error:
+            raise RuntimeError(
+                f"lightning_sparse: replica group {env.group_id} could not reach the torchft Lighthouse at "
+                f"TORCHFT_LIGHTHOUSE={env.lighthouse!r} ({_gist(error)}); start it with `torchft_lighthouse "
+                "--min_replicas 1 --bind [::]:PORT` and set TORCHFT_LIGHTHOUSE=http://HOST:PORT."
+            ) from error
+
+    def close(self) -> None:
+        """Leave the groups (the Manager's servers end)."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    # ------------------------------------------------------------------ the step
+    def _due(self) -> bool:
+        """Whether an exchange is due at the coming optimizer step (some fragment ends its cycle)."""
+        h = self.state.config.sync_every
+        return not self.state.cycle or any(v + 1 >= h for v in self.state.cycle.values())
+
+    @torch.no_grad()
+    def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
+        """Before an optimizer step at which an exchange is due (and before the first): the quorum,
+        healing where the group is behind it; then this process's view, as in update mode."""
+        if self.manager is not None and self._quorum_at != self._steps and (self._quorum_at is None or self._due()):
+            self._quorum_at = self._steps
+            self._quorum()
+            if not self._due():
+                # The process's first step, not an exchange's: nothing to commit. A group behind took
+                # a healthy one's state here; groups that all start afresh meet at step 0, and torchft
+                # (init_sync) has them take the first group's state at their first exchange's quorum,
+                # where the exchange's collectives keep the state served until it has arrived.
+                self._open = False
+        super().hold_local(params)
+
+    def _quorum(self) -> None:
+        """A quorum of at least ``min_replicas`` live groups (waiting for them), then the exchange's
+        collectives go through torchft's process group among them."""
+        manager = self.manager
+        began = time.perf_counter()
+        self._complete()  # exchanges in flight arrive before the process group reconfigures
+        # the process's first quorum waits longer: the other groups may still be starting
+        patience = self.quorum_timeout * (1 if self._met else STARTUP_QUORUM_TRIES)
+        while True:
+            try:
+                manager.start_quorum(timeout=timedelta(seconds=patience))
+            except Exception as error:
+                raise RuntimeError(
+                    f"lightning_sparse: replica group {self._group_id()} found no quorum within {patience:g} s "
+                    f"({_gist(error)}): fewer live groups than the Lighthouse's "
+                    "--min_replicas asked for one (the others ended or died), or the torchft Lighthouse at "
+                    f"TORCHFT_LIGHTHOUSE={self.env.lighthouse if self.env else None!r} is gone"
+                ) from error
+            if manager.num_participants() >= self.min_replicas:
+                break
+            manager.should_commit()  # too few groups: this quorum commits nothing; wait and ask again
+            time.sleep(0.1)
+        self.quorum_seconds += time.perf_counter() - began
+        self._met = True
+        self._open = True
+        self.participants = manager.num_participants()
+        rank = manager.participating_rank()
+        self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
+
+    def _commit(self) -> bool:
+        self._open = False
+        committed = bool(self.manager.should_commit())
+        return committed
+
+    @torch.no_grad()
+    def exchange(self, params: Iterable[Tensor] | None = None) -> None:
+        """After the optimizer step: the exchange among the quorum when due (committed everywhere, or
+        rolled back), else a local step."""
+        self._steps += 1
+        if not self._open:
+            super().exchange(params)
+            return
+        saved = self._snapshot()
+        error: Exception | None = None
+        try:
+            super().exchange(params)
+            if self._in_flight:  # should_commit needs the collectives' outcome: wait for them here
+                self._complete()
+        except Exception as e:  # a collective failed: a group died or stalled
+            error = e
+            self.manager.report_error(e)
+        if self._commit():
+            self.commits += 1
+            return
+        self.rollbacks += 1
+        self._restore(saved)
+        cause = _gist(error) if error is not None else "another group's collective failed"
+        warnings.warn(
+            f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
+            f"commit ({cause}); rolled back: residuals, global model and outer step as before it. A group that "
+            "died or stalled longer than quorum_timeout is dropped; the next step exchanges with the new quorum.",
+            stacklevel=2,
+        )
+
+    # ------------------------------------------------------------------ rollback
+    def _global_of(self, name: str) -> Tensor:
+        return self._global[name] if name in self._local else self._params[name]
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "views": {n: p.detach().clone() for n, p in self._params.items()},
+            "global": {n: self._global_of(n).detach().clone() for n in self._params},
+            "local": set(self._local),
+            "outer": copy.deepcopy(self.outer_step.state_dict()),
+            "sparse": self.state.state_dict(copy=True),
+        }
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self._in_flight = []
+        self.state.load_state_dict(saved["sparse"])
+        self.outer_step.load_state_dict(saved["outer"])
+        for name, p in self._params.items():
+            g = self._global.get(name)
+            if g is None or g.shape != p.shape:
+                g = self._global[name] = torch.empty_like(p)
+            g.copy_(saved["global"][name])
+            if name in saved["local"]:
+                p.copy_(saved["views"][name])
+                self._local.add(name)
+            else:
+                p.copy_(saved["global"][name])
+                self._synced[name] = p._version
+                self._local.discard(name)
+
+    # ------------------------------------------------------------------ healing
+    def _state_dict(self) -> dict[str, Any]:
+        """What a group that heals from this one receives (copies: the transport serves them while
+        this group goes on)."""
+        sparse = self.state.state_dict(copy=True)
+        sparse["residuals"], sparse["velocity"] = {}, {}
+        return {
+            "global": {n: self._global_of(n).detach().cpu().clone() for n in self._params},
+            "outer": copy.deepcopy(self.outer_step.state_dict()),
+            "sparse": sparse,
+            "steps": self._steps,
+            "front_end": copy.deepcopy(self.front_end[0]()) if self.front_end is not None else {},
+        }
+
+    @torch.no_grad()
+    def _load_state_dict(self, received: dict[str, Any]) -> None:
+        """Heal: take a healthy group's global model, outer step, counters and inner optimizer
+        states; the residual starts at zero and the module holds the global model."""
+        self._in_flight = []
+        behind = self._steps
+        if behind:  # not this process's start: it was left out meanwhile
+            warnings.warn(
+                f"lightning_sparse: replica group {self._group_id()} was behind the quorum at its step {behind} "
+                f"(the others at step {received['steps']}): the other groups dropped it (it stalled longer than "
+                f"quorum_timeout={self.quorum_timeout:g} s, or its exchange failed), so it healed from a healthy "
+                "group; its unsent progress (residual) starts again at zero.",
+                stacklevel=2,
+            )
+        self.state.load_state_dict(received["sparse"])
+        self.state.memory.clear()
+        self.outer_step.load_state_dict(received["outer"])
+        for name, p in self._params.items():
+            value = received["global"][name].to(p.device)
+            p.copy_(value)
+            g = self._global.get(name)
+            if g is not None and g.shape == p.shape:
+                g.copy_(value)
+            self._synced[name] = p._version
+            self._local.discard(name)
+        self._steps = int(received["steps"])
+        self._quorum_at = self._steps
+        if self.front_end is not None:
+            self.front_end[1](received["front_end"])
+        self.heals += 1
+
+    # ------------------------------------------------------------------ telemetry
+    def replica_figures(self) -> dict[str, float]:
+        """``sparse/replica_groups`` (groups in the last quorum), ``sparse/rollbacks``, ``sparse/heals``."""
+        return {
+            "sparse/replica_groups": float(self.participants),
+            "sparse/rollbacks": float(self.rollbacks),
+            "sparse/heals": float(self.heals),
+        }
+
+    def _group_id(self) -> int | None:
+        return None if self.env is None else self.env.group_id
+
+
+def _gist(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]

@@ -1,0 +1,156 @@
+"""Where a fault-tolerant replica group finds torchft, its Lighthouse and its place among the groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+__all__ = ["FT_EXTRA", "ReplicaGroupEnv", "check_fault_tolerance", "require_torchft"]
+
+#: how to install what ``fault_tolerant=True`` needs
+FT_EXTRA = "pip install 'lightning_sparse[ft]'"
+
+
+def require_torchft() -> ModuleType:
+    """torchft, imported; else ImportError naming the extra that installs it.
+
+    Example:
+        >>> try:
+        ...     require_torchft().__name__
+        ... except ImportError as error:
+        ...     "lightning_sparse[ft]" in str(error)
+        'torchft'
+    """
+    try:
+        import torchft
+    except ImportError as error:
+        raise ImportError(
+            f"fault_tolerant=True needs torchft (torchft>=0.2, Linux), which is not installed ({error}); "
+            f"install the optional extra: {FT_EXTRA}"
+        ) from error
+    return torchft
+
+
+@dataclass(frozen=True)
+class ReplicaGroupEnv:
+    """This replica group's place among the groups, read from torchft's environment variables.
+
+    Args:
+        lighthouse: ``TORCHFT_LIGHTHOUSE``, the Lighthouse's address (``http://host:port``).
+        group_id: ``REPLICA_GROUP_ID``, this group's number, ``0 <= group_id < num_groups``.
+        num_groups: ``NUM_REPLICA_GROUPS``, the most replica groups there will be (the data is
+            sharded over this many).
+
+    Example:
+        >>> env = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3"}
+        >>> ReplicaGroupEnv.read(env).group_id
+        1
+        >>> try:
+        ...     ReplicaGroupEnv.read({})
+        ... except ValueError as error:
+        ...     "TORCHFT_LIGHTHOUSE" in str(error)
+        True
+    """
+
+    lighthouse: str
+    group_id: int
+    num_groups: int
+
+    @classmethod
+    def read(cls, environ: Any = None) -> ReplicaGroupEnv:
+        """The variables from ``environ`` (default: ``os.environ``); a missing or bad one raises
+        ValueError naming it and what to set."""
+        env = os.environ if environ is None else environ
+        lighthouse = env.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise ValueError(
+                "fault_tolerant=True needs the environment variable TORCHFT_LIGHTHOUSE: the address of the torchft "
+                "Lighthouse every replica group meets at (start one with `torchft_lighthouse --min_replicas 1 "
+                "--bind [::]:29510`, then set TORCHFT_LIGHTHOUSE=http://HOST:29510); it is not set."
+            )
+        if "://" not in lighthouse:
+            raise ValueError(
+                f"TORCHFT_LIGHTHOUSE={lighthouse!r} is not allowed: expected an address like http://HOST:PORT."
+            )
+        num = _int_var(
+            env, "NUM_REPLICA_GROUPS", "the most replica groups there will be (the data is sharded over them)"
+        )
+        group = _int_var(
+            env, "REPLICA_GROUP_ID", f"this replica group's number, 0 to NUM_REPLICA_GROUPS - 1 = {num - 1}"
+        )
+        if not 0 <= group < num:
+            raise ValueError(
+                f"REPLICA_GROUP_ID={group} is not allowed with NUM_REPLICA_GROUPS={num}: expected 0 to {num - 1}."
+            )
+        return cls(lighthouse, group, num)
+
+
+def _int_var(env: Any, name: str, what: str) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        raise ValueError(f"fault_tolerant=True needs the environment variable {name}: {what}; it is not set.")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not allowed: expected a whole number ({what}).") from None
+    if value < (1 if name == "NUM_REPLICA_GROUPS" else 0):
+        raise ValueError(f"{name}={raw!r} is not allowed: expected a whole number ({what}).")
+    return value
+
+
+def check_fault_tolerance(
+    fault_tolerant: Any, min_replicas: Any, quorum_timeout: Any, compress: str, timed_fallback: bool
+) -> None:
+    """Validate the fault-tolerance settings; with ``fault_tolerant=True`` also that torchft is
+    installed and the replica group's environment is set (ValueError / ImportError naming what to set).
+
+    Example:
+        >>> check_fault_tolerance(False, 1, 60.0, "update", False)
+        >>> try:
+        ...     check_fault_tolerance(False, 0, 60.0, "update", False)
+        ... except ValueError as error:
+        ...     str(error).split(":")[0]
+        'min_replicas=0 is not allowed'
+    """
+    if not isinstance(fault_tolerant, bool):
+        raise ValueError(f"fault_tolerant={fault_tolerant!r} is not allowed: expected True or False.")
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+        raise ValueError(
+            f"min_replicas={min_replicas!r} is not allowed: expected a whole number >= 1 (the fewest replica groups "
+            "an exchange may run with)."
+        )
+    t = quorum_timeout
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise ValueError(f"quorum_timeout={t!r} is not allowed: expected a number of seconds > 0.")
+    if not fault_tolerant:
+        return
+    if compress != "update":
+        raise ValueError(
+            f"fault_tolerant=True is not allowed with compress={compress!r}: replica groups meet at the exchanges "
+            "of update mode; use compress='update' (with sync_every > 1 the groups need each other only there)."
+        )
+    if timed_fallback:
+        raise ValueError(
+            "fault_tolerant=True is not allowed with fallback_to_dense='time': its plain DDP steps all-reduce "
+            "gradients inside one job; use fallback_to_dense=True or False."
+        )
+    require_torchft()
+    ReplicaGroupEnv.read()
+
+
+def shard_across_groups(kwargs: dict[str, Any], fault_tolerant: bool) -> dict[str, Any]:
+    """A DistributedSampler's ``num_replicas``/``rank`` over every replica group's processes
+    (``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, then the rank inside the group), as torchft's
+    ``DistributedSampler`` shards; unchanged without ``fault_tolerant``.
+
+    Example:
+        >>> shard_across_groups({"num_replicas": 2, "rank": 1}, fault_tolerant=False)
+        {'num_replicas': 2, 'rank': 1}
+    """
+    if not fault_tolerant:
+        return kwargs
+    env = ReplicaGroupEnv.read()
+    inside = int(kwargs["num_replicas"])
+    return {**kwargs, "num_replicas": inside * env.num_groups, "rank": int(kwargs["rank"]) + inside * env.group_id}

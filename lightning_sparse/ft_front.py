@@ -1,0 +1,65 @@
+"""What a healing replica group takes from a healthy one besides the exchange's state: each front end's part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_sparse.ft import FrontEndState
+
+__all__ = ["fabric_recovery", "trainer_recovery"]
+
+
+def trainer_recovery(strategy: Any) -> FrontEndState:
+    """A Trainer strategy's part: the inner optimizers' and learning-rate schedulers' states and the
+    Trainer's step counters (so that a healed group finishes at the same ``max_steps``).
+
+    Example:
+        >>> save, load = trainer_recovery(object())
+        >>> callable(save) and callable(load)
+        True
+    """
+
+    def save() -> dict[str, Any]:
+        trainer = strategy.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        return {
+            "optimizers": [o.state_dict() for o in strategy.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in strategy.lr_scheduler_configs],
+            "global_step": trainer.global_step,
+            "batches_that_stepped": loop._batches_that_stepped,
+        }
+
+    def load(state: dict[str, Any]) -> None:
+        for optimizer, saved in zip(strategy.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(strategy.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        module = strategy.lightning_module
+        loop = module.trainer.fit_loop.epoch_loop
+        if module.automatic_optimization:
+            progress = loop.automatic_optimization.optim_progress.optimizer.step
+        else:
+            progress = loop.manual_optimization.optim_step_progress
+        progress.total.ready = progress.total.completed = int(state["global_step"])
+        loop._batches_that_stepped = int(state["batches_that_stepped"])
+
+    return save, load
+
+
+def fabric_recovery(optimizers: Any) -> FrontEndState:
+    """A Fabric strategy's part: the states of the optimizers it set up (``optimizers()`` lists them).
+
+    Example:
+        >>> save, load = fabric_recovery(lambda: [])
+        >>> save()
+        {'optimizers': []}
+    """
+
+    def save() -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in optimizers()]}
+
+    def load(state: dict[str, Any]) -> None:
+        for optimizer, saved in zip(optimizers(), state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+
+    return save, load
