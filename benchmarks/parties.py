@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -94,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
                  "--width", str(args.width), "--layers", str(args.layers), "--seed", str(args.seed)]
                 for r in range(n)
             ]  # fmt: skip
-            import os
-
             codes, timed_out = run_ranks(cmds, checkout_env(dict(os.environ)), [out / f"log{r}" for r in range(n)],
                                          args.timeout)  # fmt: skip
             if timed_out or any(codes) or not (out / "rank0.json").exists():
@@ -132,7 +131,6 @@ def format_table(results: dict[str, Any], n: int) -> str:
 
 # ---------------------------------------------------------------------- one process
 def worker(args: argparse.Namespace) -> int:
-    import os
     from datetime import timedelta
 
     import torch

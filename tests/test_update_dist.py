@@ -304,7 +304,6 @@ def _reducer_worker(rank: int, world: int) -> dict[str, Any]:
         return grads, [p.grad.untyped_storage().data_ptr() for p in net.parameters()]
 
     own_grads, own_storages = backward()
-    expected = []
     for p in net.parameters():  # this rank's own gradient, computed without DDP
         p.grad = None
     net(x).square().sum().backward()

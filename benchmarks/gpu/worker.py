@@ -288,8 +288,8 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
             if args.trace:
                 write_trace(prof, Path(args.trace) / f"{name}.json.gz")
             if cuda:  # where the host waits: each synchronising call's stack in this package, per step
-                profile["sync_sites"] = sync_sites(lambda: [step(i) for i in range(first, first + args.profile_steps)])
-                profile["sync_sites"] = {k: v / args.profile_steps for k, v in profile["sync_sites"].items()}
+                sites = sync_sites(lambda: [step(i) for i in range(first, first + args.profile_steps)])
+                profile["sync_sites"] = {k: v / args.profile_steps for k, v in sites.items()}
                 sync()
         else:
             for i in range(first, first + args.profile_steps * (2 if cuda else 1)):

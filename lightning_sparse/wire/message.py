@@ -33,6 +33,14 @@ def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
     return values.to(dtype)
 
 
+@functools.lru_cache(maxsize=1024)
+def _uniform_shift(space: SparseSpace) -> int | None:
+    """The one shift from a space's coordinates to bucket offsets, if every member has the same
+    (worked out once per space: an exchange asks at every call)."""
+    shifts = {o - s for o, s in zip(space.offsets, space.starts, strict=True)}
+    return shifts.pop() if len(shifts) == 1 else None
+
+
 @functools.lru_cache(maxsize=256)
 def _space_tensors(space: SparseSpace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """A space's member starts, their shifts to bucket offsets and its bounds (starts, then the
@@ -74,9 +82,9 @@ class SparseSpace:
 
     def to_bucket(self, coords: Tensor) -> Tensor:
         """Bucket offsets of sparse-space coordinates (int64)."""
-        shifts = [o - s for o, s in zip(self.offsets, self.starts, strict=True)]
-        if all(x == shifts[0] for x in shifts):
-            return coords + shifts[0] if shifts[0] else coords
+        shift = _uniform_shift(self)
+        if shift is not None:
+            return coords + shift if shift else coords
         starts, shifts_t, _ = _space_tensors(self, coords.device)
         member = torch.searchsorted(starts, coords, right=True) - 1
         return coords + shifts_t[member]
