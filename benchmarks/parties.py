@@ -11,7 +11,9 @@ every number of parties, so 4 parties take half the steps of 2. Rows, one after 
 same processes: dense DDP, ``SparseDDPStrategy()`` (update mode, top-k 1 %, every step) and
 ``sync_every=4, value_bits=2, warmup_steps=0``; ``--variants`` adds rows of other settings (the
 strategy's arguments as JSON; ``"outer_lr": c`` makes the outer step an SGD step of learning rate c,
-which adds c times the average).
+which adds c times the average; ``"lr": x`` sets AdamW's learning rate; ``{"dense": true, "lr": x}``
+is dense DDP at another learning rate), ``--only`` keeps some rows (dense DDP always runs: the gaps
+are against it).
 
 Per row: the validation loss at the end (the global model, 512 windows of modules never trained on)
 and its gap to dense DDP's at the same number of parties; the gap of the virtual model, the global
@@ -60,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variants", nargs="*", default=[], metavar="NAME=JSON", help="more rows: 'wide={\"density\": 0.02}'"
     )
+    parser.add_argument("--only", nargs="*", default=None, metavar="NAME", help="run only these rows (and dense)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for one number of parties")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -77,6 +80,11 @@ def _rows(args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
         if not name or not settings:
             raise SystemExit(f"--variants {spec!r} is not allowed: expected NAME=JSON")
         rows[name] = json.loads(settings)
+    if args.only is not None:
+        unknown = sorted(set(args.only) - set(rows))
+        if unknown:
+            raise SystemExit(f"--only {unknown} is not allowed: the rows are {sorted(rows)}")
+        rows = {name: s for name, s in rows.items() if name == "dense" or name in args.only}
     return rows
 
 
@@ -160,6 +168,10 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     from lightning_sparse.fabric import SparseDDPStrategy
 
     world, rank, batch = args.world, args.rank, 16
+    settings = dict(settings) if settings is not None else None
+    lr = settings.pop("lr", 1e-3) if settings is not None else 1e-3
+    if settings is not None and settings.pop("dense", False):
+        settings = None  # dense DDP at another learning rate
     if settings is not None and "outer_lr" in settings:  # an outer SGD step of this learning rate
         import functools
 
@@ -176,7 +188,7 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     torch.manual_seed(args.seed)
     model = TinyGPT(context=32, width=args.width, layers=args.layers, heads=4)
     steps = args.samples // (batch * world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps))
     model, optimizer = fabric.setup(model, optimizer)
     train, val = load_gpt_tensors(context=32, n_train=args.samples, n_val=512, seed=args.seed)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_sparse.wire.indexcode import (
     INDEX_CODINGS,
+    decode_index_rows,
     decode_indices,
     encode_indices,
     index_bytes,
@@ -207,3 +208,26 @@ def test_validate(bad: list[int]) -> None:
     encode_indices(idx, 100, 5)  # unchecked: no error and no write outside the message
     roundtrip(torch.tensor([2, 7, 99]), 100, 5)
     encode_indices(torch.tensor([2, 7, 99]), 100, 5, validate=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("n", "k", "rows"), [(1000, 3, 1), (100_000, 1000, 2), (50, 50, 3), (7, 1, 8), (10**6, 5000, 4)])
+def test_rows_decode_as_each_row_alone(device: str, n: int, k: int, rows: int) -> None:
+    """Every rank's message of an all-gather decoded at once equals each decoded by itself."""
+    sets = [random_set(n, k, seed=r).to(device) for r in range(rows)]
+    data = torch.stack([encode_indices(idx, n, k) for idx in sets])
+    got = decode_index_rows(data, n, k, k)
+    assert got.shape == (rows, k) and got.dtype == torch.int64
+    for r in range(rows):
+        assert torch.equal(got[r], decode_indices(data[r], n, k, k))
+        assert torch.equal(got[r], sets[r])
+
+
+def test_rows_decode_refuses_a_short_row() -> None:
+    """A row that holds fewer indices than asked for fails the device-side check, wherever it is."""
+    full, short = encode_indices(torch.tensor([1, 2, 3]), 1000, 3), encode_indices(torch.tensor([1, 2]), 1000, 3)
+    for data in (torch.stack([short, full]), torch.stack([full, short])):
+        with pytest.raises(RuntimeError, match="count"):
+            decode_index_rows(data, 1000, 3, 3)
+    with pytest.raises(ValueError, match="data"):
+        decode_index_rows(full, 1000, 3, 3)  # one message: decode_indices

@@ -55,6 +55,27 @@ def test_message_with_codes_is_smaller_and_decodes() -> None:
         assert torch.equal(decoded, dequantize(*quantize(values, bits), bits))
 
 
+@pytest.mark.parametrize("bits", [None, 2, 4, 8])
+@pytest.mark.parametrize("compact", [True, False])
+def test_messages_decode_at_once_as_one_by_one(bits: int | None, compact: bool) -> None:
+    """An all-gather's messages decoded as rows equal each decoded alone, and what ``pack_arriving``
+    says arrives is what the message decodes to (the sender needs no decode of its own message)."""
+    layout = MessageLayout(100_000, 1000, torch.float32, compact=compact, value_bits=bits)
+    gen = torch.Generator().manual_seed(bits or 0)
+    messages, arriving = [], []
+    for _ in range(3):
+        coords = torch.randperm(100_000, generator=gen)[:1000].sort().values
+        message, values = layout.pack_arriving(coords, torch.randn(1000, generator=gen))
+        messages.append(message)
+        arriving.append(values)
+    coords_rows, values_rows = layout.unpack_rows(torch.stack(messages))
+    for r, message in enumerate(messages):
+        coords, values = layout.unpack(message)
+        assert torch.equal(coords_rows[r], coords)
+        assert torch.equal(values_rows[r], values)
+        assert torch.equal(arriving[r], values)
+
+
 def test_a_nonfinite_value_poisons_its_chunk_only() -> None:
     v = torch.randn(3 * CHUNK)
     v[CHUNK + 5] = float("nan")

@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks._json import write_json
 from benchmarks._ranks import free_port, run_ranks
-from benchmarks.gpu.options import MODELS, RUNS
+from benchmarks.gpu.options import MODELS, RUNS, add_variants
 from benchmarks.gpu.worker import worker
 from benchmarks.step.launcher import failure_reason
 
@@ -40,7 +40,8 @@ def _launch(
 ) -> tuple[dict[str, list[dict[str, Any]]] | None, str | None]:
     """Run the rows ``names`` in one set of processes; returns each row's figures by rank (None on a
     failure, with its reason)."""
-    base = [sys.executable, "-m", "benchmarks", "gpu", "--worker", "--runs", *names, "--port", str(free_port())]
+    base = [sys.executable, "-m", "benchmarks", "gpu", "--worker", "--runs", *names, "--port", str(free_port()),
+            "--variants", *args.variants]  # fmt: skip
     forwarded = [
         "--accelerator", args.accelerator, "--model", args.model, "--world-size", str(args.world_size),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
@@ -133,6 +134,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    add_variants(args.variants, args.runs)
     if args.worker:
         return worker(args)
     _check(args)

@@ -45,8 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--model", choices=list(MODELS), default="gpt2", help="(default: %(default)s)")
     parser.add_argument(
-        "--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which rows, in this order (default: all)"
-    )
+        "--runs", nargs="+", default=list(RUNS), metavar="NAME",
+        help=f"which rows, in this order: {', '.join(RUNS)} or a --variants name (default: all of the first)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--variants", nargs="*", default=[], metavar="NAME=JSON",
+        help="more sparse rows, the strategy's arguments as JSON: 'local={\"sync_every\": 1000}' (name them in --runs)",
+    )  # fmt: skip
     parser.add_argument("--world-size", type=int, default=2, help="processes (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=None, help="per process (default: the model's)")
     parser.add_argument("--precision", default=None, help="Fabric's precision (default: bf16-mixed on CUDA, else 32)")
@@ -65,3 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def add_variants(specs: list[str], runs: list[str]) -> None:
+    """Register ``--variants`` rows (``NAME=JSON``: a sparse row of those settings) in :data:`RUNS`
+    and check that every name of ``--runs`` is a row."""
+    import json
+
+    for spec in specs:
+        name, _, settings = spec.partition("=")
+        try:
+            parsed = json.loads(settings) if name else None
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict) or name in RUNS:
+            raise ValueError(f"--variants {spec!r} is not allowed: expected NAME=JSON, a new name and a JSON object")
+        RUNS[name] = Run("sparse", ", ".join(f"{k}={v}" for k, v in parsed.items()) or name, parsed)
+    unknown = [name for name in runs if name not in RUNS]
+    if unknown:
+        raise ValueError(f"--runs {unknown} is not allowed: the rows are {', '.join(RUNS)}")

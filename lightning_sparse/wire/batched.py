@@ -118,7 +118,7 @@ class BatchedLayout:
     draws: int
     one_by_one_on_cpu: bool  # a member of at least CPU_ONE_BY_ONE elements
     deepest: int  # the largest sample rank, plus 1
-    sizes: Tensor  # every member's numel, buffer order (repeat_interleave's repeats)
+    member_of: Tensor  # int32, per entry of the bucket: its member (the thresholds' index)
     region_ends: Tensor  # cumulative ends of the members
     thresholds: Tensor  # per member: +inf for dense members (filled for the sparse ones each call)
     sparse_regions: Tensor  # the sparse members' positions among the members, buffer order
@@ -128,6 +128,7 @@ class BatchedLayout:
     draw_numel: Tensor  # (S, 1) numel, offset, for the draws
     draw_offset: Tensor
     local_k: Tensor  # position within its member of each of the K picks
+    pick_member: Tensor  # the sparse member of each of the K picks (buffer order)
     space_order: Tensor  # the K picks from buffer order into sparse-space order
     space_shift: Tensor  # sparse-space coordinate minus bucket offset, per pick (space order)
     residual_views: RegionViews  # the sparse members' regions of the flat residual
@@ -171,7 +172,13 @@ class BatchedLayout:
             draws=draws,
             one_by_one_on_cpu=max(numels) >= CPU_ONE_BY_ONE,
             deepest=max(ranks) + 1,
-            sizes=long([m.numel for m in plan.members]),
+            # made once per bucket on the device: a gather through it is a pass over the bucket, where
+            # repeat_interleave(sizes) writes each member from one GPU thread (milliseconds)
+            member_of=torch.repeat_interleave(
+                torch.arange(len(plan.members), dtype=torch.int32, device=device),
+                long([m.numel for m in plan.members]),
+                output_size=plan.numel,
+            ),
             region_ends=long(ends),
             thresholds=torch.full((len(plan.members),), math.inf, dtype=torch.float32, device=device),
             sparse_regions=long(regions),
@@ -181,6 +188,9 @@ class BatchedLayout:
             draw_numel=long(numels).unsqueeze(1),
             draw_offset=long([m.offset for m in sparse]).unsqueeze(1),
             local_k=long([j for k in ks for j in range(k)]),
+            pick_member=torch.repeat_interleave(
+                torch.arange(len(ks), device=device), long(list(ks)), output_size=total_k
+            ),
             space_order=long(order),
             space_shift=long(shift),
             residual_views=RegionViews(tuple((m.offset, m.numel) for m in sparse)),
@@ -230,7 +240,7 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     # zeros never pass (a member with fewer than k non-zeros takes the per-tensor path); k >= numel: all
     threshold = torch.where(layout.take_all, -1.0, threshold.clamp_min(torch.finfo(torch.float32).tiny))
     layout.thresholds.index_copy_(0, layout.sparse_regions, threshold)
-    over = layout.thresholds.repeat_interleave(layout.sizes, output_size=n)
+    over = layout.thresholds.index_select(0, layout.member_of)
     mask = torch.ge(a[:n], over)
     passed = mask.sum()
     idx = torch.nonzero_static(mask, size=layout.capacity, fill_value=n).squeeze(1)
@@ -246,7 +256,7 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     if bool(short):  # the one host read: rare, a member is selected by itself
         at = _one_by_one(ctx, call, layout, e)
     else:
-        picked = ranked[starts.repeat_interleave(layout.ks, output_size=layout.k).add_(layout.local_k)]
+        picked = ranked[starts.index_select(0, layout.pick_member).add_(layout.local_k)]
         at = picked.sort().values[layout.space_order]
     return BatchedSelection(at, at + layout.space_shift, e)
 

@@ -32,7 +32,15 @@ from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_int
 
-__all__ = ["INDEX_CODINGS", "decode_indices", "encode_indices", "index_bytes", "rice_capacity_bytes", "rice_parameter"]
+__all__ = [
+    "INDEX_CODINGS",
+    "decode_index_rows",
+    "decode_indices",
+    "encode_indices",
+    "index_bytes",
+    "rice_capacity_bytes",
+    "rice_parameter",
+]
 
 INDEX_CODINGS = ("int32", "rice")
 
@@ -100,9 +108,11 @@ def _pack(bits: Tensor) -> Tensor:
 
 
 def _unpack(data: Tensor) -> Tensor:
-    """Bits (uint8 0/1, MSB first) of a uint8 tensor."""
+    """Bits (uint8 0/1, MSB first) of a uint8 tensor: flat for a 1-D tensor, one row of bits per row
+    of a 2-D one."""
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=data.device)
-    return ((data.unsqueeze(1) >> shifts) & 1).flatten()
+    bits = (data.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten() if data.dim() == 1 else bits.reshape(data.shape[0], -1)
 
 
 def encode_indices(idx: Tensor, n: int, k: int, out: Tensor | None = None, *, validate: bool = False) -> Tensor:
@@ -176,3 +186,39 @@ def decode_indices(data: Tensor, n: int, k: int, count: int) -> Tensor:
         shifts = torch.arange(b - 1, -1, -1, device=data.device)
         v |= (_unpack(data[:low_bytes])[: count * b].view(count, b).long() << shifts).sum(1)
     return torch.cumsum(v + 1, 0).sub_(1)
+
+
+def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
+    """:func:`decode_indices` of every row of ``data`` (one message per row, as an all-gather
+    leaves them) in the same operators whatever the number of rows: ``(rows, count)`` int64.
+
+    >>> rows = torch.stack([encode_indices(torch.tensor([3, 4, 900]), n=1000, k=3),
+    ...                     encode_indices(torch.tensor([0, 7, 999]), n=1000, k=3)])
+    >>> decode_index_rows(rows, n=1000, k=3, count=3).tolist()
+    [[3, 4, 900], [0, 7, 999]]
+    """
+    check_int("n", n, minimum=1)
+    check_int("k", k, minimum=0)
+    check_int("count", count, minimum=0, maximum=min(k, n))
+    b, low_bytes, unary_bytes = _stream_bytes(n, k)
+    size = low_bytes + unary_bytes
+    if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != size:
+        raise _bad("data", data, f"expected a 2-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes a row")
+    rows = data.shape[0]
+    # every row's terminating one bits, row by row: a row holding fewer than ``count`` shifts the
+    # rows after it (or leaves -1 padding at the end), which the device-side assertion catches
+    ones = torch.nonzero_static(_unpack(data[:, low_bytes:]), size=rows * count, fill_value=-1)
+    if not rows or not count:
+        return torch.zeros(rows, count, dtype=torch.int64, device=data.device)
+    owner = torch.arange(rows, device=data.device).unsqueeze(1).expand(rows, count).reshape(-1)
+    torch._assert_async((ones[:, 0] == owner).all(), f"count={count} is not allowed: a message holds fewer indices")
+    at = ones[:, 1].view(rows, count)
+    v = (torch.diff(at, dim=1, prepend=at.new_full((rows, 1), -1)) - 1) << b
+    if b:
+        shifts = torch.arange(b - 1, -1, -1, device=data.device)
+        v |= (_unpack(data[:, :low_bytes])[:, : count * b].view(rows, count, b).long() << shifts).sum(2)
+    # one scan over every row (a scan along the rows of a few long rows runs a thread per row on a
+    # GPU), then each row less the sum of the rows before it: exact in int64
+    flat = torch.cumsum((v + 1).view(-1), 0).view(rows, count)
+    before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
+    return flat.sub_(before.unsqueeze(1)).sub_(1)

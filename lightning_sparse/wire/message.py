@@ -13,7 +13,13 @@ from torch import Tensor
 
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketPlan
-from lightning_sparse.wire.indexcode import decode_indices, encode_indices, index_bytes, rice_capacity_bytes
+from lightning_sparse.wire.indexcode import (
+    decode_index_rows,
+    decode_indices,
+    encode_indices,
+    index_bytes,
+    rice_capacity_bytes,
+)
 
 _INDEX_BYTES = 4  # uncoded indices travel as int32; buckets are far below 2**31 elements
 
@@ -164,6 +170,12 @@ class MessageLayout:
     def pack(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
         """Write sorted unique ``coords`` and their ``values`` (cast to ``value_dtype``) into a
         zeroed uint8 message (``out``: a view of :attr:`size` bytes, or a new tensor)."""
+        return self.pack_arriving(coords, values, out)[0]
+
+    def pack_arriving(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`pack`, and the values as they arrive: what the codes stand for (float32) with
+        ``value_bits``, else ``values`` cast to ``value_dtype`` (what :meth:`unpack` gives back,
+        without decoding the message)."""
         count = coords.numel()
         if count > self.capacity or (not self.header and count != self.capacity):
             raise ValueError(f"{count} pairs do not fit a message of capacity {self.capacity}")
@@ -176,18 +188,20 @@ class MessageLayout:
         at = self._values_at
         bits = self.value_bits
         if bits is None:
-            out[at : at + count * self.value_dtype.itemsize].view(self.value_dtype).copy_(values)
+            arriving = out[at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
+            arriving.copy_(values)
         else:
             codes, scales = quant.quantize(values, bits)
             out[at : at + 2 * scales.numel()].view(torch.bfloat16).copy_(scales)
             at += quant.scale_bytes(self.capacity)
             quant.pack_codes(codes, bits, out[at : at + quant.code_bytes(count, bits)])
+            arriving = quant.dequantize(codes, scales, bits)
         index = out[self._index_at : self._index_at + self._index_bytes]
         if self.coding == "rice":
             encode_indices(coords, self.n, self.capacity, out=index)
         else:
             index[: count * _INDEX_BYTES].view(torch.int32).copy_(coords)
-        return out
+        return out, arriving
 
     def unpack(self, message: Tensor) -> tuple[Tensor, Tensor]:
         """``(int64 coordinates, values)`` of a message :meth:`pack` wrote: in ``value_dtype``, or
@@ -207,4 +221,35 @@ class MessageLayout:
             coords = decode_indices(index, self.n, self.capacity, count)
         else:
             coords = index[: count * _INDEX_BYTES].view(torch.int32).long()
+        return coords, values
+
+    def unpack_rows(self, messages: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`unpack` of every row of ``messages`` (``(rows, size)`` uint8: one message a row, as
+        an all-gather leaves them), in the same operators whatever the number of rows:
+        ``(coordinates, values)``, each ``(rows, capacity)``. Messages without a header only.
+
+        Example:
+            >>> layout = MessageLayout(n=10_000, capacity=100, value_dtype=torch.float32, compact=True)
+            >>> one = layout.pack(torch.arange(0, 10_000, 100), torch.ones(100))
+            >>> coords, values = layout.unpack_rows(torch.stack([one, one]))
+            >>> coords.shape, torch.equal(coords[1], torch.arange(0, 10_000, 100))
+            (torch.Size([2, 100]), True)
+        """
+        if self.header:
+            raise ValueError("unpack_rows: messages with a header hold a count each; unpack them one at a time")
+        count = self.capacity
+        at = self._values_at
+        bits = self.value_bits
+        if bits is None:
+            values = messages[:, at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
+        else:
+            scales = messages[:, at : at + quant.scale_bytes(count)].view(torch.bfloat16)
+            at += quant.scale_bytes(self.capacity)
+            codes = quant.unpack_codes(messages[:, at : at + quant.code_bytes(count, bits)], count, bits)
+            values = quant.dequantize(codes, scales, bits)
+        index = messages[:, self._index_at : self._index_at + self._index_bytes]
+        if self.coding == "rice":
+            coords = decode_index_rows(index, self.n, self.capacity, count)
+        else:
+            coords = index[:, : count * _INDEX_BYTES].view(torch.int32).long()
         return coords, values

@@ -185,20 +185,23 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
     layout = MessageLayout(space.numel, sum(ks), vdtype, ctx.compact_indices, value_bits=ctx.value_bits)
     coded = ctx.value_bits is not None
     sel = select_sorted(ctx, call, ks, vdtype, settle=not coded)
-    message = layout.pack(sel.coords, sel.sent)
+    message, arriving = layout.pack_arriving(sel.coords, sel.sent)
     if coded:  # what was sent is what the codes stand for: the rest stays in the residuals
-        sel.sent = layout.unpack(message)[1]
+        sel.sent = arriving
         settle(ctx, call, space, sel, torch.arange(sel.coords.numel(), device=sel.coords.device))
     call.counters.sent_numel += sel.coords.numel()
     gathered, issued = all_gather_message(ctx, call, message)
 
     def apply(out: Tensor) -> None:
-        size = layout.size
+        # every rank's message decoded at once, then added rank by rank: each rank's coordinates are
+        # unique, so every add lands on its own coordinate and the sum over ranks happens in rank
+        # order (identical bits on every rank, CUDA included, where one index_add_ of all of them
+        # would add a coordinate's values in any order)
+        coords, values = layout.unpack_rows(gathered.view(world, layout.size))
+        at = space.to_bucket(coords.view(-1)).view(world, -1)
+        values = values.to(out.dtype)
         for r in range(world):
-            coords, values = layout.unpack(gathered[r * size : (r + 1) * size])
-            # Each rank's coordinates are unique, so every add lands on its own coordinate and the
-            # sum over ranks happens in rank order: identical bits on every rank, CUDA included.
-            out.index_add_(0, space.to_bucket(coords), values.to(out.dtype), alpha=1.0 / world)
+            out.index_add_(0, at[r], values[r], alpha=1.0 / world)
 
     return Pending(issued, apply)
 

@@ -65,8 +65,10 @@ def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
         >>> d.tolist(), torch.equal(d + (v - d), v)
         ([1.0, -1.0, 0.0, 1.0], True)
     """
-    n = codes.numel()
     step = scales.float() / levels(bits)
+    if codes.dim() == 2:  # one message per row (their scales a row each)
+        return codes.float() * step.repeat_interleave(CHUNK, dim=1)[:, : codes.shape[1]]
+    n = codes.numel()
     return (codes.float().view(-1) * step.repeat_interleave(CHUNK)[:n]) if n else codes.float()
 
 
@@ -114,6 +116,21 @@ def unpack(message: Tensor, count: int, bits: int) -> Tensor:
     return dequantize(codes, message[:at].view(torch.bfloat16), bits)
 
 
+def unpack_rows(messages: Tensor, count: int, bits: int) -> Tensor:
+    """:func:`unpack` of every row of ``messages`` (one :func:`pack` message a row, as an all-gather
+    leaves them) in the same operators whatever the number of rows: ``(rows, count)`` float32.
+
+    Example:
+        >>> import torch
+        >>> message, d = pack(torch.tensor([0.6, -0.9, 0.01, 1.0]), bits=2)
+        >>> torch.equal(unpack_rows(torch.stack([message, message]), 4, bits=2)[1], d)
+        True
+    """
+    at = scale_bytes(count)
+    codes = unpack_codes(messages[:, at : at + code_bytes(count, bits)], count, bits)
+    return dequantize(codes, messages[:, :at].view(torch.bfloat16), bits)
+
+
 def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
     """Write int8 codes (in ``[-L, L]``) into ``out`` (uint8, :func:`code_bytes` long), ``8 // bits`` per byte."""
     per = 8 // bits
@@ -121,19 +138,17 @@ def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
     u = (codes.to(torch.int16) + levels(bits)).to(torch.uint8)  # offset to [0, 2L]
     padded = torch.zeros(code_bytes(n, bits) * per, dtype=torch.uint8, device=codes.device)
     padded[:n] = u
-    groups = padded.view(-1, per)
-    packed = torch.zeros(groups.shape[0], dtype=torch.uint8, device=codes.device)
-    for j in range(per):
-        packed |= groups[:, j] << (bits * j)
-    out.copy_(packed)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    # the codes of a byte occupy disjoint bits, so their sum is their bitwise or
+    torch.sum(padded.view(-1, per) << shifts, dim=1, dtype=torch.uint8, out=out)
 
 
 def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:
-    """The int8 codes :func:`pack_codes` wrote."""
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    parts = [(data >> (bits * j)) & mask for j in range(per)]
-    u = torch.stack(parts, dim=1).reshape(-1)[:count]
+    """The int8 codes :func:`pack_codes` wrote (``data`` 2-D: one message's codes per row, ``count``
+    a row), in a fixed number of operators."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # made there: no host copy
+    u = (data.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # every code of a byte at once
+    u = u.reshape(-1)[:count] if data.dim() == 1 else u.reshape(data.shape[0], -1)[:, :count]
     return (u.to(torch.int16) - levels(bits)).to(torch.int8)
 
 

@@ -131,11 +131,10 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
     gathered, issued = all_gather_message(ctx, call, message)
 
     def apply(out: Tensor) -> None:
-        size = message.numel()
         total = out[at]
+        parts = quant.unpack_rows(gathered.view(world, message.numel()), n, bits).to(out.dtype)
         for r in range(world):  # in rank order, as into ``out`` itself: identical bits on every rank
-            part = quant.unpack(gathered[r * size : (r + 1) * size], n, bits)
-            total.add_(part.to(out.dtype), alpha=1.0 / world)
+            total.add_(parts[r], alpha=1.0 / world)
         out.index_copy_(0, at, total)
 
     return Pending(issued, apply)
@@ -160,9 +159,9 @@ def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Mem
     gathered, issued = all_gather_message(ctx, call, message)
 
     def apply(out: Tensor) -> None:
-        size = message.numel()
+        parts = quant.unpack_rows(gathered.view(world, message.numel()), n, bits)
         for r in range(world):  # in rank order: identical bits on every rank
-            part = quant.unpack(gathered[r * size : (r + 1) * size], n, bits)
+            part = parts[r]
             pos = 0
             for m in members:
                 out[m.offset : m.offset + m.numel].add_(part[pos : pos + m.numel].to(out.dtype), alpha=1.0 / world)
