@@ -387,8 +387,8 @@ class StepExchange:
                 try:
                     f.future.value()
                 except Exception as error:
-                    return Average(buffer, parts, self.error(where, f.what, first_line(error)))
-            return Average(buffer, parts, waits=issued)
+                    return Average(buffer, parts, self.error(where, f.what, first_line(error)), parties=self.world_size)
+            return Average(buffer, parts, waits=issued, parties=self.world_size)
 
         if not issued:
             return _done(finish(None))

@@ -51,16 +51,42 @@ class OuterStep:
         """Restore what :meth:`state_dict` returned."""
 
 
+def parties_scale(parties: int) -> float:
+    """``chosen_scale="parties"``: half the number of parties, at least 1 (1 for 2 parties, 2 for
+    4, 4 for 8): the average then adds half the sum of what the parties sent at the coordinates
+    each chose on its own.
+
+    Example:
+        >>> [parties_scale(n) for n in (1, 2, 4, 8)]
+        [1.0, 1.0, 2.0, 4.0]
+    """
+    return max(1.0, parties / 2)
+
+
+def chosen_scale_of(setting: float | str, parties: int) -> float:
+    """The factor of an exchange among ``parties`` processes for a ``chosen_scale`` setting."""
+    return parties_scale(parties) if setting == "parties" else float(setting)
+
+
 class AddAverage(OuterStep):
     """Add the average into the global parameters, touching only the coordinates that were sent.
 
+    Args:
+        chosen_scale: the factor of the coordinates each party chose on its own (top-k and the
+            other gather compressors): ``"parties"`` (:func:`parties_scale`) or a number > 0.
+            Tensors sent whole and coordinates every party sends (random-k, count-sketch) are
+            added as they are.
+
     Example:
-        >>> AddAverage().state_dict()
-        {}
+        >>> AddAverage().state_dict(), AddAverage(chosen_scale=2.0).chosen_scale
+        ({}, 2.0)
     """
 
+    def __init__(self, chosen_scale: float | str = 1.0) -> None:
+        self.chosen_scale = chosen_scale
+
     def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
-        average.add_to(target)
+        average.add_to(target, chosen_scale_of(self.chosen_scale, average.parties))
 
 
 class OptimizerStep(OuterStep):
@@ -74,6 +100,8 @@ class OptimizerStep(OuterStep):
 
     Args:
         factory: makes an optimizer from a list of parameters (an optimizer class, a partial).
+        chosen_scale: as :class:`AddAverage`'s, applied to the average the optimizer takes as its
+            gradient.
 
     Example:
         >>> import functools, torch
@@ -82,8 +110,9 @@ class OptimizerStep(OuterStep):
         {}
     """
 
-    def __init__(self, factory: Callable[[Iterable[Any]], Optimizer]) -> None:
+    def __init__(self, factory: Callable[[Iterable[Any]], Optimizer], chosen_scale: float | str = 1.0) -> None:
         self.factory = factory
+        self.chosen_scale = chosen_scale
         self._groups: dict[tuple[str, ...], tuple[torch.nn.Parameter, Optimizer]] = {}
         self._pending: dict[str, Any] = {}
 
@@ -99,7 +128,8 @@ class OptimizerStep(OuterStep):
         param, optimizer = entry
         if param.data.data_ptr() != target.data_ptr() or param.shape != target.shape:
             param.data = target  # the group's global values moved to a new buffer: follow them
-        param.grad = average.add_to(torch.zeros_like(target)).neg_()
+        scale = chosen_scale_of(self.chosen_scale, average.parties)
+        param.grad = average.add_to(torch.zeros_like(target), scale).neg_()
         optimizer.step()
         param.grad = None
 
@@ -118,9 +148,12 @@ def _key(names: tuple[str, ...]) -> str:
     return "|".join(names)
 
 
-def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None) -> OuterStep:
+def outer_step_for(
+    setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None, chosen_scale: float | str = 1.0
+) -> OuterStep:
     """The outer step of a resolved ``outer_optimizer`` setting: an :class:`OuterStep` as it is, a
-    factory of optimizers as an :class:`OptimizerStep`, None as :class:`AddAverage`.
+    factory of optimizers as an :class:`OptimizerStep`, None as :class:`AddAverage` (both with
+    ``chosen_scale``).
 
     Example:
         >>> type(outer_step_for(None)).__name__, type(outer_step_for(torch.optim.SGD)).__name__
@@ -128,7 +161,7 @@ def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | N
     """
     if isinstance(setting, OuterStep):
         return setting
-    return AddAverage() if setting is None else OptimizerStep(setting)
+    return AddAverage(chosen_scale) if setting is None else OptimizerStep(setting, chosen_scale)
 
 
 #: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)

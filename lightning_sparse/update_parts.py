@@ -265,10 +265,11 @@ class StagedAverage:
     def __init__(self, average: Average, device: torch.device) -> None:
         self.average = average
         self.device = device
+        self.parties = average.parties
 
-    def add_to(self, out: Tensor) -> Tensor:
+    def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
         staged = out.to(self.device, copy=True)  # one bucket at a time: bounded on the device
-        self.average.add_to(staged)
+        self.average.add_to(staged, chosen_scale)
         out.copy_(staged)
         return out
 

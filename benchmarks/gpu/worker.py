@@ -109,6 +109,11 @@ def label_exchange(strategy: Any) -> None:
         setattr(update, attr, labelled)
 
 
+#: ``record_function`` ranges (torch's, Lightning's and :func:`label_exchange`'s), left out of the
+#: device's busy time: the profiler gives a range the device time of the kernels inside it
+_RANGES = ("lightning_sparse.", "DistributedDataParallel.", "Optimizer.", "ProfilerStep")
+
+
 def timeline(prof: Any, steps: int) -> dict[str, Any]:
     """Per step: the host time inside each labelled part of the exchange (:func:`label_exchange`),
     and the device's busy time (its kernels' and copies' durations summed)."""
@@ -119,6 +124,8 @@ def timeline(prof: Any, steps: int) -> dict[str, Any]:
             ranges[event.name] += event.cpu_time_total
     busy = 0.0
     for avg in prof.key_averages():
+        if avg.key.startswith(_RANGES):
+            continue  # a labelled range: its device time is its kernels', counted by themselves
         device_us = getattr(avg, "self_device_time_total", None)
         busy += float(device_us if device_us is not None else getattr(avg, "self_cuda_time_total", 0.0))
     return {"host_us_in": {k: per * v for k, v in ranges.items()}, "device_busy_us": per * busy}

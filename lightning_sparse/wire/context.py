@@ -162,13 +162,16 @@ class Pending:
     ``dense`` (the dense pattern only) instead returns that average as the bucket's buffer itself.
     ``settle`` (a part whose residuals are settled only once its collectives arrived: the split and
     count-sketch exchanges) takes what was sent out of this rank's residuals; :class:`Average`
-    calls it once, before the first ``apply``.
+    calls it once, before the first ``apply``. ``chosen``: each rank chose its coordinates on its
+    own (the gather patterns), so a coordinate's average may hold fewer parties than it divides
+    by; ``apply(out, scale)`` then adds ``scale`` times the average (:meth:`Average.add_to`).
     """
 
     futures: list[Issued]
-    apply: Callable[[Tensor], Any]
+    apply: Callable[..., Any]
     dense: Callable[[], Tensor] | None = None
     settle: Callable[[], None] | None = None
+    chosen: bool = False
 
 
 class Average:
@@ -185,9 +188,12 @@ class Average:
         parts: list[Pending],
         error: Exception | None = None,
         waits: list[Issued] | None = None,
+        parties: int = 1,
     ) -> None:
         self.buffer = buffer
         self.parts = parts
+        #: how many processes' parts it averages (the exchange's process group)
+        self.parties = parties
         #: the exchange failed (a collective failed or timed out): using the average raises it
         self.error = error
         #: the collectives: waited for on the thread (and CUDA stream) that uses the average, so
@@ -202,12 +208,17 @@ class Average:
             issued.wait()
         self.waits = []
 
-    def add_to(self, out: Tensor) -> Tensor:
+    def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
         """Add the average into ``out`` (a flat tensor laid out like the bucket; only the
-        coordinates that were sent are touched) and return ``out``."""
+        coordinates that were sent are touched) and return ``out``. ``chosen_scale``: the factor
+        of the coordinates each rank chose on its own (:attr:`Pending.chosen`; the rest, tensors
+        sent whole and coordinates every rank sends, are added as they are)."""
         self.settle()
         for part in self.parts:
-            part.apply(out)
+            if part.chosen and chosen_scale != 1.0:
+                part.apply(out, chosen_scale)
+            else:
+                part.apply(out)
         return out
 
     def settle(self) -> None:

@@ -192,7 +192,7 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
     call.counters.sent_numel += sel.coords.numel()
     gathered, issued = all_gather_message(ctx, call, message)
 
-    def apply(out: Tensor) -> None:
+    def apply(out: Tensor, scale: float = 1.0) -> None:
         # every rank's message decoded at once, then added rank by rank: each rank's coordinates are
         # unique, so every add lands on its own coordinate and the sum over ranks happens in rank
         # order (identical bits on every rank, CUDA included, where one index_add_ of all of them
@@ -201,9 +201,9 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
         at = space.to_bucket(coords.view(-1)).view(world, -1)
         values = values.to(out.dtype)
         for r in range(world):
-            out.index_add_(0, at[r], values[r], alpha=1.0 / world)
+            out.index_add_(0, at[r], values[r], alpha=scale / world)
 
-    return Pending(issued, apply)
+    return Pending(issued, apply, chosen=True)
 
 
 # --------------------------------------------------------------------------- shared

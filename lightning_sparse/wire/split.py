@@ -193,8 +193,8 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
                     if e is not None:
                         e.index_add_(0, idx, diff[part])
 
-    def apply(out: Tensor) -> None:
+    def apply(out: Tensor, scale: float = 1.0) -> None:
         for coords, vals in receive():
-            out.index_add_(0, space.to_bucket(coords), vals.to(out.dtype), alpha=1.0 / world)
+            out.index_add_(0, space.to_bucket(coords), vals.to(out.dtype), alpha=scale / world)
 
-    return Pending(issued, apply, settle=settle_residuals)
+    return Pending(issued, apply, settle=settle_residuals, chosen=True)
