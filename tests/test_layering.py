@@ -90,9 +90,9 @@ def test_type_checking_imports_count() -> None:
     path = PACKAGE / "_probe_for_layering_test.py"
     try:
         path.write_text(
-            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_sparse.state import X\n"
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_sparse.exchange.state import X\n"
         )
-        assert "lightning_sparse.state" in _imports(path, {"lightning_sparse.state"})
+        assert "lightning_sparse.exchange.state" in _imports(path, {"lightning_sparse.exchange.state"})
     finally:
         path.unlink()
 
@@ -110,31 +110,37 @@ def _deps(graph: dict[str, set[str]], module: str) -> set[str]:
 
 
 def test_layers() -> None:
-    """shells (strategy, fabric) -> core, shell -> checkpoint, advice, ddp_args -> update, hook ->
-    outer, state -> exchange -> config -> schedules, fallback -> wire -> compressors, memory, stats,
-    _utils. No module reaches a layer above its own."""
+    """shells (strategies.ddp, fabric) -> strategies.core, strategies.shell -> strategies.checkpoint,
+    strategies.advice, strategies.ddp_args -> exchange.update, exchange.hook -> exchange.outer,
+    exchange.state -> exchange.step -> config -> schedules, exchange.fallback -> wire -> compressors,
+    exchange.memory, telemetry.stats, _utils. No module reaches a layer above its own."""
     graph = _graph()
     pkg = "lightning_sparse."
-    assert pkg + "wire" in graph[pkg + "exchange"] and pkg + "wire" in _deps(graph, pkg + "schedules")
+    step, state, hook, update = (pkg + "exchange." + n for n in ("step", "state", "hook", "update"))
+    outer, fallback = pkg + "exchange.outer", pkg + "exchange.fallback"
+    core, shell, checkpoint = (pkg + "strategies." + n for n in ("core", "shell", "checkpoint"))
+    strategy = pkg + "strategies.ddp"
+    fabric = {m for m in graph if m == pkg + "fabric" or m.startswith(pkg + "fabric.")}
+    assert pkg + "wire" in graph[step] and pkg + "wire" in _deps(graph, pkg + "schedules")
     wire = [m for m in graph if m.startswith(pkg + "wire")]
     assert len(wire) >= 7
-    above_wire = {pkg + n for n in ("state", "config", "schedules", "fallback", "hook", "outer", "update", "core")}
-    above_wire |= {pkg + n for n in ("exchange", "checkpoint", "shell", "strategy", "fabric")}
+    above_wire = {state, pkg + "config", pkg + "schedules", fallback, hook, outer, update, core}
+    above_wire |= {step, checkpoint, shell, strategy, *fabric}
     for module in wire:
         assert not _deps(graph, module) & above_wire, module
-    for name in ["schedules", "fallback"]:
-        assert not _deps(graph, pkg + name) & {pkg + "state", pkg + "config", pkg + "hook", pkg + "exchange"}, name
-    assert not _deps(graph, pkg + "config") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
+    for name in [pkg + "schedules", fallback]:
+        assert not _deps(graph, name) & {state, pkg + "config", hook, step}, name
+    assert not _deps(graph, pkg + "config") & {state, hook, update, core}
     # the step's exchange sits below the state that owns it and below both of DDP's hooks and update mode
-    assert not _deps(graph, pkg + "exchange") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
-    assert not _deps(graph, pkg + "state") & {pkg + "hook", pkg + "update", pkg + "core"}
-    for name in ["hook", "outer"]:
-        assert not _deps(graph, pkg + name) & {pkg + "update", pkg + "core", pkg + "strategy", pkg + "fabric"}
+    assert not _deps(graph, step) & {state, hook, update, core}
+    assert not _deps(graph, state) & {hook, update, core}
+    for name in [hook, outer]:
+        assert not _deps(graph, name) & {update, core, strategy, *fabric}, name
     # update mode drives the exchange itself: nothing of it goes through DDP's hook module
-    assert pkg + "hook" not in _deps(graph, pkg + "update")
-    for name in ["update", "checkpoint", "advice", "ddp_args"]:
-        assert not _deps(graph, pkg + name) & {pkg + "core", pkg + "shell", pkg + "strategy", pkg + "fabric"}, name
-    assert not _deps(graph, pkg + "core") & {pkg + "strategy", pkg + "fabric"}
+    assert hook not in _deps(graph, update)
+    for name in [update, checkpoint, pkg + "strategies.advice", pkg + "strategies.ddp_args"]:
+        assert not _deps(graph, name) & {core, shell, strategy, *fabric}, name
+    assert not _deps(graph, core) & {strategy, *fabric}
 
 
 def test_each_module_says_its_one_job() -> None:
