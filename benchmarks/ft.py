@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sparse
 from lightning_sparse._utils import free_port
-from lightning_sparse.ft_env import require_torchft
+from lightning_sparse.exchange.ft_env import require_torchft
 
 DIM, HIDDEN, GROUPS = 16, 32, 3
 

@@ -10,7 +10,6 @@ the Lightning Trainer and with Lightning Fabric::
 """
 
 from lightning_sparse._utils import end_process_group
-from lightning_sparse.callbacks import CompressionMonitor
 from lightning_sparse.compressors import (
     COMPRESSORS,
     DGC,
@@ -24,18 +23,19 @@ from lightning_sparse.compressors import (
     register_compressor,
 )
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.cost import exchange_collectives, exchange_cost, exchange_time
-from lightning_sparse.exchange import ExchangeError
-from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
-from lightning_sparse.fabric import register_fabric_strategies
-from lightning_sparse.fabric_fsdp import SparseFSDPStrategy as FabricSparseFSDPStrategy
-from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.fsdp import SparseFSDPStrategy, register_fsdp_strategy
-from lightning_sparse.hook import sparse_comm_hook
-from lightning_sparse.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.hook import sparse_comm_hook
+from lightning_sparse.exchange.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.step import ExchangeError
+from lightning_sparse.fabric.ddp import SparseDDPStrategy as FabricSparseDDPStrategy
+from lightning_sparse.fabric.ddp import register_fabric_strategies
+from lightning_sparse.fabric.fsdp import SparseFSDPStrategy as FabricSparseFSDPStrategy
 from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
-from lightning_sparse.state import SparseState
-from lightning_sparse.strategy import SparseDDPStrategy, register_strategies
+from lightning_sparse.strategies.ddp import SparseDDPStrategy, register_strategies
+from lightning_sparse.strategies.fsdp import SparseFSDPStrategy, register_fsdp_strategy
+from lightning_sparse.telemetry.callbacks import CompressionMonitor
+from lightning_sparse.telemetry.cost import exchange_collectives, exchange_cost, exchange_time
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 Each setting's type, default, validation and documentation live here; the Trainer and Fabric
 strategies keep flat, typed keyword arguments (the Lightning CLI reads their signatures) and a test
 checks that their signatures, defaults and argument docs match this class. The state of the hook
-(:class:`~lightning_sparse.state.SparseState`) is built from a config; what must agree on every
+(:class:`~lightning_sparse.exchange.state.SparseState`) is built from a config; what must agree on every
 rank is :meth:`SparseConfig.fingerprint`.
 """
 
@@ -21,9 +21,9 @@ from torch.optim import Optimizer
 
 from lightning_sparse._utils import check_bool, check_int, resolve_value_dtype
 from lightning_sparse.compressors import Compressor, compressors_of_pattern, get_compressor
-from lightning_sparse.fallback import TimedFallback, as_fallback
-from lightning_sparse.ft_env import check_fault_tolerance
-from lightning_sparse.outer import OuterStep, resolve_outer_optimizer
+from lightning_sparse.exchange.fallback import TimedFallback, as_fallback
+from lightning_sparse.exchange.ft_env import check_fault_tolerance
+from lightning_sparse.exchange.outer import OuterStep, resolve_outer_optimizer
 from lightning_sparse.schedules import DensitySchedule, as_schedule
 from lightning_sparse.wire import EXCHANGES
 from lightning_sparse.wire.quant import VALUE_BITS
@@ -147,7 +147,7 @@ class SparseConfig:
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or
             factory (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
             ``class_path``/``init_args`` in a CLI config); or an
-            :class:`~lightning_sparse.outer.OuterStep` of your own. Its state is in every
+            :class:`~lightning_sparse.exchange.outer.OuterStep` of your own. Its state is in every
             checkpoint."""
         ),
     )

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_sparse  # noqa: F401  (registers the strategy names)
 import lightning_sparse.wire.comm as comm
 from lightning_sparse import SparseDDPStrategy
-from lightning_sparse.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.ft import FaultTolerantUpdate
 
 DIM, HIDDEN = 16, 32
 

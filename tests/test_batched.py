@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_sparse.compressors import TopK
-from lightning_sparse.memory import ErrorFeedback
-from lightning_sparse.stats import Counters
+from lightning_sparse.exchange.memory import ErrorFeedback
+from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import batched
 from lightning_sparse.wire import select as selection
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, WireContext
@@ -148,7 +148,7 @@ def test_flat_residuals_are_the_residuals() -> None:
 
 # ---------------------------------------------------------------------------- the update exchange, 2 ranks
 def _update_worker(rank: int, world: int, at_once: bool, settings: dict[str, Any]) -> dict[str, Any]:
-    from lightning_sparse import update_parts
+    from lightning_sparse.exchange import update_parts
 
     saved = batched.eligible, update_parts.Bucket.progress
     if not at_once:  # the worker process outlives this test: put both back after it
@@ -161,8 +161,8 @@ def _update_worker(rank: int, world: int, at_once: bool, settings: dict[str, Any
 
 
 def _update_run(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     torch.manual_seed(0)
     named = [

@@ -123,14 +123,14 @@ def test_batchnorm_batches_is_checked() -> None:
 
 
 def test_no_batchnorm_no_hook() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     assert not GlobalBatchNorm(16).attach(nn.Linear(2, 2))
     assert not GlobalBatchNorm(0).attach(nn.BatchNorm1d(2))
 
 
 def test_recompute_keeps_dropout_and_random_state() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
     norms = GlobalBatchNorm(batches=3)
@@ -267,7 +267,7 @@ def _batches(n: int) -> list[torch.Tensor]:
 
 
 def test_a_backbone_and_a_head_are_one_pass_and_the_head_is_fed_the_replayed_features() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm, _Link
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm, _Link
 
     model = _TwoPart()
     norms = GlobalBatchNorm(batches=2)
@@ -288,7 +288,7 @@ def test_a_backbone_and_a_head_are_one_pass_and_the_head_is_fed_the_replayed_fea
 
 
 def test_calls_nested_in_a_recorded_call_are_not_recorded() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     model = _TwoPart()
     norms = GlobalBatchNorm(batches=4)
@@ -305,7 +305,7 @@ def test_calls_nested_in_a_recorded_call_are_not_recorded() -> None:
 
 
 def test_keyword_inputs_and_dict_outputs_are_linked() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm, _Link
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm, _Link
 
     class Backbone(nn.Module):
         def __init__(self) -> None:
@@ -342,7 +342,7 @@ def test_keyword_inputs_and_dict_outputs_are_linked() -> None:
 
 
 def test_an_input_derived_between_calls_is_replayed_as_recorded() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     x = _batches(1)[0]
     model = _TwoPart()
@@ -371,7 +371,7 @@ def test_an_input_derived_between_calls_is_replayed_as_recorded() -> None:
 def test_lightnings_redirected_call_is_not_a_call_of_the_model() -> None:
     """Lightning calls the module with its forward patched on the instance to reach training_step:
     the calls inside it are the outermost ones (a submodule's, or the module's own)."""
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     model = _TwoPart()
     norms = GlobalBatchNorm(batches=4)
@@ -400,7 +400,7 @@ def test_lightnings_redirected_call_is_not_a_call_of_the_model() -> None:
 
 
 def test_an_exception_inside_a_call_leaves_the_stack_empty() -> None:
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     model = _TwoPart()
     norms = GlobalBatchNorm(batches=2)
@@ -416,7 +416,7 @@ def test_a_layer_no_call_reaches_keeps_its_statistics_and_is_named() -> None:
     """A network whose layers are called through .forward(...): nothing to replay; its statistics
     stay as trained (one process: nothing to average) and it is listed as the fallback. A layer
     under a recorded call that the replay does not run keeps its statistics too."""
-    from lightning_sparse.batchnorm import GlobalBatchNorm
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 
     class Model(nn.Module):
         def __init__(self) -> None:

@@ -13,15 +13,15 @@ import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_sparse.checkpoint import (
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.update import UpdateExchange
+from lightning_sparse.strategies.checkpoint import (
     CHECKPOINT_KEY,
     CheckpointPayload,
     mean_states,
     rank_files_dir,
     read_rank_states,
 )
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange
 
 IO = TorchCheckpointIO()
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
-from lightning_sparse.callbacks import METRIC_NAMES
+from lightning_sparse.telemetry.callbacks import METRIC_NAMES
 
 pytest.importorskip("jsonargparse")
 pytest.importorskip("sklearn")

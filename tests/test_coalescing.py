@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from lightning_sparse import exchange_collectives
-from lightning_sparse.stats import Counters
+from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.comm import Collectives
 
 SHAPES = {f"block{i}.{kind}": shape for i in range(6) for kind, shape in (("weight", (48, 48)), ("bias", (48,)))}
 
 
 def _train(rank: int, settings: dict[str, Any], coalesce: bool, steps: int = 6) -> dict[str, Any]:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     init = torch.Generator().manual_seed(3)  # the same start on every rank
     named = [(n, torch.nn.Parameter(torch.randn(s, generator=init) * 0.1)) for n, s in SHAPES.items()]

@@ -51,8 +51,8 @@ def _exchange_worker(
     nan_rank: int | None = None,
     compressor: str = "topk",
 ) -> dict[str, Any]:
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in SHAPES.items()]
     params = [p for _, p in named]
@@ -180,8 +180,8 @@ def test_split_of_identical_inputs_applies_the_largest_coordinates(dist4) -> Non
 
 
 def _bytes_worker(rank: int, world: int) -> dict[str, float]:
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     named = [("w1", torch.zeros(300, 400, requires_grad=True)), ("w2", torch.zeros(100_000, requires_grad=True))]
     params = [p for _, p in named]

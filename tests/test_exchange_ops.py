@@ -91,8 +91,8 @@ def _count_case(
 ) -> dict[str, Any]:
     """Warm-up cycles, then one counted cycle of the exchange on ``named`` (this rank's copies)."""
     from benchmarks.opcount import OpCounter
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     options = {"compressor": "topk", "density": 0.01, "min_numel": MIN_NUMEL, "seed": 3, "compress": mode}
     state = SparseState(**{**options, **settings})

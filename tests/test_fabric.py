@@ -19,7 +19,7 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 
 import lightning_sparse
 from lightning_sparse import FabricSparseDDPStrategy, SparseDDPStrategy
-from lightning_sparse.checkpoint import read_rank_states
+from lightning_sparse.strategies.checkpoint import read_rank_states
 
 HERE = Path(__file__).parent
 
@@ -84,7 +84,7 @@ def test_trains_with_identical_replicas_and_compresses(runs: dict[str, Any], nam
     assert_identical_replicas(results)
     expected_mode = "gradient" if name == "gradient" else "update"
     for r in results:
-        assert r["strategy"] == "lightning_sparse.fabric.SparseDDPStrategy"
+        assert r["strategy"] == "lightning_sparse.fabric.ddp.SparseDDPStrategy"
         assert r["compress"] == expected_mode
         t = r["telemetry"]
         assert t["sent_bytes"] > 0 and t["dense_bytes"] > 0

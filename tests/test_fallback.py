@@ -14,8 +14,8 @@ import torch
 from torch.futures import Future
 
 from lightning_sparse import SparseDDPStrategy, TimedFallback
-from lightning_sparse import fallback as fallback_module
-from lightning_sparse.fallback import as_fallback
+from lightning_sparse.exchange import fallback as fallback_module
+from lightning_sparse.exchange.fallback import as_fallback
 
 
 def _bound(fb: TimedFallback, world: int = 2, warmup: int = 1, step: int = 0) -> TimedFallback:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from _dist import DistPool
 
 from lightning_sparse import SparseConfig
-from lightning_sparse.update import split_fragments
+from lightning_sparse.exchange.update import split_fragments
 
 SIZES = {"a": 2000, "b": 500, "c": 2000, "d": 500}
 
@@ -38,8 +38,8 @@ def test_split_keeps_every_tensor_once_in_module_order(how: str, count: int) -> 
 
 
 def _fragments_worker(rank: int, world: int, fragments: int) -> dict[str, Any]:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     gen = torch.Generator().manual_seed(0)
     named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in SIZES.items()]
@@ -119,9 +119,9 @@ def test_bad_fragments_are_refused(kwargs: dict[str, Any], match: str) -> None:
 
 
 def test_more_fragments_than_tensors_are_refused() -> None:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
-    from lightning_sparse.update_parts import fragments_of
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
+    from lightning_sparse.exchange.update_parts import fragments_of
 
     params = [(n, torch.nn.Parameter(torch.zeros(4))) for n in ("w", "b", "v")]
     # at setup: the model has fewer tensors than fragments

@@ -31,9 +31,9 @@ def _shard_worker(rank: int, world: int, steps: int = 10) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
     from lightning_sparse.schedules import k_for
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)  # the same initial model everywhere

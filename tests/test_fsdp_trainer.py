@@ -217,7 +217,7 @@ def test_a_model_nobody_shards_is_refused(tmp_path: Path) -> None:
 def test_sharding_units_keep_tied_parameters_in_one_unit() -> None:
     from torch import nn
 
-    from lightning_sparse.sharding import sharding_units
+    from lightning_sparse.strategies.sharding import sharding_units
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -261,7 +261,7 @@ def test_settings_match_the_config() -> None:
 
     from lightning_sparse import SparseConfig
     from lightning_sparse.config import setting_docs
-    from lightning_sparse.fsdp import FSDP_SETTINGS
+    from lightning_sparse.strategies.fsdp import FSDP_SETTINGS
 
     params = inspect.signature(SparseFSDPStrategy.__init__).parameters
     hints = typing.get_type_hints(SparseFSDPStrategy.__init__)

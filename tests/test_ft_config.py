@@ -8,12 +8,12 @@ import pytest
 
 from lightning_sparse import SparseDDPStrategy
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.core import SparseCore
+from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, require_torchft, shard_across_groups
+from lightning_sparse.exchange.update import UpdateExchange
 from lightning_sparse.fabric import SparseDDPStrategy as FabricSparseDDPStrategy
-from lightning_sparse.fabric_fsdp import SparseFSDPStrategy as FabricSparseFSDPStrategy
-from lightning_sparse.fsdp import SparseFSDPStrategy
-from lightning_sparse.ft_env import ReplicaGroupEnv, require_torchft, shard_across_groups
-from lightning_sparse.update import UpdateExchange
+from lightning_sparse.fabric.fsdp import SparseFSDPStrategy as FabricSparseFSDPStrategy
+from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.fsdp import SparseFSDPStrategy
 
 ENV = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3"}
 
@@ -87,7 +87,7 @@ def test_sparse_fsdp_refuses_fault_tolerance_for_now(shell: type) -> None:
 
 def test_fault_tolerant_strategies_build_their_exchange_on_torchft(ft_env: None) -> None:
     pytest.importorskip("torchft")
-    from lightning_sparse.ft import FaultTolerantUpdate
+    from lightning_sparse.exchange.ft import FaultTolerantUpdate
 
     for shell in (SparseDDPStrategy, FabricSparseDDPStrategy):
         strategy = shell(fault_tolerant=True, sync_every=4, value_bits=2, min_replicas=2, quorum_timeout=5.0)

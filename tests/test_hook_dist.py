@@ -186,9 +186,9 @@ def _conservation_worker(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse.hook import communicate
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.schedules import k_for
-    from lightning_sparse.state import SparseState
 
     dtype = getattr(torch, grad_dtype)
     named = _params(dtype)
@@ -312,8 +312,8 @@ def test_without_error_feedback_sends_p_and_keeps_nothing(dist2, compressor) -> 
 
 
 def _fallback_worker(rank: int, world: int, density: float, compact_indices: bool = False) -> dict[str, Any]:
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     named = _params(torch.float32)
     params = [p for _, p in named]
@@ -351,9 +351,9 @@ def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:
     import time
 
     from lightning_sparse.compressors import TopK
-    from lightning_sparse.fallback import TimedFallback
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.fallback import TimedFallback
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.wire import comm
 
     class SlowTopK(TopK):

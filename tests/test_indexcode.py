@@ -211,7 +211,9 @@ def test_validate(bad: list[int]) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("n", "k", "rows"), [(1000, 3, 1), (100_000, 1000, 2), (50, 50, 3), (7, 1, 8), (10**6, 5000, 4)])
+@pytest.mark.parametrize(
+    ("n", "k", "rows"), [(1000, 3, 1), (100_000, 1000, 2), (50, 50, 3), (7, 1, 8), (10**6, 5000, 4)]
+)
 def test_rows_decode_as_each_row_alone(device: str, n: int, k: int, rows: int) -> None:
     """Every rank's message of an all-gather decoded at once equals each decoded by itself."""
     sets = [random_set(n, k, seed=r).to(device) for r in range(rows)]

@@ -2,7 +2,9 @@
 
 Reads every module's source (no imports run) and collects the package modules it imports,
 function-level imports and imports under ``if TYPE_CHECKING:`` included: a type named from a
-module above is a dependency on it too, and the package has none in a circle.
+module above is a dependency on it too, and the package has none in a circle. Importing a module of
+a sub-package runs that sub-package's ``__init__.py`` first, so it counts as importing it too.
+The package root holds only ``__init__.py``, ``config.py``, ``_utils.py`` and the sub-packages.
 """
 
 from __future__ import annotations
@@ -42,7 +44,16 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
             visit(child)
 
     visit(ast.parse(path.read_text()))
+    # importing `lightning_sparse.sub.module` runs `lightning_sparse/sub/__init__.py` first (the root's
+    # `__init__` is left out: every module is inside it)
+    found |= {parent for m in found for parent in _parents(m) if not name.startswith(parent + ".")}
     return {m for m in found if m in modules and m != name}
+
+
+def _parents(module: str) -> list[str]:
+    """The packages above ``module`` inside the package, the root left out."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
 
 
 def _graph() -> dict[str, set[str]]:
@@ -90,9 +101,9 @@ def test_type_checking_imports_count() -> None:
     path = PACKAGE / "_probe_for_layering_test.py"
     try:
         path.write_text(
-            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_sparse.state import X\n"
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_sparse.exchange.state import X\n"
         )
-        assert "lightning_sparse.state" in _imports(path, {"lightning_sparse.state"})
+        assert "lightning_sparse.exchange.state" in _imports(path, {"lightning_sparse.exchange.state"})
     finally:
         path.unlink()
 
@@ -109,32 +120,87 @@ def _deps(graph: dict[str, set[str]], module: str) -> set[str]:
     return seen
 
 
+def test_imports_of_a_submodule_count_for_its_packages() -> None:
+    path = PACKAGE / "_probe_for_layering_test.py"
+    modules = {"lightning_sparse.exchange", "lightning_sparse.exchange.state", "lightning_sparse.wire"}
+    try:
+        path.write_text("from lightning_sparse.exchange.state import X\n")
+        assert _imports(path, modules) == {"lightning_sparse.exchange", "lightning_sparse.exchange.state"}
+    finally:
+        path.unlink()
+    assert _imports(PACKAGE / "exchange" / "step.py", modules) == {"lightning_sparse.wire"}
+
+
 def test_layers() -> None:
-    """shells (strategy, fabric) -> core, shell -> checkpoint, advice, ddp_args -> update, hook ->
-    outer, state -> exchange -> config -> schedules, fallback -> wire -> compressors, memory, stats,
-    _utils. No module reaches a layer above its own."""
+    """shells (strategies.ddp, fabric) -> strategies.core, strategies.shell -> strategies.checkpoint,
+    strategies.advice, strategies.ddp_args -> exchange.update, exchange.hook -> exchange.outer,
+    exchange.state -> exchange.step -> config -> schedules, exchange.fallback -> wire -> compressors,
+    exchange.memory, telemetry.stats, _utils. No module reaches a layer above its own."""
     graph = _graph()
     pkg = "lightning_sparse."
-    assert pkg + "wire" in graph[pkg + "exchange"] and pkg + "wire" in _deps(graph, pkg + "schedules")
+    step, state, hook, update = (pkg + "exchange." + n for n in ("step", "state", "hook", "update"))
+    outer, fallback = pkg + "exchange.outer", pkg + "exchange.fallback"
+    core, shell, checkpoint = (pkg + "strategies." + n for n in ("core", "shell", "checkpoint"))
+    strategy = pkg + "strategies.ddp"
+    fabric = {m for m in graph if m == pkg + "fabric" or m.startswith(pkg + "fabric.")}
+    assert pkg + "wire" in graph[step] and pkg + "wire" in _deps(graph, pkg + "schedules")
     wire = [m for m in graph if m.startswith(pkg + "wire")]
     assert len(wire) >= 7
-    above_wire = {pkg + n for n in ("state", "config", "schedules", "fallback", "hook", "outer", "update", "core")}
-    above_wire |= {pkg + n for n in ("exchange", "checkpoint", "shell", "strategy", "fabric")}
+    above_wire = {state, pkg + "config", pkg + "schedules", fallback, hook, outer, update, core}
+    above_wire |= {step, checkpoint, shell, strategy, *fabric}
     for module in wire:
         assert not _deps(graph, module) & above_wire, module
-    for name in ["schedules", "fallback"]:
-        assert not _deps(graph, pkg + name) & {pkg + "state", pkg + "config", pkg + "hook", pkg + "exchange"}, name
-    assert not _deps(graph, pkg + "config") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
+    for name in [pkg + "schedules", fallback]:
+        assert not _deps(graph, name) & {state, pkg + "config", hook, step}, name
+    assert not _deps(graph, pkg + "config") & {state, hook, update, core}
     # the step's exchange sits below the state that owns it and below both of DDP's hooks and update mode
-    assert not _deps(graph, pkg + "exchange") & {pkg + "state", pkg + "hook", pkg + "update", pkg + "core"}
-    assert not _deps(graph, pkg + "state") & {pkg + "hook", pkg + "update", pkg + "core"}
-    for name in ["hook", "outer"]:
-        assert not _deps(graph, pkg + name) & {pkg + "update", pkg + "core", pkg + "strategy", pkg + "fabric"}
+    assert not _deps(graph, step) & {state, hook, update, core}
+    assert not _deps(graph, state) & {hook, update, core}
+    for name in [hook, outer]:
+        assert not _deps(graph, name) & {update, core, strategy, *fabric}, name
     # update mode drives the exchange itself: nothing of it goes through DDP's hook module
-    assert pkg + "hook" not in _deps(graph, pkg + "update")
-    for name in ["update", "checkpoint", "advice", "ddp_args"]:
-        assert not _deps(graph, pkg + name) & {pkg + "core", pkg + "shell", pkg + "strategy", pkg + "fabric"}, name
-    assert not _deps(graph, pkg + "core") & {pkg + "strategy", pkg + "fabric"}
+    assert hook not in _deps(graph, update)
+    for name in [update, checkpoint, pkg + "strategies.advice", pkg + "strategies.ddp_args"]:
+        assert not _deps(graph, name) & {core, shell, strategy, *fabric}, name
+    assert not _deps(graph, core) & {strategy, *fabric}
+
+
+def test_sub_packages_read_top_down() -> None:
+    """fabric -> strategies -> exchange, telemetry, config, schedules, wire, compressors: nothing below
+    the front ends reaches them, and the Trainer's side never reaches Fabric's."""
+    graph = _graph()
+    pkg = "lightning_sparse."
+
+    def reached(top: str) -> set[str]:
+        found: set[str] = set()
+        for module in graph:
+            if module == pkg + top or module.startswith(pkg + top + "."):
+                found |= {m.split(".")[1] for m in _deps(graph, module) if m != "lightning_sparse"}
+        return found
+
+    for below in ["exchange", "telemetry", "wire", "compressors", "schedules", "config", "_utils"]:
+        assert not reached(below) & {"strategies", "fabric"}, below
+    assert "fabric" not in reached("strategies")
+
+
+#: where a module goes (docs/development.md, "The shape of the package", says what each holds)
+SUB_PACKAGES = (
+    "strategies/ (the Trainer strategies and what both front ends share), fabric/ (the Fabric strategies), "
+    "exchange/ (the state, the step's exchange, DDP's hooks, update mode), telemetry/ (counters, metrics, the "
+    "summary, the monitor, the cost model), wire/, compressors/, schedules/, demos/"
+)
+
+
+def test_the_root_holds_only_the_package_modules_and_sub_packages() -> None:
+    allowed = {"__init__.py", "config.py", "_utils.py"}
+    stray = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in allowed)
+    assert not stray, (
+        f"{stray} at the package root: it holds only {sorted(allowed)} and sub-packages; "
+        f"a module goes into the sub-package of its layer: {SUB_PACKAGES}"
+    )
+    folders = [p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert not [p.name for p in folders if not (p / "__init__.py").is_file()], "every folder is a sub-package"
+    assert {"strategies", "fabric", "exchange", "telemetry"} <= {p.name for p in folders}
 
 
 def test_each_module_says_its_one_job() -> None:

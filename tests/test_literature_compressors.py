@@ -459,7 +459,7 @@ def test_exact_topk_on_large_tensor_matches_torch_topk() -> None:
 
 
 def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.wire import PATTERNS, Collectives, ring_all_reduce_bytes
 
     cs = CountSketch(rows=5, width=10.0, p2=4.0)

@@ -25,9 +25,9 @@ def _model() -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | None) -> dict[str, Any]:
-    from lightning_sparse.outer import outer_step_for
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.outer import outer_step_for
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     named = _model()
     params = [p for _, p in named]
@@ -129,9 +129,9 @@ def test_local_steps_keep_the_view_and_conserve_progress(dist2, outer: str | Non
 
 def _diloco_worker(rank: int, world: int, h: int, rounds: int) -> dict[str, Any]:
     """The library (density 1, Nesterov outer step, sync_every=h) against DiLoCo written out."""
-    from lightning_sparse.outer import outer_step_for
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.outer import outer_step_for
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(10_000 * rank + step)
@@ -219,8 +219,8 @@ def test_outer_optimizer_accepts_classes_and_factories() -> None:
 
 
 def _no_warmup_worker(rank: int, world: int) -> dict[str, Any]:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     named = _model()
     state = SparseState(SparseConfig(density=0.05, min_numel=1000, warmup_steps=0, sync_every=2))

@@ -13,7 +13,7 @@ import torch
 import yaml
 from conftest import run_trainer
 
-from lightning_sparse.checkpoint import read_rank_states
+from lightning_sparse.strategies.checkpoint import read_rank_states
 
 pytestmark = pytest.mark.dist
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_sparse.memory import ErrorFeedback
+from lightning_sparse.exchange.memory import ErrorFeedback
 
 
 def test_accumulate_keep_unsent_conserves_exactly() -> None:
@@ -60,7 +60,7 @@ def test_state_dict_round_trip_and_norm() -> None:
 
 def test_residuals_follow_a_real_gradient_scaler() -> None:
     from lightning_sparse import SparseState
-    from lightning_sparse.hook import communicate
+    from lightning_sparse.exchange.hook import communicate
 
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(torch.tensor(1.0))  # the scaler creates its scale tensor on first use
@@ -83,7 +83,7 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
 def test_offloaded_residuals_are_staged_for_an_exchange_and_written_back() -> None:
     import torch
 
-    from lightning_sparse.memory import ErrorFeedback
+    from lightning_sparse.exchange.memory import ErrorFeedback
 
     plain, offloaded = ErrorFeedback(), ErrorFeedback()
     offloaded.home = torch.device("cpu")

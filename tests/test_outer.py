@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sparse.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.outer import AddAverage, OuterStep
 from lightning_sparse.wire import Average
 
 pytestmark = pytest.mark.dist
@@ -33,8 +33,8 @@ class ScaledAdd(OuterStep):
 def _worker(rank: int, world: int, alpha: float | None) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     torch.manual_seed(0)
     named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lightning_sparse import SparseState
 from lightning_sparse.compressors import COMPRESSORS, CompressContext, get_compressor
-from lightning_sparse.hook import communicate
+from lightning_sparse.exchange.hook import communicate
 from lightning_sparse.schedules import k_for
 
 NAMES = sorted(COMPRESSORS)

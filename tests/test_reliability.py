@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import run_trainer
 
-from lightning_sparse.checkpoint import read_rank_states
 from lightning_sparse.compressors import COMPRESSORS
+from lightning_sparse.strategies.checkpoint import read_rank_states
 
 pytestmark = pytest.mark.dist
 
@@ -306,7 +306,7 @@ def test_mismatched_configuration_is_detected_at_setup(dist2) -> None:
 
 def _zero_and_nan_worker(rank: int, world: int, compressor: str) -> dict[str, Any]:
     from lightning_sparse import SparseState
-    from lightning_sparse.hook import communicate
+    from lightning_sparse.exchange.hook import communicate
 
     named = [("w", torch.zeros(5000, requires_grad=True)), ("b", torch.zeros(10, requires_grad=True))]
     params = [p for _, p in named]

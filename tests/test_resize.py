@@ -18,7 +18,7 @@ from test_trainer_dist import assert_replicas_identical
 from torch import nn
 from trainer_worker import Net, make_data
 
-from lightning_sparse.checkpoint import mean_states
+from lightning_sparse.strategies.checkpoint import mean_states
 
 pytestmark = pytest.mark.dist
 

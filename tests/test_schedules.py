@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_sparse import AdaptiveDensity, ConstantDensity, SparseDDPStrategy, WarmupDensity
+from lightning_sparse.exchange.state import Member, SparseState
 from lightning_sparse.schedules import as_schedule, k_for, topk_energy
-from lightning_sparse.state import Member, SparseState
 from lightning_sparse.wire import Collectives
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sparse.checkpoint import read_rank_states
+from lightning_sparse.strategies.checkpoint import read_rank_states
 
 pytestmark = pytest.mark.dist
 
@@ -38,9 +38,9 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
     import torch.distributed as dist
 
     from lightning_sparse import AdaptiveDensity
-    from lightning_sparse.hook import communicate
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.schedules import k_for
-    from lightning_sparse.state import SparseState
     from lightning_sparse.wire import comm
 
     shapes = {**SHAPES, **(BIG if big else {})}
@@ -159,8 +159,8 @@ def test_adaptive_measured_network_agrees_across_ranks(dist2) -> None:
 
 def _every_compressor_worker(rank: int, world: int, steps: int = 6) -> dict[str, Any]:
     from lightning_sparse import COMPRESSORS, AdaptiveDensity
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.wire import comm
 
     named = _params({**SHAPES, **BIG})
@@ -214,8 +214,8 @@ def test_adaptive_with_every_compressor(dist2) -> None:
 
 def _resume_worker(rank: int, world: int, schedule_name: str) -> dict[str, Any]:
     from lightning_sparse import AdaptiveDensity, WarmupDensity
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     def make_state() -> SparseState:
         schedule = (
@@ -256,9 +256,9 @@ def test_resume_from_state_dict_continues_exactly(dist2, schedule_name: str) -> 
 
 def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
     from lightning_sparse import WarmupDensity
-    from lightning_sparse.hook import communicate
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.schedules import k_for
-    from lightning_sparse.state import SparseState
 
     named = _params(SHAPES)
     params = [p for _, p in named]

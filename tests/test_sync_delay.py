@@ -34,8 +34,8 @@ def _delay_worker(
 ) -> dict[str, Any]:
     """Twelve steps of random progress at every rank, checked at every step. On ``device`` (the
     parameters, the exchange's buffers; what is checked is copied to the CPU, where gloo compares)."""
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     gen = torch.Generator().manual_seed(0)
     named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen).to(device))) for n, s in sizes.items()]

@@ -15,9 +15,9 @@ import torch
 from conftest import run_trainer
 
 from lightning_sparse import COMPRESSORS, CompressionMonitor, SparseDDPStrategy
-from lightning_sparse.callbacks import METRIC_NAMES
-from lightning_sparse.stats import Counters, Telemetry
-from lightning_sparse.summary import ADDS_UP, CompressionSummary, format_bytes
+from lightning_sparse.telemetry.callbacks import METRIC_NAMES
+from lightning_sparse.telemetry.stats import Counters, Telemetry
+from lightning_sparse.telemetry.summary import ADDS_UP, CompressionSummary, format_bytes
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -42,8 +42,8 @@ def _wire_worker(rank: int, world: int, compressor: str) -> dict[str, Any]:
     """Run the hook on buckets of mixed sizes; count the input bytes of every collective it calls."""
     import torch.distributed as dist
 
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     shapes = {"a.weight": (60, 50), "a.bias": (60,), "b.weight": (5000,), "c.bias": (9,), "d.weight": (40, 40)}
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in shapes.items()]
@@ -253,7 +253,7 @@ def test_monitor_pickles_for_spawn() -> None:
 # --------------------------------------------------------------------------- counters and telemetry
 def test_unsent_ratio_is_the_unsent_part_over_the_parameters() -> None:
     """Update mode: ||e|| / ||global parameters||, both read where they are; gradient mode has none."""
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.state import SparseState
 
     named = [("w", torch.nn.Parameter(torch.full((3, 4), 2.0))), ("b", torch.nn.Parameter(torch.zeros(5)))]
     state = SparseState(compress="update")
@@ -502,8 +502,8 @@ def test_summary_header_names_every_setting_that_differs_from_its_default(monkey
     import importlib.util
 
     from lightning_sparse.config import SparseConfig, setting_names
-    from lightning_sparse.fallback import TimedFallback
-    from lightning_sparse.summary import changed_settings, fit_title
+    from lightning_sparse.exchange.fallback import TimedFallback
+    from lightning_sparse.telemetry.summary import changed_settings, fit_title
 
     # the mode, the compressor and the density are always named; every other setting is covered here
     assert set(_CHANGED_SETTINGS) == set(setting_names()) - {"compress", "compressor", "density"}
@@ -544,7 +544,7 @@ def test_format_bytes() -> None:
 
 # --------------------------------------------------------------------------- torchmetrics
 def _metrics_worker(rank: int, world: int) -> dict[str, float]:
-    from lightning_sparse.metrics import (
+    from lightning_sparse.telemetry.metrics import (
         BytesSent,
         CompressionRatio,
         CompressTime,
@@ -599,7 +599,7 @@ def test_metrics_synchronise_across_ranks(dist2) -> None:
 
 
 def test_metric_arguments_are_checked() -> None:
-    from lightning_sparse.metrics import BytesSent, ResidualNorm
+    from lightning_sparse.telemetry.metrics import BytesSent, ResidualNorm
 
     with pytest.raises(ValueError, match=r"steps=0 is not allowed"):
         BytesSent().update(Counters(), steps=0)
@@ -608,7 +608,7 @@ def test_metric_arguments_are_checked() -> None:
 
 
 def test_bytes_inside_a_group_are_reported_apart() -> None:
-    from lightning_sparse.callbacks import compression_figures
+    from lightning_sparse.telemetry.callbacks import compression_figures
 
     t = Telemetry()
     t.record("fc.weight", Counters(dense_bytes=4000, sent_bytes=80, buckets=1), method="topk")

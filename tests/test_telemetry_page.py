@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sparse.summary import COLUMNS
+from lightning_sparse.telemetry.summary import COLUMNS
 
 pytest.importorskip("jsonargparse")
 pytest.importorskip("sklearn")

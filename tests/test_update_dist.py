@@ -20,9 +20,9 @@ from test_hook_dist import COMPRESSORS_ON_THE_WIRE, _compressor, _decode, _param
 def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | None, steps: int = 4) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
     from lightning_sparse.schedules import k_for
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
 
     named = _params(torch.float32)
     params = [p for _, p in named]
@@ -125,8 +125,8 @@ def test_update_conservation_and_global_average(dist2, compressor: str, value_dt
 
 
 def _leave_local_worker(rank: int, world: int) -> dict[str, Any]:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     named = _params(torch.float32)
     params = [p for _, p in named]
@@ -152,8 +152,8 @@ def _leave_local_worker(rank: int, world: int) -> dict[str, Any]:
 def _outside_writes_worker(rank: int, world: int) -> dict[str, Any]:
     import warnings
 
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     named = _params(torch.float32)
     params = [p for _, p in named]
@@ -212,8 +212,8 @@ def test_leave_local_restores_global_exactly(dist2) -> None:
 
 
 def test_one_process_is_plain_training() -> None:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.update import UpdateExchange
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
     named = _params(torch.float32)
     exchange = UpdateExchange(SparseState(compress="update"))
@@ -231,7 +231,7 @@ def test_one_process_is_plain_training() -> None:
 
 def test_arguments() -> None:
     from lightning_sparse import SparseDDPStrategy
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.state import SparseState
 
     assert SparseDDPStrategy().compress == "update"
     assert SparseDDPStrategy(compress="gradient").update_exchange is None
@@ -244,8 +244,8 @@ def test_arguments() -> None:
 
 
 def test_training_advice_names_what_to_change() -> None:
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.strategy import training_advice
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.strategies.ddp import training_advice
 
     w = [torch.nn.Parameter(torch.zeros(4))]
     adamw, sgd_m, sgd = torch.optim.AdamW(w), torch.optim.SGD(w, lr=0.1, momentum=0.9), torch.optim.SGD(w, lr=0.1)
@@ -262,8 +262,8 @@ def test_training_advice_names_what_to_change() -> None:
 
 def test_training_advice_for_batchnorm_models() -> None:
     from lightning_sparse import WarmupDensity
-    from lightning_sparse.state import SparseState
-    from lightning_sparse.strategy import training_advice
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.strategies.ddp import training_advice
 
     bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     plain = torch.nn.Linear(4, 4)
@@ -287,7 +287,7 @@ def _reducer_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_sparse.config import SparseConfig
-    from lightning_sparse.core import SparseCore
+    from lightning_sparse.strategies.core import SparseCore
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))

@@ -98,8 +98,8 @@ def test_bad_value_bits_are_refused(settings: dict[str, Any], message: str) -> N
 
 
 def _worker(rank: int, world: int, bits: int, exchange: str) -> dict[str, Any]:
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in SHAPES.items()]
     params = [p for _, p in named]
@@ -167,8 +167,8 @@ def test_coded_values_conserve_and_agree(dist2, dist4, world: int, exchange: str
 
 
 def _bytes_worker(rank: int, world: int, bits: int | None) -> float:
-    from lightning_sparse.hook import communicate
-    from lightning_sparse.state import SparseState
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
 
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in SHAPES.items()]
     params = [p for _, p in named]

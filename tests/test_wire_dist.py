@@ -40,9 +40,9 @@ def _ring_bytes(kind: str, world: int, nbytes: int) -> float:
 def _wire_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     from lightning_sparse import AdaptiveDensity
     from lightning_sparse.compressors import CountSketch
-    from lightning_sparse.hook import communicate
+    from lightning_sparse.exchange.hook import communicate
+    from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.schedules import k_for
-    from lightning_sparse.state import SparseState
     from lightning_sparse.wire import PATTERNS
 
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in SHAPES.items()]

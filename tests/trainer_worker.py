@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_sparse
 from lightning_sparse import SparseDDPStrategy
 from lightning_sparse._utils import end_process_group
-from lightning_sparse.hook import sparse_comm_hook
-from lightning_sparse.update import UpdateExchange
+from lightning_sparse.exchange.hook import sparse_comm_hook
+from lightning_sparse.exchange.update import UpdateExchange
 
 
 class Net(L.LightningModule):

@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-from lightning_sparse.fsdp import finish_sharded_setup
-from lightning_sparse.sharding import reshard, sharding_units
+from lightning_sparse.strategies.fsdp import finish_sharded_setup
+from lightning_sparse.strategies.sharding import reshard, sharding_units
 
 
 class DenseHSDPStrategy(ModelParallelStrategy):

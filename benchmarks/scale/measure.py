@@ -17,7 +17,7 @@ from benchmarks._ranks import free_port, run_ranks
 from benchmarks.scale.model import COLUMNS, CONFIGS, DENSE, GRAD_DTYPE, ddp_buckets, make_state, mlp_tensors
 from benchmarks.scale.options import parse_count
 from lightning_sparse import end_process_group
-from lightning_sparse.hook import communicate
+from lightning_sparse.exchange.hook import communicate
 
 #: relative tolerance of measured == model
 TOLERANCE = 1e-9

@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from benchmarks.compressors import parse_compressor
     from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
-    from lightning_sparse.hook import update_comm_hook
+    from lightning_sparse.exchange.hook import update_comm_hook
 
     world = args.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)

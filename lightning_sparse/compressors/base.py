@@ -11,7 +11,7 @@ residual of one parameter) are sent. What crosses the wire is fixed by its ``pat
   candidates from the sum, and their exact values are all-reduced in a second round
   (:class:`~lightning_sparse.compressors.CountSketch`; ``select`` is then the one-process case).
 
-The hook (:mod:`lightning_sparse.hook`) does the rest: error feedback, value quantization,
+The hook (:mod:`lightning_sparse.exchange.hook`) does the rest: error feedback, value quantization,
 packing a whole bucket into one message, and writing the averaged gradient back.
 """
 

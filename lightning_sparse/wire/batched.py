@@ -6,7 +6,7 @@ host read.
 The per-tensor selection (:func:`~lightning_sparse.wire.select.select_sorted`) costs a handful of
 operators and a host read or two per tensor; on a GPU, where every operator is a kernel launch and
 every read waits for the queue, a model of 150 tensors spends its exchange waiting on the host. Here
-the bucket's residuals are one flat tensor (:meth:`~lightning_sparse.memory.ErrorFeedback.flat`)
+the bucket's residuals are one flat tensor (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`)
 and the selection runs on it:
 
 1. ``p = g + e`` for every sparse member: one ``_foreach_add_``.
@@ -63,7 +63,7 @@ CPU_ONE_BY_ONE = 1 << 20
 
 def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple[tuple[str | None, int], ...]:
     """How a bucket's residuals lie in their flat tensor (:meth:`ErrorFeedback.flat
-    <lightning_sparse.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors' too
+    <lightning_sparse.exchange.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors' too
     where they travel coded (``value_bits``) and so keep a rounding error of their own. Every part of
     the exchange asks here, so that all of them see one flat tensor.
 

@@ -2,7 +2,7 @@
 
 :class:`Collectives` wraps ``torch.distributed``'s collectives for one process group: each call
 counts the bytes it hands over and their ring traffic into the given
-:class:`~lightning_sparse.stats.Counters` (so no collective goes uncounted, and none is counted
+:class:`~lightning_sparse.telemetry.stats.Counters` (so no collective goes uncounted, and none is counted
 twice), and returns the collective's future, or None at world size 1, where nothing is issued.
 
 Inside :meth:`Collectives.coalescing` the calls are queued instead, and leave the block as one
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse.stats import Counters
+from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.cost import count_all_gather, count_all_reduce, count_all_to_all
 
 T = TypeVar("T")
@@ -139,7 +139,7 @@ class Collectives:
 
     Example:
         >>> import torch
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> c = Counters()
         >>> Collectives(group=None, world=1).all_reduce(torch.ones(4), c) is None, c.sent_bytes
         (True, 16)

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.compressors import CompressContext, Compressor
-from lightning_sparse.memory import ErrorFeedback, LocalMomentum
-from lightning_sparse.stats import Counters
+from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.comm import Collectives, Issued
 
 
@@ -51,7 +51,7 @@ class BucketPlan:
 
     @functools.cached_property
     def residual_layout(self) -> tuple[tuple[str | None, int], ...]:
-        """The bucket as :meth:`ErrorFeedback.flat <lightning_sparse.memory.ErrorFeedback.flat>` lays
+        """The bucket as :meth:`ErrorFeedback.flat <lightning_sparse.exchange.memory.ErrorFeedback.flat>` lays
         out its residuals: the sparse members by name, the small tensors (no residual) as ``None``."""
         return tuple((m.name if m.sparse else None, m.numel) for m in self.members)
 
@@ -77,7 +77,7 @@ class WireContext:
         rank: this rank.
 
     Built from a :class:`~lightning_sparse.config.SparseConfig` in one place
-    (``lightning_sparse.exchange.wire_context``), so that each setting keeps one home and one default.
+    (``lightning_sparse.exchange.step.wire_context``), so that each setting keeps one home and one default.
 
     Example:
         >>> from lightning_sparse.compressors import TopK
@@ -86,7 +86,7 @@ class WireContext:
         (1, torch.bfloat16)
     """
 
-    # the settings: no defaults here, they are the config's (``lightning_sparse.exchange.wire_context``)
+    # the settings: no defaults here, they are the config's (``lightning_sparse.exchange.step.wire_context``)
     compressor: Compressor
     error_feedback: bool
     momentum_correction: float

@@ -3,7 +3,7 @@
 The ring models are the one place the package turns message sizes into traffic: a ring all-gather
 of ``m`` bytes per rank moves ``(W-1)*m`` bytes through each rank, a ring all-reduce of ``n`` bytes
 ``2*(W-1)/W*n``, an all-to-all of ``n`` bytes (all W chunks) ``(W-1)/W*n``. The ``count_*``
-functions add a collective to :class:`~lightning_sparse.stats.Counters` (the bytes handed to it and
+functions add a collective to :class:`~lightning_sparse.telemetry.stats.Counters` (the bytes handed to it and
 its ring traffic); :class:`~lightning_sparse.wire.comm.Collectives` calls them for every collective
 it issues. :func:`sparse_pays` is the byte rule: the hook, the density schedules and the telemetry
 all ask it whether a bucket's sparse exchange moves fewer bytes than a dense all-reduce of it.
@@ -11,7 +11,7 @@ all ask it whether a bucket's sparse exchange moves fewer bytes than a dense all
 
 from __future__ import annotations
 
-from lightning_sparse.stats import Counters
+from lightning_sparse.telemetry.stats import Counters
 
 
 def ring_all_reduce_bytes(world: int, nbytes: int) -> float:

@@ -22,14 +22,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import check_bool, end_process_group_at_exit
-from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.core import SparseCore
-from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.outer import OuterStep
+from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.sharding import (
+from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
     bind_shards,
     check_mesh,
@@ -42,7 +42,7 @@ from lightning_sparse.sharding import (
     settings_doc,
     shard_module,
 )
-from lightning_sparse.trainer_hooks import TrainerHooks
+from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
 __all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
 

@@ -11,9 +11,9 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_sparse._utils import note_run_end
-from lightning_sparse.callbacks import CompressionMonitor
-from lightning_sparse.checkpoint import CheckpointPayload
-from lightning_sparse.shell import SparseShell
+from lightning_sparse.strategies.checkpoint import CheckpointPayload
+from lightning_sparse.strategies.shell import SparseShell
+from lightning_sparse.telemetry.callbacks import CompressionMonitor
 
 __all__ = ["GlobalModelFirst", "TrainerHooks"]
 
@@ -24,7 +24,7 @@ class GlobalModelFirst(pl.Callback):
     strategy's). The strategies add it first among the Trainer's callbacks, in update mode.
 
     Example:
-        >>> from lightning_sparse.core import SparseCore
+        >>> from lightning_sparse.strategies.core import SparseCore
         >>> from lightning_sparse.config import SparseConfig
         >>> isinstance(GlobalModelFirst(SparseCore(SparseConfig())), pl.Callback)
         True

@@ -23,8 +23,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.update import UpdateExchange
 
 __all__ = ["CHECKPOINT_KEY", "CheckpointPayload", "mean_states", "read_rank_states", "rank_files_dir"]
 
@@ -74,7 +74,7 @@ class CheckpointPayload:
     """Saves and restores one process's sparse state through the strategy's checkpoints.
 
     Args:
-        state: this process's :class:`~lightning_sparse.state.SparseState`.
+        state: this process's :class:`~lightning_sparse.exchange.state.SparseState`.
         update: the update exchange (update mode), else None.
 
     Example:

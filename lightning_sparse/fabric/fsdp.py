@@ -40,15 +40,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import end_process_group_at_exit
-from lightning_sparse.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.core import SparseCore
-from lightning_sparse.fabric_hooks import FabricHooks
-from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.outer import OuterStep
+from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.outer import OuterStep
+from lightning_sparse.fabric.hooks import FabricHooks
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.sharding import (
+from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.sharding import (
     bind_shards,
     check_mesh,
     check_sharding_arguments,

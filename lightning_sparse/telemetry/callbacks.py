@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_sparse.state import SparseState
-from lightning_sparse.stats import Counters, Telemetry
-from lightning_sparse.summary import CompressionSummary, fit_title
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.telemetry.stats import Counters, Telemetry
+from lightning_sparse.telemetry.summary import CompressionSummary, fit_title
 
 #: the metric names CompressionMonitor logs
 METRIC_NAMES = (
@@ -115,7 +115,7 @@ class CompressionMonitor(Callback):
 
     Example:
         >>> from lightning.pytorch import Trainer
-        >>> from lightning_sparse.callbacks import CompressionMonitor
+        >>> from lightning_sparse.telemetry.callbacks import CompressionMonitor
         >>> monitor = CompressionMonitor(logging_interval="step")
         >>> trainer = Trainer(strategy="sparse_ddp", callbacks=[monitor], log_every_n_steps=10)  # doctest: +SKIP
     """

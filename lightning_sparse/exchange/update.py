@@ -4,9 +4,9 @@ With ``compress="update"`` DDP's communication hook sends nothing: every rank's 
 on its own gradient. After the step, :class:`UpdateExchange` sends, per parameter, the
 coordinates the compressor selects of ``u = e + delta`` (``delta``: what this rank's optimizer
 just did to the parameter; ``e``: what the rank has not sent yet), through the same
-:class:`~lightning_sparse.exchange.StepExchange` as the gradient hook (same wire patterns, value
+:class:`~lightning_sparse.exchange.step.StepExchange` as the gradient hook (same wire patterns, value
 dtypes, density schedules, fallbacks and telemetry); nothing here goes through DDP's hook. The
-average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.outer`; by default
+average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.exchange.outer`; by default
 it is added to the *global* parameters), and every rank keeps the unsent part as its residual ``e``.
 
 For its forward, backward and optimizer steps each rank holds its own view of the model in the
@@ -37,10 +37,9 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.outer import AddAverage, OuterStep
-from lightning_sparse.state import SparseState
-from lightning_sparse.stats import Counters
-from lightning_sparse.update_parts import (
+from lightning_sparse.exchange.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.update_parts import (
     Bucket,
     InFlight,
     ShapedResiduals,
@@ -51,6 +50,7 @@ from lightning_sparse.update_parts import (
     fragments_of,
     split_fragments,
 )
+from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together, wait
@@ -65,12 +65,12 @@ class UpdateExchange:
     """Exchanges each rank's unsent optimizer progress after its optimizer steps.
 
     Args:
-        state: the shared :class:`~lightning_sparse.state.SparseState` (compressor, density,
+        state: the shared :class:`~lightning_sparse.exchange.state.SparseState` (compressor, density,
             residuals, telemetry); bound to the model's parameters by :meth:`bind`.
         bucket_bytes: the parameters of one optimizer are exchanged in messages of at most
             this many bytes of float32 updates (a larger parameter gets a message of its own).
         outer_step: what the global parameters do with each exchange's average (default:
-            :class:`~lightning_sparse.outer.AddAverage`, add it in).
+            :class:`~lightning_sparse.exchange.outer.AddAverage`, add it in).
 
     Example:
         >>> import torch
@@ -119,7 +119,7 @@ class UpdateExchange:
         aliases: Iterable[tuple[str, Tensor]] = (),
     ) -> None:
         """Attach to the model's parameters and process group (binds the state too; see
-        :meth:`SparseState.bind <lightning_sparse.state.SparseState.bind>`). ``aliases``: other
+        :meth:`SparseState.bind <lightning_sparse.exchange.state.SparseState.bind>`). ``aliases``: other
         tensors, by the name of the parameter they stand for, that callers may pass as ``params``
         (under FSDP2 the optimizer holds DTensors; the exchange works on their local shards)."""
         aliases = list(aliases)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_sparse.ft import FrontEndState
+from lightning_sparse.exchange.ft import FrontEndState
 
 __all__ = ["fabric_recovery", "trainer_recovery"]
 

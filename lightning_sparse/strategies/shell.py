@@ -9,11 +9,11 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import UpdateExchange
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.update import UpdateExchange
 
 if TYPE_CHECKING:
-    from lightning_sparse.core import SparseCore
+    from lightning_sparse.strategies.core import SparseCore
 
 __all__ = ["SparseShell"]
 

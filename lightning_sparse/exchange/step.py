@@ -7,8 +7,8 @@ residuals when a gradient scaler changes its loss scale, the fp16 overflow agree
 mode (:meth:`~StepExchange.keep_gradient`), the timed fallback's choice of a plain DDP step
 (:meth:`~StepExchange.begin_timed`), and the exchange of a bucket itself: dense or sparse, which
 wire pattern, the telemetry, and the :class:`~lightning_sparse.wire.Average` of what the ranks
-sent. Where that average lands is the caller's: DDP's gradient hook (:mod:`lightning_sparse.hook`)
-writes it into the bucket, update mode (:mod:`lightning_sparse.update`) hands it to an outer step.
+sent. Where that average lands is the caller's: DDP's gradient hook (:mod:`lightning_sparse.exchange.hook`)
+writes it into the bucket, update mode (:mod:`lightning_sparse.exchange.update`) hands it to an outer step.
 
 Compression is per parameter (each sparse parameter sends ``k = round(density * numel)``
 coordinates, at least 1), so results do not depend on how parameters are grouped into buckets;
@@ -27,12 +27,12 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.amp import SkippedSteps
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.fallback import DENSE, SPARSE, TRIAL_DENSE
-from lightning_sparse.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.exchange.amp import SkippedSteps
+from lightning_sparse.exchange.fallback import DENSE, SPARSE, TRIAL_DENSE
+from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.schedules import k_for
-from lightning_sparse.stats import Counters, Telemetry
+from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.wire import DENSE as DENSE_PATTERN
 from lightning_sparse.wire import (
     GATHER,
@@ -77,7 +77,7 @@ class ExchangeError(RuntimeError):
 class StepExchange:
     """The exchange of one rank, one optimizer step at a time.
 
-    Built by :class:`~lightning_sparse.state.SparseState` around its stores (residuals, local
+    Built by :class:`~lightning_sparse.exchange.state.SparseState` around its stores (residuals, local
     momenta, telemetry), and bound to a process group through :meth:`bind`. A step opens with
     :meth:`begin` (or with its first bucket) and closes after its last bucket (``last=True``),
     which advances :attr:`step`.
@@ -126,7 +126,7 @@ class StepExchange:
 
     def use_scaler(self, scaler: Any, rescale_residuals: bool) -> None:
         """Under fp16 AMP (``scaler``: the precision plugin's enabled gradient scaler, or None): steps
-        the scaler skips change nothing (:class:`~lightning_sparse.amp.SkippedSteps`); with
+        the scaler skips change nothing (:class:`~lightning_sparse.exchange.amp.SkippedSteps`); with
         ``rescale_residuals`` (gradient mode: the residuals carry the loss scale) the residuals
         follow each change of the loss scale."""
         self.skips = None if scaler is None else SkippedSteps(scaler)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange import wire_context
+from lightning_sparse.exchange.step import wire_context
 from lightning_sparse.schedules import k_for
 from lightning_sparse.wire import (
     GATHER,

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import RegionViews, all_reduce_mean_
-from lightning_sparse.memory import ErrorFeedback
+from lightning_sparse.exchange.memory import ErrorFeedback
 from lightning_sparse.wire import Average, BucketPlan
 
 __all__ = [

@@ -6,8 +6,8 @@ from typing import Any
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.schedules import ConstantDensity
-from lightning_sparse.state import SparseState
 
 __all__ = ["check_no_optimizer_momentum", "training_advice"]
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse.ft_env import ReplicaGroupEnv, require_torchft
-from lightning_sparse.outer import OuterStep
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import DEFAULT_BUCKET_BYTES, UpdateExchange
+from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, require_torchft
+from lightning_sparse.exchange.outer import OuterStep
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.update import DEFAULT_BUCKET_BYTES, UpdateExchange
 from lightning_sparse.wire import Collectives
 
 __all__ = ["FaultTolerantUpdate", "FrontEndState"]
@@ -46,9 +46,9 @@ class FaultTolerantUpdate(UpdateExchange):
     """The update exchange of one replica group among the live groups, on torchft.
 
     Args:
-        state: as for :class:`~lightning_sparse.update.UpdateExchange`.
-        bucket_bytes: as for :class:`~lightning_sparse.update.UpdateExchange`.
-        outer_step: as for :class:`~lightning_sparse.update.UpdateExchange`.
+        state: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
+        bucket_bytes: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
+        outer_step: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
         min_replicas: the fewest replica groups an exchange runs with; with fewer the group waits.
         quorum_timeout: seconds a quorum, a collective or a recovery may take.
 

@@ -1,6 +1,6 @@
 """The end-of-fit compression summary: a table per way of sending and per bucket group.
 
-:class:`CompressionSummary` holds the rows (plain :class:`~lightning_sparse.stats.Counters`) and
+:class:`CompressionSummary` holds the rows (plain :class:`~lightning_sparse.telemetry.stats.Counters`) and
 renders them as a rich table on a terminal, or as plain text otherwise (logs, CI, pipes).
 :func:`fit_title` is its header: the mode, the compressor, the density and every other setting
 that differs from its default.
@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from lightning_sparse._utils import resolve_value_dtype
 from lightning_sparse.config import SparseConfig, describe_callable
-from lightning_sparse.stats import Counters, Telemetry
+from lightning_sparse.telemetry.stats import Counters, Telemetry
 
 #: the table's columns, after the row name
 COLUMNS = (
@@ -157,7 +157,7 @@ class CompressionSummary:
             of the step spent compressing.
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> c = Counters(dense_bytes=4_000_000, sent_bytes=100_000, numel=1_000_000, sent_numel=10_000, buckets=4)
         >>> c.wire_bytes, c.dense_wire_bytes = 300_000.0, 6_000_000.0  # 4 ranks
         >>> s = CompressionSummary("example", {"topk": c}, {"fc.weight": c}, c, step_seconds=2.0)

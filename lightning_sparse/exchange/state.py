@@ -13,10 +13,10 @@ from torch import Tensor
 from lightning_sparse._utils import stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange import StepExchange
-from lightning_sparse.memory import ErrorFeedback, LocalMomentum, sum_of_squares
+from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum, sum_of_squares
+from lightning_sparse.exchange.step import StepExchange
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.stats import Telemetry
+from lightning_sparse.telemetry.stats import Telemetry
 from lightning_sparse.wire import BucketPlan, Collectives, Member, WireContext
 
 __all__ = ["BucketPlan", "Member", "SparseState"]
@@ -31,7 +31,7 @@ class SparseState:
 
     Holds the :class:`~lightning_sparse.config.SparseConfig` (every setting is read there), the
     error-feedback residuals (by parameter name), the telemetry and the
-    :class:`~lightning_sparse.exchange.StepExchange` that runs each optimizer step's exchange. It
+    :class:`~lightning_sparse.exchange.step.StepExchange` that runs each optimizer step's exchange. It
     contains no process group, so it pickles (``ddp_spawn``); :meth:`bind` attaches it to a DDP
     model's parameters and process group.
 

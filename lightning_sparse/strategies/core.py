@@ -4,10 +4,10 @@
 Lightning front end runs it: the :class:`~lightning_sparse.config.SparseConfig`, the
 :class:`SparseState` and the :class:`UpdateExchange` built from it, the checked DDP keyword
 arguments, the registration of DDP's hook on the wrapped model, and the
-:class:`~lightning_sparse.checkpoint.CheckpointPayload`. The registered strategy names are here
-too. ``lightning_sparse.strategy.SparseDDPStrategy`` (Trainer) and
+:class:`~lightning_sparse.strategies.checkpoint.CheckpointPayload`. The registered strategy names are here
+too. ``lightning_sparse.strategies.ddp.SparseDDPStrategy`` (Trainer) and
 ``lightning_sparse.fabric.SparseDDPStrategy`` (Fabric) are thin shells over it
-(:class:`~lightning_sparse.shell.SparseShell`).
+(:class:`~lightning_sparse.strategies.shell.SparseShell`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,21 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_sparse.advice import check_no_optimizer_momentum, training_advice
-from lightning_sparse.batchnorm import GlobalBatchNorm
-from lightning_sparse.checkpoint import CheckpointPayload
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.ddp_args import check_ddp_kwargs
-from lightning_sparse.ft import FaultTolerantUpdate
-from lightning_sparse.hook import sparse_comm_hook, update_comm_hook
-from lightning_sparse.outer import outer_step_for
-from lightning_sparse.state import SparseState
-from lightning_sparse.update import DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES, UpdateExchange, average_optimizer_states
+from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
+from lightning_sparse.exchange.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.hook import sparse_comm_hook, update_comm_hook
+from lightning_sparse.exchange.outer import outer_step_for
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.update import (
+    DEFAULT_BUCKET_BYTES,
+    OFFLOAD_BUCKET_BYTES,
+    UpdateExchange,
+    average_optimizer_states,
+)
+from lightning_sparse.strategies.advice import check_no_optimizer_momentum, training_advice
+from lightning_sparse.strategies.checkpoint import CheckpointPayload
+from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
 
 __all__ = ["STRATEGY_NAMES", "SparseCore", "register_names"]
 
@@ -206,7 +211,7 @@ class SparseCore:
     def global_model(self, together: bool = True) -> None:
         """Update mode: give the module the global model for something other than training
         (validation, testing, prediction, checkpoints, the end of fit): the global parameters, and
-        BatchNorm statistics recomputed under them (:class:`~lightning_sparse.batchnorm.GlobalBatchNorm`).
+        BatchNorm statistics recomputed under them (:class:`~lightning_sparse.exchange.batchnorm.GlobalBatchNorm`).
         ``together``: every process calls it at this point, and the statistics are averaged over
         them; else each process recomputes its own."""
         self.hold_global()

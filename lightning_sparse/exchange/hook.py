@@ -3,13 +3,13 @@
 DDP calls a communication hook once per gradient bucket per optimizer step, on the autograd
 thread, as soon as the bucket's gradients are ready, and waits for the returned future before the
 optimizer step. Both hooks here hand the bucket to the state's
-:class:`~lightning_sparse.exchange.StepExchange`, which owns the step:
+:class:`~lightning_sparse.exchange.step.StepExchange`, which owns the step:
 
 - :func:`sparse_comm_hook` (gradient mode, and the plain DDP steps of update mode's timed
   fallback): compress, exchange, and write the average of what the ranks sent back into the
   bucket as the averaged dense gradient;
 - :func:`update_comm_hook` (update mode): keep this rank's own gradient and send nothing (the
-  exchange runs after the optimizer step, :mod:`lightning_sparse.update`); under fp16 AMP the
+  exchange runs after the optimizer step, :mod:`lightning_sparse.exchange.update`); under fp16 AMP the
   ranks agree on overflowed steps here.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse.state import SparseState
+from lightning_sparse.exchange.state import SparseState
 
 __all__ = ["communicate", "sparse_comm_hook", "update_comm_hook"]
 

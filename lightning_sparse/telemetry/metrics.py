@@ -6,7 +6,7 @@ ratio (dense all-reduce wire bytes / wire bytes, ring model), the mean bytes sen
 rank and step, and so on. Feed them the
 hook's counters (``strategy.sparse_state.telemetry.last`` after each optimizer step)::
 
-    from lightning_sparse.metrics import CompressionRatio
+    from lightning_sparse.telemetry.metrics import CompressionRatio
 
     class Model(L.LightningModule):
         def __init__(self):
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_sparse.stats import Counters
+from lightning_sparse.telemetry.stats import Counters
 
 __all__ = ["BytesSent", "CompressTime", "CompressionRatio", "Density", "MessageRatio", "ResidualNorm", "WireBytes"]
 
@@ -85,7 +85,7 @@ class CompressionRatio(_RatioMetric):
     all updates and (when synchronised) all ranks; 1.0 when nothing crossed the wire.
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = CompressionRatio()
         >>> m.update(Counters(dense_bytes=4000, sent_bytes=100, dense_wire_bytes=6000.0, wire_bytes=300.0))
         >>> float(m.compute())
@@ -101,7 +101,7 @@ class MessageRatio(_RatioMetric):
     collectives move; over all updates and (when synchronised) all ranks.
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = MessageRatio()
         >>> m.update(Counters(dense_bytes=4000, sent_bytes=100))
         >>> float(m.compute())
@@ -116,7 +116,7 @@ class Density(_RatioMetric):
     """Fraction of gradient coordinates sent (dense parts count in full).
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = Density()
         >>> m.update(Counters(numel=1000, sent_numel=10))
         >>> float(m.compute())
@@ -133,7 +133,7 @@ class BytesSent(_CounterMetric):
     ``total`` (a state) holds the bytes of all updates and, after ``compute()``, of all ranks.
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = BytesSent()
         >>> m.update(Counters(sent_bytes=300), steps=3)
         >>> float(m.compute())
@@ -157,7 +157,7 @@ class WireBytes(_CounterMetric):
     bytes ``2*(W-1)/W*n``.
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = WireBytes()
         >>> m.update(Counters(sent_bytes=100, wire_bytes=300.0), steps=3)
         >>> float(m.compute())
@@ -180,7 +180,7 @@ class CompressTime(_CounterMetric):
     """Milliseconds per step spent in the communication hook (mean over updates and ranks).
 
     Example:
-        >>> from lightning_sparse.stats import Counters
+        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = CompressTime()
         >>> m.update(Counters(compress_seconds=0.004), steps=2)
         >>> round(float(m.compute()), 6)

@@ -16,9 +16,9 @@ from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
 from lightning_sparse.config import setting_docs
-from lightning_sparse.core import SparseCore
-from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.stats import Telemetry
+from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.telemetry.stats import Telemetry
 
 __all__ = [
     "FSDP_SETTINGS",

@@ -1,29 +1,4 @@
-"""SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``.
-
-The same sparse communication as the Trainer's :class:`lightning_sparse.SparseDDPStrategy` (one
-:class:`~lightning_sparse.core.SparseCore` underneath: the same arguments, compressors, schedules,
-fallbacks, both modes, the same checkpoint payload), for a loop the user writes::
-
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
-    fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)
-    for x, y in loader:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        fabric.backward(loss)
-        optimizer.step()
-
-Update mode (``compress="update"``, the default) in such a loop: a *training* forward (module in
-training mode, gradients enabled) lets the module hold this rank's own view of the model (the
-global parameters plus what this rank has not sent yet); ``optimizer.step()`` steps on it, and an
-exchange leaves the new *global* parameters, identical on every rank, in the module. With
-``sync_every > 1`` the view stays in the module between exchanges. An evaluation forward
-(``model.eval()`` or ``torch.no_grad()``) outside a pending backward, ``strategy.global_model()``,
-:meth:`SparseDDPStrategy.save_checkpoint` (``fabric.save``) and
-:meth:`SparseDDPStrategy.load_checkpoint` (``fabric.load``) put the global model in the module (in
-the middle of a cycle, the progress so far joins the residual first); the next training forward
-puts the rank's view back.
-"""
+"""SparseDDPStrategy: Lightning's DDP with sparse gradient communication."""
 
 from __future__ import annotations
 
@@ -31,50 +6,49 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
-from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
-from torch.nn import Module
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse._utils import end_process_group_at_exit
-from lightning_sparse.checkpoint import CHECKPOINT_KEY
+from lightning_sparse._utils import check_bool, end_process_group_at_exit
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.core import SparseCore, register_names
-from lightning_sparse.fabric_fsdp import SparseFSDPStrategy
-from lightning_sparse.fabric_hooks import FabricHooks
-from lightning_sparse.fallback import TimedFallback
-from lightning_sparse.ft import FaultTolerantUpdate
-from lightning_sparse.ft_env import shard_across_groups
-from lightning_sparse.ft_front import fabric_recovery
-from lightning_sparse.outer import OuterStep
+from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.ft_env import shard_across_groups
+from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
+from lightning_sparse.strategies.advice import training_advice
+from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.strategies.core import SparseCore, register_names
+from lightning_sparse.strategies.ft_front import trainer_recovery
+from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
-__all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
+__all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
 
 
-class SparseDDPStrategy(FabricHooks, DDPStrategy):
-    """Fabric's DDP whose communication is a sparse exchange with error feedback.
+class SparseDDPStrategy(TrainerHooks, DDPStrategy):
+    """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
 
-    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same
-    arguments and behaviour (see there and :mod:`lightning_sparse.fabric` for the loop): with
-    ``compress="update"`` (the default) each rank's optimizer steps on its own gradient and part of
-    each rank's progress is exchanged after ``optimizer.step()``; with ``compress="gradient"``
-    DDP's communication hook sends part of each gradient plus residual during ``fabric.backward``.
-    The hook is registered on every device (CPU/gloo included). At ``fabric.save`` every rank writes
-    its own residuals (and in update mode its optimizer state) to a file of its own beside the
-    checkpoint (``<path>.sparse/``), nothing gathered; ``fabric.load`` gives each rank its own
-    back, so a resumed run continues exactly.
-    ``fabric.strategy.sparse_state.telemetry`` holds the compression figures (there are no
-    Trainer callbacks in Fabric: log them with ``fabric.log_dict`` if wanted).
+    Every optimizer step each parameter sends ``k = density * numel`` coordinates (chosen by
+    ``compressor``) of what it has to send; what is not sent is kept and sent later, so nothing
+    is lost, only delayed. With ``compress="update"`` (the default) every rank's optimizer steps
+    on its own gradient and the strategy exchanges part of each rank's accumulated progress
+    after the step; after an exchange the module holds the global parameters, identical on every
+    rank (with ``sync_every > 1``, each rank's own view between exchanges). With
+    ``compress="gradient"`` DDP's communication hook sends part of each gradient plus residual,
+    overlapping with backward. Tensors below ``min_numel`` and the first
+    ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
+    launchers, NCCL/gloo, the buckets.
 
     Args:
         compress: ``"update"``: compress each rank's optimizer update (trains close to dense with AdamW and
@@ -115,7 +89,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or factory
             (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
-            ``class_path``/``init_args`` in a CLI config); or an :class:`~lightning_sparse.outer.OuterStep`
+            ``class_path``/``init_args`` in a CLI config); or an :class:`~lightning_sparse.exchange.outer.OuterStep`
             of your own. Its state is in every checkpoint.
         value_bits: send the values of a sparse exchange (the selected ones and those of the small
             tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
@@ -153,6 +127,9 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             does not stop the others and heals when it comes back (docs/fault-tolerance.md).
         min_replicas: ``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.
         quorum_timeout: ``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take.
+        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
+            fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
+            summary is printed at the end of fit. ``False`` adds nothing.
         find_unused_parameters: as in DDP.
         static_graph: as in DDP.
         gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
@@ -160,22 +137,22 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             step), ``False`` with ``compress="gradient"`` (DDP's default).
         bucket_cap_mb: as in DDP (None: DDP's default, 25); in update mode also the exchange's buckets (None:
             1024, so that a model of up to 256M float32 parameters is exchanged as one; 25 when offloading).
-        accelerator: as in Fabric's ``DDPStrategy``.
-        parallel_devices: as in Fabric's ``DDPStrategy``.
-        cluster_environment: as in Fabric's ``DDPStrategy``.
-        checkpoint_io: as in Fabric's ``DDPStrategy``.
-        precision: as in Fabric's ``DDPStrategy``.
-        process_group_backend: as in Fabric's ``DDPStrategy``.
-        timeout: as in Fabric's ``DDPStrategy``.
+        accelerator: as in Lightning's ``DDPStrategy``.
+        parallel_devices: as in Lightning's ``DDPStrategy``.
+        cluster_environment: as in Lightning's ``DDPStrategy``.
+        checkpoint_io: as in Lightning's ``DDPStrategy``.
+        precision_plugin: as in Lightning's ``DDPStrategy``.
+        process_group_backend: as in Lightning's ``DDPStrategy``.
+        timeout: as in Lightning's ``DDPStrategy``.
         start_method: the launcher's start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
         >>> import lightning_sparse
-        >>> from lightning.fabric import Fabric
-        >>> fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")  # doctest: +SKIP
-        >>> strategy = SparseDDPStrategy(compressor="gaussiank", density=0.001)
-        >>> fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")  # doctest: +SKIP
+        >>> strategy = SparseDDPStrategy(compressor="randomk", density=0.001)
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
     """
 
     strategy_name = "sparse_ddp"
@@ -206,6 +183,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         fault_tolerant: bool = False,
         min_replicas: int = 1,
         quorum_timeout: float = 60.0,
+        compression_monitor: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool | None = None,
@@ -214,154 +192,84 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
+        precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        check_bool("compression_monitor", compression_monitor)
         self._core = SparseCore(SparseConfig.of(locals()), ddp_kwargs=kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
-            precision=precision,
+            precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
             **self._core.ddp_kwargs,
         )
-        self._ddp_model: DistributedDataParallel | None = None
-        self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
+        self.compression_monitor = compression_monitor
 
     # ------------------------------------------------------------------ start and end
     @override
     def setup_environment(self) -> None:
-        """Fabric's setup (``fabric.launch()``); the process group is then ended at interpreter exit.
-
-        Fabric calls no teardown when the user's loop ends, so the end is registered here: at
-        exit, before Python's shutdown, a barrier of every rank and (if this setup created the
-        group) ``destroy_process_group``; nothing when the process leaves on an uncaught
-        exception (``lightning_sparse._utils.end_process_group_at_exit``)."""
         created = not _distributed_is_initialized()
         super().setup_environment()
+        # ended on every rank together at interpreter exit, before Python's shutdown begins
         end_process_group_at_exit(created=created)
 
-    # ------------------------------------------------------------------ setup
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._core.check_optimizers(self.optimizers, self.world_size, self.lightning_module)
+
+    # ------------------------------------------------------------------ the hook
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self._core.register_hook(
+            self.model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self.optimizers
+        )
+        if isinstance(self._core.update, FaultTolerantUpdate):
+            self._core.update.front_end = trainer_recovery(self)
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # fault-tolerant: shard over every replica group's processes, as torchft's DistributedSampler does
         return shard_across_groups(super().distributed_sampler_kwargs, self._core.config.fault_tolerant)
 
-    def setup_module(self, module: Module) -> DistributedDataParallel:
-        """Wrap the module in DDP and register the sparse communication on it (any device)."""
-        model = super().setup_module(module)
-        scaler = getattr(self.precision, "scaler", None)
-        self._core.register_hook(
-            model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers
-        )
-        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes the optimizers' states too
-            self._core.update.front_end = fabric_recovery(lambda: self._optimizers)
-        self._watch_forward(model)
-        self._ddp_model = model
-        return model
-
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
-        module = self._ddp_model.module if self._ddp_model is not None else None
-        self._core.check_optimizers([optimizer], self.world_size, module)
-        self._optimizers.append(optimizer)
-        return super().setup_optimizer(optimizer)
-
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Save ``state`` (rank 0 writes it) and every rank's sparse state beside it.
-
-        Runs on every rank (``fabric.save`` calls it on all): each rank writes its residuals, step,
-        schedule and telemetry, and in update mode its optimizer states (each rank's optimizer
-        followed its own gradients), to its own file in ``<path>.sparse/``; the checkpoint holds a
-        small entry under ``"lightning_sparse"`` that names that folder.
-        """
-        self._check_state_keys(state)
-        self._core.global_model()  # the checkpoint holds the global model (every rank saves together)
-        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]
-        optimizer_states = {k: converted[k] for k in optimizers}
-        entry = self._save_sparse(path, optimizer_states or None, storage_options)
-        if self.is_global_zero:
-            converted[CHECKPOINT_KEY] = entry
-            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # Runs on every process: each writes its own sparse state beside the checkpoint, no gather.
+        optimizer_states = (
+            {"optimizer_states": checkpoint["optimizer_states"]} if "optimizer_states" in checkpoint else None
+        )
+        checkpoint[CHECKPOINT_KEY] = self._save_sparse(filepath, optimizer_states, storage_options)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load a checkpoint like Fabric's ``DDPStrategy`` and restore this rank's sparse state.
-
-        In update mode every optimizer in the checkpoint is restored to the state *this rank*
-        saved (also in the returned checkpoint when ``state`` is empty); on another number of
-        processes, to the mean of the saved ranks' states. The ``"lightning_sparse"`` entry is
-        consumed, not returned.
-        """
-        self._core.hold_global()  # what the module held is replaced: it becomes the global model
-        io = self.checkpoint_io
-        # Lightning's own loading code runs; the checkpoint it reads passes through _restore first
-        self.checkpoint_io = _RestoringIO(io, self._restore)
-        try:
-            return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
-        finally:
-            self.checkpoint_io = io
-
-    def _restore(self, checkpoint: Any, path: _PATH, weights_only: bool | None) -> Any:
-        """Take the sparse state out of a loaded checkpoint and give this rank its own optimizer states."""
-        if isinstance(checkpoint, dict) and CHECKPOINT_KEY in checkpoint:
-            self._restore_sparse(checkpoint, path, self._ddp_model is not None, weights_only)
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if CHECKPOINT_KEY in checkpoint:
+            # Restored before DDP wraps the model; applied when the hook is registered. In update mode
+            # checkpoint["optimizer_states"] becomes this process's own.
+            now = isinstance(self.model, DistributedDataParallel)
+            self._restore_sparse(checkpoint, checkpoint_path, now, weights_only)
         return checkpoint
 
     # ------------------------------------------------------------------ names
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``sparse_ddp`` and its variants with a Fabric strategy registry (idempotent)."""
+    def register_strategies(cls, strategy_registry: dict) -> None:
+        """Register ``sparse_ddp`` and its variants (idempotent)."""
         register_names(cls, strategy_registry)
 
 
-def register_fabric_strategies() -> None:
-    """Make ``Fabric(strategy="sparse_ddp")``, its variants and ``"sparse_fsdp"`` resolve (idempotent)."""
-    SparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)
-    SparseFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
-
-
-class _RestoringIO(CheckpointIO):
-    """A CheckpointIO that passes what ``io`` loads through ``restore`` (saving is ``io``'s)."""
-
-    def __init__(self, io: CheckpointIO, restore: Callable[[Any, _PATH, bool | None], Any]) -> None:
-        self.io = io
-        self.restore = restore
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        self.io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
-        checkpoint = self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return self.restore(checkpoint, path, weights_only)
-
-    @override
-    def remove_checkpoint(self, path: _PATH) -> None:
-        self.io.remove_checkpoint(path)
+def register_strategies() -> None:
+    """Make ``Trainer(strategy="sparse_ddp")`` and its variants resolve (idempotent)."""
+    SparseDDPStrategy.register_strategies(StrategyRegistry)

@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_sparse._utils import note_run_end
-from lightning_sparse.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.shell import SparseShell
+from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.strategies.shell import SparseShell
 
 __all__ = ["FabricHooks"]
 

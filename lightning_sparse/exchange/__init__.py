@@ -1,0 +1,16 @@
+"""The exchange: what each rank keeps between steps and how each step's buckets are exchanged.
+
+- :mod:`~lightning_sparse.exchange.step` - one optimizer step of the exchange (``StepExchange``);
+- :mod:`~lightning_sparse.exchange.state` - the state that owns it (``SparseState``);
+- :mod:`~lightning_sparse.exchange.hook` - DDP's communication hooks onto it;
+- :mod:`~lightning_sparse.exchange.update`, :mod:`~lightning_sparse.exchange.update_parts` - update mode;
+- :mod:`~lightning_sparse.exchange.outer` - what the global parameters do with the average;
+- :mod:`~lightning_sparse.exchange.batchnorm` - the global model's BatchNorm statistics;
+- :mod:`~lightning_sparse.exchange.ft`, :mod:`~lightning_sparse.exchange.ft_env` - fault-tolerant replica groups;
+- :mod:`~lightning_sparse.exchange.fallback` - the timed dense fallback;
+- :mod:`~lightning_sparse.exchange.amp` - steps the fp16 gradient scaler skips;
+- :mod:`~lightning_sparse.exchange.memory` - the error-feedback residuals.
+
+Nothing is imported here: the settings and the wire import modules of this package, and the step's
+exchange imports them.
+"""
