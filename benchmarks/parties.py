@@ -173,7 +173,7 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     if settings is not None and settings.pop("dense", False):
         settings = None  # dense DDP at another learning rate
     if settings is not None and "chosen_scale" in settings:  # the chosen coordinates' factor alone
-        from lightning_sparse.outer import AddAverage
+        from lightning_sparse.exchange.outer import AddAverage
 
         settings["outer_optimizer"] = AddAverage(chosen_scale=settings.pop("chosen_scale"))
     if settings is not None and "outer_lr" in settings:  # an outer SGD step of this learning rate
