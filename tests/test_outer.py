@@ -9,12 +9,21 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sparse.exchange.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.outer import AddAverage, OuterStep, chosen_scale_of, parties_scale
 from lightning_sparse.wire import Average
 
 pytestmark = pytest.mark.dist
 
 SHAPES = {"w": (60, 50), "b": (500,)}  # one tensor sent sparse, one below min_numel (dense)
+
+
+@pytest.fixture(scope="module")
+def dist4() -> Any:
+    from _dist import DistPool
+
+    pool = DistPool(world_size=4)
+    yield pool
+    pool.stop()
 
 
 class ScaledAdd(OuterStep):
@@ -28,6 +37,70 @@ class ScaledAdd(OuterStep):
         step = average.add_to(torch.zeros_like(target))
         self.received.append(step.clone())
         target.add_(step, alpha=self.alpha)
+
+
+class ChosenScaled(OuterStep):
+    """Adds the average with the chosen coordinates scaled (``chosen_scale``), recording it."""
+
+    def __init__(self, chosen_scale: float | str) -> None:
+        self.chosen_scale = chosen_scale
+        self.received: list[torch.Tensor] = []
+
+    def apply(self, average: Average, target: torch.Tensor, names: tuple[str, ...]) -> None:
+        step = average.add_to(torch.zeros_like(target), chosen_scale_of(self.chosen_scale, average.parties))
+        self.received.append(step)
+        target.add_(step)
+
+
+def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str, Any]:
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
+
+    torch.manual_seed(0)
+    named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
+    state = SparseState(compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update")
+    outer = ChosenScaled(chosen_scale)
+    exchange = UpdateExchange(state, outer_step=outer)
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(100 + rank)
+    globals_ = []
+    for _ in range(2):
+        exchange.hold_local()
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(torch.randn(p.shape, generator=gen))
+        exchange.exchange()
+        globals_.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
+    return {"received": outer.received, "globals": globals_}
+
+
+def test_chosen_coordinates_are_scaled_and_tensors_sent_whole_are_not(dist4) -> None:
+    """``chosen_scale``: the coordinates each rank chose on its own (top-k of ``w``) arrive times the
+    factor, exactly; ``b``, below ``min_numel`` and sent whole by every rank, arrives as it is; so
+    does the warm-up's dense exchange; "parties" is half the number of ranks (2 for 4). The runs
+    start alike, so their first sparse exchanges average the same sends."""
+    w = SHAPES["w"][0] * SHAPES["w"][1]
+    plain = dist4.run(_chosen_worker, chosen_scale=1.0)
+    for setting, factor in (("parties", 2.0), (3.0, 3.0)):
+        runs = dist4.run(_chosen_worker, chosen_scale=setting)
+        for r in range(4):
+            assert torch.equal(runs[r]["globals"][-1], runs[0]["globals"][-1])  # one global model
+            warm, first = runs[r]["received"]
+            assert torch.equal(warm, plain[r]["received"][0])  # the dense warm-up: nothing chosen
+            unscaled = plain[r]["received"][1]
+            assert 0 < unscaled[:w].count_nonzero() < w
+            assert torch.allclose(first[:w], unscaled[:w] * factor, rtol=1e-6, atol=1e-6 * float(unscaled.abs().max()))
+            if factor == 2.0:  # a power of two: the same roundings, scaled
+                assert torch.equal(first[:w], unscaled[:w] * factor)
+            assert torch.equal(first[w:], unscaled[w:])
+
+
+def test_chosen_scale_is_checked() -> None:
+    assert AddAverage(chosen_scale="parties").chosen_scale == "parties"
+    for bad in (0, -1.0, float("inf"), "twice", True):
+        with pytest.raises(ValueError, match="chosen_scale=.* is not allowed"):
+            AddAverage(chosen_scale=bad)  # type: ignore[arg-type]
+    assert [parties_scale(n) for n in (2, 3, 16)] == [1.0, 1.5, 8.0]
 
 
 def _worker(rank: int, world: int, alpha: float | None) -> dict[str, Any]:

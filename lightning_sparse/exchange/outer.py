@@ -10,6 +10,7 @@ an outer optimizer (a momentum step on the average, a scaled or decayed step) is
 from __future__ import annotations
 
 import functools
+import math
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -68,6 +69,20 @@ def chosen_scale_of(setting: float | str, parties: int) -> float:
     return parties_scale(parties) if setting == "parties" else float(setting)
 
 
+def check_chosen_scale(value: object) -> float | str:
+    """``value`` if it is a ``chosen_scale`` (``"parties"`` or a finite number > 0), else ValueError.
+
+    Example:
+        >>> check_chosen_scale("parties"), check_chosen_scale(2)
+        ('parties', 2)
+    """
+    if value == "parties":
+        return "parties"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return value
+    raise ValueError(f"chosen_scale={value!r} is not allowed: expected 'parties' or a finite number > 0.")
+
+
 class AddAverage(OuterStep):
     """Add the average into the global parameters, touching only the coordinates that were sent.
 
@@ -83,7 +98,7 @@ class AddAverage(OuterStep):
     """
 
     def __init__(self, chosen_scale: float | str = 1.0) -> None:
-        self.chosen_scale = chosen_scale
+        self.chosen_scale = check_chosen_scale(chosen_scale)
 
     def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
         average.add_to(target, chosen_scale_of(self.chosen_scale, average.parties))
@@ -112,7 +127,7 @@ class OptimizerStep(OuterStep):
 
     def __init__(self, factory: Callable[[Iterable[Any]], Optimizer], chosen_scale: float | str = 1.0) -> None:
         self.factory = factory
-        self.chosen_scale = chosen_scale
+        self.chosen_scale = check_chosen_scale(chosen_scale)
         self._groups: dict[tuple[str, ...], tuple[torch.nn.Parameter, Optimizer]] = {}
         self._pending: dict[str, Any] = {}
 
