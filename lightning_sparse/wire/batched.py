@@ -118,7 +118,7 @@ class BatchedLayout:
     draws: int
     one_by_one_on_cpu: bool  # a member of at least CPU_ONE_BY_ONE elements
     deepest: int  # the largest sample rank, plus 1
-    member_of: Tensor  # int32, per entry of the bucket: its member (the thresholds' index)
+    sizes: Tensor  # every member's numel, buffer order
     region_ends: Tensor  # cumulative ends of the members
     thresholds: Tensor  # per member: +inf for dense members (filled for the sparse ones each call)
     sparse_regions: Tensor  # the sparse members' positions among the members, buffer order
@@ -134,6 +134,15 @@ class BatchedLayout:
     residual_views: RegionViews  # the sparse members' regions of the flat residual
     input_views: RegionViews  # and of the bucket's input
     space_members: tuple[tuple[int, int, int, int], ...]  # (sparse index, bucket offset, numel, k), space order
+
+    @functools.cached_property
+    def member_of(self) -> Tensor:
+        """int32, per entry of the bucket: its member (the thresholds' index). Made on first use,
+        once per bucket, on the device (4 bytes an entry; a CPU bucket selected one tensor at a time
+        never makes it): a gather through it is a pass over the bucket, where
+        ``repeat_interleave(sizes)`` writes each member from one GPU thread (milliseconds a call)."""
+        members = torch.arange(self.sizes.numel(), dtype=torch.int32, device=self.sizes.device)
+        return torch.repeat_interleave(members, self.sizes, output_size=self.numel)
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
@@ -172,13 +181,7 @@ class BatchedLayout:
             draws=draws,
             one_by_one_on_cpu=max(numels) >= CPU_ONE_BY_ONE,
             deepest=max(ranks) + 1,
-            # made once per bucket on the device: a gather through it is a pass over the bucket, where
-            # repeat_interleave(sizes) writes each member from one GPU thread (milliseconds)
-            member_of=torch.repeat_interleave(
-                torch.arange(len(plan.members), dtype=torch.int32, device=device),
-                long([m.numel for m in plan.members]),
-                output_size=plan.numel,
-            ),
+            sizes=long([m.numel for m in plan.members]),
             region_ends=long(ends),
             thresholds=torch.full((len(plan.members),), math.inf, dtype=torch.float32, device=device),
             sparse_regions=long(regions),
