@@ -1,7 +1,8 @@
 """What a failure costs fault-tolerant replica groups: 3 groups on CPUs, one killed mid-fit and restarted.
 
 Two fits of 3 replica groups of 1 process each (``fault_tolerant=True``, gloo, a torchft
-Lighthouse on the loopback, a small MLP regression, ``sync_every`` and ``value_bits`` as given):
+Lighthouse on the loopback, a small MLP regression or, with ``--model gpt``, the TinyGPT (2 blocks of
+width 64) on standard-library source, ``sync_every`` and ``value_bits`` as given):
 one without failures, one where group 2 is SIGKILLed at ``--kill-at`` and started again
 ``--restart-after`` steps of group 0 later (the same command). Reported: steps lost per failure
 (steps the survivors repeated or skipped, and the steps the killed group did not train between
@@ -37,6 +38,7 @@ DIM, HIDDEN, GROUPS = 16, 32, 3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp", help="what the groups train")
     parser.add_argument("--steps", type=int, default=240, help="max_steps of every group")
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--value-bits", type=int, default=2)
@@ -69,6 +71,25 @@ class _Net(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+def _task(model: str, sleep: float) -> tuple[L.LightningModule, TensorDataset, Any]:
+    """The module, its training set and its validation loss (a function of the module)."""
+    if model == "mlp":
+        val = _data(512, 99)
+        net = _Net(sleep)
+        return net, _data(4096, 7), lambda m: nn.functional.mse_loss(m.net(val.tensors[0]), val.tensors[1]).item()
+    from lightning_sparse.demos.gpt import TinyGPT, load_gpt_tensors
+
+    class _SlowGPT(TinyGPT):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            time.sleep(sleep)
+            return super().training_step(batch, batch_idx)
+
+    train, gpt_val = load_gpt_tensors(context=32, n_train=4096, n_val=512, seed=0)
+    vx, vy = gpt_val.tensors
+    gpt = _SlowGPT(context=32, width=64, layers=2, heads=4, lr=3e-3)
+    return gpt, train, lambda m: nn.functional.cross_entropy(m(vx).flatten(0, 1), vy.flatten()).item()
+
+
 class _Progress(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -95,11 +116,11 @@ def _fit_group(cfg: dict[str, Any]) -> None:
         accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[progress],
     )  # fmt: skip
-    module = _Net(cfg["step_sleep"])
-    trainer.fit(module, DataLoader(_data(4096, 7), batch_size=16, shuffle=True))
-    val = _data(512, 99)
+    module, train, loss_of = _task(cfg.get("model", "mlp"), cfg["step_sleep"])
+    trainer.fit(module, DataLoader(train, batch_size=16, shuffle=True))
+    module.eval()
     with torch.no_grad():
-        loss = nn.functional.mse_loss(module.net(val.tensors[0]), val.tensors[1]).item()
+        loss = loss_of(module)
     update = strategy.update_exchange
     figures = {
         "steps": progress.steps,
@@ -118,7 +139,7 @@ def _fit_group(cfg: dict[str, Any]) -> None:
 def _fit(out: Path, args: argparse.Namespace, kill: bool) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"out": str(out), "steps": args.steps, "sync_every": args.sync_every, "value_bits": args.value_bits,
-           "step_sleep": args.step_sleep}  # fmt: skip
+           "step_sleep": args.step_sleep, "model": args.model}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg))
     port = free_port()
     script = Path(sys.executable).parent / "torchft_lighthouse"
