@@ -124,12 +124,16 @@ class RegionViews:
     def __init__(self, regions: tuple[tuple[int, int], ...], shapes: tuple[torch.Size, ...] | None = None) -> None:
         self.regions = regions
         self.shapes = shapes
-        self._key: tuple[int, int, torch.dtype, torch.device] | None = None
+        self._key: tuple[int, int, int, torch.dtype, torch.device] | None = None
         self._views: list[torch.Tensor] = []
 
     def of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The views of ``flat`` (the same list while ``flat`` is the same memory)."""
-        key = (flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
+        """The views of ``flat`` (the same list while ``flat`` is the same memory of the same storage).
+
+        The storage is part of the key, not the address alone: a storage moved elsewhere (a tensor
+        sent through a ``torch.multiprocessing`` queue moves to shared memory) frees its old address,
+        and a new tensor made there must not get the views of the old one."""
+        key = (flat.untyped_storage()._cdata, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
         if key != self._key:
             views = [flat[a : a + n] for a, n in self.regions]
             if self.shapes is not None:
