@@ -172,20 +172,12 @@ def decode_indices(data: Tensor, n: int, k: int, count: int) -> Tensor:
     check_int("n", n, minimum=1)
     check_int("k", k, minimum=0)
     check_int("count", count, minimum=0, maximum=min(k, n))
-    b, low_bytes, unary_bytes = _stream_bytes(n, k)
-    size = low_bytes + unary_bytes
+    size = rice_capacity_bytes(n, k)
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != size:
         raise _bad("data", data, f"expected a 1-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes")
     # a fixed-size result, so nothing waits on the host (a message with fewer than ``count`` indices
-    # pads with -1, which fails the device-side assertion)
-    ones = torch.nonzero_static(_unpack(data[low_bytes:]), size=count, fill_value=-1).flatten()
-    if count:
-        torch._assert_async(ones[-1] >= 0, f"count={count} is not allowed: the message holds fewer indices")
-    v = (torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1) << b
-    if b:
-        shifts = torch.arange(b - 1, -1, -1, device=data.device)
-        v |= (_unpack(data[:low_bytes])[: count * b].view(count, b).long() << shifts).sum(1)
-    return torch.cumsum(v + 1, 0).sub_(1)
+    # fails a device-side assertion): one row of the rows' decoder
+    return decode_index_rows(data.unsqueeze(0), n, k, count)[0]
 
 
 def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
@@ -207,9 +199,9 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
     rows = data.shape[0]
     # every row's terminating one bits, row by row: a row holding fewer than ``count`` shifts the
     # rows after it (or leaves -1 padding at the end), which the device-side assertion catches
-    ones = torch.nonzero_static(_unpack(data[:, low_bytes:]), size=rows * count, fill_value=-1)
     if not rows or not count:
         return torch.zeros(rows, count, dtype=torch.int64, device=data.device)
+    ones = torch.nonzero_static(_unpack(data[:, low_bytes:]), size=rows * count, fill_value=-1)
     owner = torch.arange(rows, device=data.device).unsqueeze(1).expand(rows, count).reshape(-1)
     torch._assert_async((ones[:, 0] == owner).all(), f"count={count} is not allowed: a message holds fewer indices")
     at = ones[:, 1].view(rows, count)
