@@ -173,3 +173,51 @@ def test_a_bucket_is_selected_at_once_on_cuda_with_one_host_read() -> None:
 
     for on_cpu, on_cuda in zip(run("cpu"), run("cuda"), strict=True):
         assert torch.equal(on_cpu, on_cuda)
+
+
+def _stream_events_in_backward(wrap: Any) -> int:
+    """Events recorded or waited for while one backward of a small MLP runs, its module wrapped by
+    ``wrap`` (a parameter's gradient crossing CUDA streams costs these, per parameter). DDP's reducer
+    is off, as update mode keeps it."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
+    module = wrap(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]).cuda())
+    x = torch.randn(32, 64, device="cuda")
+    quiet = module.no_sync if hasattr(module, "no_sync") else nullcontext
+    with quiet():
+        for _ in range(2):  # the second backward is the steady state
+            module(x).sum().backward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            module(x).sum().backward()
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.name in ("cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery"))
+
+
+@pytest.mark.dist
+def test_ddp_is_built_on_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning builds DDP in a side stream, which binds every parameter's gradient to it; the sparse
+    strategies build it on the current stream, so a backward crosses no stream (as without DDP)."""
+    import torch.distributed as dist
+
+    from lightning_sparse._utils import free_port
+    from lightning_sparse.strategies.core import wrap_in_ddp
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        plain = _stream_events_in_backward(lambda m: m)
+        ours = _stream_events_in_backward(lambda m: wrap_in_ddp(m, [0], {}))
+
+        def lightnings(m: torch.nn.Module) -> torch.nn.Module:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                return wrap_in_ddp(m, [0], {})
+
+        side = _stream_events_in_backward(lightnings)
+    finally:
+        dist.destroy_process_group()
+    assert ours <= plain + 2, (ours, plain)
+    assert side >= plain + 16, (side, plain)  # the cost avoided: per parameter (16 here)

@@ -68,7 +68,8 @@ COMMANDS = {
         "benchmarks/tests/test_bench_step.py::test_step_bench_timed_fallback"
     ),
     # Results: step time on a GPU (the test: on CPUs, a tiny GPT, 4 steps)
-    "python -m benchmarks gpu --steps 30 --warmup 6 --profile-steps 3 --json gpu_step.json": (
+    "python -m benchmarks gpu --steps 30 --warmup 6 --profile-steps 3 --runs floor dense default every4 "
+    'every4-fragments local --variants \'local={"sync_every": 100000, "warmup_steps": 0}\' --json gpu_step.json': (
         "benchmarks/tests/test_bench_gpu.py::test_gpu_bench_runs_every_row_on_cpus"
     ),
     # Results: what grows with the number of parties (the test: 2 processes, a tiny GPT)

@@ -19,7 +19,9 @@ NCCL where there are as many. The rows, one after the other:
 A row reports the mean and the median step of its slower process (each step timed to the device's
 end of it), the ratio of the mean to the floor's, the package's collectives per exchange (its
 calls of ``lightning_sparse.wire.comm``'s collectives over the timed steps, by the exchange
-counter), and, from ``torch.profiler`` over ``--profile-steps`` further steps on rank 0, per step:
+counter), and, from ``torch.profiler`` over ``--profile-steps`` steps on rank 0, per step (in a
+second set of processes: a process that has profiled CUDA activity launches kernels slower
+afterwards, so no timed step runs after a profile):
 host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
 ``cudaEventSynchronize``), scalar reads (``aten::_local_scalar_dense``), ``aten::nonzero``, kernel
 launches, ATen operators and the collectives' own events. ``--json`` writes every figure.

@@ -39,12 +39,35 @@ def _launch(
     args: argparse.Namespace, names: list[str], out: Path
 ) -> tuple[dict[str, list[dict[str, Any]]] | None, str | None]:
     """Run the rows ``names`` in one set of processes; returns each row's figures by rank (None on a
-    failure, with its reason)."""
+    failure, with its reason).
+
+    The timed steps of every row run first, in processes that never ran the profiler; the profile
+    comes from a second set of processes. A process that has run ``torch.profiler`` with CUDA
+    activities keeps its CUPTI callbacks, and every kernel it launches afterwards costs more host
+    time: measured in the same processes, each row after the first profiled one was timed slower
+    on rank 0 than the floor (the first row) for that reason alone."""
+    timed, why = _launch_pass(args, names, out / "timed", steps=args.steps, profile_steps=0)
+    if timed is None or args.profile_steps == 0:
+        return timed, why
+    profiled, why = _launch_pass(args, names, out / "profiled", steps=1, profile_steps=args.profile_steps)
+    if profiled is None:
+        return None, why
+    for name in names:
+        for rank, figures in zip(timed[name], profiled[name], strict=True):
+            rank["profile"] = figures["profile"]
+    return timed, None
+
+
+def _launch_pass(
+    args: argparse.Namespace, names: list[str], out: Path, steps: int, profile_steps: int
+) -> tuple[dict[str, list[dict[str, Any]]] | None, str | None]:
+    """One set of processes running the rows ``names``: ``steps`` timed and ``profile_steps``
+    profiled steps each."""
     base = [sys.executable, "-m", "benchmarks", "gpu", "--worker", "--runs", *names, "--port", str(free_port()),
             "--variants", *args.variants]  # fmt: skip
     forwarded = [
         "--accelerator", args.accelerator, "--model", args.model, "--world-size", str(args.world_size),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
+        "--steps", str(steps), "--warmup", str(args.warmup), "--profile-steps", str(profile_steps),
         "--timeout", str(args.timeout), "--out", str(out),
     ]  # fmt: skip
     for option, value in (

@@ -55,7 +55,7 @@ from lightning_sparse.fabric.fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric.hooks import FabricHooks
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore, register_names
+from lightning_sparse.strategies.core import SparseCore, register_names, wrap_in_ddp
 from lightning_sparse.strategies.ft_front import fabric_recovery
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
@@ -258,7 +258,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap the module in DDP and register the sparse communication on it (any device)."""
-        model = super().setup_module(module)
+        model = wrap_in_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)  # not Lightning's side stream
         scaler = getattr(self.precision, "scaler", None)
         self._core.register_hook(
             model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers

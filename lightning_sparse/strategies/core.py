@@ -36,7 +36,7 @@ from lightning_sparse.strategies.advice import check_no_optimizer_momentum, trai
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
 
-__all__ = ["STRATEGY_NAMES", "SparseCore", "register_names"]
+__all__ = ["STRATEGY_NAMES", "SparseCore", "register_names", "wrap_in_ddp"]
 
 #: the registered names, with their descriptions and fixed arguments (Trainer and Fabric registries)
 STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -55,6 +55,30 @@ STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"start_method": "spawn", "find_unused_parameters": True},
     ),
 )
+
+
+def wrap_in_ddp(
+    module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
+) -> DistributedDataParallel:
+    """``module`` in ``DistributedDataParallel``, built on the current CUDA stream.
+
+    Lightning 2.6 builds DDP inside a new side stream (for capturing the whole network in a CUDA
+    graph, which the sparse strategies do not do). DDP's reducer then holds every parameter's
+    ``AccumulateGrad`` node bound to that stream, and every backward crosses streams once per
+    parameter: an event recorded and waited for, the gradient recorded on the side stream, and
+    events recorded and queried again when it is freed. On a GPT-2 small (148 tensors) on an H200
+    that cost about 2 ms of host time a step, the difference between a step without an exchange and
+    the plain loop's. Plain PyTorch builds DDP on the current stream, as here.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from lightning_sparse import end_process_group
+        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29583", rank=0, world_size=1)
+        >>> wrap_in_ddp(torch.nn.Linear(2, 2), None, {}).module
+        Linear(in_features=2, out_features=2, bias=True)
+        >>> dist.destroy_process_group()
+    """
+    return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
 
 
 def register_names(cls: type, registry: Any) -> None:

@@ -29,7 +29,7 @@ from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.advice import training_advice
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore, register_names
+from lightning_sparse.strategies.core import SparseCore, register_names, wrap_in_ddp
 from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
@@ -227,6 +227,11 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         self._core.check_optimizers(self.optimizers, self.world_size, self.lightning_module)
 
     # ------------------------------------------------------------------ the hook
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """DDP built on the current CUDA stream, not Lightning's side stream (see :func:`wrap_in_ddp`)."""
+        return wrap_in_ddp(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
+
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
