@@ -5,15 +5,18 @@
 
 For each number of processes (parties) it trains the same GPT (``lightning_sparse.demos.gpt.TinyGPT``,
 ``--width``, ``--layers``) on standard-library source in a Fabric loop (AdamW lr 1e-3, betas (0.9,
-0.95), 10 % warm-up then cosine, gradient norm clipped at 1, batch 16 per process), each process on
+0.95), 10 % warm-up then cosine, gradient norm clipped at 1, batch 16 per process), or with ``--task
+text`` the text task's GRU (``lightning_sparse.demos.text.NextCharClassifier``: SGD lr 0.2, momentum
+0.9, cosine to 0, clipped at 1, batch 64 per process, 16 characters of context), each process on
 its own shard of the same training windows, for ``--samples`` windows in all: the same samples at
 every number of parties, so 4 parties take half the steps of 2. Rows, one after the other in the
 same processes: dense DDP, ``SparseDDPStrategy()`` (update mode, top-k 1 %, every step) and
 ``sync_every=4, value_bits=2, warmup_steps=0``; ``--variants`` adds rows of other settings (the
 strategy's arguments as JSON; ``"outer_lr": c`` makes the outer step an SGD step of learning rate c,
 which adds c times the average; ``"lr": x`` sets AdamW's learning rate; ``{"dense": true, "lr": x}``
-is dense DDP at another learning rate), ``--only`` keeps some rows (dense DDP always runs: the gaps
-are against it).
+is dense DDP at another learning rate; ``{"diloco": H}`` is torchft's DiLoCo with ``H`` inner steps
+per outer step, Nesterov outer step of lr 0.7 and momentum 0.9, which needs ``pip install -e
+".[bench]"``), ``--only`` keeps some rows (dense DDP always runs: the gaps are against it).
 
 Per row: the validation loss at the end (the global model, 512 windows of modules never trained on)
 and its gap to dense DDP's at the same number of parties; the gap of the virtual model, the global
@@ -45,6 +48,11 @@ from typing import Any
 
 from benchmarks._ranks import checkout_env, free_port, run_ranks
 
+#: task -> the training windows of a run, at every number of parties
+SAMPLES = {"gpt": 19200, "text": 51200}
+#: task -> the batch per process
+BATCH = {"gpt": 16, "text": 64}
+
 #: row -> strategy settings (None: dense DDP)
 ROWS: dict[str, dict[str, Any] | None] = {
     "dense": None,
@@ -55,7 +63,15 @@ ROWS: dict[str, dict[str, Any] | None] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parties", type=int, nargs="+", default=[2, 4, 8], help="(default: 2 4 8)")
-    parser.add_argument("--samples", type=int, default=19200, help="training windows in all (default: %(default)s)")
+    parser.add_argument(
+        "--task",
+        choices=["gpt", "text"],
+        default="gpt",
+        help="the GPT (AdamW) or the text task's GRU (SGD with momentum)",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=None, help="training windows in all (default: 19200 for gpt, 51200 for text)"
+    )
     parser.add_argument("--width", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -92,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         return worker(args)
     rows = _rows(args)
-    results: dict[str, Any] = {"samples": args.samples, "width": args.width, "layers": args.layers, "parties": {}}
+    args.samples = args.samples or SAMPLES[args.task]
+    results: dict[str, Any] = {
+        "task": args.task, "samples": args.samples, "width": args.width, "layers": args.layers, "parties": {}
+    }  # fmt: skip
     for n in args.parties:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
@@ -100,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             cmds = [
                 [sys.executable, "-m", "benchmarks", "parties", "--worker", "--rank", str(r), "--world", str(n),
                  "--port", str(port), "--out", str(out), "--rows", json.dumps(rows), "--samples", str(args.samples),
-                 "--width", str(args.width), "--layers", str(args.layers), "--seed", str(args.seed)]
+                 "--width", str(args.width), "--layers", str(args.layers), "--seed", str(args.seed),
+                 "--task", args.task]
                 for r in range(n)
             ]  # fmt: skip
             codes, timed_out = run_ranks(cmds, checkout_env(dict(os.environ)), [out / f"log{r}" for r in range(n)],
@@ -120,7 +140,7 @@ def format_table(results: dict[str, Any], n: int) -> str:
     rows = results["parties"][str(n)]
     dense = rows["dense"]
     lines = [
-        f"{n} parties, {rows['dense']['steps']} steps each",
+        f"{results.get('task', 'gpt')}: {n} parties, {rows['dense']['steps']} steps each",
         "| run | val loss | gap | virtual gap | step / dense | resid | apart | one | v / dense |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -162,16 +182,17 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     import torch.distributed as dist
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
-    from torch import nn
 
     from lightning_sparse.demos.gpt import TinyGPT, load_gpt_tensors, warmup_cosine
+    from lightning_sparse.demos.text import NextCharClassifier, load_text_tensors
     from lightning_sparse.fabric import SparseDDPStrategy
 
-    world, rank, batch = args.world, args.rank, 16
+    world, rank, batch = args.world, args.rank, BATCH[args.task]
     settings = dict(settings) if settings is not None else None
-    lr = settings.pop("lr", 1e-3) if settings is not None else 1e-3
-    if settings is not None and settings.pop("dense", False):
-        settings = None  # dense DDP at another learning rate
+    lr = settings.pop("lr", None) if settings is not None else None
+    diloco_h = settings.pop("diloco", None) if settings is not None else None
+    if settings is not None and (settings.pop("dense", False) or diloco_h is not None):
+        settings = None  # dense DDP at another learning rate, or DDP without its all-reduce for DiLoCo
     if settings is not None and "chosen_scale" in settings:  # the chosen coordinates' factor alone
         from lightning_sparse.exchange.outer import AddAverage
 
@@ -190,34 +211,57 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     fabric = Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()
     torch.manual_seed(args.seed)
-    model = TinyGPT(context=32, width=args.width, layers=args.layers, heads=4)
     steps = args.samples // (batch * world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps))
+    model: Any
+    if args.task == "gpt":
+        model = TinyGPT(context=32, width=args.width, layers=args.layers, heads=4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps))
+        train, val = load_gpt_tensors(context=32, n_train=args.samples, n_val=512, seed=args.seed)
+    else:  # the text task's GRU as its Trainer runs it: SGD with momentum, cosine to 0
+        model = NextCharClassifier()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr or 0.2, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        train, val = load_text_tensors(context=16, n_train=args.samples, n_val=4096, seed=args.seed)
     model, optimizer = fabric.setup(model, optimizer)
-    train, val = load_gpt_tensors(context=32, n_train=args.samples, n_val=512, seed=args.seed)
     order = torch.randperm(args.samples, generator=torch.Generator().manual_seed(args.seed + 1))
     mine = order[rank::world]  # every process its own shard of the same windows
     params = list(model.parameters())
     probe = _Probe(strategy if settings is not None else None, params, world)
+    peer = None
+    if diloco_h is not None:  # torchft's DiLoCo: each process a replica group of its own
+        from benchmarks.torchft_peer import DiLoCoPeer
+
+        peer = DiLoCoPeer(int(diloco_h))
+        peer.start(rank, world, fabric.broadcast, model.module, optimizer.optimizer)
+        peer.counter.start()  # the bytes of the pseudo-gradients' all-reduces
     for step in range(steps):
         idx = mine[step * batch : (step + 1) * batch]
         x, y = train.tensors[0][idx], train.tensors[1][idx]
         logits = model(x)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-        fabric.backward(loss)
+        loss = _loss(logits, y)
+        with fabric.no_backward_sync(model, enabled=peer is not None):  # DiLoCo: the process's own gradient
+            fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         probe.before()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        probe.after(optimizer)
+        if peer is not None:
+            peer.after_step(model.module)
+        else:
+            probe.after(optimizer)
     if settings is not None:
         strategy.global_model()
+    if peer is not None:  # validation sees the parameters of the last outer step
+        with torch.no_grad():
+            for p, g in zip(params, peer.global_params, strict=True):
+                p.copy_(g)
+        peer.close()
     model.eval()
     vx, vy = val.tensors
     with torch.no_grad():
-        val_loss = float(nn.functional.cross_entropy(model(vx).flatten(0, 1), vy.flatten()))
+        val_loss = float(_loss(model(vx), vy))
         virtual = val_loss
         if settings is not None:  # the global model plus the mean of the residuals: what dense-like
             update = strategy._core.update  # averaging of everything each party made would hold
@@ -228,10 +272,18 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
             for p in update._params.values():
                 p.add_(mean_e[pos : pos + p.numel()].view_as(p))
                 pos += p.numel()
-            virtual = float(nn.functional.cross_entropy(model(vx).flatten(0, 1), vy.flatten()))
+            virtual = float(_loss(model(vx), vy))
     model.train()
     dist.barrier()
-    return {"steps": steps, "val_loss": val_loss, "virtual_loss": virtual, **probe.summary()}
+    extra = {"bytes": peer.counter.bytes} if peer is not None else {}
+    return {"steps": steps, "val_loss": val_loss, "virtual_loss": virtual, **probe.summary(), **extra}
+
+
+def _loss(logits: Any, targets: Any) -> Any:
+    """Cross-entropy over every predicted position (the GPT's ``(B, T, V)``, the GRU's ``(B, V)``)."""
+    from torch import nn
+
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class _Probe:
