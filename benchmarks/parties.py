@@ -28,7 +28,10 @@ and, averaged over the fit,
 - ``apart``: how far the processes' views are apart, ``||e_i - mean e||`` against the parameters'
   norm (their views are the global model plus their residuals);
 - ``one``: of the coordinates the average moved, the share that one party alone sent;
-- ``v``: the mean of AdamW's second moment (``exp_avg_sq``) against dense DDP's.
+- ``v``: the mean of AdamW's second moment (``exp_avg_sq``) against dense DDP's;
+
+and the bytes one process sent: its messages (the strategy's telemetry), the float32 tensors DDP
+or torchft's DiLoCo hands to its all-reduce.
 
 These figures come from the processes' own tensors after each exchange (``sync_every=1`` rows every
 step; with local steps at each exchange), through extra all-reduces that the bytes do not count.
@@ -141,8 +144,8 @@ def format_table(results: dict[str, Any], n: int) -> str:
     dense = rows["dense"]
     lines = [
         f"{results.get('task', 'gpt')}: {n} parties, {rows['dense']['steps']} steps each",
-        "| run | val loss | gap | virtual gap | step / dense | resid | apart | one | v / dense |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | val loss | gap | virtual gap | step / dense | resid | apart | one | v / dense | MB sent |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in rows.items():
 
@@ -152,7 +155,8 @@ def format_table(results: dict[str, Any], n: int) -> str:
         lines.append(
             f"| {name} | {r['val_loss']:.4f} | {r['val_loss'] - dense['val_loss']:+.4f} | "
             f"{r['virtual_loss'] - dense['val_loss']:+.4f} | {ratio('step')} | "
-            f"{r['resid']:.3f} | {r['apart']:.3f} | {r['one']:.2f} | {ratio('v')} |"
+            f"{r['resid']:.3f} | {r['apart']:.3f} | {r['one']:.2f} | {ratio('v')} | "
+            f"{r['bytes'] / 1e6 if 'bytes' in r else math.nan:.3g} |"
         )
     return "\n".join(lines)
 
@@ -275,8 +279,13 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
             virtual = float(_loss(model(vx), vy))
     model.train()
     dist.barrier()
-    extra = {"bytes": peer.counter.bytes} if peer is not None else {}
-    return {"steps": steps, "val_loss": val_loss, "virtual_loss": virtual, **probe.summary(), **extra}
+    if peer is not None:  # what torchft's process group was handed to all-reduce
+        sent = peer.counter.bytes
+    elif settings is not None:  # the messages this process sent
+        sent = strategy.sparse_state.telemetry.total.sent_bytes
+    else:  # DDP hands every step's float32 gradient to its all-reduce
+        sent = steps * sum(4 * p.numel() for p in params)
+    return {"steps": steps, "val_loss": val_loss, "virtual_loss": virtual, **probe.summary(), "bytes": sent}
 
 
 def _loss(logits: Any, targets: Any) -> Any:

@@ -114,6 +114,13 @@ def run(cfg: dict[str, Any]) -> None:
         losses.append(float(loss.detach()))
         if cfg.get("save_at") == step + 1:
             fabric.save(cfg["save_to"], {"model": model, "optimizer": opt, "step": step + 1})
+    unflushed = None
+    if cfg.get("flush_residuals"):  # this process's shards and residuals before, then the flush
+        fabric.strategy.global_model()  # type: ignore[attr-defined]
+        sparse_state = fabric.strategy.sparse_state  # type: ignore[attr-defined]
+        unflushed = {"params": {n: _local(p) for n, p in model.module.named_parameters()}}
+        unflushed["residuals"] = {k: v.clone() for k, v in sparse_state.memory.state_dict().items()}
+        fabric.strategy.flush_residuals()  # type: ignore[attr-defined]
     model.eval()
     with torch.no_grad():
         val = _data(64, 2).tensors
@@ -128,6 +135,7 @@ def run(cfg: dict[str, Any]) -> None:
         "telemetry": sparse.telemetry.total.as_dict(),
         "group_bytes": sparse.telemetry.group_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "unflushed": unflushed,
     }
     if isinstance(fabric.strategy, lightning_sparse.FabricSparseFSDPStrategy):
         result["coords"] = fabric.strategy.device_mesh.get_coordinate()

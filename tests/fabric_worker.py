@@ -109,6 +109,11 @@ def run(cfg: dict[str, Any]) -> None:
             fabric.save(cfg["save_to"], {"model": model, "optimizer": opt, "step": step + 1})
     fabric.strategy.global_model()  # type: ignore[attr-defined]  # the loop may end inside a cycle
     state = fabric.strategy.sparse_state  # type: ignore[attr-defined]
+    unflushed = None
+    if cfg.get("flush_residuals"):  # the global model and the residuals before, then the flush
+        unflushed = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        unflushed["residuals"] = {k: v.clone() for k, v in state.memory.state_dict().items()}
+        fabric.strategy.flush_residuals()  # type: ignore[attr-defined]
     result = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "residuals": state.memory.state_dict(),
@@ -124,6 +129,7 @@ def run(cfg: dict[str, Any]) -> None:
         "compress": fabric.strategy.compress,  # type: ignore[attr-defined]
         "records": records,
         "skipped_steps": 0 if state.step_exchange.skips is None else state.step_exchange.skips.skipped,
+        "unflushed": unflushed,
     }
     torch.save(result, f"{cfg['name']}_rank{rank}.pt")
     fabric.barrier()

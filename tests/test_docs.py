@@ -76,6 +76,11 @@ COMMANDS = {
     "python -m benchmarks parties --parties 2 4 8 --json parties.json": (
         "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
     ),
+    "python -m benchmarks parties --parties 2 4 8 --variants 'diloco4={\"diloco\": 4}' 'diloco16={\"diloco\": 16}' "
+    "--json diloco.json": "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows",
+    "python -m benchmarks parties --task text --parties 2 4 8 --variants 'diloco16={\"diloco\": 16}' "
+    '\'nest4b2={"sync_every": 4, "outer_optimizer": "nesterov", "value_bits": 2, "warmup_steps": 0}\' '
+    "--json text.json": "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_text_task",
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

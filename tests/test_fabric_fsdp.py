@@ -32,6 +32,8 @@ def hsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             {"name": "resumed", "steps": 14, "args": {**LOCAL, **SHARD, **OFFLOAD}, "resume_from": ckpt},
             # a GPT with tied embeddings in module.model, the loop calling model.model(input_ids=..., labels=...)
             {"name": "gpt", "model": "gpt", "steps": 8, "args": {**LOCAL, **SHARD, "sharded_modules": ["GPTBlock"]}},
+            # the residuals handed over after 10 steps of 4-step cycles (the last cycle unfinished)
+            {"name": "flush", "steps": 10, "args": {**LOCAL, **SHARD}, "flush_residuals": True},
         ],
     }
     return {"root": root, **run_trainer(config, root / "runs", timeout=600, worker="fabric_fsdp_worker.py")}
@@ -137,3 +139,19 @@ def test_registered_with_fabric() -> None:
 
     fabric = Fabric(accelerator="cpu", devices=1, strategy="sparse_fsdp")
     assert isinstance(fabric.strategy, FabricSparseFSDPStrategy)
+
+
+@pytest.mark.dist
+def test_flush_adds_the_groups_mean_residual_to_each_shard(hsdp: dict[str, Any]) -> None:
+    ranks = _by_coords(hsdp["flush"])
+    for shard in (0, 1):  # the two groups' processes that hold the same shard
+        a, b = ranks[(0, shard)], ranks[(1, shard)]
+        old_a, old_b = a["unflushed"], b["unflushed"]
+        assert any(bool(e.any()) for e in old_a["residuals"].values())
+        for name, old in old_a["params"].items():
+            assert torch.equal(old, old_b["params"][name]), name  # one global model before
+            e_a = old_a["residuals"].get(name, torch.zeros(old.numel())).view_as(old)
+            e_b = old_b["residuals"].get(name, torch.zeros(old.numel())).view_as(old)
+            expected = old + (e_a + e_b) / 2
+            assert torch.equal(a["params"][name], expected) and torch.equal(b["params"][name], expected), name
+        assert all(not bool(e.any()) for r in (a, b) for e in r["residuals"].values())

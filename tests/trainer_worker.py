@@ -364,6 +364,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
     logger: Any = False
     if cfg.get("logger") == "csv":
         logger = CSVLogger(save_dir=".", name="csv", version=0)
+    if cfg.get("flush_residuals"):
+        callbacks.append(lightning_sparse.FlushResiduals())
     if cfg.get("stall_at_step") is not None:
         callbacks.append(_Stall(cfg["stall_at_step"], cfg.get("stall_rank", 1), cfg.get("stall", "stop")))
     trainer = L.Trainer(

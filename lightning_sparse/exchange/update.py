@@ -3,9 +3,8 @@
 With ``compress="update"`` DDP's communication hook sends nothing: every rank's optimizer steps
 on its own gradient. After the step, :class:`UpdateExchange` sends, per parameter, the
 coordinates the compressor selects of ``u = e + delta`` (``delta``: what this rank's optimizer
-just did to the parameter; ``e``: what the rank has not sent yet), through the same
-:class:`~lightning_sparse.exchange.step.StepExchange` as the gradient hook (same wire patterns, value
-dtypes, density schedules, fallbacks and telemetry); nothing here goes through DDP's hook. The
+just did to the parameter; ``e``: what the rank has not sent yet), through the gradient hook's
+:class:`~lightning_sparse.exchange.step.StepExchange` (its wire, schedules and telemetry). The
 average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.exchange.outer`; by default
 it is added to the *global* parameters), and every rank keeps the unsent part as its residual ``e``.
 
@@ -453,21 +452,22 @@ class UpdateExchange:
             return False
         dense, entering = steps.begin_timed()
         if entering:
-            self._flush_to_global()
+            self.flush_residuals()
             if self.on_dense is not None:
                 self.on_dense()
         return dense
 
     @torch.no_grad()
-    def _flush_to_global(self) -> None:
-        """Add the mean over ranks of every rank's unsent part to the global model (which the module
-        holds now); the residuals are then empty."""
+    def flush_residuals(self) -> None:
+        """Add the mean over processes of their residuals (with the progress since the last exchange)
+        to the global model, which the module then holds, and empty the residuals: one float32
+        all-reduce of the exchanged parameters, every process at the same point."""
+        if not self.active:
+            return
         self.hold_global()
         state = self.state
         names = list(self._params)
-        parts = [
-            (state.memory.get(n) if n in state.memory else None, self._params[n]) for n in names
-        ]  # fmt: skip
+        parts = [(state.memory.get(n) if n in state.memory else None, self._params[n]) for n in names]
         flat = torch.cat(
             [e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts]
         )

@@ -232,6 +232,18 @@ class SparseCore:
         if self.update is not None:
             self.update.hold_global()
 
+    def flush_residuals(self) -> None:
+        """Update mode: add the mean of every process's residual to the global model (see
+        :meth:`UpdateExchange.flush_residuals`), then give the module the global model."""
+        if self.update is None:
+            raise ValueError(
+                f"flush_residuals() is not allowed with compress={self.config.compress!r}: expected "
+                "compress='update' (gradient mode keeps no global model apart from the replicas: its "
+                "residuals are gradients still to be sent)"
+            )
+        self.update.flush_residuals()
+        self.global_model()
+
     def global_model(self, together: bool = True) -> None:
         """Update mode: give the module the global model for something other than training
         (validation, testing, prediction, checkpoints, the end of fit): the global parameters, and

@@ -59,6 +59,23 @@ class SparseShell:
         parameters after its last step calls it."""
         self._core.global_model()
 
+    def flush_residuals(self) -> None:
+        """Hand over what every process has not sent yet: add the mean over processes of their
+        residuals (and of the progress of local steps since the last exchange) to the global model,
+        and empty the residuals. One dense all-reduce of the exchanged parameters in float32, so
+        call it where it pays, at the end of a fit (``FlushResiduals`` does that for a Trainer;
+        a Fabric loop calls it after its last step). Every process calls it at the same point; the
+        module then holds the global model. Update mode only.
+
+        Example:
+            >>> from lightning_sparse import SparseDDPStrategy
+            >>> SparseDDPStrategy(compress="gradient").flush_residuals()
+            Traceback (most recent call last):
+            ...
+            ValueError: flush_residuals() is not allowed with compress='gradient': expected compress='update' ...
+        """
+        self._core.flush_residuals()
+
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any
     ) -> dict[str, Any]:

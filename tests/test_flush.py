@@ -1,0 +1,83 @@
+"""Handing the residuals over: ``flush_residuals()`` adds the mean of every process's residual to the
+global model, exactly, in the Fabric and Trainer front ends (2 processes, gloo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_trainer
+
+from lightning_sparse import FlushResiduals, SparseDDPStrategy
+
+#: update mode with local steps: the residuals hold the unsent part of four steps' progress
+STRATEGY = {"compress": "update", "compressor": "topk", "density": 0.05, "sync_every": 4, "warmup_steps": 0}
+
+
+def _by_name(residuals: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The residuals by the state_dict's key of their parameter (the exchange may name it with a prefix)."""
+    out = {}
+    for key, p in params.items():
+        found = [e for name, e in residuals.items() if name == key or name.endswith("." + key) or key.endswith(name)]
+        out[key] = found[0].view_as(p) if found else torch.zeros_like(p)
+    return out
+
+
+@pytest.mark.dist
+def test_fabric_flush_adds_the_mean_residual_exactly(tmp_path: Path) -> None:
+    # 30 steps of cycles of 4: the loop ends inside a cycle, whose progress joins the residuals first
+    runs = run_trainer(
+        {"steps": 30, "runs": [{"name": "flush", "strategy": STRATEGY, "flush_residuals": True}]},
+        tmp_path,
+        timeout=300,
+        worker="fabric_worker.py",
+    )
+    ranks = runs["flush"]
+    before = [r["unflushed"] for r in ranks]
+    assert before[0]["params"].keys() == ranks[0]["params"].keys()
+    residuals = [_by_name(b["residuals"], b["params"]) for b in before]
+    assert any(bool(e.any()) for e in residuals[0].values())  # something was left unsent
+    for key, old in before[0]["params"].items():
+        assert torch.equal(old, before[1]["params"][key]), key  # one global model before
+        expected = old + (residuals[0][key] + residuals[1][key]) / 2
+        for r in ranks:
+            assert torch.equal(r["params"][key], expected), key
+    for r in ranks:  # nothing left unsent
+        assert all(not bool(e.any()) for e in r["residuals"].values())
+
+
+@pytest.mark.dist
+def test_trainer_flush_at_the_end_of_fit(tmp_path: Path) -> None:
+    cfg = {"max_steps": 30, "data_by_step": True, "strategy": STRATEGY}
+    plain = run_trainer(cfg, tmp_path / "plain", timeout=300)
+    flushed = run_trainer({**cfg, "flush_residuals": True}, tmp_path / "flushed", timeout=300)
+    assert "FlushResiduals" in flushed[0]["callbacks"]
+    residuals = [_by_name(r["residuals"], r["params"]) for r in plain]  # the fit without: what was left
+    assert any(bool(e.any()) for e in residuals[0].values())
+    for key, old in plain[0]["params"].items():
+        expected = old + (residuals[0][key] + residuals[1][key]) / 2  # the same fit, then the flush
+        for r in flushed:
+            assert torch.equal(r["params"][key], expected), key
+    for r in flushed:
+        assert all(not bool(e.any()) for e in r["residuals"].values())
+
+
+def test_flush_is_for_update_mode_and_sparse_strategies() -> None:
+    with pytest.raises(ValueError, match="flush_residuals\\(\\) is not allowed with compress='gradient'"):
+        SparseDDPStrategy(compress="gradient").flush_residuals()
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="FlushResiduals needs a sparse strategy"):
+        FlushResiduals().on_train_end(SimpleNamespace(strategy=object()), None)  # type: ignore[arg-type]
+
+
+def test_flush_on_one_process_changes_nothing() -> None:
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
+
+    exchange = UpdateExchange(SparseState(compress="update"))
+    p = torch.nn.Parameter(torch.ones(3))
+    exchange.bind([("w", p)])
+    exchange.flush_residuals()
+    assert torch.equal(p.detach(), torch.ones(3))
