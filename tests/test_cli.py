@@ -96,6 +96,9 @@ def test_config_parses_into_the_configured_strategy(config: Path) -> None:
             assert str(state.config.value_dtype) == f"torch.{args['value_dtype']}"
         if "compression_monitor" in args:
             assert strategy.compression_monitor == args["compression_monitor"]
+    for callback in yaml.safe_load(config.read_text())["trainer"].get("callbacks", []):  # each one reached it
+        name = callback["class_path"].rsplit(".", 1)[-1]
+        assert any(type(cb).__name__ == name for cb in cli.trainer.callbacks), name
 
 
 @pytest.mark.dist
