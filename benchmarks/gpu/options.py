@@ -32,6 +32,13 @@ RUNS: dict[str, Run] = {
     ),
 }
 
+#: rows that run only when named in ``--runs``: the floor's processes meeting (a barrier on the
+#: host, after the step's end on the device) every 4th step, as ``sync_every=4`` makes them meet,
+#: with nothing exchanged
+EXTRA_RUNS: dict[str, Run] = {
+    "floor-meet4": Run("floor", "floor, the processes meeting every 4th step", {"meet_every": 4}),
+}
+
 #: model -> the TinyGPT's shape and the batch per process: ``gpt2`` is GPT-2 small's transformer
 #: (12 blocks of width 768, 12 heads; a byte vocabulary and 256 positions: 85.4M parameters in 148
 #: tensors), ``tiny`` a two-block one for a quick run on CPUs
@@ -46,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=list(MODELS), default="gpt2", help="(default: %(default)s)")
     parser.add_argument(
         "--runs", nargs="+", default=list(RUNS), metavar="NAME",
-        help=f"which rows, in this order: {', '.join(RUNS)} or a --variants name (default: all of the first)",
+        help=f"which rows, in this order: {', '.join([*RUNS, *EXTRA_RUNS])} or a --variants name "
+        f"(default: {', '.join(RUNS)})",
     )  # fmt: skip
     parser.add_argument(
         "--variants", nargs="*", default=[], metavar="NAME=JSON",
@@ -74,9 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_variants(specs: list[str], runs: list[str]) -> None:
     """Register ``--variants`` rows (``NAME=JSON``: a sparse row of those settings) in :data:`RUNS`
-    and check that every name of ``--runs`` is a row."""
+    and check that every name of ``--runs`` is a row (:data:`EXTRA_RUNS` join it when named)."""
     import json
 
+    for name in runs:
+        if name in EXTRA_RUNS:
+            RUNS[name] = EXTRA_RUNS[name]
     for spec in specs:
         name, _, settings = spec.partition("=")
         try:

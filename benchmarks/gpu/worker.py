@@ -267,11 +267,14 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
     dist.barrier()
     exchanges_before = strategy.sparse_state.step_exchange.step if sparse else 0
     times: list[float] = []
+    meet = run.settings.get("meet_every") if run.kind == "floor" else None
     with count_comm_calls() as calls:
         for i in range(args.warmup, args.warmup + args.steps):
             start = time.perf_counter()
             step(i)
             sync()
+            if meet and (i + 1) % meet == 0:
+                dist.barrier()  # the processes meet, as an exchange every `meet` steps makes them
             times.append(time.perf_counter() - start)
     exchanges = strategy.sparse_state.step_exchange.step - exchanges_before if sparse else 0
     dist.barrier()

@@ -48,7 +48,7 @@ def test_gpu_bench_runs_every_row_on_cpus(tmp_path) -> None:
     cmd = [
         sys.executable, "-m", "benchmarks", "gpu", "--accelerator", "cpu", "--model", "tiny", "--steps", "4",
         "--warmup", "4", "--profile-steps", "4", "--threads", "1", "--timeout", "240", "--json", str(out),
-        "--runs", *RUNS, "local", "--variants", 'local={"sync_every": 100000, "warmup_steps": 0}',
+        "--runs", *RUNS, "floor-meet4", "local", "--variants", 'local={"sync_every": 100000, "warmup_steps": 0}',
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -56,7 +56,8 @@ def test_gpu_bench_runs_every_row_on_cpus(tmp_path) -> None:
     assert format_table(result) in done.stdout
     assert result["accelerator"] == "cpu" and result["world_size"] == 2 and result["tensors"] == 28
     rows = {r["name"]: r for r in result["runs"]}
-    assert list(rows) == [*RUNS, "local"]
+    assert list(rows) == [*RUNS, "floor-meet4", "local"]
+    assert rows["floor-meet4"]["settings"] == {"meet_every": 4} and rows["floor-meet4"]["collectives"] == 0
     assert rows["local"]["settings"] == {"sync_every": 100000, "warmup_steps": 0}
     assert rows["local"]["exchanges"] == 0 and rows["local"]["collectives"] == 0  # a row that never exchanges
     for name, row in rows.items():
@@ -67,7 +68,7 @@ def test_gpu_bench_runs_every_row_on_cpus(tmp_path) -> None:
         profile = row["profile"]
         assert profile["aten_ops"] > 0 and profile["scalar_reads"] >= 0
         assert row["host_syncs_per_step"] is None and row["kernel_launches_per_step"] is None  # no CUDA here
-        if name == "local":
+        if name in ("local", "floor-meet4"):
             continue
         if RUNS[name].kind == "sparse":
             # update mode: every step exchanges (one fragment of four each step with fragments=4)
