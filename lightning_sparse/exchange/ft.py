@@ -245,6 +245,14 @@ class FaultTolerantUpdate(UpdateExchange):
             stacklevel=2,
         )
 
+    def flush_residuals(self) -> None:
+        """Refused: a flush outside an exchange has no quorum, and a group that heals has lost its
+        residual, so the mean would be over a different set of groups on each."""
+        raise RuntimeError(
+            "flush_residuals() is not allowed with fault_tolerant=True: it runs outside any quorum of the "
+            "live replica groups; use it without fault tolerance, or leave the residuals to the next exchanges"
+        )
+
     # ------------------------------------------------------------------ rollback
     def _global_of(self, name: str) -> Tensor:
         return self._global[name] if name in self._local else self._params[name]
