@@ -16,7 +16,8 @@ strategy's arguments as JSON; ``"outer_lr": c`` makes the outer step an SGD step
 which adds c times the average; ``"lr": x`` sets AdamW's learning rate; ``{"dense": true, "lr": x}``
 is dense DDP at another learning rate; ``{"diloco": H}`` is torchft's DiLoCo with ``H`` inner steps
 per outer step, Nesterov outer step of lr 0.7 and momentum 0.9, which needs ``pip install -e
-".[bench]"``), ``--only`` keeps some rows (dense DDP always runs: the gaps are against it).
+".[bench]"``; ``"flush": true`` or ``R`` ends the row with ``flush_residuals()``, dense or in R rounds),
+``--only`` keeps some rows (dense DDP always runs: the gaps are against it).
 
 Per row: the validation loss at the end (the global model, 512 windows of modules never trained on)
 and its gap to dense DDP's at the same number of parties; the gap of the virtual model, the global
@@ -195,6 +196,7 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     settings = dict(settings) if settings is not None else None
     lr = settings.pop("lr", None) if settings is not None else None
     diloco_h = settings.pop("diloco", None) if settings is not None else None
+    flush = settings.pop("flush", None) if settings is not None else None  # true: dense; R: R rounds
     if settings is not None and (settings.pop("dense", False) or diloco_h is not None):
         settings = None  # dense DDP at another learning rate, or DDP without its all-reduce for DiLoCo
     if settings is not None and "chosen_scale" in settings:  # the chosen coordinates' factor alone
@@ -257,6 +259,8 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
             probe.after(optimizer)
     if settings is not None:
         strategy.global_model()
+        if flush is not None and flush is not False:
+            strategy.flush_residuals(None if flush is True else int(flush))
     if peer is not None:  # validation sees the parameters of the last outer step
         with torch.no_grad():
             for p, g in zip(params, peer.global_params, strict=True):

@@ -113,7 +113,9 @@ def run(cfg: dict[str, Any]) -> None:
     if cfg.get("flush_residuals"):  # the global model and the residuals before, then the flush
         unflushed = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
         unflushed["residuals"] = {k: v.clone() for k, v in state.memory.state_dict().items()}
-        fabric.strategy.flush_residuals()  # type: ignore[attr-defined]
+        unflushed["sent_bytes"] = state.telemetry.total.sent_bytes
+        rounds = cfg["flush_residuals"] if cfg["flush_residuals"] is not True else None
+        fabric.strategy.flush_residuals(rounds)  # type: ignore[attr-defined]
     result = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "residuals": state.memory.state_dict(),

@@ -48,6 +48,31 @@ def test_fabric_flush_adds_the_mean_residual_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+def test_fabric_flush_in_rounds_sends_what_is_left_as_configured(tmp_path: Path) -> None:
+    runs = run_trainer(
+        {"steps": 30, "runs": [{"name": "rounds", "strategy": STRATEGY, "flush_residuals": 4}]},
+        tmp_path,
+        timeout=300,
+        worker="fabric_worker.py",
+    )
+    ranks = runs["rounds"]
+    before = [r["unflushed"] for r in ranks]
+    old_e = [_by_name(b["residuals"], b["params"]) for b in before]
+    new_e = [_by_name(r["residuals"], r["params"]) for r in ranks]
+    for key, old in before[0]["params"].items():
+        assert torch.equal(ranks[0]["params"][key], ranks[1]["params"][key]), key  # one global model
+        # every round adds the mean of what was sent and keeps the rest: global + mean(e) is conserved
+        kept = ranks[0]["params"][key] + (new_e[0][key] + new_e[1][key]) / 2
+        torch.testing.assert_close(kept, old + (old_e[0][key] + old_e[1][key]) / 2, rtol=0, atol=1e-6)
+    for old, new in zip(old_e, new_e, strict=True):  # the largest part went, some is left
+        left = sum(float(e.norm()) ** 2 for e in new.values())
+        assert 0 < left < sum(float(e.norm()) ** 2 for e in old.values())
+    sent = [r["telemetry"]["sent_bytes"] - b["sent_bytes"] for r, b in zip(ranks, before, strict=True)]
+    exchange_bytes = before[0]["sent_bytes"] / 7  # 30 steps in cycles of 4: 7 exchanges before the flush
+    assert sent[0] == sent[1] == pytest.approx(4 * exchange_bytes, rel=0.05)
+
+
+@pytest.mark.dist
 def test_trainer_flush_at_the_end_of_fit(tmp_path: Path) -> None:
     cfg = {"max_steps": 30, "data_by_step": True, "strategy": STRATEGY}
     plain = run_trainer(cfg, tmp_path / "plain", timeout=300)
@@ -68,6 +93,9 @@ def test_flush_is_for_update_mode_and_sparse_strategies() -> None:
         SparseDDPStrategy(compress="gradient").flush_residuals()
     from types import SimpleNamespace
 
+    for bad in (0, -1, 1.5, True, "all"):
+        with pytest.raises(ValueError, match="rounds=.* is not allowed"):
+            FlushResiduals(rounds=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="FlushResiduals needs a sparse strategy"):
         FlushResiduals().on_train_end(SimpleNamespace(strategy=object()), None)  # type: ignore[arg-type]
 

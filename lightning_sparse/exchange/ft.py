@@ -245,7 +245,7 @@ class FaultTolerantUpdate(UpdateExchange):
             stacklevel=2,
         )
 
-    def flush_residuals(self) -> None:
+    def flush_residuals(self, rounds: int | None = None) -> None:
         """Refused: a flush outside an exchange has no quorum, and a group that heals has lost its
         residual, so the mean would be over a different set of groups on each."""
         raise RuntimeError(

@@ -9,14 +9,12 @@ average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.ex
 it is added to the *global* parameters), and every rank keeps the unsent part as its residual ``e``.
 
 For its forward, backward and optimizer steps each rank holds its own view of the model in the
-module, ``global + e`` (:meth:`UpdateExchange.hold_local`): gradients are taken there, which is
-what trains best (the unsent progress is not lost from the rank's view, only delayed for the
-others). With ``sync_every = H`` the view stays in the module for the whole cycle of H steps, as
-DiLoCo keeps its local model, with the global values aside: a step between exchanges touches
-nothing but the optimizer's own work. After an exchange the module holds the new global
-parameters, identical on every rank. Where something outside training needs the one global model
-in the middle of a cycle (validation, checkpoints, the end of fit), :meth:`UpdateExchange.hold_global`
-folds the cycle's progress so far into the residual and puts the global values in the module.
+module, ``global + e`` (:meth:`UpdateExchange.hold_local`): gradients are taken there (the unsent
+progress is delayed for the others, not lost from the rank's view). With ``sync_every = H`` the view
+stays in the module for the whole cycle of H steps, as DiLoCo keeps its local model. After an
+exchange the module holds the new global parameters, identical on every rank. Where something needs
+the global model in the middle of a cycle (validation, checkpoints, the end of fit),
+:meth:`UpdateExchange.hold_global` folds the cycle's progress into the residual first.
 
 Conservation, per parameter and rank, exactly: ``sent + e_new == e_old + delta``, with
 ``delta = p - (global + e_old)`` computed in float32 from the parameter at the exchange (or the
@@ -46,6 +44,7 @@ from lightning_sparse.exchange.update_parts import (
     average_optimizer_states,
     check_fragments,
     drop_nonfinite,
+    flush_in_rounds,
     fragments_of,
     split_fragments,
 )
@@ -66,8 +65,8 @@ class UpdateExchange:
     Args:
         state: the shared :class:`~lightning_sparse.exchange.state.SparseState` (compressor, density,
             residuals, telemetry); bound to the model's parameters by :meth:`bind`.
-        bucket_bytes: the parameters of one optimizer are exchanged in messages of at most
-            this many bytes of float32 updates (a larger parameter gets a message of its own).
+        bucket_bytes: an optimizer's parameters go in messages of at most this many bytes of
+            float32 updates (a larger parameter gets one of its own).
         outer_step: what the global parameters do with each exchange's average (default:
             :class:`~lightning_sparse.exchange.outer.AddAverage`, add it in).
 
@@ -76,8 +75,7 @@ class UpdateExchange:
         >>> from lightning_sparse import SparseState
         >>> model = torch.nn.Linear(4, 2)
         >>> exchange = UpdateExchange(SparseState(compressor="topk", density=0.5))
-        >>> exchange.bind(model.named_parameters())   # one process: plain training
-        >>> exchange.active
+        >>> exchange.bind(model.named_parameters()); exchange.active  # one process: plain training
         False
     """
 
@@ -104,9 +102,9 @@ class UpdateExchange:
         self._buckets: dict[tuple[int, ...], list[Bucket]] = {}
         #: per group of parameters (an optimizer's), its fragments
         self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
-        #: exchanges launched and not applied yet (``sync_delay``)
-        self._in_flight: list[InFlight] = []
+        self._in_flight: list[InFlight] = []  # exchanges launched and not applied yet (sync_delay)
         self._shaped_residuals = ShapedResiduals()  # for :meth:`hold_local`
+        self.due_now = False  # every fragment is due at the next exchange (flush_in_rounds)
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -322,7 +320,7 @@ class UpdateExchange:
             cycle = "|".join(sorted(fragment))  # optimizer steps since this fragment's last exchange
             start = (len(fragments) - 1 - f) * h // len(fragments)  # fragments' exchanges staggered over the cycle
             position = state.cycle.get(cycle, start) + 1
-            sync = position >= h
+            sync = self.due_now or position >= h
             state.cycle[cycle] = 0 if sync else position
             for bucket in self._buckets_for(fragment):
                 if sync:
@@ -458,12 +456,15 @@ class UpdateExchange:
         return dense
 
     @torch.no_grad()
-    def flush_residuals(self) -> None:
+    def flush_residuals(self, rounds: int | None = None) -> None:
         """Add the mean over processes of their residuals (with the progress since the last exchange)
         to the global model, which the module then holds, and empty the residuals: one float32
-        all-reduce of the exchanged parameters, every process at the same point."""
+        all-reduce of the exchanged parameters, every process at the same point (``rounds``: see
+        :func:`~lightning_sparse.exchange.update_parts.flush_in_rounds`)."""
         if not self.active:
             return
+        if rounds is not None:
+            return flush_in_rounds(self, rounds)
         self.hold_global()
         state = self.state
         names = list(self._params)
@@ -484,8 +485,7 @@ class UpdateExchange:
 
     def _count_local(self, bucket: Bucket) -> None:
         """Telemetry of a step between exchanges: what dense DDP would have moved for it."""
-        state = self.state
-        counters = Counters(numel=bucket.delta.numel())
+        state, counters = self.state, Counters(numel=bucket.delta.numel())
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
         state.telemetry.record(state.plan(bucket.delta, bucket.params).label, counters, "local step")
 

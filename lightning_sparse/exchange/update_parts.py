@@ -16,6 +16,7 @@ from lightning_sparse.exchange.memory import ErrorFeedback
 from lightning_sparse.wire import Average, BucketPlan
 
 __all__ = [
+    "flush_in_rounds",
     "Bucket",
     "InFlight",
     "ShapedResiduals",
@@ -323,3 +324,30 @@ def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup
             if isinstance(value, Tensor) and value.is_floating_point()
         ]
         all_reduce_mean_(tensors, group, world, torch.float64)
+
+
+@torch.no_grad()
+def flush_in_rounds(exchange: Any, rounds: int) -> None:
+    """``rounds`` more exchanges of what the processes have not sent, each due at once: the module
+    takes every process's view (``global + e``, its progress since the last exchange folded in),
+    then exchanges it as configured (compressor, density, ``value_bits``, outer step), so each
+    round sends the largest part of what is left and costs one exchange's bytes. What the last
+    round leaves stays in the residuals. Afterwards the module holds the global model.
+
+    Example:
+        >>> flush_in_rounds(None, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: rounds=0 is not allowed: expected a positive int (None: one dense all-reduce)
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} is not allowed: expected a positive int (None: one dense all-reduce)")
+    exchange.hold_global()  # the progress since the last exchange joins the residuals
+    exchange.due_now = True
+    try:
+        for _ in range(rounds):
+            exchange.hold_local()
+            exchange.exchange()
+            exchange.hold_global()  # an exchange still in flight (sync_delay) arrives here
+    finally:
+        exchange.due_now = False

@@ -232,7 +232,7 @@ class SparseCore:
         if self.update is not None:
             self.update.hold_global()
 
-    def flush_residuals(self) -> None:
+    def flush_residuals(self, rounds: int | None = None) -> None:
         """Update mode: add the mean of every process's residual to the global model (see
         :meth:`UpdateExchange.flush_residuals`), then give the module the global model."""
         if self.update is None:
@@ -241,7 +241,7 @@ class SparseCore:
                 "compress='update' (gradient mode keeps no global model apart from the replicas: its "
                 "residuals are gradients still to be sent)"
             )
-        self.update.flush_residuals()
+        self.update.flush_residuals(rounds)
         self.global_model()
 
     def global_model(self, together: bool = True) -> None:

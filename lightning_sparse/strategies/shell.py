@@ -59,13 +59,15 @@ class SparseShell:
         parameters after its last step calls it."""
         self._core.global_model()
 
-    def flush_residuals(self) -> None:
-        """Hand over what every process has not sent yet: add the mean over processes of their
-        residuals (and of the progress of local steps since the last exchange) to the global model,
-        and empty the residuals. One dense all-reduce of the exchanged parameters in float32, so
-        call it where it pays, at the end of a fit (``FlushResiduals`` does that for a Trainer;
-        a Fabric loop calls it after its last step). Every process calls it at the same point; the
-        module then holds the global model. Update mode only.
+    def flush_residuals(self, rounds: int | None = None) -> None:
+        """Hand over what every process has not sent yet (update mode). ``rounds=None``: add the
+        mean over processes of their residuals (and of the progress of local steps since the last
+        exchange) to the global model, exactly, and empty the residuals, in one float32 all-reduce
+        of the exchanged parameters. ``rounds=R``: R more exchanges of the residuals as configured
+        (compressor, density, ``value_bits``, outer step), each due at once: R exchanges' bytes, the
+        largest part of what is left each time, the rest kept. Call it where it pays, at the end of
+        a fit (``FlushResiduals`` does it for a Trainer; a Fabric loop calls it after its last
+        step), on every process at the same point; the module then holds the global model.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -74,7 +76,7 @@ class SparseShell:
             ...
             ValueError: flush_residuals() is not allowed with compress='gradient': expected compress='update' ...
         """
-        self._core.flush_residuals()
+        self._core.flush_residuals(rounds)
 
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any

@@ -48,16 +48,22 @@ class GlobalModelFirst(pl.Callback):
 
 class FlushResiduals(pl.Callback):
     """At the end of fit, hand what every process has not sent yet to the global model: the
-    strategy's ``flush_residuals()`` (update mode; one dense all-reduce of the exchanged
-    parameters). Worth it with many processes and few exchanges, where the residuals still hold
-    much at the end (``docs/results.md``, "Equal samples"). It runs after the fit's last
-    checkpoint: ``trainer.save_checkpoint(...)`` after ``fit`` keeps the flushed model.
+    strategy's ``flush_residuals(rounds)`` (update mode). ``rounds=None``: the exact mean of the
+    residuals, one dense float32 all-reduce of the exchanged parameters; ``rounds=R``: R more
+    exchanges as configured (R exchanges' bytes). Worth it with many processes and few exchanges,
+    where the residuals still hold much at the end (``docs/results.md``, "Equal samples"). It runs
+    after the fit's last checkpoint: ``trainer.save_checkpoint(...)`` after ``fit`` keeps the result.
 
     Example:
-        >>> callbacks = [FlushResiduals()]  # pl.Trainer(strategy="sparse_ddp", callbacks=callbacks)
-        >>> isinstance(callbacks[0], pl.Callback)
-        True
+        >>> callbacks = [FlushResiduals(rounds=8)]  # pl.Trainer(strategy="sparse_ddp", callbacks=callbacks)
+        >>> callbacks[0].rounds
+        8
     """
+
+    def __init__(self, rounds: int | None = None) -> None:
+        if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
+            raise ValueError(f"rounds={rounds!r} is not allowed: expected None (one dense all-reduce) or an int >= 1")
+        self.rounds = rounds
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         flush = getattr(trainer.strategy, "flush_residuals", None)
@@ -66,7 +72,7 @@ class FlushResiduals(pl.Callback):
                 "FlushResiduals needs a sparse strategy (sparse_ddp, sparse_fsdp), got "
                 f"{type(trainer.strategy).__name__}"
             )
-        flush()
+        flush(self.rounds)
 
 
 class TrainerHooks(SparseShell):
