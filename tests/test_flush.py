@@ -43,8 +43,10 @@ def test_fabric_flush_adds_the_mean_residual_exactly(tmp_path: Path) -> None:
         expected = old + (residuals[0][key] + residuals[1][key]) / 2
         for r in ranks:
             assert torch.equal(r["params"][key], expected), key
-    for r in ranks:  # nothing left unsent
+    for r, b in zip(ranks, before, strict=True):  # nothing left unsent; the flush's bytes counted
         assert all(not bool(e.any()) for e in r["residuals"].values())
+        numel = sum(p.numel() for p in b["params"].values())
+        assert r["telemetry"]["sent_bytes"] - b["sent_bytes"] == 4 * numel
 
 
 @pytest.mark.dist

@@ -242,6 +242,7 @@ class SparseCore:
                 "residuals are gradients still to be sent)"
             )
         self.update.flush_residuals(rounds)
+        self.state.telemetry.fold_current()  # a dense flush's bytes, recorded outside any step
         self.global_model()
 
     def global_model(self, together: bool = True) -> None:

@@ -124,6 +124,12 @@ class Telemetry:
         self.groups.setdefault(group, Counters()).add(counters)
         self.methods.setdefault(method, Counters()).add(counters)
 
+    def fold_current(self) -> None:
+        """Add what was recorded outside any optimizer step (an end-of-fit flush) to the totals,
+        without counting a step."""
+        self.total.add(self.current)
+        self.current = Counters()
+
     def end_step(self) -> None:
         self.peak_step_wire_bytes = max(self.peak_step_wire_bytes, self.current.wire_bytes)
         self.total.add(self.current)
