@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse._utils import RegionViews, all_reduce_mean_
+from lightning_sparse._utils import RegionViews, all_reduce_mean_, check_int
 from lightning_sparse.exchange.memory import ErrorFeedback
 from lightning_sparse.wire import Average, BucketPlan
 
@@ -338,10 +338,9 @@ def flush_in_rounds(exchange: Any, rounds: int) -> None:
         >>> flush_in_rounds(None, 0)
         Traceback (most recent call last):
         ...
-        ValueError: rounds=0 is not allowed: expected a positive int (None: one dense all-reduce)
+        ValueError: rounds=0 is not allowed: expected an integer >= 1.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r} is not allowed: expected a positive int (None: one dense all-reduce)")
+    check_int("rounds", rounds, minimum=1)
     exchange.hold_global()  # the progress since the last exchange joins the residuals
     exchange.due_now = True
     try:

@@ -72,8 +72,8 @@ def wrap_in_ddp(
 
     Example:
         >>> import torch.distributed as dist
-        >>> from lightning_sparse import end_process_group
-        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29583", rank=0, world_size=1)
+        >>> from lightning_sparse._utils import free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         >>> wrap_in_ddp(torch.nn.Linear(2, 2), None, {}).module
         Linear(in_features=2, out_features=2, bias=True)
         >>> dist.destroy_process_group()

@@ -10,7 +10,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_sparse._utils import note_run_end
+from lightning_sparse._utils import check_int, note_run_end
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.shell import SparseShell
 from lightning_sparse.telemetry.callbacks import CompressionMonitor
@@ -61,9 +61,7 @@ class FlushResiduals(pl.Callback):
     """
 
     def __init__(self, rounds: int | None = None) -> None:
-        if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
-            raise ValueError(f"rounds={rounds!r} is not allowed: expected None (one dense all-reduce) or an int >= 1")
-        self.rounds = rounds
+        self.rounds = None if rounds is None else check_int("rounds", rounds, minimum=1)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         flush = getattr(trainer.strategy, "flush_residuals", None)
