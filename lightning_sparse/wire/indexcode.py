@@ -34,8 +34,10 @@ from lightning_sparse._utils import bad_argument, check_int
 
 __all__ = [
     "INDEX_CODINGS",
+    "decode_counted_rows",
     "decode_index_rows",
     "decode_indices",
+    "encode_index_rows",
     "encode_indices",
     "index_bytes",
     "rice_capacity_bytes",
@@ -214,3 +216,80 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
     flat = torch.cumsum((v + 1).view(-1), 0).view(rows, count)
     before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
     return flat.sub_(before.unsqueeze(1)).sub_(1)
+
+
+def encode_index_rows(idx: Tensor, counts: Tensor, n: int, k: int, out: Tensor) -> Tensor:
+    """:func:`encode_indices` of every row of ``idx`` (``(rows, k)``; row ``r`` holds its
+    ``counts[r]`` strictly increasing indices first, then anything) into ``out`` (``(rows,
+    rice_capacity_bytes(n, k))`` uint8, e.g. a column slice of a batch of messages), byte for byte
+    what :func:`encode_indices` of each row's first ``counts[r]`` indices writes. The counts stay on
+    the device: a fixed number of operators, no host read.
+
+    >>> rows = torch.tensor([[3, 4, 900], [0, 7, 0]])
+    >>> out = torch.empty(2, rice_capacity_bytes(1000, 3), dtype=torch.uint8)
+    >>> _ = encode_index_rows(rows, torch.tensor([3, 2]), n=1000, k=3, out=out)
+    >>> torch.equal(out[1], encode_indices(torch.tensor([0, 7]), n=1000, k=3))
+    True
+    """
+    check_int("n", n, minimum=1)
+    check_int("k", k, minimum=0)
+    b, low_bytes, unary_bytes = _stream_bytes(n, k)
+    rows, width = idx.shape
+    dev = idx.device
+    valid = torch.arange(width, device=dev) < counts.unsqueeze(1)
+    idx = idx.long()
+    v = torch.diff(idx, dim=1, prepend=idx.new_full((rows, 1), -1)).sub_(1).mul_(valid)  # 0 past the count
+    if b:
+        shifts = torch.arange(b - 1, -1, -1, device=dev)
+        low = torch.zeros(rows, low_bytes * 8, dtype=torch.uint8, device=dev)
+        low[:, : width * b] = ((v.unsqueeze(2) >> shifts) & 1).view(rows, width * b)
+        out[:, :low_bytes] = _pack(low).view(rows, low_bytes)
+    # each terminating one bit, from one scan over every row (see decode_index_rows), less the rows
+    # before; past the count, into a spare last column; clamped so that bad input stays in bounds
+    bits = unary_bytes * 8
+    flat = torch.cumsum(((v >> b) + 1).mul_(valid).view(-1), 0).view(rows, width)
+    before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
+    ones = flat.sub_(before.unsqueeze(1)).sub_(1).clamp_(0, max(bits - 1, 0))
+    ones.add_(torch.arange(0, rows * bits, bits, device=dev).unsqueeze(1))
+    unary = torch.zeros(rows * bits + 1, dtype=torch.uint8, device=dev)
+    unary.index_fill_(0, torch.where(valid, ones, rows * bits).view(-1), 1)
+    out[:, low_bytes:] = _pack(unary[:-1]).view(rows, unary_bytes)
+    return out
+
+
+def decode_counted_rows(data: Tensor, n: int, k: int, counts: Tensor, fill: int) -> Tensor:
+    """The indices :func:`encode_index_rows` wrote into each row of ``data``, row ``r`` holding
+    ``counts[r]`` of them (a tensor: no host read): ``(rows, k)`` int64, ``fill`` past each row's
+    count.
+
+    >>> rows = torch.stack([encode_indices(torch.tensor([3, 4, 900]), n=1000, k=3),
+    ...                     encode_indices(torch.tensor([0, 7]), n=1000, k=3)])
+    >>> decode_counted_rows(rows, n=1000, k=3, counts=torch.tensor([3, 2]), fill=1000).tolist()
+    [[3, 4, 900], [0, 7, 1000]]
+    """
+    check_int("n", n, minimum=1)
+    check_int("k", k, minimum=0)
+    b, low_bytes, unary_bytes = _stream_bytes(n, k)
+    rows = data.shape[0]
+    dev = data.device
+    if not rows or not k:
+        return torch.full((rows, k), fill, dtype=torch.int64, device=dev)
+    counts = counts.long()
+    valid = torch.arange(k, device=dev) < counts.unsqueeze(1)
+    # every row's terminating one bits, rows one after the other: the i-th one belongs to the row
+    # whose counts' running sum first exceeds i (a row holding fewer or more than its count: the
+    # device-side assertion); its place in its row is i less the counts of the rows before
+    ones = torch.nonzero_static(_unpack(data[:, low_bytes:]), size=rows * k, fill_value=-1)
+    ends = torch.cumsum(counts, 0)
+    i = torch.arange(rows * k, device=dev)
+    row = torch.searchsorted(ends, i, right=True)
+    torch._assert_async((ones[:, 0] == torch.where(row < rows, row, -1)).all(), "a message holds another count")
+    slot = (row * k + i).sub_(ends.sub(counts)[row.clamp(max=rows - 1)]).clamp_(max=rows * k)
+    at = torch.zeros(rows * k + 1, dtype=torch.int64, device=dev).scatter_(0, slot, ones[:, 1])[:-1].view(rows, k)
+    v = torch.diff(at, dim=1, prepend=at.new_full((rows, 1), -1)).sub_(1).mul_(valid) << b
+    if b:
+        shifts = torch.arange(b - 1, -1, -1, device=dev)
+        v |= (_unpack(data[:, :low_bytes])[:, : k * b].view(rows, k, b).long() << shifts).sum(2)
+    flat = torch.cumsum((v + 1).mul_(valid).view(-1), 0).view(rows, k)
+    before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
+    return torch.where(valid, flat.sub_(before.unsqueeze(1)).sub_(1), fill)

@@ -14,8 +14,10 @@ from torch import Tensor
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketPlan
 from lightning_sparse.wire.indexcode import (
+    decode_counted_rows,
     decode_index_rows,
     decode_indices,
+    encode_index_rows,
     encode_indices,
     index_bytes,
     rice_capacity_bytes,
@@ -253,3 +255,78 @@ class MessageLayout:
         else:
             coords = index[:, : count * _INDEX_BYTES].view(torch.int32).long()
         return coords, values
+
+    def pack_rows(self, coords: Tensor, values: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`pack_arriving` of a batch of messages with a header, their counts on the device:
+        row ``r`` of ``coords`` / ``values`` (``(rows, capacity)``) holds its ``counts[r]`` pairs
+        first, then anything. ``(messages (rows, size), values as they arrive (rows, capacity),
+        zero past the counts)``; each message is byte for byte what :meth:`pack` writes of its
+        pairs, in a fixed number of operators and no host read.
+
+        Example:
+            >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)
+            >>> coords, values = torch.tensor([[3, 9, 0, 0], [5, 6, 7, 8]]), torch.ones(2, 4)
+            >>> messages, _ = layout.pack_rows(coords, values, torch.tensor([2, 4]))
+            >>> torch.equal(messages[0], layout.pack(coords[0, :2], values[0, :2]))
+            True
+        """
+        if not self.header:
+            raise ValueError("pack_rows: messages without a header hold exactly capacity pairs; use pack")
+        rows, width = coords.shape
+        if width != self.capacity:
+            raise ValueError(f"pack_rows: rows of {width} pairs, not the capacity {self.capacity}")
+        valid = torch.arange(width, device=coords.device) < counts.unsqueeze(1)
+        out = torch.zeros(rows, self.size, dtype=torch.uint8, device=coords.device)
+        out[:, :4].view(torch.int32).copy_(counts.unsqueeze(1))
+        at = self._values_at
+        bits = self.value_bits
+        values = torch.where(valid, values, 0)  # zero past the count: the scales and the bytes stay as pack's
+        if bits is None:
+            arriving = out[:, at : at + width * self.value_dtype.itemsize].view(self.value_dtype)
+            arriving.copy_(values)
+        else:
+            codes, scales = quant.quantize_rows(values, bits)
+            out[:, at : at + 2 * scales.shape[1]].view(torch.bfloat16).copy_(scales)
+            at += quant.scale_bytes(self.capacity)
+            quant.pack_code_rows(codes, valid, bits, out[:, at : at + quant.code_bytes(width, bits)])
+            arriving = torch.where(valid, quant.dequantize(codes, scales, bits), 0.0)
+        index = out[:, self._index_at : self._index_at + self._index_bytes]
+        if self.coding == "rice":
+            encode_index_rows(coords, counts, self.n, self.capacity, out=index)
+        else:
+            index[:, : width * _INDEX_BYTES].view(torch.int32).copy_(torch.where(valid, coords, 0))
+        return out, arriving
+
+    def unpack_counted_rows(self, messages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`unpack` of every row of ``messages`` (``(rows, size)``, messages with a header) with
+        their counts left on the device: ``(coordinates (rows, capacity), values (rows, capacity),
+        counts (rows,))``, a row's coordinates past its count :attr:`n` (so that every row stays
+        ascending) and its values there zero.
+
+        Example:
+            >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)
+            >>> one = layout.pack(torch.tensor([3, 9]), torch.ones(2))
+            >>> coords, values, counts = layout.unpack_counted_rows(torch.stack([one, one]))
+            >>> coords[1].tolist(), values[1].tolist(), counts.tolist()
+            ([3, 9, 1000, 1000], [1.0, 1.0, 0.0, 0.0], [2, 2])
+        """
+        if not self.header:
+            raise ValueError("unpack_counted_rows: messages without a header; use unpack_rows")
+        count = self.capacity
+        counts = messages[:, :4].view(torch.int32).squeeze(1).long()
+        valid = torch.arange(count, device=messages.device) < counts.unsqueeze(1)
+        at = self._values_at
+        bits = self.value_bits
+        if bits is None:  # zero bytes past the count (pack zeroes the message)
+            values = messages[:, at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
+        else:
+            scales = messages[:, at : at + quant.scale_bytes(count)].view(torch.bfloat16)
+            at += quant.scale_bytes(self.capacity)
+            codes = quant.unpack_codes(messages[:, at : at + quant.code_bytes(count, bits)], count, bits)
+            values = torch.where(valid, quant.dequantize(codes, scales, bits), 0.0)
+        index = messages[:, self._index_at : self._index_at + self._index_bytes]
+        if self.coding == "rice":
+            coords = decode_counted_rows(index, self.n, self.capacity, counts, fill=self.n)
+        else:
+            coords = torch.where(valid, index[:, : count * _INDEX_BYTES].view(torch.int32).long(), self.n)
+        return coords, values, counts

@@ -44,14 +44,39 @@ def quantize(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     v = values.float()
     padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=values.device)
     padded[:n] = v
-    rows = padded.view(chunks, CHUNK)
+    codes, scales = _quantize_chunks(padded.view(chunks, CHUNK), bits)
+    return codes.reshape(-1)[:n].to(torch.int8), scales
+
+
+def quantize_rows(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """:func:`quantize` of every row of ``values`` (``(rows, n)``: one message a row, each chunked
+    on its own) in the same operators whatever the number of rows: ``(codes (rows, n) int8,
+    scales (rows, chunks) bfloat16)``.
+
+    Example:
+        >>> import torch
+        >>> v = torch.tensor([0.6, -0.9, 0.01, 1.0])
+        >>> codes, scales = quantize_rows(torch.stack([v, 2 * v]), bits=2)
+        >>> torch.equal(codes[1], quantize(v, 2)[0]), scales.shape
+        (True, torch.Size([2, 1]))
+    """
+    rows, n = values.shape
+    chunks = (n + CHUNK - 1) // CHUNK
+    padded = torch.zeros(rows, chunks * CHUNK, dtype=torch.float32, device=values.device)
+    padded[:, :n] = values
+    codes, scales = _quantize_chunks(padded.view(rows * chunks, CHUNK), bits)
+    return codes.view(rows, chunks * CHUNK)[:, :n].to(torch.int8), scales.view(rows, chunks)
+
+
+def _quantize_chunks(rows: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Codes (float, one chunk a row) and bfloat16 scales of chunks of :data:`CHUNK` values."""
     scales = rows.abs().amax(dim=1).to(torch.bfloat16)  # NaN and inf stay: the chunk arrives non-finite
     top = levels(bits)
     step = scales.float() / top
     safe = torch.where(step > 0, step, torch.ones_like(step))
     codes = torch.round(rows / safe[:, None]).nan_to_num_(0.0).clamp_(-top, top)
     codes = torch.where(step[:, None] > 0, codes, torch.zeros_like(codes))  # a zero scale: all zeros
-    return codes.reshape(-1)[:n].to(torch.int8), scales
+    return codes, scales
 
 
 def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
@@ -141,6 +166,30 @@ def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
     # the codes of a byte occupy disjoint bits, so their sum is their bitwise or
     torch.sum(padded.view(-1, per) << shifts, dim=1, dtype=torch.uint8, out=out)
+
+
+def pack_code_rows(codes: Tensor, valid: Tensor, bits: int, out: Tensor) -> None:
+    """:func:`pack_codes` of every row of ``codes`` (``(rows, n)``) into ``out`` (``(rows,
+    code_bytes(n))`` uint8), writing only the codes where ``valid``: a row's codes past its count
+    are zero bits, as :func:`pack_codes` of its first ``count`` codes leaves them.
+
+    Example:
+        >>> import torch
+        >>> codes = torch.tensor([[1, -1, 0, 1], [0, 1, 0, 0]], dtype=torch.int8)
+        >>> out = torch.empty(2, 1, dtype=torch.uint8)
+        >>> pack_code_rows(codes, torch.tensor([[True] * 4, [True, True, False, False]]), 2, out)
+        >>> one = torch.empty(1, dtype=torch.uint8)
+        >>> pack_codes(codes[1, :2], 2, one)
+        >>> torch.equal(out[1], one), torch.equal(unpack_codes(out, 4, 2)[0], codes[0])
+        (True, True)
+    """
+    per = 8 // bits
+    rows, n = codes.shape
+    u = (codes.to(torch.int16) + levels(bits)).to(torch.uint8)  # offset to [0, 2L]
+    padded = torch.zeros(rows, code_bytes(n, bits) * per, dtype=torch.uint8, device=codes.device)
+    padded[:, :n] = torch.where(valid, u, 0)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    out.copy_(torch.sum(padded.view(rows, -1, per) << shifts, dim=2, dtype=torch.uint8))
 
 
 def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:

@@ -3,6 +3,13 @@
 Owners of block-cyclic regions of a bucket's sparse space sum what the ranks selected there, keep
 the largest sums, and the owners' choices are all-gathered. Traffic per rank about flat in the
 number of ranks.
+
+Every step of a bucket works on fixed-size tensors: what a rank sends each owner is a row of
+``(world, send capacity)`` padded past its count, an owner's sums a row per received pair, its
+choice a row of the keep capacity; the counts travel in the messages' headers and stay on the
+device. So the exchange is a fixed number of operators whatever the number of tensors, and reads
+nothing on the host besides the selection's one read. An owner keeps the largest sums, ties to
+the smaller coordinate.
 """
 
 from __future__ import annotations
@@ -13,11 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.wire import quant
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
-from lightning_sparse.wire.select import select_sorted, settle
+from lightning_sparse.wire.select import Selection, select_sorted, settle
 
 #: the split exchange's ownership: blocks of this many coordinates go to the ranks in turn (odd,
 #: so that a row length that is a power of two does not keep one column on one owner)
@@ -62,7 +70,8 @@ class Regions:
         """Position within the owner's region (increasing with the coordinate)."""
         return torch.div(coords, self.block * self.world, rounding_mode="floor") * self.block + coords % self.block
 
-    def to_space(self, local: Tensor, owner: int) -> Tensor:
+    def to_space(self, local: Tensor, owner: int | Tensor) -> Tensor:
+        """Coordinates of positions within ``owner``'s region (a tensor of owners broadcasts)."""
         return (
             torch.div(local, self.block, rounding_mode="floor") * self.world + owner
         ) * self.block + local % self.block
@@ -97,94 +106,142 @@ def split_wire_bytes(
     return (world - 1) * first.size + ring_all_gather_bytes(world, second.size)
 
 
+_MAGNITUDE_BITS = 0x7FFFFFFF
+
+
 def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: int) -> Tensor:
-    """Positions of the selection grouped by owner (ascending within), at most ``cap`` per owner:
-    the largest magnitudes where more fall on one owner."""
-    counts = torch.bincount(owner, minlength=world)
-    if int(counts.max()) <= cap:
-        return torch.argsort(owner, stable=True)
-    by_size = torch.argsort(magnitude, descending=True, stable=True)
-    grouped = by_size[torch.argsort(owner[by_size], stable=True)]
-    first = torch.cumsum(counts, 0) - counts
-    rank_in_owner = torch.arange(grouped.numel(), device=owner.device) - first[owner[grouped]]
-    kept = grouped[rank_in_owner < cap].sort().values
-    return kept[torch.argsort(owner[kept], stable=True)]
+    """Positions of the selection by owner, ``(world, cap)``: row ``j`` holds owner ``j``'s
+    positions ascending, then ``owner.numel()`` (padding); the ``cap`` largest magnitudes
+    (ties: the smaller position) where more fall on one owner.
+
+    Example:
+        >>> owner = torch.tensor([0, 1, 0, 0, 1])
+        >>> _keep_largest_per_owner(owner, torch.tensor([1.0, 2.0, 3.0, 2.0, 1.0]), 3, 2).tolist()
+        [[2, 3], [1, 4], [5, 5]]
+    """
+    count = owner.numel()
+    # one sort by (owner, magnitude descending, position): magnitudes are finite or inf and not
+    # negative, so their bits order as they do
+    bits = magnitude.float().view(torch.int32).long()
+    key, by = torch.sort(owner * (1 << 32) + (_MAGNITUDE_BITS - bits), stable=True)
+    group = key.div_(1 << 32, rounding_mode="floor")
+    first = torch.searchsorted(group, torch.arange(world, device=owner.device))
+    rank = torch.arange(count, device=owner.device) - first[group]
+    slot = torch.where(rank < cap, group * cap + rank, world * cap)  # the rest: a spare last slot
+    table = torch.full((world * cap + 1,), count, dtype=torch.int64, device=owner.device)
+    return table.scatter_(0, slot, by)[:-1].view(world, cap).sort(dim=1).values
+
+
+def _owner_choice(local: Tensor, values: Tensor, end: int, keep: int) -> tuple[Tensor, Tensor]:
+    """An owner's choice from what the ranks sent it (row ``r``: rank ``r``'s positions in the
+    region, ``end`` past its count, and their values): each position's sum (added in rank order),
+    and the ``keep`` largest sums by magnitude (NaN the largest; ties to the smaller position).
+    ``(positions ascending, then end; their sums, then 0)``, ``keep`` of each.
+
+    Example:
+        >>> local = torch.tensor([[2, 5, 9], [5, 7, 9]])  # 9: past rank 0's and rank 1's counts
+        >>> values = torch.tensor([[1.0, 2.0, 0.0], [-4.0, 1.0, 0.0]])
+        >>> chosen, sums = _owner_choice(local, values, end=9, keep=2)
+        >>> chosen.tolist(), sums.tolist()
+        ([2, 5], [1.0, -2.0])
+    """
+    local, order = torch.sort(local.view(-1), stable=True)  # by position, then rank: the padding last
+    starts = torch.ones_like(local, dtype=torch.bool)
+    torch.ne(local[1:], local[:-1], out=starts[1:])
+    group = torch.cumsum(starts, 0).sub_(1)
+    sums = torch.zeros(local.numel(), dtype=torch.float32, device=local.device)
+    sums.index_add_(0, group, values.reshape(-1)[order].float())
+    unique = torch.full_like(local, end).scatter_(0, group, local)  # each group's position, ascending
+    magnitude = torch.where(unique < end, sums.abs().nan_to_num(nan=math.inf), -1.0)
+    # fewer positions than ``keep``: all of them, then padding (end, 0)
+    top = torch.sort(magnitude, descending=True, stable=True).indices[:keep].sort().values
+    return unique[top], sums[top]
 
 
 def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Rounds[Pending]:
     """Launch the split exchange of a gather-pattern bucket (see :class:`GatherPattern`), in rounds:
     it yields once its all-to-all is issued, and waits for it when resumed."""
     world, rank, buffer, counters = ctx.world_size, ctx.rank, call.buffer, call.counters
+    device = buffer.device
     space = SparseSpace.of(call.plan)
     regions = Regions(space.numel, world)
+    largest = regions.largest  # past every position in a region: the padding's, which sorts last
     bits = ctx.value_bits
     first, second = split_layouts(space.numel, sum(ks), world, vdtype, ctx.compact_indices, bits)
     sel = select_sorted(ctx, call, ks, vdtype, settle=False)
-    owner = regions.owner(sel.coords)
+    picks = sel.coords.numel()
     magnitude = sel.exact.abs().nan_to_num(nan=math.inf)
-    placed = _keep_largest_per_owner(owner, magnitude, world, first.capacity)
-    per_owner = torch.bincount(owner[placed], minlength=world).tolist()
+    table = _keep_largest_per_owner(regions.owner(sel.coords), magnitude, world, first.capacity)
+    placed = table < picks
+    per_owner = placed.sum(1)
 
     # stage 1: each owner gets this rank's pairs in its region (fixed-size chunks, one all-to-all)
-    outgoing = torch.empty(world, first.size, dtype=torch.uint8, device=buffer.device)
-    pos = 0
-    for j, count in enumerate(per_owner):
-        mine = placed[pos : pos + count]
-        pos += count
-        first.pack(regions.local(sel.coords[mine]), sel.sent[mine], outgoing[j])
-        if bits is not None:  # what the owner receives is what the codes stand for
-            sel.sent[mine] = first.unpack(outgoing[j])[1]
-    counters.sent_numel += placed.numel()
+    at = table.clamp(max=picks - 1)  # the padding reads the last pick; pack_rows ignores it
+    sending = regions.local(sel.coords)[at]
+    outgoing, arriving = first.pack_rows(sending, sel.sent[at], per_owner)
+    if bits is not None:  # what the owner receives is what the codes stand for
+        padded = torch.cat([sel.sent, sel.sent.new_zeros(1)])  # the padding writes zeros to the spare
+        sel.sent = padded.index_put_((table.view(-1),), arriving.view(-1))[:picks]
     incoming = torch.empty_like(outgoing)
     # waited for on this thread, and stage 2 issued right after: every collective of every bucket
     # is issued by one thread in the same order on every rank (see SketchPattern); the other
     # buckets' first rounds are issued meanwhile (yield)
     first_round = ctx.comm.all_to_all(incoming, outgoing, counters)
+    # the selection, counted without reading how much of it the chunks held: all of it at 2 ranks
+    # (a chunk holds every pick there); at more, picks past a crowded owner's chunk count too
+    counters.sent_numel += picks
     yield
     wait(first_round)
 
     # stage 2: this rank, as an owner, sums its region (in rank order) and keeps the largest sums
-    parts = [first.unpack(incoming[r]) for r in range(world)]
-    local = torch.cat([c for c, _ in parts])
-    values = torch.cat([v for _, v in parts]).float()
-    unique, where = torch.unique(local, sorted=True, return_inverse=True)
-    sums = torch.zeros(unique.numel(), dtype=torch.float32, device=buffer.device).index_add_(0, where, values)
-    keep = min(second.capacity, unique.numel())
-    top = torch.topk(sums.abs().nan_to_num(nan=math.inf), keep, sorted=False).indices.sort().values
-    chosen_sums = sums[top]
-    chosen = quantize(chosen_sums, vdtype)
-    message = second.pack(unique[top], chosen)
-    if bits is not None:
-        chosen = second.unpack(message)[1]
+    local, values, _ = first.unpack_counted_rows(incoming)
+    chosen_local, chosen_sums = _owner_choice(local, values, largest, second.capacity)
+    mine = chosen_local < largest
+    message, chosen = second.pack_rows(chosen_local[None], quantize(chosen_sums, vdtype)[None], mine.sum()[None])
+    chosen = chosen[0]
     rounding = None
     if ctx.error_feedback and (chosen.dtype != torch.float32 or bits is not None):
-        # the sum's rounding to the value dtype stays with its owner, in its residual
-        rounding = (regions.to_space(unique[top], rank), (chosen_sums - chosen.float()).nan_to_num(0.0, 0.0, 0.0))
-    gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=buffer.device)
-    issued = futures(ctx.comm.all_gather(gathered, message, counters))
+        # the sum's rounding to the value dtype stays with its owner, in its residual; the padding
+        # adds -0.0 at coordinate 0, which leaves every value as it is
+        diff = torch.where(mine, (chosen_sums - chosen.float()).nan_to_num(0.0, 0.0, 0.0), -0.0)
+        rounding = (torch.where(mine, regions.to_space(chosen_local, rank), 0), diff, mine)
+    gathered = torch.empty(world, second.size, dtype=torch.uint8, device=device)
+    issued = futures(ctx.comm.all_gather(gathered.view(-1), message.view(-1), counters))
 
-    size = second.size
-    received: list[tuple[Tensor, Tensor]] = []  # per rank: its chosen coordinates (in the space), values
+    received: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
 
-    def receive() -> list[tuple[Tensor, Tensor]]:
-        if not received:  # decoded once, for the residuals and for the average
-            for j in range(world):
-                loc, vals = second.unpack(gathered[j * size : (j + 1) * size])
-                received.append((regions.to_space(loc, j), vals))
-        return received
+    def receive() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every owner's choice, decoded once (for the residuals and for the average): positions in
+        its region (row ``j``: owner ``j``'s, ascending, ``largest`` past its count), sparse-space
+        coordinates (0 past the count), values (0 there) and which are real."""
+        if not received:
+            loc, vals, counts = second.unpack_counted_rows(gathered)
+            real = torch.arange(second.capacity, device=device) < counts.unsqueeze(1)
+            owners = torch.arange(world, device=device).unsqueeze(1)
+            coords = torch.where(real, regions.to_space(loc, owners), 0)
+            received.append((loc, coords, vals, real))
+        return received[0]
 
     def settle_residuals() -> None:
         # this rank's residuals: what reached the global selection was sent, the rest stays
         if not (ctx.error_feedback or ctx.momentum_correction):
             return
-        sent_pos = placed.sort().values
-        accepted = sent_pos[torch.isin(sel.coords[sent_pos], torch.cat([c for c, _ in receive()]))]
-        settle(ctx, call, space, sel, accepted)
+        loc = receive()[0]
+        hit = torch.searchsorted(loc, sending).clamp_(max=second.capacity - 1)
+        accepted = (loc.gather(1, hit) == sending) & placed
+        # per pick of the selection (the padding's False goes to a spare last slot)
+        taken = torch.zeros(picks + 1, dtype=torch.bool, device=device)
+        taken = taken.index_put_((table.view(-1),), accepted.view(-1))[:picks]
+        if sel.flat is not None and sel.at is not None:
+            _settle_flat(sel, taken, coded=bits is not None)
+        else:  # one tensor at a time (not the steady state): read which
+            settle(ctx, call, space, sel, taken.nonzero().squeeze(1))
         if rounding is not None:
-            coords, diff = rounding
+            coords, diff, real = rounding
             if sel.flat is not None:  # selected at once: the bucket's residuals are one tensor
                 sel.flat.index_add_(0, space.to_bucket(coords), diff)
                 return
+            coords, diff = coords[real], diff[real]
             for i, part, idx in space.by_member(coords):
                 if sel.residual[i] is not None:  # None: a non-finite input, whose residual stays as it was
                     # the residual as it is now: the small tensors' coded send may have moved the
@@ -194,7 +251,26 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
                         e.index_add_(0, idx, diff[part])
 
     def apply(out: Tensor, scale: float = 1.0) -> None:
-        for coords, vals in receive():
-            out.index_add_(0, space.to_bucket(coords), vals.to(out.dtype), alpha=scale / world)
+        _, coords, vals, real = receive()
+        alpha = scale / world
+        # every owner's choice at once (owners' coordinates are disjoint, so each lands on its own);
+        # the padding adds a zero that leaves any value as it is (-0.0, or 0.0 with alpha < 0)
+        vals = torch.where(real, vals.to(out.dtype), -0.0 if alpha >= 0 else 0.0)
+        out.index_add_(0, space.to_bucket(coords.view(-1)), vals.view(-1), alpha=alpha)
 
     return Pending(issued, apply, settle=settle_residuals, chosen=True)
+
+
+def _settle_flat(sel: Selection, taken: Tensor, coded: bool) -> None:
+    """:func:`~lightning_sparse.wire.select.settle` of the picks where ``taken``, on a selection made
+    at once (its residuals one flat tensor), in a fixed number of operators: where taken the
+    residual keeps what was not sent (``sent + e_new == p``), elsewhere all it had."""
+    assert sel.flat is not None and sel.at is not None
+    exact, sent = sel.exact, sel.sent
+    if coded:
+        unsent = quant.remainder(exact, sent)
+    elif sent.dtype != exact.dtype:
+        unsent = exact - sent.to(exact.dtype)
+    else:
+        unsent = torch.zeros_like(exact)
+    sel.flat.index_copy_(0, sel.at, torch.where(taken, unsent, sel.flat[sel.at]))
