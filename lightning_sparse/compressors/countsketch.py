@@ -22,6 +22,11 @@ Finding the candidates without an estimate per coordinate in memory: ``|median| 
 is heavy (byte adds of shifted 0/1 rows) shortlists a superset; only the shortlist gets exact
 median estimates. ``tau`` comes from a sample of estimates, a little below the
 ``p2 * k``-th largest.
+
+The exchange (pattern ``"sketch"``) sketches a bucket's tensors all at once
+(:mod:`lightning_sparse.wire.sketch`): hashes of this kind, drawn once per bucket rather than per
+tensor, so its tables and picks are not this class's for the same seed; the methods here are the
+one-tensor path (and the exchange's on a CPU for a tensor with ``rows * numel`` above ``2**20``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,51 @@
-"""Random-k: k coordinates drawn uniformly with a seed shared by all ranks; values all-reduced."""
+"""Random-k: k coordinates drawn uniformly with a seed shared by all ranks; values all-reduced.
+
+The coordinates are a function of (seed, step, parameter key, numel, k) alone, computed with a
+counter-based hash on the tensor's device (:func:`draw_subsets`): any number of tensors is drawn
+with one fixed set of operators and no host read, and a tensor gets the same coordinates whether it
+is drawn by itself (:meth:`RandomK.select`) or with the other tensors of its bucket (the exchange:
+:mod:`lightning_sparse.wire.shared`), whatever the bucket's layout (DDP lays its buckets out anew
+after its first step, resumed runs included).
+
+How a tensor of ``d`` numbers gets ``k`` distinct coordinates (:class:`SubsetLayout`): ``m``
+independent uniform draws from ``[0, d)``, ``m`` large enough that fewer than ``k`` of them are
+distinct with probability below ``2**-40`` (:func:`draws_needed`), each with a random priority; the
+distinct values with the ``k`` smallest priorities are a uniform ``k``-subset (the distinct values of
+independent draws are exchangeable, and the priorities independent of them). Should fewer than ``k``
+be distinct after all, the tensor's coordinates are its ``k`` lowest instead: the only departure from
+uniform, at that probability. Where ``m`` would reach ``d``, every coordinate is a candidate once, with
+a random priority: exactly uniform.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sparse._utils import mix_seed
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+
+_M32 = 0xFFFFFFFF
+#: a 32-bit hash in the two-round form of hash-prospector's lowbias32 (``x ^= x >> 16; x *= a;
+#: x ^= x >> 15; x *= b; x ^= x >> 15``, mod 2**32; its avalanche bias measured at the noise floor of
+#: 200k samples) with multipliers below 2**31: a product with a 32-bit value fits an int64, so the
+#: same bits come out on every device, with no integer overflow
+_SHIFTS = (16, 15, 15)
+_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+#: the hash's three lanes per candidate: two for its value (63 bits), one for its priority
+_LANE_SALTS = (0x243F6A88, 0x85A308D3, 0x13198A2E)
+_WEYL = 0x9E3779B9  # a candidate's counter j enters as j * _WEYL mod 2**32 (distinct for j < 2**32)
+_TAG = 0x2A4D0C
+#: fewer than k distinct among a member's draws with probability below 2**-_FAIL_BITS
+_FAIL_BITS = 40
+#: a priority key: member (buffer order), then "a repeat" flag, then the 32-bit priority
+_MEMBER_SHIFT = 44
+_REPEAT = 1 << 43
 
 
 def random_subset(d: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
@@ -13,7 +53,8 @@ def random_subset(d: int, k: int, generator: torch.Generator, device: torch.devi
 
     Draws slightly more than ``k`` indices with replacement, drops repeats, and keeps a random
     ``k`` of the distinct ones (a uniform subset of a uniform subset is uniform). Deterministic
-    given the generator's state, so every rank with the same seed gets the same set.
+    given the generator's state, so every rank with the same seed gets the same set. (Random-k
+    itself draws with :func:`draw_subsets`, which reads nothing back to the host.)
 
     Example:
         >>> import torch
@@ -35,11 +76,168 @@ def random_subset(d: int, k: int, generator: torch.Generator, device: torch.devi
         draws *= 2
 
 
+def mix32_(x: Tensor) -> Tensor:
+    """Hash every entry of the int64 tensor ``x`` (entries in ``[0, 2**32)``) in place: a bijection of
+    ``[0, 2**32)``, the same bits on every device. Returns ``x``.
+
+    Example:
+        >>> mix32_(torch.tensor([0, 1, 2])).tolist()
+        [0, 2261973619, 229111015]
+    """
+    a, b = _MULTIPLIERS
+    s1, s2, s3 = _SHIFTS
+    x.bitwise_xor_(x >> s1).mul_(a).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> s2).mul_(b).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> s3)
+
+
+@functools.lru_cache(maxsize=4096)
+def draws_needed(d: int, k: int) -> int | None:
+    """How many independent uniform draws from ``[0, d)`` hold ``k`` distinct values but with probability
+    below ``2**-40`` (a bound: the smaller of a union bound on the repeats and McDiarmid's inequality);
+    None where that many would reach ``d`` (then every coordinate is a candidate, once).
+
+    Example:
+        >>> draws_needed(100_000, 1000) - 1000, draws_needed(100, 60)
+        (48, None)
+    """
+    if k <= 0:
+        return 0
+    limit = d - 1  # fewer candidates than every coordinate
+    if limit < k or _log_failure(d, k, limit) > -_FAIL_BITS * math.log(2):
+        return None
+    lo, hi = k, k + 1
+    while hi < limit and _log_failure(d, k, hi) > -_FAIL_BITS * math.log(2):
+        lo, hi = hi, min(limit, k + 2 * (hi - k))
+    while lo < hi:  # the smallest m in (lo, hi] that is enough (the bound falls with m)
+        mid = (lo + hi) // 2
+        if _log_failure(d, k, mid) <= -_FAIL_BITS * math.log(2):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def _log_failure(d: int, k: int, m: int) -> float:
+    """ln of a bound on P(fewer than k distinct among m uniform draws from [0, d))."""
+    # fewer than k distinct: at least r = m - k + 1 draws repeat an earlier one; each does with
+    # probability below m / d whatever came before, and there are C(m, r) ways to place them
+    r = m - k + 1
+    union = math.lgamma(m + 1) - math.lgamma(r + 1) - math.lgamma(m - r + 1) + r * math.log(m / d)
+    # the number of distinct values moves by at most 1 with each draw: McDiarmid
+    mean = -d * math.expm1(m * math.log1p(-1.0 / d))
+    gap = mean - (k - 1)
+    mcdiarmid = -2.0 * gap * gap / m if gap > 0 else 0.0
+    return min(union, mcdiarmid, 0.0)
+
+
+@dataclass(frozen=True)
+class SubsetLayout:
+    """The candidates of :func:`draw_subsets` for some tensors laid end to end, made once per
+    (tensors, device): each tensor's draws (or all its coordinates), what their values and priority
+    keys are made of, and where each tensor's ``k`` picks lie once ranked.
+
+    Example:
+        >>> layout = SubsetLayout.of(((7, 0, 1000, 10), (8, 1000, 50, 40)), torch.device("cpu"))
+        >>> layout.count, layout.member_of.numel()  # 10 + 40 picks from 19 draws and 50 candidates
+        (50, 69)
+    """
+
+    count: int  # the picks, all tensors together
+    keys: Tensor  # (3, S): each tensor's key, salted per lane
+    member_of: Tensor  # (C,): each candidate's tensor
+    counter: Tensor  # (C,): its counter j within its tensor, times _WEYL (mod 2**32)
+    mods: Tensor  # (2, C): d (a draw) or 1 (coordinate j) for its value, 2**32 for its priority
+    bases: Tensor  # (2, C): offset (+ j), and the priority key's member part
+    picks: Tensor  # (K,): where each tensor's picks lie among the ranked candidates
+    last: Tensor  # (S,): where its last pick lies (ranked after a repeat: too few were distinct)
+    pick_member: Tensor  # (K,): each pick's tensor
+    lowest: Tensor  # (K,): each tensor's k lowest coordinates, should too few be distinct
+
+    @staticmethod
+    def of(members: tuple[tuple[int, int, int, int], ...], device: torch.device) -> SubsetLayout:
+        """``members``: ``(key, offset, numel, k)`` of each tensor, by ascending offset, not overlapping
+        (the picks come out as offsets: the tensors may lie in one flat buffer), ``1 <= k``. Made anew
+        at each call: the caller keeps it (about 50 bytes per candidate)."""
+        if len(members) >= 1 << (63 - _MEMBER_SHIFT):
+            raise ValueError(f"{len(members)} tensors are too many for one draw")
+        parts: list[tuple[np.ndarray, ...]] = []
+        picks, last, pick_member, lowest = [], [], [], []
+        start = 0
+        for i, (_, offset, d, k) in enumerate(members):
+            k = min(k, d)
+            m = draws_needed(d, k)
+            n = d if m is None else m
+            j = np.arange(n, dtype=np.int64)
+            parts.append(
+                (
+                    np.full(n, i, dtype=np.int64),
+                    (j.astype(np.uint64) * np.uint64(_WEYL) & np.uint64(_M32)).astype(np.int64),
+                    np.full(n, 1 if m is None else d, dtype=np.int64),  # every coordinate once, or draws
+                    offset + (j if m is None else np.zeros(n, dtype=np.int64)),
+                )
+            )
+            picks.append(np.arange(start, start + k, dtype=np.int64))
+            last.append(start + k - 1)
+            pick_member.append(np.full(k, i, dtype=np.int64))
+            lowest.append(offset + np.arange(k, dtype=np.int64))
+            start += n
+
+        def long(arrays: list[np.ndarray]) -> Tensor:
+            return torch.from_numpy(np.concatenate(arrays).astype(np.int64)).to(device)
+
+        member_of = long([part[0] for part in parts])
+        keys = [[(key & _M32) ^ salt for key, _, _, _ in members] for salt in _LANE_SALTS]
+        return SubsetLayout(
+            count=sum(p.size for p in picks),
+            keys=torch.tensor(keys, dtype=torch.int64, device=device),
+            member_of=member_of,
+            counter=long([part[1] for part in parts]),
+            mods=torch.stack([long([part[2] for part in parts]), torch.full_like(member_of, 1 << 32)]),
+            bases=torch.stack([long([part[3] for part in parts]), member_of << _MEMBER_SHIFT]),
+            picks=long(picks),
+            last=torch.tensor(last, dtype=torch.int64, device=device),
+            pick_member=long(pick_member),
+            lowest=long(lowest),
+        )
+
+
+def draw_subsets(layout: SubsetLayout, seed: int, step: int) -> Tensor:
+    """Every tensor's ``k`` distinct coordinates (as offsets, ascending: tensor after tensor), drawn at
+    once in a fixed number of operators and no host read; each tensor's are a function of
+    ``(seed, step, its key, numel, k)`` only (see the module's docstring).
+
+    Example:
+        >>> layout = SubsetLayout.of(((7, 0, 1000, 3), (8, 1000, 50, 2)), torch.device("cpu"))
+        >>> picks = draw_subsets(layout, seed=0, step=5)
+        >>> picks.numel(), bool((picks[:3] < 1000).all() and (picks[3:] >= 1000).all())
+        (5, True)
+    """
+    # the hash of (seed, step, key) per tensor and lane, then of that and the counter per candidate
+    h = torch.bitwise_xor(layout.keys, mix_seed(seed, _TAG, step) & _M32)
+    h = mix32_(h).index_select(1, layout.member_of).add_(layout.counter).bitwise_and_(_M32)
+    h = mix32_(h)
+    drawn = h[1:]  # value (lanes 0 and 1: 63 bits) and priority (lane 2)
+    drawn[0].bitwise_right_shift_(1).bitwise_or_(h[0] << 31)
+    drawn.remainder_(layout.mods).add_(layout.bases)
+    at, priority = drawn[0], drawn[1]
+    # a value drawn again (after its first draw, in candidate order) ranks after every first draw
+    at, order = torch.sort(at, stable=True)
+    key = priority.index_select(0, order)
+    key[1:].add_(at[1:] == at[:-1], alpha=_REPEAT)
+    # each tensor's candidates keep their place when ranked: its picks lie at fixed positions
+    key, rank = torch.sort(key)
+    picks = at.index_select(0, rank.index_select(0, layout.picks))
+    short = key.index_select(0, layout.last).bitwise_and_(_REPEAT).ne(0)  # fewer than k distinct
+    picks = torch.where(short.index_select(0, layout.pick_member), layout.lowest, picks)
+    return picks.sort().values
+
+
 @register_compressor
 class RandomK(Compressor):
     """Random-k sparsification: every rank sends the same ``k`` uniformly drawn coordinates (a
-    generator seeded from seed, step and parameter, never the global RNG), so only the values
-    are all-reduced and no indices cross the wire. Unscaled: error feedback keeps the rest.
+    function of seed, step and parameter, never the global RNG: :func:`draw_subsets`), so only the
+    values are all-reduced and no indices cross the wire. Unscaled: error feedback keeps the rest.
 
     Example:
         >>> import torch
@@ -53,4 +251,14 @@ class RandomK(Compressor):
     pattern = "shared"
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
-        return random_subset(p.numel(), k, ctx.shared_generator(p.device), p.device)
+        """The coordinates the exchange sends for this tensor (ascending): a function of
+        ``(ctx.seed, ctx.step, ctx.key, p.numel(), k)``, not of ``p``'s values."""
+        d = p.numel()
+        if k >= d:
+            return torch.arange(d, device=p.device)
+        return draw_subsets(_one_tensor(ctx.key & _M32, d, k, p.device), ctx.seed, ctx.step)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_tensor(key: int, d: int, k: int, device: torch.device) -> SubsetLayout:
+    return SubsetLayout.of(((key, 0, d, k),), device)

@@ -44,7 +44,7 @@ from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 
-__all__ = ["BatchedLayout", "batched_topk", "eligible", "residual_layout"]
+__all__ = ["BatchedLayout", "batched_topk", "eligible", "rank_shortlist", "residual_layout"]
 
 #: draws per member for its threshold; aim for this many draws above the true threshold
 _DRAWS = (256, 4096)
@@ -245,16 +245,7 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     layout.thresholds.index_copy_(0, layout.sparse_regions, threshold)
     over = layout.thresholds.index_select(0, layout.member_of)
     mask = torch.ge(a[:n], over)
-    passed = mask.sum()
-    idx = torch.nonzero_static(mask, size=layout.capacity, fill_value=n).squeeze(1)
-    region = torch.searchsorted(layout.region_ends, idx, right=True)
-    bits = a[idx].view(torch.int32).to(torch.int64)
-    key = region.mul_(1 << 32).add_(_BITS).sub_(bits)  # member ascending, then magnitude descending
-    key, order = torch.sort(key)
-    ranked = idx[order]
-    region = key.div_(1 << 32, rounding_mode="floor")
-    starts = torch.searchsorted(region, layout.sparse_regions)
-    counts = torch.searchsorted(region, layout.sparse_regions, right=True).sub_(starts)
+    ranked, starts, counts, passed = rank_shortlist(a, mask, layout.capacity, layout.region_ends, layout.sparse_regions)
     short = (counts < layout.ks).any() | (passed > layout.capacity)
     if bool(short):  # the one host read: rare, a member is selected by itself
         at = _one_by_one(ctx, call, layout, e)
@@ -262,6 +253,36 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
         picked = ranked[starts.index_select(0, layout.pick_member).add_(layout.local_k)]
         at = picked.sort().values[layout.space_order]
     return BatchedSelection(at, at + layout.space_shift, e)
+
+
+def rank_shortlist(
+    a: Tensor, mask: Tensor, capacity: int, ends: Tensor, members: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The positions where ``mask`` holds (at most ``capacity``: a fixed-size shortlist, no host read),
+    ranked by member, then by magnitude ``a`` descending (``a``: non-negative float32, one entry past
+    the mask's end for the padding to read; ``ends``: each member's end, ``members``: the members'
+    numbers). Returns the ranked positions, each member's start and count among them, and how many
+    passed (above ``capacity``: the shortlist is cut short).
+
+    Example:
+        >>> a = torch.tensor([0.5, 2.0, 1.0, 3.0, -1.0])
+        >>> ends, members = torch.tensor([2, 4]), torch.tensor([0, 1])
+        >>> ranked, starts, counts, passed = rank_shortlist(a, a[:4] > 0.7, 4, ends, members)
+        >>> ranked[:3].tolist(), starts.tolist(), counts.tolist(), int(passed)
+        ([1, 3, 2], [0, 1], [1, 2], 3)
+    """
+    n = mask.numel()
+    passed = mask.sum()
+    idx = torch.nonzero_static(mask, size=capacity, fill_value=n).squeeze(1)
+    region = torch.searchsorted(ends, idx, right=True)
+    bits = a[idx].view(torch.int32).to(torch.int64)
+    key = region.mul_(1 << 32).add_(_BITS).sub_(bits)  # member ascending, then magnitude descending
+    key, order = torch.sort(key)
+    ranked = idx[order]
+    region = key.div_(1 << 32, rounding_mode="floor")
+    starts = torch.searchsorted(region, members)
+    counts = torch.searchsorted(region, members, right=True).sub_(starts)
+    return ranked, starts, counts, passed
 
 
 def _one_by_one(ctx: WireContext, call: BucketCall, layout: BatchedLayout, e: Tensor) -> Tensor:

@@ -33,6 +33,9 @@ from lightning_sparse.wire.context import BucketCall, Member, Pending, WireConte
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import flush_residuals, select_sorted, settle
+from lightning_sparse.wire.shared import select_shared
+from lightning_sparse.wire.sketch import eligible as sketch_at_once
+from lightning_sparse.wire.sketch import launch_sketch
 from lightning_sparse.wire.small import all_gather_message, launch_small
 from lightning_sparse.wire.split import launch_split, split_wire_bytes
 
@@ -217,7 +220,7 @@ class SharedPattern(WirePattern):
         world = ctx.world_size
         space = SparseSpace.of(call.plan)
         # every rank picks the same coordinates, so the values line up in every rank's message
-        sel = select_sorted(ctx, call, ks, ctx.vdtype(call.buffer), settle=True)
+        sel = select_shared(ctx, call, ks, ctx.vdtype(call.buffer))  # random-k: every member at once
         message = sel.sent
         call.counters.sent_numel += message.numel()
         issued = futures(ctx.comm.all_reduce(message, call.counters))
@@ -258,6 +261,8 @@ class SketchPattern(WirePattern):
         return ring_all_reduce_bytes(sizes.world, table_bytes) + ring_all_reduce_bytes(sizes.world, value_bytes)
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
+        if sketch_at_once(ctx, call):  # every sparse member at once (lightning_sparse.wire.sketch)
+            return (yield from launch_sketch(ctx, call, ks))
         compressor = typing.cast(CountSketch, ctx.compressor)  # the compressors of pattern "sketch" sketch
         world = ctx.world_size
         buffer, plan, counters = call.buffer, call.plan, call.counters

@@ -38,8 +38,9 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
             return at_once
     flush_residuals(ctx, call, members)
     buffer = call.buffer
-    # one operator for all of them (views made once): a per-tensor loop costs operators by the tensor
-    values = torch.cat(views.bucket.of(buffer), out=views.message(buffer))
+    # one operator for all of them through their positions (made once): a per-tensor loop, or views
+    # of a new buffer each call, cost operators by the tensor
+    values = torch.index_select(buffer, 0, views.positions(buffer.device), out=views.message(buffer))
     call.counters.sent_numel += values.numel()
     if coded:
         return _launch_coded_members(ctx, call, members, values.clone())
@@ -47,7 +48,7 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
 
     def apply(out: Tensor) -> None:
         values.div_(world)
-        torch._foreach_add_(views.out.of(out), views.packed.of(values))
+        out.index_add_(0, views.positions(out.device), values)  # each position once: deterministic
 
     return Pending(issued, apply)
 

@@ -1,0 +1,452 @@
+"""Count-sketch exchange of every sparse member of a bucket at once, in a fixed number of operators.
+
+:class:`~lightning_sparse.compressors.CountSketch` works on one tensor: its hashes, sketch,
+candidate search and pick cost a few dozen operators and a host read or two per tensor, and on a
+GPU a model of 150 tensors spends its exchange launching kernels and waiting for the queue. Here
+the bucket's sparse members go together, whatever their number (about 150 operators a bucket):
+
+1. ``p = g + e`` for every sparse member: one ``_foreach_add_`` on the bucket's flat residual
+   (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`).
+2. Local pre-truncation (``p1``): a threshold per member from a sample of its magnitudes (the same
+   number of draws for every member: one ``topk`` along the rows of the sample matrix).
+3. The hashes of every block of every member in one draw; every sparse coordinate's bucket in each
+   row, from its block's shift (an ``index_select`` by the coordinate's block); one ``index_add_``
+   into the concatenated ``rows x cols`` tables. Round 1 all-reduces them.
+4. Every coordinate's estimate (the median over rows of ``sign * table[bucket]``); per member a
+   threshold from a shared sample of the estimates, the coordinates at or above it in a shortlist
+   of fixed capacity (``nonzero_static``), sorted by int64 keys (member, magnitude descending): each
+   member's first ``c = ceil(p2 * k)`` entries are its candidates, the exact top-``c`` of its
+   estimates, as the per-tensor compressor finds them. Round 2 all-reduces ``p`` there.
+5. Per member the ``k`` largest ``|sums|`` (each member's ``c`` sums are a fixed segment: one sort of
+   int64 keys), added into the output with one ``index_add_``; the residual keeps what was not sent
+   with one ``index_fill_`` (``sent + e_new == p`` exactly).
+
+Host reads: one per bucket that the shortlists held every member's ``c`` entries and fitted their
+capacity (where not, rare, the candidates are each member's ``topk`` of its estimates, one member at
+a time: the same coordinates), and in gradient mode one for the finiteness of the bucket's input.
+A member whose input is not finite sketches nothing and sends NaN; its residual keeps its old value.
+
+The hashes are those of :mod:`~lightning_sparse.compressors.countsketch` in kind: row ``r`` sends
+coordinate ``j`` of a member to ``(o + shift[r, b]) mod cols`` with sign ``sign[r, b]`` (``b`` its
+block of ``cols`` coordinates, ``o`` its offset in it), ``shift`` uniform and ``sign`` a fair coin per
+(row, block), independent. The estimates keep their guarantees (no collision inside a block,
+collisions across blocks with probability ``1 / cols``, independent unbiased signs). They are not
+the same draws: here they come at once for the whole bucket, from a generator of (seed, step, the
+bucket's members) on the bucket's device, where ``CountSketch.hashes`` draws per parameter on the
+host. For the same seed the tables, candidates and picks therefore differ from the per-tensor
+compressor's (and from one device type to another), while every rank draws the same and a run is
+reproducible. Pre-truncation thresholds come from a per-bucket sample too.
+
+Memory: every coordinate's buckets and values in each row (``rows x numel`` for the bucket, a few
+bytes each) where the per-tensor compressor's large-tensor paths work in ``rows x cols``; on a CPU a
+bucket holding a member with ``rows * numel`` above :data:`CPU_ONE_BY_ONE` takes the per-tensor
+path (there a host read costs nothing and those paths avoid the passes over ``rows x numel``), and
+on any device a bucket above :data:`AT_ONCE_ENTRIES` in all (GPT-2 small as one bucket: set
+``bucket_cap_mb``, 25 say, for its buckets to go at once; update mode's collectives leave together
+whatever the number of buckets).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import typing
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
+from lightning_sparse.compressors import CountSketch
+from lightning_sparse.compressors.countsketch import median_of_rows
+from lightning_sparse.compressors.topk import sample_rank
+from lightning_sparse.wire.batched import keep_unsent, rank_shortlist, residual_layout
+from lightning_sparse.wire.comm import Rounds, futures, wait
+from lightning_sparse.wire.context import BucketCall, BucketPlan, Pending, WireContext
+from lightning_sparse.wire.message import quantize
+
+__all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
+
+#: on a CPU, a bucket with a member of ``rows * numel`` above this takes the per-tensor path (the
+#: per-tensor compressor's limit for estimating every coordinate at once)
+CPU_ONE_BY_ONE = 1 << 20
+#: on any device, a bucket whose sparse members hold more than this many ``rows * numel`` entries
+#: takes the per-tensor path: the bucket at once holds every coordinate's bucket and value in each
+#: row (about 12 bytes an entry: 0.8 GB here), the per-tensor path ``rows x cols`` per tensor
+AT_ONCE_ENTRIES = 1 << 26
+#: draws per member for the candidates' threshold; aim for this many draws above it
+_DRAWS = (256, 4096)
+_ABOVE = 32
+#: the threshold sits this many standard deviations of the count above it low
+_MARGIN = 4.0
+#: the shortlist holds this many times the entries the thresholds are expected to pass
+_SLACK = 1.5
+#: draws per member for the pre-truncation thresholds (the per-tensor compressor draws 4096 or more)
+_CUT_DRAWS = (4096, 1 << 14)
+_BITS = 0x7FFFFFFF
+_HASH_TAG = 0x5CE7C4
+_CUT_TAG = 0x5CE7C7
+
+
+@dataclass
+class SketchLayout:
+    """What the count-sketch of one bucket needs, made once per (plan, ks, compressor, device).
+
+    Coordinates are counted in the bucket's sparse space here: its sparse members' entries one
+    after the other, in buffer order (``q``).
+
+    Example:
+        >>> from lightning_sparse.wire.context import BucketPlan, Member
+        >>> plan = BucketPlan((Member("w", 1, 0, 1000, True), Member("b", 2, 1000, 4, False)), 1004, "w, b")
+        >>> layout = SketchLayout.of(plan, (10,), CountSketch(rows=3), torch.device("cpu"))
+        >>> layout.numel, layout.tables, layout.candidates, tuple(layout.block_cols.tolist())
+        (1000, 300, 40, (100, 100, 100, 100, 100, 100, 100, 100, 100, 100))
+    """
+
+    rows: int
+    numel: int  # sparse coordinates
+    tables: int  # rows * sum of cols: the round-1 message
+    k: int
+    candidates: int  # sum of c: the round-2 message
+    capacity: int
+    draws: int
+    deepest: int
+    cut_draws: int  # 0: nothing is pre-truncated
+    cut_deepest: int
+    seed_key: int  # the bucket's members, for the shared draws
+    block_of: Tensor  # int32 (numel,): each coordinate's block
+    block_start: Tensor  # (blocks,) its first coordinate
+    block_cols: Tensor  # (blocks,) its member's cols
+    block_wide: Tensor  # (rows, blocks): where row r of its member's doubled table starts, less block_start
+    unfold: Tensor  # int32 (2 * tables,): each slot of the doubled tables' slot in the tables
+    block_member: Tensor  # (blocks,)
+    member_numel: Tensor  # (S, 1), for the draws
+    member_start: Tensor  # (S, 1)
+    member_ends: Tensor  # (S,)
+    members: Tensor  # arange(S)
+    cs: Tensor  # (S,) candidates per member
+    rank_col: Tensor  # (S, 1) the sample rank that estimates the c-th largest estimate, minus 1
+    take_all: Tensor  # (S,) c >= numel
+    head_end: Tensor  # (S,) member start + c
+    cut_rank_col: Tensor  # (S, 1) the sample rank that estimates the (p1 * k)-th largest |p|, minus 1
+    cut_all: Tensor  # (S,) nothing to truncate
+    cand_member: Tensor  # (C,) each candidate slot's member
+    cand_local: Tensor  # (C,) its rank within the member
+    cand_shift: Tensor  # (C,) bucket offset minus sparse coordinate, of its member
+    cand_base: Tensor  # (C,) its sort key's member part, plus _BITS
+    pick_slots: Tensor  # (K,) the sorted sums' slots that hold each member's k largest
+    residual_views: RegionViews  # the sparse members' regions of the flat residual
+    input_views: RegionViews  # and of the bucket's input
+    member_sizes: tuple[int, ...]  # every member's numel, buffer order (empty: the members leave gaps)
+    sparse_regions: tuple[int, ...]  # the sparse members' positions among them
+    spans: tuple[tuple[int, int, int, int, int, int], ...]  # per member: q start, numel, c, first slot, k, first pick
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(plan: BucketPlan, ks: tuple[int, ...], compressor: CountSketch, device: torch.device) -> SketchLayout:
+        sparse = plan.sparse_members
+        rows = compressor.rows
+        numels = [m.numel for m in sparse]
+        cols = [compressor.table_shape(d, k)[1] for d, k in zip(numels, ks, strict=True)]
+        cs = [compressor.num_candidates(d, k) for d, k in zip(numels, ks, strict=True)]
+        p1 = compressor.truncation(device)
+        cuts = [math.ceil(p1 * k) for k in ks]
+        starts = [sum(numels[:i]) for i in range(len(numels))]
+        block_start, block_cols, block_member, block_sizes, block_wide = [], [], [], [], []
+        table = 0
+        for i, (q, d, c) in enumerate(zip(starts, numels, cols, strict=True)):
+            for b in range(-(-d // c)):
+                block_start.append(q + b * c)
+                block_sizes.append(min(c, d - b * c))
+                block_cols.append(c)
+                block_member.append(i)
+                block_wide.append([2 * (table + r * c) - (q + b * c) for r in range(rows)])
+            table += rows * c
+        # the doubled tables: each row of each member's table laid twice side by side, so that a
+        # block's buckets are its offsets plus the row's shift, with no wrap around
+        unfold = torch.cat(
+            [
+                (torch.arange(rows).unsqueeze(1) * c + torch.arange(c).repeat(2)).view(-1) + rows * sum(cols[:i])
+                for i, c in enumerate(cols)
+            ]
+        )
+        draws = min(_DRAWS[1], max(_DRAWS[0], math.ceil(_ABOVE * max(d / c for d, c in zip(numels, cs, strict=True)))))
+        ranks, shortlist = [], 0.0
+        for d, c in zip(numels, cs, strict=True):
+            j = sample_rank(draws, c, d, _MARGIN)
+            ranks.append(j - 1)
+            shortlist += min(d, d * j / draws + 1)
+        n, total_c = sum(numels), sum(cs)
+        capacity = min(n, max(total_c, math.ceil(_SLACK * shortlist) + 64))
+        cutting = [0 < m < d for m, d in zip(cuts, numels, strict=True)]
+        cut_draws = 0
+        if any(cutting):
+            wanted = max(math.ceil(64 * d / m) for m, d, on in zip(cuts, numels, cutting, strict=True) if on)
+            cut_draws = min(_CUT_DRAWS[1], max(_CUT_DRAWS[0], wanted))
+        cut_ranks = [
+            sample_rank(cut_draws, m, d, 0.0) - 1 if on else 0 for m, d, on in zip(cuts, numels, cutting, strict=True)
+        ]
+        firsts = [sum(cs[:i]) for i in range(len(cs))]
+        tiled = all(m.offset == sum(o.numel for o in plan.members[:i]) for i, m in enumerate(plan.members))
+        picks = [sum(ks[:i]) for i in range(len(ks))]
+
+        def long(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        blocks = long(list(range(len(block_start))))
+        cand_member = [i for i, c in enumerate(cs) for _ in range(c)]
+        return SketchLayout(
+            rows=rows,
+            numel=n,
+            tables=table,
+            k=sum(ks),
+            candidates=total_c,
+            capacity=capacity,
+            draws=draws,
+            deepest=max(ranks) + 1,
+            cut_draws=cut_draws,
+            cut_deepest=max(cut_ranks) + 1,
+            seed_key=mix_seed(len(sparse), *(m.key for m in sparse)),
+            block_of=torch.repeat_interleave(blocks, long(block_sizes), output_size=n).to(torch.int32),
+            block_start=long(block_start),
+            block_cols=long(block_cols),
+            block_wide=torch.tensor(block_wide, dtype=torch.int64, device=device).t().contiguous(),
+            unfold=unfold.to(device=device, dtype=torch.int32),
+            block_member=long(block_member),
+            member_numel=long(numels).unsqueeze(1),
+            member_start=long(starts).unsqueeze(1),
+            member_ends=long([q + d for q, d in zip(starts, numels, strict=True)]),
+            members=long(list(range(len(sparse)))),
+            cs=long(cs),
+            rank_col=long(ranks).unsqueeze(1),
+            take_all=torch.tensor([c >= d for d, c in zip(numels, cs, strict=True)], device=device),
+            head_end=long([q + c for q, c in zip(starts, cs, strict=True)]),
+            cut_rank_col=long(cut_ranks).unsqueeze(1),
+            cut_all=torch.tensor([not on for on in cutting], device=device),
+            cand_member=long(cand_member),
+            cand_local=long([j for c in cs for j in range(c)]),
+            cand_shift=long([sparse[i].offset - starts[i] for i in cand_member]),
+            cand_base=long([(i << 32) + _BITS for i in cand_member]),
+            pick_slots=long([f + j for f, k in zip(firsts, ks, strict=True) for j in range(k)]),
+            residual_views=RegionViews(tuple((m.offset, m.numel) for m in sparse)),
+            input_views=RegionViews(tuple((m.offset, m.numel) for m in sparse)),
+            member_sizes=tuple(m.numel for m in plan.members) if tiled else (),
+            sparse_regions=tuple(i for i, m in enumerate(plan.members) if m.sparse),
+            spans=tuple(zip(starts, numels, cs, firsts, ks, picks, strict=True)),
+        )
+
+
+def eligible(ctx: WireContext, call: BucketCall) -> bool:
+    """Whether ``call``'s sparse members can be sketched at once: the count-sketch itself (not a
+    subclass), no momentum correction or substituted inputs, residuals that live with the bucket,
+    at most :data:`AT_ONCE_ENTRIES` ``rows * numel`` in all, and on a CPU no member past
+    :data:`CPU_ONE_BY_ONE`."""
+    compressor = ctx.compressor
+    sparse = call.plan.sparse_members
+    if type(compressor) is not CountSketch or not sparse:
+        return False
+    if ctx.momentum_correction or call.sources or (ctx.error_feedback and ctx.memory.home is not None):
+        return False
+    if compressor.rows * sum(m.numel for m in sparse) > AT_ONCE_ENTRIES:
+        return False
+    on_cpu = call.buffer.device.type == "cpu"
+    return not (on_cpu and compressor.rows * max(m.numel for m in sparse) > CPU_ONE_BY_ONE)
+
+
+def _hashes(ctx: WireContext, call: BucketCall, layout: SketchLayout) -> tuple[Tensor, torch.Generator]:
+    """Every block's shift and sign in each row, from one draw of the generator every rank shares,
+    as where the block's first coordinate lands in the signed doubled tables (int32, ``(rows,
+    blocks)``: see :func:`_buckets`); the generator, for the candidates' sample."""
+    device = call.buffer.device
+    gen = make_generator(device, mix_seed(ctx.seed, _HASH_TAG, call.step, layout.seed_key))
+    draws = torch.randint(0, 1 << 62, (2, *layout.block_wide.shape), generator=gen, device=device)
+    shift = draws[0].remainder_(layout.block_cols).add_(layout.block_wide)
+    negative = draws[1].bitwise_and_(1).mul_(layout.unfold.numel())
+    return shift.add_(negative).to(torch.int32), gen
+
+
+def _buckets(layout: SketchLayout, hashes: Tensor) -> list[Tensor]:
+    """Per row, where each sparse coordinate lands in the signed doubled tables (int32): the
+    doubled tables (each row of each member's table twice, side by side: a block's buckets are then
+    its offsets plus the row's shift, no wrap), then the same again for the coordinates of sign -1.
+    Row by row, contiguous: a gather along the other dimension, or a coordinate-major layout whose
+    rows are strided, runs several times slower on a CPU."""
+    q = torch.arange(layout.numel, dtype=torch.int32, device=hashes.device)
+    return [row.index_select(0, layout.block_of).add_(q) for row in hashes.unbind(0)]
+
+
+def _thresholds(
+    a: Tensor, layout: SketchLayout, draws: int, deepest: int, rank_col: Tensor, gen: torch.Generator
+) -> Tensor:
+    """Per member, the ``rank_col``-th largest of ``draws`` uniform draws of its entries of ``a``."""
+    at = torch.randint(0, 1 << 62, (layout.members.numel(), draws), generator=gen, device=a.device)
+    at.remainder_(layout.member_numel).add_(layout.member_start)
+    top = torch.topk(a[at], deepest, dim=1).values
+    return top.gather(1, rank_col).squeeze(1)
+
+
+def _per_coordinate(values: Tensor, layout: SketchLayout) -> Tensor:
+    """A per-member tensor spread to every sparse coordinate."""
+    return values.index_select(0, layout.block_member).index_select(0, layout.block_of)
+
+
+def sketch_tables(
+    ctx: WireContext, call: BucketCall, layout: SketchLayout, x: Tensor, tables: Tensor
+) -> tuple[Tensor, torch.Generator]:
+    """Add this rank's ``x`` (the sparse members' ``p``, one after the other, float32) into
+    ``tables`` (round 1's message), truncated as ``p1`` says. Returns the hashes (see :func:`_hashes`).
+
+    Example:
+        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.context import Member
+        >>> plan = BucketPlan((Member("w", 1, 0, 8, True),), 8, "w")
+        >>> ctx = WireContext(CountSketch(rows=1, p1=0), True, 0.0, None, 0, "auto", True, None, True)
+        >>> layout = SketchLayout.of(plan, (1,), ctx.compressor, torch.device("cpu"))
+        >>> tables = torch.zeros(layout.tables)
+        >>> _ = sketch_tables(ctx, BucketCall(torch.zeros(8), plan, 0, Counters()), layout, torch.ones(8), tables)
+        >>> float(tables.abs().sum())  # cols = 8: no collision, each coordinate alone in its bucket
+        8.0
+    """
+    if layout.cut_draws:  # only the entries above a sampled estimate of the (p1 * k)-th magnitude
+        gen = make_generator(x.device, mix_seed(ctx.seed, _CUT_TAG, ctx.rank, call.step, layout.seed_key))
+        a = x.abs()
+        cut = _thresholds(a, layout, layout.cut_draws, layout.cut_deepest, layout.cut_rank_col, gen)
+        x = torch.where(a > _per_coordinate(torch.where(layout.cut_all, -1.0, cut), layout), x, 0.0)
+    hashes, shared = _hashes(ctx, call, layout)
+    wide = scratch("sketch.wide", 2 * layout.unfold.numel(), torch.float32, x.device).zero_()
+    for at in _buckets(layout, hashes):
+        wide.index_add_(0, at, x)
+    positive, negative = wide.chunk(2)
+    tables.index_add_(0, layout.unfold, positive)  # fold the doubled tables, signs applied
+    tables.index_add_(0, layout.unfold, negative, alpha=-1.0)
+    return hashes, shared
+
+
+def _candidates(layout: SketchLayout, a: Tensor, q: Tensor, gen: torch.Generator) -> Tensor:
+    """Each member's ``c`` largest of ``a[:numel]`` (``|estimates|``; ``a[numel] = -1``), member after
+    member, as sparse coordinates."""
+    n = layout.numel
+    threshold = _thresholds(a, layout, layout.draws, layout.deepest, layout.rank_col, gen)
+    # zeros never pass (c >= numel: everything does); a member whose threshold is 0 (most of its
+    # estimates are, an idle parameter's) passes its first c coordinates besides its non-zeros
+    head = _per_coordinate(torch.where(threshold > 0, 0, layout.head_end), layout)
+    threshold = torch.where(layout.take_all, -1.0, threshold.clamp_min(torch.finfo(torch.float32).tiny))
+    mask = torch.ge(a[:n], _per_coordinate(threshold, layout)).logical_or_(q < head)
+    ranked, starts, counts, passed = rank_shortlist(a, mask, layout.capacity, layout.member_ends, layout.members)
+    if bool((counts < layout.cs).any() | (passed > layout.capacity)):  # the one host read; rare
+        return _candidates_one_by_one(layout, a)
+    return ranked[starts.index_select(0, layout.cand_member).add_(layout.cand_local)]
+
+
+def _candidates_one_by_one(layout: SketchLayout, a: Tensor) -> Tensor:
+    """:func:`_candidates` by a ``topk`` per member (where a shortlist fell short or overflowed)."""
+    return torch.cat([torch.topk(a[q0 : q0 + d], c).indices.add_(q0) for q0, d, c, _, _, _ in layout.spans])
+
+
+def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> list[Tensor]:
+    """The sparse members' slices of ``buffer``: one ``split`` where ``buffer`` is new to the layout
+    (a gradient bucket is, every step), where a view per member would cost an operator each."""
+    if layout.member_sizes and buffer.numel() == plan.numel:
+        parts = torch.split(buffer, list(layout.member_sizes))
+        return [parts[i] for i in layout.sparse_regions]
+    return layout.input_views.of(buffer)
+
+
+def _nonfinite_members(call: BucketCall) -> list[bool] | None:
+    """Which sparse members' inputs are not finite (None: all are), in one host read where the
+    whole bucket is finite."""
+    if call.inputs_finite:
+        return None
+    if all_finite(call.buffer):
+        call.inputs_finite = True  # the whole bucket, small tensors included: they need not look again
+        return None
+    bad = [not all_finite(call.input_of(m)) for m in call.plan.sparse_members]
+    if not any(bad):
+        return None
+    call.counters.nonfinite_buckets = 1
+    return bad
+
+
+def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
+    """:meth:`SketchPattern.launch_rounds <lightning_sparse.wire.patterns.SketchPattern.launch_rounds>`
+    for every sparse member of the bucket at once (where :func:`eligible`): round 1, the tables;
+    round 2, this rank's ``p`` at the candidates; the pick and the residuals once it arrived."""
+    compressor = typing.cast(CountSketch, ctx.compressor)
+    buffer, plan, counters, world = call.buffer, call.plan, call.counters, ctx.world_size
+    vdtype = ctx.vdtype(buffer)
+    layout = SketchLayout.of(plan, tuple(ks), compressor, buffer.device)
+    bad = _nonfinite_members(call)
+    inputs = _sparse_parts(buffer, plan, layout)
+    if ctx.error_feedback:
+        p = ctx.memory.flat(residual_layout(ctx, plan, buffer), buffer.device)
+        assert p is not None  # eligible: the residuals live with the bucket
+        views = layout.residual_views.of(p)
+        if bad is None:
+            torch._foreach_add_(views, inputs)
+        else:  # a non-finite input leaves its residual as it was
+            for v, g, b in zip(views, inputs, bad, strict=True):
+                if not b:
+                    v.add_(g)
+    else:
+        p, views = buffer, inputs
+    if call.observe is not None:  # as in select_sorted: every rank observes every member
+        for i, m in enumerate(plan.sparse_members):
+            call.observe(call.step, plan.label, m.name, inputs[i] if bad and bad[i] else views[i])
+    x = torch.cat(views).to(torch.float32)
+    if bad is not None:  # sketch nothing there: the summed tables stay finite, every rank agrees
+        for (q0, d, _, _, _, _), b in zip(layout.spans, bad, strict=True):
+            if b:
+                x[q0 : q0 + d].zero_()
+    # the tables live only until round 1 completes: a reused buffer saves a fresh allocation's page
+    # faults every step (one per bucket: an update exchange's buckets hold theirs together)
+    tables = scratch(f"patterns.sketch_tables.{plan.label}", layout.tables, torch.float32, buffer.device).zero_()
+    hashes, gen = sketch_tables(ctx, call, layout, x, tables)
+    del x
+    first_round = ctx.comm.all_reduce(tables, counters)
+    yield  # the other buckets' first rounds are issued meanwhile
+    wait(first_round)  # round 1, on this thread (see SketchPattern)
+    n = layout.numel
+    wide = scratch("sketch.wide", 2 * layout.unfold.numel(), torch.float32, buffer.device)
+    positive, negative = wide.chunk(2)
+    torch.index_select(tables, 0, layout.unfold, out=positive)  # the summed tables, doubled and signed
+    torch.neg(positive, out=negative)
+    estimates = [wide.index_select(0, at) for at in _buckets(layout, hashes)]
+    a = scratch("sketch.magnitudes", n + 1, torch.float32, buffer.device)
+    torch.abs(median_of_rows(estimates), out=a[:n])
+    a[n:].fill_(-1.0)  # what the shortlist's padding points at: below every magnitude
+    del estimates
+    q = torch.arange(n, dtype=torch.int32, device=buffer.device)
+    cand = _candidates(layout, a, q, gen).add_(layout.cand_shift)  # bucket offsets
+    values = quantize(p[cand], vdtype)
+    if bad is not None:  # NaN from a non-finite input: every rank skips the step alike
+        for (_, _, c, first, _, _), b in zip(layout.spans, bad, strict=True):
+            if b:
+                values[first : first + c].fill_(float("nan"))
+    counters.sent_numel += layout.k
+    issued = futures(ctx.comm.all_reduce(values, counters))
+    picked: list[tuple[Tensor, Tensor]] = []
+
+    def pick() -> tuple[Tensor, Tensor]:
+        """The bucket offsets kept and their sums: per member the k largest |sums|."""
+        if not picked:
+            bits = values.to(torch.float32).abs().view(torch.int32)
+            key = layout.cand_base - bits  # member ascending, then magnitude descending
+            chosen = torch.sort(key).indices[layout.pick_slots]
+            picked.append((cand[chosen], values[chosen]))
+        return picked[0]
+
+    def settle_residuals() -> None:  # what this rank contributed at the kept coordinates
+        if not ctx.error_feedback:
+            return
+        at, _ = pick()
+        if bad is not None:
+            keep = [not b for (_, _, _, _, k, _), b in zip(layout.spans, bad, strict=True) for _ in range(k)]
+            at = at[torch.tensor(keep, device=at.device)]
+        exact = p[at]
+        keep_unsent(p, at, exact, quantize(exact, vdtype), coded=False)
+
+    def apply(out: Tensor) -> None:
+        at, sums = pick()
+        out.index_add_(0, at, sums.to(out.dtype), alpha=1.0 / world)
+
+    return Pending(issued, apply, settle=settle_residuals)
