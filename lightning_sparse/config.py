@@ -62,8 +62,9 @@ class SparseConfig:
         metadata=_doc(
             """``"update"``: compress each rank's optimizer update (trains close to dense with AdamW
             and with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``:
-            compress the gradient before the step, in DDP's communication hook (overlaps with
-            backward; suits plain SGD)."""
+            compress the gradient before the step, in DDP's communication hook, bucket by bucket as
+            backward hands them over (every bucket's collectives leave together after the last; suits
+            plain SGD)."""
         ),
     )
     compressor: str | Compressor = field(

@@ -13,8 +13,8 @@ tensors (a GPT-2 has ~150). The CPU sees the same operators, so the limits are c
 
 Each case is one setting of the exchange (pattern, value bits, delay, fragments, offloading) in
 update mode, where the exchange runs after the optimizer step (``UpdateExchange``), and in
-gradient mode, driven without DDP: each bucket of gradients through the step's exchange
-(``StepExchange.bucket``) as DDP's hook hands it over, the average then taken on this thread.
+gradient mode, driven without DDP: each bucket of gradients handed to the hook's
+``BackwardBatch`` as DDP's hook hands it over, the averages then taken on this thread.
 A cycle of ``sync_every`` steps is counted where that is above 1 (each fragment is exchanged once
 in it). A case whose figures today's exchange exceeds is marked ``xfail(strict=True)`` with the
 figure: it fails the moment the exchange meets the limit, and the marker must then go.
@@ -91,6 +91,7 @@ def _count_case(
 ) -> dict[str, Any]:
     """Warm-up cycles, then one counted cycle of the exchange on ``named`` (this rank's copies)."""
     from benchmarks.opcount import OpCounter
+    from lightning_sparse.exchange.hook import BackwardBatch
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
 
@@ -137,10 +138,15 @@ def _count_case(
             if counted:
                 total, methods = state.telemetry.total.copy(), _methods(state.telemetry)
                 exchange_ops.__enter__()
-            for i, (buffer, bucket) in enumerate(zip(grads, buckets, strict=True)):
-                # sparse_comm_hook's work, its average taken on this thread
-                plan = state.plan(buffer, bucket)
-                state.step_exchange.bucket(buffer, plan, last=i == len(buckets) - 1).wait().as_dense()
+            # sparse_comm_hook's work, bucket by bucket; the futures waited for after the last
+            # bucket (DDP waits after the backward pass), their averages taken on this thread
+            batch = BackwardBatch()
+            pending = [
+                batch.add(state.step_exchange, buffer, state.plan(buffer, bucket), last=i == len(buckets) - 1)
+                for i, (buffer, bucket) in enumerate(zip(grads, buckets, strict=True))
+            ]
+            for future in pending:
+                future.wait().as_dense()
             if counted:
                 exchange_ops.__exit__(None, None, None)
         exchanges = 1
@@ -200,34 +206,15 @@ def _marked(case: str, limits: dict[str, str]) -> Any:
     return case
 
 
-# The figures today's exchange measured (148 / 10 tensors, 3 buckets). The all-gather and the split
-# select every bucket at once (``lightning_sparse.wire.batched``) and work on its residuals as one flat
-# tensor; what is listed here still goes one tensor at a time: the count-sketch and random-k
-# selections and the split's part sizes.
-HOST_READ_LIMITS: dict[str, str] = {
-    "update split": "today 36 for 3 buckets (148 tensors), 36 for 3 (10)",
-    "update split value_bits=2": "today 45 for 3 buckets (148 tensors), 45 for 3 (10)",
-    "update countsketch": "today 373 for 3 buckets (148 tensors), 53 for 3 (10)",
-    "update randomk": "today 77 for 3 buckets (148 tensors), 13 for 3 (10)",
-    "gradient split": "today 36 for 3 buckets (148 tensors), 36 for 3 (10)",
-    "gradient countsketch": "today 444 for 3 buckets (148 tensors), 60 for 3 (10)",
-    "gradient randomk": "today 148 for 3 buckets (148 tensors), 20 for 3 (10)",
-}
-OPS_LIMITS: dict[str, str] = {
-    "update countsketch": "today 6164 for 148 tensors, 970 for 10 (6.35x)",
-    "update randomk": "today 913 for 148 tensors, 170 for 10 (5.37x)",
-    "gradient countsketch": "today 6690 for 148 tensors, 973 for 10 (6.88x)",
-    "gradient randomk": "today 1451 for 148 tensors, 197 for 10 (7.37x)",
-}
-# Gradient mode exchanges each bucket in DDP's hook as backward hands it over (its collectives overlap
-# the backward pass), so its collectives stay per bucket; update mode's leave together.
-COLLECTIVE_LIMITS: dict[str, str] = {
-    "gradient allgather": "today 6 per exchange of 3 buckets (148 tensors), 3 of 3 (10)",
-    "gradient allgather value_bits=2": "today 6 per exchange of 3 buckets (148 tensors), 3 of 3 (10)",
-    "gradient split": "today 9 per exchange of 3 buckets (148 tensors), 6 of 3 (10)",
-    "gradient countsketch": "today 9 per exchange of 3 buckets (148 tensors), 6 of 3 (10)",
-    "gradient randomk": "today 6 per exchange of 3 buckets (148 tensors), 3 of 3 (10)",
-}
+# Every setting meets the limits: each pattern selects every sparse member of a bucket at once
+# (``lightning_sparse.wire.batched`` for top-k, ``wire.shared`` for random-k, ``wire.sketch`` for the
+# count-sketch) on its flat residuals, and the split sizes its rounds in advance. A setting that
+# exceeds a limit goes here as a strict expected failure naming its figure.
+HOST_READ_LIMITS: dict[str, str] = {}
+OPS_LIMITS: dict[str, str] = {}
+# Gradient mode compresses each bucket as DDP's hook hands it over and issues every bucket's
+# collectives together after the last one (``exchange.hook.BackwardBatch``), as update mode does.
+COLLECTIVE_LIMITS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("case", list(CASES))

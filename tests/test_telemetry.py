@@ -79,9 +79,12 @@ def _wire_worker(rank: int, world: int, compressor: str) -> dict[str, Any]:
     try:
         for _ in range(4):
             before = wire["bytes"]
+            futures = []
             for i, params in enumerate(buckets):
                 g = torch.randn(sum(p.numel() for p in params), generator=gen)
-                communicate(state, g, params, is_last=i == len(buckets) - 1).wait()
+                futures.append(communicate(state, g, params, is_last=i == len(buckets) - 1))
+            for future in futures:  # the buckets leave together after the last one
+                future.wait()
             per_step.append((wire["bytes"] - before, state.telemetry.last.sent_bytes))
     finally:
         for name, fn in real.items():

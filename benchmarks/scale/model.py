@@ -102,8 +102,8 @@ def bucket_collectives(config: str, density: float, world: int, bucket: Bucket) 
 
 def model_row(buckets: list[Bucket], density: float, world: int) -> dict[str, Any]:
     """Every column's wire bytes per rank per step at ``world`` ranks, how each bucket goes, and the
-    collectives: per bucket in DDP's hook (gradient mode), and coalesced in update mode, where an
-    exchange's buckets leave together (as many as the largest bucket's)."""
+    collectives: were every bucket to issue its own (a comparison), and as the exchange issues them
+    in both modes, every bucket's together (as many as the largest bucket's)."""
     row: dict[str, Any] = {"world": world, "bytes": {}, "sent_as": {}, "collectives": {}, "update_collectives": {}}
     for column in COLUMNS:
         figures = [bucket_wire(column, density, world, b) for b in buckets]

@@ -133,13 +133,13 @@ def format_table(result: dict[str, Any]) -> str:
 
 def format_links(model: dict[str, Any]) -> list[str]:
     """A step's exchange in seconds on each link of :data:`LINKS` (``collectives x round trip + wire
-    bytes / bandwidth``), dense DDP against the defaults (auto) with a collective per bucket (gradient
-    mode, in DDP's hook) and with every bucket's together (update mode)."""
+    bytes / bandwidth``), dense DDP against the defaults (auto) were every bucket to issue its own
+    collectives (a comparison) and as they run, with every bucket's together (both modes)."""
     names = [name for name, _, _ in LINKS]
     lines = [
         f"seconds per step's exchange on a link (collectives x round trip + wire bytes / bandwidth; "
         f"{model['size']['params'] / 1e6:.2f}M parameters in {len(model['size']['buckets'])} buckets); "
-        "columns: dense / auto, a collective per bucket / auto, update mode's coalesced exchange",
+        "columns: dense / auto, were each bucket to issue its own collectives / auto, every bucket's together",
         "",
         "| W | " + " | ".join(names) + " |",
         "| ---: | " + " | ".join("---" for _ in names) + " |",

@@ -11,18 +11,31 @@ optimizer step. Both hooks here hand the bucket to the state's
 - :func:`update_comm_hook` (update mode): keep this rank's own gradient and send nothing (the
   exchange runs after the optimizer step, :mod:`lightning_sparse.exchange.update`); under fp16 AMP the
   ranks agree on overflowed steps here.
+
+The buckets of one backward pass leave together (:class:`BackwardBatch`): each bucket is compressed
+as DDP hands it over (its selection overlaps the rest of the backward pass), its collectives are
+queued, and the last bucket issues every bucket's collectives as one collective per kind. A step
+then costs one or two collectives whatever the number of buckets (three for the split exchange's
+two rounds): across data centres each costs a round trip. The futures of the earlier buckets
+complete with the last one's collectives, so nothing may wait for a bucket's future before the
+step's last bucket was handed over (DDP waits for them all after the backward pass).
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (``bucket`` must be annotated with the class dist.GradBucket itself, not a string).
+
+import functools
 
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.step import StepExchange
+from lightning_sparse.wire import Average, BucketPlan
+from lightning_sparse.wire.comm import Rounds, run_together
 
-__all__ = ["communicate", "sparse_comm_hook", "update_comm_hook"]
+__all__ = ["BackwardBatch", "communicate", "sparse_comm_hook", "update_comm_hook"]
 
 
 def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tensor]:
@@ -43,7 +56,99 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
     """Exchange one bucket: the body of :func:`sparse_comm_hook`, callable on plain tensors.
 
     ``buffer`` is the flat sum-ready local gradient of ``params`` (in their order); the returned
-    future holds ``buffer`` overwritten with the average over ranks of what each rank sent.
+    future holds ``buffer`` overwritten with the average over ranks of what each rank sent. The
+    step's buckets leave together after its last one (``is_last``): wait for the futures only then.
     """
-    plan = state.plan(buffer, params)
-    return state.step_exchange.bucket(buffer, plan, last=is_last).then(lambda fut: fut.value().as_dense())
+    steps = state.step_exchange
+    if steps.backward is None:
+        steps.backward = BackwardBatch()
+    average = steps.backward.add(steps, buffer, state.plan(buffer, params), is_last)
+    return average.then(lambda fut: fut.value().as_dense())
+
+
+class BackwardBatch:
+    """The buckets of one backward pass, exchanged together (held by the rank's
+    :class:`~lightning_sparse.exchange.step.StepExchange` between DDP's hook calls).
+
+    Each bucket runs its exchange up to its first collective as it arrives; the collectives wait in
+    the queue of :meth:`Collectives.coalescing <lightning_sparse.wire.comm.Collectives.coalescing>`,
+    and the last bucket drives every bucket's remaining rounds together
+    (:func:`~lightning_sparse.wire.comm.run_together`), so that each round of all the buckets
+    leaves as one collective. Every rank hands DDP's buckets over in the same order, so the queued
+    collectives match across ranks.
+
+    Example:
+        >>> import torch
+        >>> from lightning_sparse import SparseState
+        >>> state = SparseState(compressor="topk", density=0.5)
+        >>> params = [torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)]
+        >>> state.bind([("a", params[0]), ("b", params[1])])
+        >>> batch = BackwardBatch()
+        >>> g = [torch.ones(4), torch.full((4,), 2.0)]
+        >>> futures = [batch.add(state.step_exchange, g[i], state.plan(g[i], [params[i]]), i == 1) for i in (0, 1)]
+        >>> [f.wait().as_dense().tolist() for f in futures], batch.pending, state.step_exchange.step
+        ([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]], 0, 1)
+    """
+
+    def __init__(self) -> None:
+        #: per bucket: its rounds (None once they ran out), its average once they did, the future handed out
+        self._buckets: list[tuple[Rounds[Future[Average]] | None, Future[Average] | None, Future[Average]]] = []
+
+    @property
+    def pending(self) -> int:
+        """Buckets handed over whose collectives have not been issued yet."""
+        return len(self._buckets)
+
+    def add(self, steps: StepExchange, buffer: Tensor, plan: BucketPlan, last: bool) -> Future[Average]:
+        """Take one bucket (``last``: the step's last); a future of the :class:`Average` of what the
+        ranks sent (complete after the last bucket's collectives)."""
+        if not self._buckets:
+            steps.wire.comm.hold()
+        try:
+            rounds: Rounds[Future[Average]] | None = steps.bucket_rounds(buffer, plan, last=False)
+            average: Future[Average] | None = None
+            try:
+                next(rounds)  # type: ignore[arg-type]  # up to its first round, queued
+            except StopIteration as stop:  # a single round: its collectives are queued
+                rounds, average = None, stop.value
+            out: Future[Average] = Future()
+            self._buckets.append((rounds, average, out))
+            if last:
+                self._issue(steps)
+        except BaseException:
+            self._abandon(steps)
+            raise
+        return out
+
+    def _issue(self, steps: StepExchange) -> None:
+        buckets, self._buckets = self._buckets, []
+        averages = run_together([_rest(rounds, average) for rounds, average, _ in buckets])
+        steps.wire.comm.release()  # what is still queued leaves here: one collective per kind
+        steps.close()
+        for average, (_, _, out) in zip(averages, buckets, strict=True):
+            average.add_done_callback(functools.partial(_deliver, out=out))
+
+    def _abandon(self, steps: StepExchange) -> None:
+        """A bucket failed: drop what is queued (issuing it could pair with other collectives on the
+        other ranks) and close the step; the error goes on to the backward pass."""
+        if steps.wire.comm.queue.depth:
+            steps.wire.comm.release(issue=False)
+        self._buckets = []
+        steps.close()
+
+
+def _rest(rounds: Rounds[Future[Average]] | None, average: Future[Average] | None) -> Rounds[Future[Average]]:
+    """The remaining rounds of a bucket (none if it ran out at its first)."""
+    if rounds is None:
+        assert average is not None
+        return average
+    return (yield from rounds)
+
+
+def _deliver(average: Future[Average], out: Future[Average]) -> None:
+    """Complete ``out`` as the bucket's own future completed (an :class:`Average` carries a failed
+    collective's error to whoever uses it)."""
+    try:
+        out.set_result(average.value())
+    except Exception as error:
+        out.set_exception(error)  # type: ignore[arg-type]  # torch types it as the result

@@ -116,6 +116,9 @@ class StepExchange:
         self._plain_ddp = False
         self._loss_scale: Callable[[], float] | None = None
         self._last_loss_scale: float | None = None
+        #: the buckets of the backward pass under way, in DDP's hook (gradient mode): the hook's
+        #: ``BackwardBatch`` (:mod:`lightning_sparse.exchange.hook`, a layer above this one)
+        self.backward: Any = None
 
     def _context(self, comm: Collectives, rank: int) -> WireContext:
         return wire_context(self.config, comm, rank, memory=self.memory, velocity=self.velocity)
@@ -134,7 +137,8 @@ class StepExchange:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(skips=None, _loss_scale=None, wire=dataclasses.replace(self.wire, comm=Collectives()))
+        state.update(skips=None, _loss_scale=None, backward=None)
+        state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
         return state
 
     # ------------------------------------------------------------------ the step

@@ -79,7 +79,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     Args:
         compress: ``"update"``: compress each rank's optimizer update (trains close to dense with AdamW and
             with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``: compress the
-            gradient before the step, in DDP's communication hook (overlaps with backward; suits plain SGD).
+            gradient before the step, in DDP's communication hook, bucket by bucket as backward hands them over
+            (every bucket's collectives leave together after the last; suits plain SGD).
         compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
         density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
         error_feedback: keep what was not sent and send it later.

@@ -46,14 +46,15 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     after the step; after an exchange the module holds the global parameters, identical on every
     rank (with ``sync_every > 1``, each rank's own view between exchanges). With
     ``compress="gradient"`` DDP's communication hook sends part of each gradient plus residual,
-    overlapping with backward. Tensors below ``min_numel`` and the first
+    every bucket's together after backward's last. Tensors below ``min_numel`` and the first
     ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
     launchers, NCCL/gloo, the buckets.
 
     Args:
         compress: ``"update"``: compress each rank's optimizer update (trains close to dense with AdamW and
             with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``: compress the
-            gradient before the step, in DDP's communication hook (overlaps with backward; suits plain SGD).
+            gradient before the step, in DDP's communication hook, bucket by bucket as backward hands them over
+            (every bucket's collectives leave together after the last; suits plain SGD).
         compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
         density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
         error_feedback: keep what was not sent and send it later.

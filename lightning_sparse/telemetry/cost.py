@@ -10,7 +10,7 @@ answer is the exchange's; the telemetry's ``wire_bytes`` of that bucket is the s
 :func:`exchange_time` adds the link: every collective costs a round trip whatever its size, so an
 exchange takes ``collectives x round trip + bytes / bandwidth``. Across data centres (tens of
 milliseconds a round trip) the number of collectives (:func:`exchange_collectives`) weighs as
-much as the bytes: an update exchange issues one collective per kind and round for all its buckets
+much as the bytes: an exchange issues one collective per kind and round for all its buckets
 together.
 """
 
@@ -125,8 +125,8 @@ def exchange_collectives(
     step: int | None = None,
 ) -> int:
     """How many collectives one exchange of a bucket of ``numels`` issues (arguments as
-    :func:`exchange_cost`); in update mode the same holds for all of an exchange's buckets together,
-    which leave as one collective per kind and round.
+    :func:`exchange_cost`); the same holds for all of an exchange's buckets together, which leave
+    as one collective per kind and round (in both modes).
 
     A dense bucket: one all-reduce. Sparse: the pattern's rounds (an all-gather; the split
     exchange's all-to-all, then its all-gather; random-k's all-reduce; the count-sketch's two

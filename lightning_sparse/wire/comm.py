@@ -168,14 +168,27 @@ class Collectives:
             ...     comm.all_reduce(torch.ones(2)) is None    # one process: nothing is issued
             True
         """
-        queue = self.queue
-        queue.depth += 1
+        self.hold()
         try:
             yield
         finally:
-            queue.depth -= 1
-            if queue.depth == 0:
+            self.release()
+
+    def hold(self) -> None:
+        """Start queueing, as entering :meth:`coalescing` does (for a block that spans calls, such as
+        the hook calls of one backward pass); :meth:`release` ends it."""
+        self.queue.depth += 1
+
+    def release(self, issue: bool = True) -> None:
+        """End a :meth:`hold`: at the outermost, issue what is queued (``issue=False``: drop it, after
+        a failure; the dropped calls' futures never complete)."""
+        queue = self.queue
+        queue.depth -= 1
+        if queue.depth == 0:
+            if issue:
                 queue.flush(self)
+            else:
+                queue.calls.clear()
 
     def all_reduce(self, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Sum ``tensor`` in place over the group."""
