@@ -221,3 +221,33 @@ def test_ddp_is_built_on_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> 
         dist.destroy_process_group()
     assert ours <= plain + 2, (ours, plain)
     assert side >= plain + 16, (side, plain)  # the cost avoided: per parameter (16 here)
+
+
+def test_random_k_draws_the_same_coordinates_on_cuda_without_a_host_read() -> None:
+    """Random-k's hash (``compressors.randomk.draw_subsets``) is integer arithmetic: a bucket's
+    coordinates on CUDA are the CPU's, bit for bit, and drawing them synchronises nothing."""
+    import warnings
+
+    from lightning_sparse.compressors.randomk import SubsetLayout, draw_subsets
+
+    members, offset = [], 0
+    for i in range(48):  # (key, offset, numel, k): a GPT's matrices and vectors
+        numel = (64 * 192, 192, 64 * 64)[i % 3]
+        members.append((1000 + i, offset, numel, k_for(numel, 0.01)))
+        offset += numel
+    picks = {}
+    for device in ("cpu", "cuda"):
+        layout = SubsetLayout.of(tuple(members), torch.device(device))
+        draw_subsets(layout, seed=3, step=0)  # the first call builds what is cached
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                picks[device] = draw_subsets(layout, seed=3, step=7)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert torch.equal(picks["cpu"], picks["cuda"].cpu())

@@ -81,6 +81,14 @@ COMMANDS = {
     "python -m benchmarks parties --task text --parties 2 4 8 --variants 'diloco16={\"diloco\": 16}' "
     '\'nest4b2={"sync_every": 4, "outer_optimizer": "nesterov", "value_bits": 2, "warmup_steps": 0}\' '
     "--json text.json": "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_text_task",
+    'python -m benchmarks parties --parties 2 4 8 --variants \'d4b4={"density": 0.04, "value_bits": 4}\' '
+    "--only default d4b4 --json denser.json": (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
+    ),
+    'python -m benchmarks parties --task text --parties 2 4 --variants \'d2b8={"density": 0.02, "value_bits": 8}\' '
+    '\'d4b4={"density": 0.04, "value_bits": 4}\' --only default d2b8 d4b4 --json denser_text.json': (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_text_task"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

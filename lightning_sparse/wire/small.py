@@ -48,7 +48,11 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
 
     def apply(out: Tensor) -> None:
         values.div_(world)
-        out.index_add_(0, views.positions(out.device), values)  # each position once: deterministic
+        at = views.positions(out.device)
+        if out.dtype == values.dtype:
+            out.index_add_(0, at, values)  # each position once: deterministic
+        else:  # a bfloat16 model: the sum in the values' dtype, rounded once (as an add of mixed dtypes)
+            out.index_copy_(0, at, out.index_select(0, at).to(values.dtype).add_(values).to(out.dtype))
 
     return Pending(issued, apply)
 
