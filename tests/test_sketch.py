@@ -311,7 +311,16 @@ def _gradient_worker(rank: int, world: int) -> dict[str, Any]:
     named = [(n, torch.zeros(s, requires_grad=True)) for n, s in SHAPES.items()]
     params = [p for _, p in named]
     numel = sum(p.numel() for p in params)
-    state = SparseState(compressor=CountSketch(rows=3, width=4.0), density=0.02, min_numel=1000, warmup_steps=1, seed=5)
+    # update mode's buckets keep their members: there the bucket is sketched at once (in gradient mode
+    # DDP lays its buckets out anew, and the sketch goes one tensor at a time)
+    state = SparseState(
+        compressor=CountSketch(rows=3, width=4.0),
+        density=0.02,
+        min_numel=1000,
+        warmup_steps=1,
+        seed=5,
+        compress="update",
+    )
     state.bind(named)
     gen = torch.Generator().manual_seed(100 + rank)
     outs = []
@@ -355,3 +364,16 @@ def test_on_two_ranks_the_same_coordinates_and_the_mean_of_what_was_sent(dist2: 
     results = dist2.run(_gradient_worker)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["outs"], results[1]["outs"], strict=True))
     assert "countsketch" in results[0]["methods"]
+
+
+def test_gradient_buckets_are_sketched_one_tensor_at_a_time() -> None:
+    """DDP lays its gradient buckets out anew after its first step and on resume: hashes drawn per
+    bucket would change a resumed run's picks, so gradient mode keeps the per-tensor sketch."""
+    from lightning_sparse.config import SparseConfig
+    from lightning_sparse.exchange.step import wire_context
+
+    plan = _plan()
+    call = BucketCall(torch.zeros(plan.numel), plan, 0, Counters())
+    for compress, at_once in (("update", True), ("gradient", False)):
+        ctx = wire_context(SparseConfig(compressor=CountSketch(rows=3), compress=compress))
+        assert sketch.eligible(ctx, call) is at_once

@@ -462,6 +462,7 @@ def wire_context(
         velocity=LocalMomentum() if velocity is None else velocity,
         comm=Collectives() if comm is None else comm,
         rank=rank,
+        fixed_buckets=config.compress == "update",
     )
 
 

@@ -75,6 +75,10 @@ class WireContext:
         velocity: the local momenta of momentum correction, by parameter name.
         comm: the counted collectives of this rank's process group.
         rank: this rank.
+        fixed_buckets: the buckets keep their members from step to step and across a resume (update
+            mode's own buckets); DDP lays its gradient buckets out anew after its first step and on
+            resume, so an exchange whose draws are made per bucket (the count-sketch's at once)
+            would draw differently there.
 
     Built from a :class:`~lightning_sparse.config.SparseConfig` in one place
     (``lightning_sparse.exchange.step.wire_context``), so that each setting keeps one home and one default.
@@ -100,6 +104,7 @@ class WireContext:
     velocity: LocalMomentum = field(default_factory=LocalMomentum)
     comm: Collectives = field(default_factory=Collectives)
     rank: int = 0
+    fixed_buckets: bool = True
 
     @property
     def world_size(self) -> int:
