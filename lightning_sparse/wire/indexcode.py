@@ -213,9 +213,7 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
         v |= (_unpack(data[:, :low_bytes])[:, : count * b].view(rows, count, b).long() << shifts).sum(2)
     # one scan over every row (a scan along the rows of a few long rows runs a thread per row on a
     # GPU), then each row less the sum of the rows before it: exact in int64
-    flat = torch.cumsum((v + 1).view(-1), 0).view(rows, count)
-    before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
-    return flat.sub_(before.unsqueeze(1)).sub_(1)
+    return _running_in_rows(v + 1)
 
 
 def encode_index_rows(idx: Tensor, counts: Tensor, n: int, k: int, out: Tensor) -> Tensor:
@@ -247,9 +245,7 @@ def encode_index_rows(idx: Tensor, counts: Tensor, n: int, k: int, out: Tensor) 
     # each terminating one bit, from one scan over every row (see decode_index_rows), less the rows
     # before; past the count, into a spare last column; clamped so that bad input stays in bounds
     bits = unary_bytes * 8
-    flat = torch.cumsum(((v >> b) + 1).mul_(valid).view(-1), 0).view(rows, width)
-    before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
-    ones = flat.sub_(before.unsqueeze(1)).sub_(1).clamp_(0, max(bits - 1, 0))
+    ones = _running_in_rows(((v >> b) + 1).mul_(valid)).clamp_(0, max(bits - 1, 0))
     ones.add_(torch.arange(0, rows * bits, bits, device=dev).unsqueeze(1))
     unary = torch.zeros(rows * bits + 1, dtype=torch.uint8, device=dev)
     unary.index_fill_(0, torch.where(valid, ones, rows * bits).view(-1), 1)
@@ -290,6 +286,13 @@ def decode_counted_rows(data: Tensor, n: int, k: int, counts: Tensor, fill: int)
     if b:
         shifts = torch.arange(b - 1, -1, -1, device=dev)
         v |= (_unpack(data[:, :low_bytes])[:, : k * b].view(rows, k, b).long() << shifts).sum(2)
-    flat = torch.cumsum((v + 1).mul_(valid).view(-1), 0).view(rows, k)
+    return torch.where(valid, _running_in_rows((v + 1).mul_(valid)), fill)
+
+
+def _running_in_rows(steps: Tensor) -> Tensor:
+    """Per row of ``steps`` (``(rows, width)``), its running sum less one, each row on its own: one
+    scan over every row, less what the rows before summed to."""
+    rows, width = steps.shape
+    flat = torch.cumsum(steps.reshape(-1), 0).view(rows, width)
     before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])
-    return torch.where(valid, flat.sub_(before.unsqueeze(1)).sub_(1), fill)
+    return flat.sub_(before.unsqueeze(1)).sub_(1)

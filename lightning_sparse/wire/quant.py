@@ -39,13 +39,8 @@ def scale_bytes(count: int) -> int:
 
 def quantize(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """``(codes as int8, scales as bfloat16)`` of float values, chunk by chunk."""
-    n = values.numel()
-    chunks = (n + CHUNK - 1) // CHUNK
-    v = values.float()
-    padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=values.device)
-    padded[:n] = v
-    codes, scales = _quantize_chunks(padded.view(chunks, CHUNK), bits)
-    return codes.reshape(-1)[:n].to(torch.int8), scales
+    codes, scales = quantize_rows(values.reshape(1, -1), bits)
+    return codes[0], scales[0]
 
 
 def quantize_rows(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
@@ -64,19 +59,14 @@ def quantize_rows(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     chunks = (n + CHUNK - 1) // CHUNK
     padded = torch.zeros(rows, chunks * CHUNK, dtype=torch.float32, device=values.device)
     padded[:, :n] = values
-    codes, scales = _quantize_chunks(padded.view(rows * chunks, CHUNK), bits)
-    return codes.view(rows, chunks * CHUNK)[:, :n].to(torch.int8), scales.view(rows, chunks)
-
-
-def _quantize_chunks(rows: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """Codes (float, one chunk a row) and bfloat16 scales of chunks of :data:`CHUNK` values."""
-    scales = rows.abs().amax(dim=1).to(torch.bfloat16)  # NaN and inf stay: the chunk arrives non-finite
+    chunked = padded.view(rows * chunks, CHUNK)
+    scales = chunked.abs().amax(dim=1).to(torch.bfloat16)  # NaN and inf stay: the chunk arrives non-finite
     top = levels(bits)
     step = scales.float() / top
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    codes = torch.round(rows / safe[:, None]).nan_to_num_(0.0).clamp_(-top, top)
+    codes = torch.round(chunked / safe[:, None]).nan_to_num_(0.0).clamp_(-top, top)
     codes = torch.where(step[:, None] > 0, codes, torch.zeros_like(codes))  # a zero scale: all zeros
-    return codes, scales
+    return codes.view(rows, chunks * CHUNK)[:, :n].to(torch.int8), scales.view(rows, chunks)
 
 
 def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
