@@ -68,20 +68,13 @@ def all_gather_message(ctx: WireContext, call: BucketCall, message: Tensor) -> t
 
 
 class _MemberViews:
-    """A bucket's small tensors: their views in the bucket, in the message that carries them and in
-    what the average lands in; their positions in the bucket; and the message buffer itself (one
-    per bucket and dtype: a bucket's exchange is applied before its next one starts)."""
+    """A bucket's small tensors: their views in the bucket, their positions in it, and the message
+    buffer itself (one per bucket and dtype: a bucket's exchange is applied before its next one
+    starts)."""
 
     def __init__(self, members: tuple[Member, ...]) -> None:
-        regions = tuple((m.offset, m.numel) for m in members)
-        self.bucket = RegionViews(regions)
-        self.out = RegionViews(regions)
-        packed, pos = [], 0
-        for m in members:
-            packed.append((pos, m.numel))
-            pos += m.numel
-        self.packed = RegionViews(tuple(packed))
-        self.numel = pos
+        self.bucket = RegionViews(tuple((m.offset, m.numel) for m in members))
+        self.numel = sum(m.numel for m in members)
         self._messages: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self._positions: dict[torch.device, Tensor] = {}
 
