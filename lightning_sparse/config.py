@@ -221,7 +221,8 @@ class SparseConfig:
         default=False,
         metadata=_doc("""update mode: this job is one replica group of several that meet on torchft at each
             exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that
-            dies does not stop the others and heals when it comes back (docs/fault-tolerance.md)."""),
+            dies does not stop the others and heals when it comes back (docs/fault-tolerance.md). Under
+            ``sparse_fsdp`` the job is one shard group (``shard_size`` None)."""),
     )
     min_replicas: int = field(
         default=1, metadata=_doc("``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.")

@@ -8,7 +8,9 @@ model, the steps it took, its validation loss and the exchange's counters. ``"di
 makes the group's process kill itself inside the exchange of step N (in its first collective);
 ``"checkpoint_dir"`` saves Lightning's checkpoints in its ``g{g}/``, ``"resume"`` fits on from one;
 ``"check_rollback": true`` checks, at every exchange that rolled back, that the residuals, the global
-model and the process's view are exactly as before it (written to the result).
+model and the process's view are exactly as before it (written to the result). ``"strategy": "fsdp"``
+shards each group's model across its processes with ``sparse_fsdp`` (each ``Linear`` a unit); the
+result then holds each process's shards.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sparse  # noqa: F401  (registers the strategy names)
 import lightning_sparse.wire.comm as comm
-from lightning_sparse import SparseDDPStrategy
+from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
 from lightning_sparse.exchange.ft import FaultTolerantUpdate
 
 DIM, HIDDEN = 16, 32
@@ -99,12 +101,25 @@ def _die_in_exchange(step: int, trainer_ref: list[Any]) -> None:
     comm.all_gather = all_gather  # type: ignore[assignment]
 
 
+def _settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The strategy's arguments for either front end; FSDP2 shards every ``Linear``."""
+    fsdp = {"sharded_modules": ["Linear"]} if cfg.get("strategy") == "fsdp" else {}
+    return {"fault_tolerant": cfg.get("fault_tolerant", True), **fsdp}
+
+
+def _local(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters as this process holds them (its shards under FSDP2)."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in module.named_parameters()}
+
+
 def fabric_main(cfg: dict[str, Any], group: int) -> None:
     """The same fit as a Fabric loop: it runs until the group's step count (taken over when healing) ends."""
     from lightning_sparse.fabric import SparseDDPStrategy as FabricStrategy
+    from lightning_sparse.fabric import SparseFSDPStrategy as FabricFSDPStrategy
 
-    strategy = FabricStrategy(
-        fault_tolerant=True,
+    shell = FabricFSDPStrategy if cfg.get("strategy") == "fsdp" else FabricStrategy
+    strategy = shell(
+        **_settings(cfg),
         compressor="topk",
         density=0.1,
         sync_every=cfg.get("sync_every", 4),
@@ -115,7 +130,11 @@ def fabric_main(cfg: dict[str, Any], group: int) -> None:
     fabric = L.Fabric(accelerator="cpu", devices=cfg.get("devices", 1), strategy=strategy)
     fabric.launch()
     module = Net(cfg.get("step_sleep", 0.0))
-    model, optimizer = fabric.setup(module.net, torch.optim.AdamW(module.net.parameters(), lr=1e-2))
+    if cfg.get("strategy") == "fsdp":  # FSDP2 replaces the parameters: the module first, then its optimizer
+        model = fabric.setup_module(module.net)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:
+        model, optimizer = fabric.setup(module.net, torch.optim.AdamW(module.net.parameters(), lr=1e-2))
     loader = fabric.setup_dataloaders(DataLoader(data(4096, seed=7), batch_size=16, shuffle=True))
     update = strategy.update_exchange
     assert isinstance(update, FaultTolerantUpdate)
@@ -137,9 +156,9 @@ def fabric_main(cfg: dict[str, Any], group: int) -> None:
     strategy.global_model()
     val = data(512, seed=99)
     with torch.no_grad():
-        loss_value = nn.functional.mse_loss(module.net(val.tensors[0]), val.tensors[1]).item()
+        loss_value = nn.functional.mse_loss(model(val.tensors[0]), val.tensors[1]).item()
     result = {
-        "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
+        "params": _local(model),
         "steps": steps,
         "val_loss": loss_value,
         "global_step": update.steps,
@@ -163,8 +182,9 @@ def main() -> None:
     if cfg.get("front") == "fabric":
         fabric_main(cfg, group)
         return
-    strategy = SparseDDPStrategy(
-        fault_tolerant=cfg.get("fault_tolerant", True),
+    shell = SparseFSDPStrategy if cfg.get("strategy") == "fsdp" else SparseDDPStrategy
+    strategy = shell(
+        **_settings(cfg),
         compressor="topk",
         density=cfg.get("density", 0.1),
         sync_every=cfg.get("sync_every", 4),
@@ -208,12 +228,12 @@ def main() -> None:
     loader = DataLoader(data(4096, seed=7), batch_size=16, shuffle=True)
     trainer.fit(module, loader, ckpt_path=cfg.get("resume"))
     val = data(512, seed=99)
-    with torch.no_grad():
+    with torch.no_grad():  # under FSDP2 the processes of a group gather their shards together here
         loss = nn.functional.mse_loss(module.net(val.tensors[0]), val.tensors[1]).item()
     update = strategy.update_exchange
     ft = update if isinstance(update, FaultTolerantUpdate) else None
     result = {
-        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "params": _local(module),
         "steps": progress.steps,
         "val_loss": loss,
         "global_step": trainer.global_step,

@@ -239,8 +239,9 @@ def test_with_min_replicas_2_the_survivor_waits_for_the_other_to_heal(tmp_path: 
     assert _identical(results)
 
 
-def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
-    config = {**CONFIG, "front": "fabric", "max_steps": 160}
+def _kill_group_1_at_step_20(tmp_path: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two groups; group 1 (its launcher and all its processes) SIGKILLed at its step 20 and started
+    again; both fits to the end. The results of each group's process 0."""
     groups = Groups(tmp_path, config, 2)
     try:
         groups.start(0)
@@ -248,9 +249,14 @@ def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
         groups.wait_for("group 1 at step 20", lambda: groups.step(1) >= 20)
         groups.signal(1, signal.SIGKILL)
         groups.start(1)
-        results = groups.finish([0, 1])
+        return groups.finish([0, 1])
     finally:
         groups.close()
+
+
+def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
+    config = {**CONFIG, "front": "fabric", "max_steps": 160}
+    results = _kill_group_1_at_step_20(tmp_path, config)
     steps = results[0]["steps"]
     assert steps == list(range(steps[0], 161)) and results[0]["global_step"] == 160
     assert results[1]["heals"] >= 1 and results[1]["global_step"] == 160
@@ -260,20 +266,31 @@ def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_groups_of_two_processes_heal_and_end_identical(tmp_path: Path) -> None:
     config = {**CONFIG, "devices": 2, "max_steps": 200}
-    groups = Groups(tmp_path, config, 2)
-    try:
-        groups.start(0)
-        groups.start(1)
-        groups.wait_for("group 1 at step 20", lambda: groups.step(1) >= 20)
-        groups.signal(1, signal.SIGKILL)  # the group's launcher and both its processes
-        groups.start(1)
-        groups.finish([0, 1])
-    finally:
-        groups.close()
+    _kill_group_1_at_step_20(tmp_path, config)
     results = [torch.load(tmp_path / f"result_g{g}_r{r}.pt", weights_only=False) for g in (0, 1) for r in (0, 1)]
     assert results[0]["steps"] == list(range(results[0]["steps"][0], 201))
     assert results[2]["heals"] >= 1 and results[3]["heals"] >= 1 and results[2]["global_step"] == 200
     assert _identical(results)  # both processes of both groups
+
+
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_sparse_fsdp_groups_of_two_processes_heal_and_end_identical(tmp_path: Path, front: str) -> None:
+    """Each group shards its model across its two processes (FSDP2); process r of a group exchanges
+    its shards with process r of the other, and a restarted group heals shard by shard."""
+    config = {**CONFIG, "strategy": "fsdp", "front": front, "devices": 2, "max_steps": 120}
+    _kill_group_1_at_step_20(tmp_path, config)
+    results = {
+        (g, r): torch.load(tmp_path / f"result_g{g}_r{r}.pt", weights_only=False) for g in (0, 1) for r in (0, 1)
+    }
+    assert all(results[(1, r)]["heals"] >= 1 and results[(1, r)]["global_step"] == 120 for r in (0, 1))
+    assert results[(0, 0)]["global_step"] == 120 and results[(0, 0)]["commits"] > 0
+    first = results[(0, 0)]["steps"]
+    assert first == list(range(first[0], first[0] + len(first)))  # group 0 never repeated a step
+    for r in (0, 1):  # each process's shards: the same in both groups
+        assert _identical([results[(0, r)], results[(1, r)]])
+    # the two processes of a group hold different shards of the model
+    mine, theirs = results[(0, 0)]["params"], results[(0, 1)]["params"]
+    assert any(p.shape != theirs[n].shape or not torch.equal(p, theirs[n]) for n, p in mine.items())
 
 
 def test_the_cli_runs_replica_groups(tmp_path: Path) -> None:

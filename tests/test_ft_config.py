@@ -80,16 +80,16 @@ def test_bad_settings_are_refused_naming_the_argument(kwargs: dict, message: str
 
 
 @pytest.mark.parametrize("shell", [SparseFSDPStrategy, FabricSparseFSDPStrategy], ids=["trainer", "fabric"])
-def test_sparse_fsdp_refuses_fault_tolerance_for_now(shell: type) -> None:
-    with pytest.raises(ValueError, match="fault_tolerant=True is not allowed with SparseFSDPStrategy"):
-        shell(fault_tolerant=True, sync_every=4)
+def test_sparse_fsdp_under_fault_tolerance_refuses_a_shard_size(shell: type) -> None:
+    with pytest.raises(ValueError, match=r"shard_size=2 is not allowed with fault_tolerant=True: expected None"):
+        shell(fault_tolerant=True, sync_every=4, shard_size=2)
 
 
 def test_fault_tolerant_strategies_build_their_exchange_on_torchft(ft_env: None) -> None:
     pytest.importorskip("torchft")
     from lightning_sparse.exchange.ft import FaultTolerantUpdate
 
-    for shell in (SparseDDPStrategy, FabricSparseDDPStrategy):
+    for shell in (SparseDDPStrategy, FabricSparseDDPStrategy, SparseFSDPStrategy, FabricSparseFSDPStrategy):
         strategy = shell(fault_tolerant=True, sync_every=4, value_bits=2, min_replicas=2, quorum_timeout=5.0)
         update = strategy.update_exchange
         assert isinstance(update, FaultTolerantUpdate)

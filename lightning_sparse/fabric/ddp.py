@@ -151,7 +151,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             exchanges.
         fault_tolerant: update mode: this job is one replica group of several that meet on torchft at each
             exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that dies
-            does not stop the others and heals when it comes back (docs/fault-tolerance.md).
+            does not stop the others and heals when it comes back (docs/fault-tolerance.md). Under
+            ``sparse_fsdp`` the job is one shard group (``shard_size`` None).
         min_replicas: ``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.
         quorum_timeout: ``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take.
         find_unused_parameters: as in DDP.

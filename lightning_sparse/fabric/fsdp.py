@@ -43,11 +43,14 @@ from lightning_sparse._utils import end_process_group_at_exit
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.fabric.hooks import FabricHooks
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.ft_front import fabric_recovery
 from lightning_sparse.strategies.sharding import (
     bind_shards,
     check_mesh,
@@ -174,13 +177,20 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         end_process_group_at_exit(created=created)
-        self._device_mesh = make_mesh(self.root_device, self.world_size, self._shard_size or self.num_processes)
+        self._device_mesh = make_mesh(
+            self.root_device,
+            self.world_size,
+            self._shard_size or self.num_processes,
+            self._core.config.fault_tolerant,
+        )
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every process trains on its own batches (inside a group FSDP2 averages their gradients)
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # every process trains on its own batches (inside a group FSDP2 averages their gradients);
+        # fault-tolerant: over every replica group's processes, as torchft's DistributedSampler does
+        kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
+        return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
     # ------------------------------------------------------------------ setup
     def _parallelize(self, module: Module, mesh: Any) -> Module:
@@ -206,6 +216,8 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         module = super().setup_module(module)  # parallelize, then materialize what is on the meta device
         scaler = getattr(self.precision, "scaler", None)
         bind_shards(self._core, module, self.device_mesh, self.root_device, scaler, lambda: self._optimizers)
+        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes its shards' states too
+            self._core.update.front_end = fabric_recovery(lambda: self._optimizers, sharded=True)
         self._watch_forward(module)
         self._module = module
         return module

@@ -143,13 +143,16 @@ class SparseCore:
         optimizers: Callable[[], list[Any]] | None = None,
         module: torch.nn.Module | None = None,
         aliases: Iterable[tuple[str, torch.Tensor]] = (),
+        job: tuple[dist.ProcessGroup | None, int, int] | None = None,
     ) -> None:
         """Bind the exchange to the parameters it exchanges and the process group it exchanges over,
         for any front end: apply a checkpoint payload that waited for the model, attach the gradient
         scaler (fp16 AMP) and, in update mode, the optimizers (their states are averaged when a timed
         fallback takes the ranks to plain DDP steps) and the ``module`` whose BatchNorm statistics
         :meth:`global_model` recomputes. ``aliases``: the tensors the optimizers hold where they are
-        not the exchanged ones (update mode; FSDP2's DTensors), by parameter name."""
+        not the exchanged ones (update mode; FSDP2's DTensors), by parameter name. ``job``: the whole
+        job's group, this process's rank and size in it, where it is not ``process_group``
+        (``fault_tolerant`` under FSDP2: a replica group is the job, sharded across its processes)."""
         self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
@@ -160,7 +163,7 @@ class SparseCore:
         # each rank keeps its own gradient; the exchange runs after the optimizer step
         self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
         if isinstance(self.update, FaultTolerantUpdate):
-            self.update.start(process_group, rank, world_size)
+            self.update.start(*(job or (process_group, rank, world_size)))
         if module is not None and self.batchnorm is not None:
             self.batchnorm.attach(module, self.state.step)
         if optimizers is not None:

@@ -25,10 +25,13 @@ from lightning_sparse._utils import check_bool, end_process_group_at_exit
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
     bind_shards,
@@ -157,15 +160,22 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         end_process_group_at_exit(created=created)
-        self._device_mesh = make_mesh(self.root_device, self.world_size, self._shard_size or self.num_processes)
+        self._device_mesh = make_mesh(
+            self.root_device,
+            self.world_size,
+            self._shard_size or self.num_processes,
+            self._core.config.fault_tolerant,
+        )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every process trains on its own batches (inside a group FSDP2 averages their gradients)
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # every process trains on its own batches (inside a group FSDP2 averages their gradients);
+        # fault-tolerant: over every replica group's processes, as torchft's DistributedSampler does
+        kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
+        return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
     # ------------------------------------------------------------------ sharding and binding
     @override
@@ -240,6 +250,8 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         assert self.model is not None
         scaler = getattr(self.precision_plugin, "scaler", None)
         bind_shards(self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers)
+        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes its shards' states too
+            self._core.update.front_end = trainer_recovery(self, sharded=True)
 
     # ------------------------------------------------------------------ checkpoints
     @override

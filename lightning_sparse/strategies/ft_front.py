@@ -4,14 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.optim import Optimizer
+
 from lightning_sparse.exchange.ft import FrontEndState
 
 __all__ = ["fabric_recovery", "trainer_recovery"]
 
 
-def trainer_recovery(strategy: Any) -> FrontEndState:
+def _optimizer_io(sharded: bool) -> tuple[Any, Any]:
+    """(save, load) of one optimizer's state: as it is, or (FSDP2) its DTensors as local shards: the
+    process of a healthy group that sends them holds the same shards as the one that loads them."""
+    if not sharded:
+        return (lambda o: o.state_dict()), (lambda o, saved: o.load_state_dict(saved))
+    from lightning_sparse.strategies.sharding import load_local_optimizer_state, local_optimizer_state
+
+    return local_optimizer_state, load_local_optimizer_state
+
+
+def _inner(optimizer: Any) -> Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the optimizer
+
+
+def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
     """A Trainer strategy's part: the inner optimizers' and learning-rate schedulers' states and the
     Trainer's step counters (so that a healed group finishes at the same ``max_steps``).
+    ``sharded``: FSDP2's optimizers, whose states are sent as this process's shards.
 
     Example:
         >>> save, load = trainer_recovery(object())
@@ -19,11 +36,13 @@ def trainer_recovery(strategy: Any) -> FrontEndState:
         True
     """
 
+    save_one, load_one = _optimizer_io(sharded)
+
     def save() -> dict[str, Any]:
         trainer = strategy.lightning_module.trainer
         loop = trainer.fit_loop.epoch_loop
         return {
-            "optimizers": [o.state_dict() for o in strategy.optimizers],
+            "optimizers": [save_one(_inner(o)) for o in strategy.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in strategy.lr_scheduler_configs],
             "global_step": trainer.global_step,
             "batches_that_stepped": loop._batches_that_stepped,
@@ -31,7 +50,7 @@ def trainer_recovery(strategy: Any) -> FrontEndState:
 
     def load(state: dict[str, Any]) -> None:
         for optimizer, saved in zip(strategy.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+            load_one(_inner(optimizer), saved)
         for config, saved in zip(strategy.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         module = strategy.lightning_module
@@ -46,8 +65,9 @@ def trainer_recovery(strategy: Any) -> FrontEndState:
     return save, load
 
 
-def fabric_recovery(optimizers: Any) -> FrontEndState:
-    """A Fabric strategy's part: the states of the optimizers it set up (``optimizers()`` lists them).
+def fabric_recovery(optimizers: Any, sharded: bool = False) -> FrontEndState:
+    """A Fabric strategy's part: the states of the optimizers it set up (``optimizers()`` lists them;
+    ``sharded``: FSDP2's, sent as this process's shards).
 
     Example:
         >>> save, load = fabric_recovery(lambda: [])
@@ -55,11 +75,13 @@ def fabric_recovery(optimizers: Any) -> FrontEndState:
         {'optimizers': []}
     """
 
+    save_one, load_one = _optimizer_io(sharded)
+
     def save() -> dict[str, Any]:
-        return {"optimizers": [o.state_dict() for o in optimizers()]}
+        return {"optimizers": [save_one(_inner(o)) for o in optimizers()]}
 
     def load(state: dict[str, Any]) -> None:
         for optimizer, saved in zip(optimizers(), state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+            load_one(_inner(optimizer), saved)
 
     return save, load

@@ -27,7 +27,9 @@ __all__ = [
     "check_mesh",
     "check_sharding_arguments",
     "count_group_traffic",
+    "load_local_optimizer_state",
     "load_local_optimizer_states",
+    "local_optimizer_state",
     "local_tree",
     "make_mesh",
     "mesh_shape",
@@ -88,10 +90,10 @@ def check_sharding_arguments(
     fault_tolerant: Any = False,
 ) -> None:
     """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError)."""
-    if fault_tolerant is True:
+    if fault_tolerant is True and shard_size is not None:
         raise ValueError(
-            "fault_tolerant=True is not allowed with SparseFSDPStrategy: expected False; fault-tolerant replica "
-            "groups run with sparse_ddp (Trainer or Fabric) for now (docs/fault-tolerance.md)"
+            f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
+            "one job, sharded across all its processes; the exchange runs across the jobs)"
         )
     if compress != "update":
         raise ValueError(
@@ -121,8 +123,11 @@ def check_sharding_arguments(
         )
 
 
-def make_mesh(device: torch.device, world_size: int, shard_size: int) -> Any:
-    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups of ``shard_size``."""
+def make_mesh(device: torch.device, world_size: int, shard_size: int, fault_tolerant: bool = False) -> Any:
+    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups of ``shard_size``;
+    ``fault_tolerant``: one group of all the job's processes (the exchange runs across jobs, on torchft)."""
+    if fault_tolerant:
+        shard_size = world_size
     from torch.distributed.device_mesh import init_device_mesh
 
     if world_size % shard_size:
@@ -332,7 +337,7 @@ def bind_shards(
     # autograd; the DTensors, which the optimizer holds, stand for them
     local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
     count_group_traffic(module, core.state.telemetry)
-    replicate = mesh["replicate"]
+    replicate, shard = mesh["replicate"], mesh["shard"]
     core.bind(
         local,
         replicate.get_group(),
@@ -343,6 +348,7 @@ def bind_shards(
         optimizers=optimizers,
         module=module,
         aliases=named,
+        job=(shard.get_group(), int(shard.get_local_rank()), int(shard.size())),
     )
 
 
@@ -355,6 +361,35 @@ def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optim
     for optimizer, state in pairs:
         tree = _sharded_tree(state, params)
         set_optimizer_state_dict(module, optimizer, tree, options=StateDictOptions(full_state_dict=False))
+
+
+def local_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every DTensor replaced by this process's local tensor (no
+    collective: what a healing replica group receives from the same process of a healthy one)."""
+    return local_tree(optimizer.state_dict())
+
+
+def load_local_optimizer_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
+    """Load what :func:`local_optimizer_state` wrote on a process holding the same shards: each
+    tensor of a parameter's local shape becomes a DTensor like that parameter again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    slots = {i: _like_param(slot, params[int(i)]) for i, slot in state["state"].items()}
+    optimizer.load_state_dict({**state, "state": slots})
+
+
+def _like_param(slot: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """An optimizer slot's tensors of ``p``'s local shape made DTensors like ``p`` (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return slot
+    local_shape = p.to_local().shape
+    return {
+        k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        if isinstance(v, torch.Tensor) and v.shape == local_shape and v.dim() > 0
+        else v
+        for k, v in slot.items()
+    }
 
 
 def local_tree(state: Any) -> Any:
@@ -372,19 +407,5 @@ def local_tree(state: Any) -> Any:
 def _sharded_tree(state: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """What :func:`_local_tree` wrote of ``get_optimizer_state_dict``'s state (keyed by parameter
     name), its tensors of a parameter's local shape made DTensors again like that parameter."""
-    from torch.distributed.tensor import DTensor
-
-    restored: dict[str, Any] = {}
-    for name, slot in state["state"].items():
-        p = params[name]
-        if not isinstance(p, DTensor):
-            restored[name] = slot
-            continue
-        local_shape = p.to_local().shape
-        restored[name] = {
-            k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            if isinstance(v, torch.Tensor) and v.shape == local_shape and v.dim() > 0
-            else v
-            for k, v in slot.items()
-        }
+    restored = {name: _like_param(slot, params[name]) for name, slot in state["state"].items()}
     return {**state, "state": restored}
