@@ -16,8 +16,11 @@ strategy's arguments as JSON; ``"outer_lr": c`` makes the outer step an SGD step
 which adds c times the average; ``"lr": x`` sets AdamW's learning rate; ``{"dense": true, "lr": x}``
 is dense DDP at another learning rate; ``{"diloco": H}`` is torchft's DiLoCo with ``H`` inner steps
 per outer step, Nesterov outer step of lr 0.7 and momentum 0.9, which needs ``pip install -e
-".[bench]"``; ``"flush": true`` or ``R`` ends the row with ``flush_residuals()``, dense or in R rounds),
-``--only`` keeps some rows (dense DDP always runs: the gaps are against it).
+".[bench]"``; ``"flush": true`` or ``R`` ends the row with ``flush_residuals()``, dense or in R rounds;
+``"noise_correct": true`` (AdamW) scales each coordinate's step of every party by ``sqrt(v / v')``,
+``v' = m^2 + (v - m^2) / N``: a probe of the step each party would take if it normalised by the second
+moment of the parties' averaged gradient; ``"compress": "gradient"`` rows run as dense DDP's, without
+the inner figures), ``--only`` keeps some rows (dense DDP always runs: the gaps are against it).
 
 Per row: the validation loss at the end (the global model, 512 windows of modules never trained on)
 and its gap to dense DDP's at the same number of parties; the gap of the virtual model, the global
@@ -197,6 +200,7 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     lr = settings.pop("lr", None) if settings is not None else None
     diloco_h = settings.pop("diloco", None) if settings is not None else None
     flush = settings.pop("flush", None) if settings is not None else None  # true: dense; R: R rounds
+    noise = settings.pop("noise_correct", None) if settings is not None else None
     if settings is not None and (settings.pop("dense", False) or diloco_h is not None):
         settings = None  # dense DDP at another learning rate, or DDP without its all-reduce for DiLoCo
     if settings is not None and "chosen_scale" in settings:  # the chosen coordinates' factor alone
@@ -229,11 +233,14 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
         optimizer = torch.optim.SGD(model.parameters(), lr=lr or 0.2, momentum=0.9)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
         train, val = load_text_tensors(context=16, n_train=args.samples, n_val=4096, seed=args.seed)
+    if noise:
+        _noise_correct(optimizer, world if noise is True else float(noise))
     model, optimizer = fabric.setup(model, optimizer)
     order = torch.randperm(args.samples, generator=torch.Generator().manual_seed(args.seed + 1))
     mine = order[rank::world]  # every process its own shard of the same windows
     params = list(model.parameters())
-    probe = _Probe(strategy if settings is not None else None, params, world)
+    update_mode = settings is not None and strategy._core.update is not None
+    probe = _Probe(strategy if update_mode else None, params, world)  # gradient mode: as dense DDP
     peer = None
     if diloco_h is not None:  # torchft's DiLoCo: each process a replica group of its own
         from benchmarks.torchft_peer import DiLoCoPeer
@@ -271,7 +278,7 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     with torch.no_grad():
         val_loss = float(_loss(model(vx), vy))
         virtual = val_loss
-        if settings is not None:  # the global model plus the mean of the residuals: what dense-like
+        if update_mode:  # the global model plus the mean of the residuals: what dense-like
             update = strategy._core.update  # averaging of everything each party made would hold
             mean_e = probe._residuals()
             dist.all_reduce(mean_e)
@@ -290,6 +297,36 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     else:  # DDP hands every step's float32 gradient to its all-reduce
         sent = steps * sum(4 * p.numel() for p in params)
     return {"steps": steps, "val_loss": val_loss, "virtual_loss": virtual, **probe.summary(), "bytes": sent}
+
+
+def _noise_correct(optimizer: Any, parties: float) -> None:
+    """Probe: scale each coordinate's AdamW step by sqrt(v / v'), v' = m^2 + (v - m^2) / parties: the
+    step each party would take if its second moment were that of the parties' averaged gradient."""
+    import torch
+
+    before: list[Any] = []
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        before[:] = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        b1, b2 = opt.param_groups[0]["betas"]
+        for p, old in zip(params, before, strict=True):
+            state = opt.state.get(p)
+            if not state:
+                continue
+            step = float(state["step"])
+            m = state["exp_avg"] / (1 - b1**step)
+            v = state["exp_avg_sq"] / (1 - b2**step)
+            m2 = m * m
+            v_avg = m2 + (v - m2).clamp_min(0) / parties
+            f = (v / v_avg.clamp_min(1e-30)).sqrt().clamp(1.0, parties**0.5)
+            p.copy_(old + f * (p - old))
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(post)
 
 
 def _loss(logits: Any, targets: Any) -> Any:

@@ -89,6 +89,14 @@ COMMANDS = {
     '\'d4b4={"density": 0.04, "value_bits": 4}\' --only default d2b8 d4b4 --json denser_text.json': (
         "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_text_task"
     ),
+    'python -m benchmarks parties --parties 2 4 --variants \'d4={"dense": true, "lr": 0.004}\' '
+    '\'full4={"lr": 0.004, "density": 1.0}\' \'full1={"density": 1.0}\' --only d4 full4 full1': (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_uncompressed_corrected_and_gradient_rows"
+    ),
+    'python -m benchmarks parties --parties 2 4 --variants \'nf1={"density": 1.0, "noise_correct": true}\' '
+    '\'nf4={"density": 1.0, "lr": 0.004, "noise_correct": true}\' --only nf1 nf4': (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_uncompressed_corrected_and_gradient_rows"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

@@ -55,3 +55,50 @@ def test_parties_bench_runs_the_text_task(tmp_path: Path) -> None:
     assert math.isfinite(rows["default"]["val_loss"]) and rows["default"]["resid"] > 0
     assert math.isnan(rows["dense"]["v"])  # SGD keeps no second moment
     assert "text: 2 parties, 10 steps each" in proc.stdout
+
+
+def test_the_noise_correction_scales_each_step_by_the_averaged_second_moment() -> None:
+    """With one party the step is AdamW's own, bit for bit; with N each coordinate's step is AdamW's
+    times sqrt(v / v'), v' = m^2 + (v - m^2) / N, between 1 and sqrt(N)."""
+    import torch
+
+    from benchmarks.parties import _noise_correct
+
+    def steps(parties: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.optim.AdamW]:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64))
+        opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+        if parties is not None:
+            _noise_correct(opt, parties)
+        for _ in range(3):
+            before = p.detach().clone()
+            p.grad = torch.randn(64)
+            opt.step()
+        return before, p.detach().clone(), opt
+
+    before, plain, _ = steps(None)
+    _, one, _ = steps(1.0)
+    assert torch.equal(one, plain)  # one party: nothing to correct
+    b4, four, opt = steps(4.0)
+    (state,) = opt.state.values()
+    m = state["exp_avg"] / (1 - 0.9**3)
+    v = state["exp_avg_sq"] / (1 - 0.95**3)
+    f = (v / (m * m + (v - m * m) / 4)).sqrt().clamp(1.0, 2.0)
+    assert torch.allclose(four - b4, f * (plain - before), rtol=1e-5, atol=1e-7)
+    assert bool((f > 1.0).any()) and bool((f <= 2.0).all())
+
+
+@pytest.mark.dist
+def test_parties_bench_runs_uncompressed_corrected_and_gradient_rows(tmp_path: Path) -> None:
+    out = tmp_path / "full.json"
+    cmd = [sys.executable, "-m", "benchmarks", "parties", "--parties", "2", "--samples", "320", "--width", "32",
+           "--layers", "1", "--variants", 'full={"density": 1.0}', 'nf={"density": 1.0, "noise_correct": true}',
+           'grad={"compress": "gradient"}', "--only", "full", "nf", "grad", "--timeout", "300",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["parties"]["2"]
+    assert list(rows) == ["dense", "full", "nf", "grad"]
+    assert rows["full"]["resid"] == 0 and rows["nf"]["resid"] == 0  # density 1: nothing left behind
+    assert rows["nf"]["val_loss"] != rows["full"]["val_loss"]  # the correction changed the steps
+    assert math.isnan(rows["grad"]["resid"]) and 0 < rows["grad"]["bytes"] < rows["dense"]["bytes"]
