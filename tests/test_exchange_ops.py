@@ -244,6 +244,19 @@ def test_host_reads_per_bucket(counts: dict[str, dict[str, Any]], case: str) -> 
         )
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0] == "update" and "offload" not in c])
+def test_update_mode_checks_finiteness_once_an_exchange(counts: dict[str, dict[str, Any]], case: str) -> None:
+    """Update mode drops a non-finite update before anything is sent with one host read for all of
+    an exchange's buckets; what is left is the selection's own check, at most one a bucket."""
+    for shape in ("many", "few"):
+        figures = counts[f"{case}|{shape}"]
+        reads = figures["exchange"]["host_reads"]
+        assert reads <= figures["buckets"] + figures["exchanges"], (
+            f"{shape} tensors: {reads} host reads for {figures['buckets']} buckets in {figures['exchanges']} "
+            f"exchanges: {figures['exchange']['host_reads_by_op']}"
+        )
+
+
 @pytest.mark.parametrize("case", [_marked(c, OPS_LIMITS) for c in CASES])
 def test_operators_do_not_grow_with_the_tensors(counts: dict[str, dict[str, Any]], case: str) -> None:
     many, few = counts[f"{case}|many"], counts[f"{case}|few"]

@@ -42,6 +42,7 @@ from lightning_sparse.exchange.update_parts import (
     ShapedResiduals,
     StagedAverage,
     average_optimizer_states,
+    bucket_parts,
     check_fragments,
     drop_nonfinite,
     flush_in_rounds,
@@ -337,36 +338,24 @@ class UpdateExchange:
         # every bucket's collectives leave as one per kind and round (buckets bound the exchange's
         # buffers, not the number of round trips)
         with steps.wire.comm.coalescing():
-            for bucket in launch:
-                plan = state.plan(bucket.delta, bucket.params)
-                flat = bucket.progress(memory, plan, residual_layout(steps.wire, plan, bucket.delta))
-                if flat is not None:  # the whole bucket in a few operators
-                    parts: list[tuple[str, Tensor, Tensor | None, int]] = [
-                        (n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)
-                    ]
-                    drop_nonfinite(parts, self._warn_nonfinite)
-                    if delay:  # u = e + delta (the residual's regions of the small tensors hold zeros)
-                        torch.add(bucket.delta, flat, out=bucket.pending_buffer())
+            # a non-finite update is dropped before anything is sent: one host read for the exchange
+            # (offloaded, one a bucket: a bucket's residuals are staged on the device one at a time)
+            for together in [[b] for b in launch] if self.offload else [launch]:
+                plans = [state.plan(bucket.delta, bucket.params) for bucket in together]
+                wire = steps.wire
+                prepared = [
+                    bucket_parts(b, p, memory, wire, self._progress) for b, p in zip(together, plans, strict=True)
+                ]
+                drop_nonfinite([part for parts, _ in prepared for part in parts], self._warn_nonfinite)
+                for bucket, plan, (parts, flat) in zip(together, plans, prepared, strict=True):
+                    if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
+                        if flat is not None:  # (the residual's regions of the small tensors hold zeros)
+                            torch.add(bucket.delta, flat, out=bucket.pending_buffer())
+                        for _, seg, e, pos in parts if flat is None else ():
+                            u = bucket.pending_buffer()[pos : pos + seg.numel()]
+                            torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
+                    # every update is finite now (a non-finite one was dropped above): the patterns skip their check
                     launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
-                    continue
-                pos = 0
-                parts = []
-                for name, p in zip(bucket.names, bucket.params, strict=True):
-                    seg = bucket.delta[pos : pos + p.numel()]
-                    e = memory.get(name) if name in memory else None
-                    if e is not None and e.device != seg.device:
-                        e = e.to(seg.device)  # an offloaded residual
-                    # delta = p - (global + e): the cycle's progress, from the view it started from
-                    self._progress(name, e, out=seg, check=False)
-                    parts.append((name, seg, e, pos))
-                    pos += p.numel()
-                drop_nonfinite(parts, self._warn_nonfinite)
-                if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
-                    for _, seg, e, pos in parts:
-                        u = bucket.pending_buffer()[pos : pos + seg.numel()]
-                        torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
-                # every update is finite now (a non-finite one was dropped above): the patterns skip their check
-                launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
             futures = run_together(launches)
             steps.close()
         if delay:

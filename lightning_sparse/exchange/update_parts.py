@@ -14,6 +14,7 @@ from torch.futures import Future
 from lightning_sparse._utils import RegionViews, all_reduce_mean_, check_int
 from lightning_sparse.exchange.memory import ErrorFeedback
 from lightning_sparse.wire import Average, BucketPlan
+from lightning_sparse.wire.batched import residual_layout
 
 __all__ = [
     "flush_in_rounds",
@@ -22,6 +23,7 @@ __all__ = [
     "ShapedResiduals",
     "StagedAverage",
     "average_optimizer_states",
+    "bucket_parts",
     "drop_nonfinite",
     "fragments_of",
     "split_fragments",
@@ -273,6 +275,29 @@ class StagedAverage:
         self.average.add_to(staged, chosen_scale)
         out.copy_(staged)
         return out
+
+
+def bucket_parts(
+    bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: Any, progress: Callable[..., Any]
+) -> tuple[list[tuple[str, Tensor, Tensor | None, int]], Tensor | None]:
+    """Each parameter's progress into the bucket's buffer, ``delta = p - (global + e)``: the whole
+    bucket in a few operators where its residuals lie flat (that flat residual returned too), else
+    parameter by parameter with ``progress(name, e, out=..., check=False)``. Returns (name,
+    progress, residual, offset) per parameter, as :func:`drop_nonfinite` takes them."""
+    flat = bucket.progress(memory, plan, residual_layout(wire, plan, bucket.delta))
+    if flat is not None:
+        return [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)], flat
+    pos = 0
+    parts: list[tuple[str, Tensor, Tensor | None, int]] = []
+    for name, p in zip(bucket.names, bucket.params, strict=True):
+        seg = bucket.delta[pos : pos + p.numel()]
+        e = memory.get(name) if name in memory else None
+        if e is not None and e.device != seg.device:
+            e = e.to(seg.device)  # an offloaded residual
+        progress(name, e, out=seg, check=False)  # delta = p - (global + e): from the view the cycle started from
+        parts.append((name, seg, e, pos))
+        pos += p.numel()
+    return parts, None
 
 
 def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Callable[[str], None]) -> None:
