@@ -71,16 +71,31 @@ class Progress(L.Callback):
 
 
 def _watch_rollbacks(update: FaultTolerantUpdate, checks: list[bool]) -> None:
-    """Wrap the exchange: where it rolls back, compare the state after with the state before."""
+    """Wrap the exchange: where it rolls back, compare the state after with the state before. With
+    ``sync_delay`` the exchange rolls back where it arrives, steps after its launch: then the global
+    model is as at the launch and each residual holds all the process had not had averaged at the
+    launch (``e = view - global`` there: conservation with nothing sent)."""
     original = update.exchange
+    launch: dict[str, dict[str, torch.Tensor]] = {}
 
     def exchange(params: Any = None) -> None:
         before_rollbacks = update.rollbacks
         views = {n: p.detach().clone() for n, p in update._params.items()}
         glob = {n: update._global_of(n).detach().clone() for n in update._params}
         residuals = {n: update.state.memory.get(n).clone() for n in update._params if n in update.state.memory}
+        awaiting = update._awaiting
         original(params)
-        if update.rollbacks > before_rollbacks:
+        if update._awaiting is not None and update._awaiting is not awaiting:  # launched here (sync_delay)
+            launch.update(views=views, glob=glob)
+        elif update.rollbacks > before_rollbacks and awaiting is not None:  # rolled back where it arrived
+            same = all(torch.equal(launch["glob"][n], update._global_of(n)) for n in update._params)
+            for n in update._params:
+                e = update.state.memory.get(n) if n in update.state.memory else None
+                if e is not None:
+                    unsent = launch["views"][n] - launch["glob"][n]
+                    same &= torch.allclose(e.view_as(unsent), unsent, rtol=0, atol=1e-6)
+            checks.append(bool(same))
+        elif update.rollbacks > before_rollbacks:
             same = all(torch.equal(views[n], p) for n, p in update._params.items())
             same &= all(torch.equal(glob[n], update._global_of(n)) for n in update._params)
             now = {n: update.state.memory.get(n) for n in update._params if n in update.state.memory}

@@ -162,8 +162,12 @@ def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> Non
     assert all(r["participants"] == 3 for r in results)
 
 
-def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_path: Path) -> None:
-    config = {**CONFIG, "max_steps": 160, "check_rollback": True}
+@pytest.mark.parametrize("delay", [0, 1], ids=["blocking", "sync_delay=1"])
+def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_path: Path, delay: int) -> None:
+    """Blocking, the survivors roll the exchange back at once; with ``sync_delay=1`` where it arrives,
+    a step later (its collectives overlap that step): nothing of it applied, the sent part back in
+    the residuals."""
+    config = {**CONFIG, "max_steps": 160, "check_rollback": True, "sync_delay": delay}
     groups = Groups(tmp_path, config, 3, min_replicas=2)
     try:
         groups.start(0)
@@ -181,6 +185,7 @@ def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_p
     assert _identical(results)
     log = groups.log(0, tail=10**7)
     assert "did not commit" in log and "rolled back" in log
+    assert ("its sent part back in the residuals" in log) == bool(delay)  # rolled back where it arrived
 
 
 def test_an_unreachable_lighthouse_is_named(tmp_path: Path) -> None:
@@ -239,10 +244,11 @@ def test_with_min_replicas_2_the_survivor_waits_for_the_other_to_heal(tmp_path: 
     assert _identical(results)
 
 
-def _kill_group_1_at_step_20(tmp_path: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Two groups; group 1 (its launcher and all its processes) SIGKILLed at its step 20 and started
-    again; both fits to the end. The results of each group's process 0."""
-    groups = Groups(tmp_path, config, 2)
+def _kill_group_1_mid_fit(tmp_path: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two groups, the Lighthouse's quorums of both (so that on a loaded machine neither trains alone
+    to the end while the other starts); group 1 (its launcher and all its processes) SIGKILLed at its
+    step 20 and started again; both fits to the end. The results of each group's process 0."""
+    groups = Groups(tmp_path, config, 2, min_replicas=2)
     try:
         groups.start(0)
         groups.start(1)
@@ -256,7 +262,7 @@ def _kill_group_1_at_step_20(tmp_path: Path, config: dict[str, Any]) -> list[dic
 
 def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
     config = {**CONFIG, "front": "fabric", "max_steps": 160}
-    results = _kill_group_1_at_step_20(tmp_path, config)
+    results = _kill_group_1_mid_fit(tmp_path, config)
     steps = results[0]["steps"]
     assert steps == list(range(steps[0], 161)) and results[0]["global_step"] == 160
     assert results[1]["heals"] >= 1 and results[1]["global_step"] == 160
@@ -266,7 +272,7 @@ def test_fabric_groups_heal_and_end_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_groups_of_two_processes_heal_and_end_identical(tmp_path: Path) -> None:
     config = {**CONFIG, "devices": 2, "max_steps": 200}
-    _kill_group_1_at_step_20(tmp_path, config)
+    _kill_group_1_mid_fit(tmp_path, config)
     results = [torch.load(tmp_path / f"result_g{g}_r{r}.pt", weights_only=False) for g in (0, 1) for r in (0, 1)]
     assert results[0]["steps"] == list(range(results[0]["steps"][0], 201))
     assert results[2]["heals"] >= 1 and results[3]["heals"] >= 1 and results[2]["global_step"] == 200
@@ -278,7 +284,7 @@ def test_sparse_fsdp_groups_of_two_processes_heal_and_end_identical(tmp_path: Pa
     """Each group shards its model across its two processes (FSDP2); process r of a group exchanges
     its shards with process r of the other, and a restarted group heals shard by shard."""
     config = {**CONFIG, "strategy": "fsdp", "front": front, "devices": 2, "max_steps": 120}
-    _kill_group_1_at_step_20(tmp_path, config)
+    _kill_group_1_mid_fit(tmp_path, config)
     results = {
         (g, r): torch.load(tmp_path / f"result_g{g}_r{r}.pt", weights_only=False) for g in (0, 1) for r in (0, 1)
     }

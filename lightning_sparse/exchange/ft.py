@@ -32,6 +32,7 @@ from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, require_torchft
 from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import DEFAULT_BUCKET_BYTES, UpdateExchange
+from lightning_sparse.exchange.update_parts import InFlight
 from lightning_sparse.wire import Collectives
 
 __all__ = ["FaultTolerantUpdate", "FrontEndState"]
@@ -86,11 +87,12 @@ class FaultTolerantUpdate(UpdateExchange):
         self._steps = 0  # optimizer steps this process took part in (the quorum guard)
         self._quorum_at: int | None = None
         self._open = False  # a quorum waits for its should_commit
+        self._awaiting: InFlight | None = None  # sync_delay: the quorum's exchange, committed on arrival
         self._met = False  # this process had a quorum
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(manager=None, _pg=None, _store=None, front_end=None)
+        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None)
         return state
 
     @property
@@ -225,24 +227,63 @@ class FaultTolerantUpdate(UpdateExchange):
             return
         saved = self._snapshot()
         error: Exception | None = None
+        flights = len(self._in_flight)
         try:
             super().exchange(params)
-            if self._in_flight:  # should_commit needs the collectives' outcome: wait for them here
-                self._complete()
         except Exception as e:  # a collective failed: a group died or stalled
             error = e
             self.manager.report_error(e)
+        if error is None and len(self._in_flight) > flights:
+            # sync_delay: the exchange is committed (or rolled back) where it arrives, steps later,
+            # so that its collectives overlap them
+            self._awaiting, self._open = self._in_flight[-1], False
+            return
         if self._commit():
             self.commits += 1
             return
         self.rollbacks += 1
         self._restore(saved)
+        self._warn_rollback(error, "residuals, global model and outer step as before it")
+
+    def _land(self, flight: InFlight) -> None:
+        """An exchange in flight arrives: where it is the quorum's, ``should_commit`` says whether it
+        succeeded everywhere; if not, nothing of it is applied and the residuals take back what this
+        process sent (``e = u``: the global model, the outer step and the view stay as they are, and
+        what the exchange would have moved goes with the next one)."""
+        if flight is not self._awaiting:
+            super()._land(flight)
+            return
+        self._awaiting = None
+        error: Exception | None = None
+        try:
+            for future in flight.futures:
+                future.wait().ready()  # a failed collective is an error of the average
+        except Exception as e:
+            error = e
+            self.manager.report_error(e)
+        if self._commit():
+            self.commits += 1
+            super()._land(flight)
+            return
+        self.rollbacks += 1
+        memory = self.state.memory
+        for bucket in flight.buckets:
+            pos = 0
+            for name, p in zip(bucket.names, bucket.params, strict=True):
+                residual = memory.get(name)
+                if residual is not None:  # tensors without a residual (sent whole) keep it in the view
+                    residual.view(-1).copy_(bucket.pending_buffer()[pos : pos + p.numel()])
+                pos += p.numel()
+            memory.unstage(bucket.names)
+        self._warn_rollback(error, "its sent part back in the residuals, global model and outer step unchanged")
+
+    def _warn_rollback(self, error: Exception | None, what: str) -> None:
         cause = _gist(error) if error is not None else "another group's collective failed"
         warnings.warn(
             f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
-            f"commit ({cause}); rolled back: residuals, global model and outer step as before it. A group that "
-            "died or stalled longer than quorum_timeout is dropped; the next step exchanges with the new quorum.",
-            stacklevel=2,
+            f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
+            "dropped; the next exchange runs with the new quorum.",
+            stacklevel=3,
         )
 
     def flush_residuals(self, rounds: int | None = None) -> None:
@@ -267,7 +308,7 @@ class FaultTolerantUpdate(UpdateExchange):
         }
 
     def _restore(self, saved: dict[str, Any]) -> None:
-        self._in_flight = []
+        self._in_flight, self._awaiting = [], None
         self.state.load_state_dict(saved["sparse"])
         self.outer_step.load_state_dict(saved["outer"])
         for name, p in self._params.items():
@@ -301,7 +342,7 @@ class FaultTolerantUpdate(UpdateExchange):
     def _load_state_dict(self, received: dict[str, Any]) -> None:
         """Heal: take a healthy group's global model, outer step, counters and inner optimizer
         states; the residual starts at zero and the module holds the global model."""
-        self._in_flight = []
+        self._in_flight, self._awaiting = [], None
         behind = self._steps
         if behind:  # not this process's start: it was left out meanwhile
             warnings.warn(

@@ -398,7 +398,6 @@ class UpdateExchange:
         it has not had averaged yet (its residual and its progress since the launch), computed as
         ``p += global_new - (global_old + sent)``."""
         keep: list[InFlight] = []
-        memory = self.state.memory
         for flight in self._in_flight:
             if group is not None:
                 if flight.group != group:
@@ -408,23 +407,28 @@ class UpdateExchange:
                 if flight.left > 0:
                     keep.append(flight)
                     continue
-            for bucket, future in zip(flight.buckets, flight.futures, strict=True):
-                average = self._wait(future)
-                average.settle()  # the residuals hold what this rank did not send (split: only now)
-                # In place in the float32 buffer, no allocation (a fresh buffer of the model's size
-                # costs page faults worth several passes): u - e_new is what this rank sent, and
-                # global_old + sent where the global values would be with its own part alone.
-                target = bucket.pending_buffer()
-                plan = self.state.plan(bucket.delta, bucket.params)
-                bucket.subtract_residuals(target, memory, plan, residual_layout(self.state.wire, plan, target))
-                target.add_(bucket.glob.to(target.device))
-                self._apply_average(bucket, average)
-                # the view's change: global_new - (global_old + sent), exactly 0 where nothing was
-                # sent or arrived, so those coordinates of the view keep their bits
-                change = torch.sub(bucket.glob.to(target.device), target, out=target)
-                bucket.add_change(change)
-                memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
+            self._land(flight)
         self._in_flight = keep
+
+    def _land(self, flight: InFlight) -> None:
+        """Apply an exchange in flight (its averages through the outer step; the view follows)."""
+        memory = self.state.memory
+        for bucket, future in zip(flight.buckets, flight.futures, strict=True):
+            average = self._wait(future)
+            average.settle()  # the residuals hold what this rank did not send (split: only now)
+            # In place in the float32 buffer, no allocation (a fresh buffer of the model's size
+            # costs page faults worth several passes): u - e_new is what this rank sent, and
+            # global_old + sent where the global values would be with its own part alone.
+            target = bucket.pending_buffer()
+            plan = self.state.plan(bucket.delta, bucket.params)
+            bucket.subtract_residuals(target, memory, plan, residual_layout(self.state.wire, plan, target))
+            target.add_(bucket.glob.to(target.device))
+            self._apply_average(bucket, average)
+            # the view's change: global_new - (global_old + sent), exactly 0 where nothing was
+            # sent or arrived, so those coordinates of the view keep their bits
+            change = torch.sub(bucket.glob.to(target.device), target, out=target)
+            bucket.add_change(change)
+            memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
 
     # ------------------------------------------------------------------ timed fallback to plain DDP
     def _timed_dense(self) -> bool:

@@ -206,6 +206,10 @@ class Average:
         self.waits = waits or []
         self._settled = False
 
+    def ready(self) -> None:
+        """Wait for the collectives; raise the exchange's error where one failed."""
+        self._ready()
+
     def _ready(self) -> None:
         if self.error is not None:
             raise self.error
