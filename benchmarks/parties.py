@@ -17,6 +17,7 @@ which adds c times the average; ``"lr": x`` sets AdamW's learning rate; ``{"dens
 is dense DDP at another learning rate; ``{"diloco": H}`` is torchft's DiLoCo with ``H`` inner steps
 per outer step, Nesterov outer step of lr 0.7 and momentum 0.9, which needs ``pip install -e
 ".[bench]"``; ``"flush": true`` or ``R`` ends the row with ``flush_residuals()``, dense or in R rounds;
+``"clip": c`` clips each process's gradient norm at c, 0 not at all (default 1);
 ``"noise_correct": true`` (AdamW) scales each coordinate's step of every party by ``sqrt(v / v')``,
 ``v' = m^2 + (v - m^2) / N``: a probe of the step each party would take if it normalised by the second
 moment of the parties' averaged gradient; ``"compress": "gradient"`` rows run as dense DDP's, without
@@ -201,6 +202,7 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     diloco_h = settings.pop("diloco", None) if settings is not None else None
     flush = settings.pop("flush", None) if settings is not None else None  # true: dense; R: R rounds
     noise = settings.pop("noise_correct", None) if settings is not None else None
+    clip = settings.pop("clip", 1.0) if settings is not None else 1.0  # 0: no clipping
     if settings is not None and (settings.pop("dense", False) or diloco_h is not None):
         settings = None  # dense DDP at another learning rate, or DDP without its all-reduce for DiLoCo
     if settings is not None and "chosen_scale" in settings:  # the chosen coordinates' factor alone
@@ -255,7 +257,8 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
         loss = _loss(logits, y)
         with fabric.no_backward_sync(model, enabled=peer is not None):  # DiLoCo: the process's own gradient
             fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        if clip:
+            fabric.clip_gradients(model, optimizer, max_norm=clip)
         probe.before()
         optimizer.step()
         schedule.step()

@@ -97,6 +97,10 @@ COMMANDS = {
     '\'nf4={"density": 1.0, "lr": 0.004, "noise_correct": true}\' --only nf1 nf4': (
         "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_uncompressed_corrected_and_gradient_rows"
     ),
+    'python -m benchmarks parties --parties 2 4 --variants \'dc4={"dense": true, "lr": 0.004, "clip": 0}\' '
+    '\'fc4={"lr": 0.004, "density": 1.0, "clip": 0}\' \'c4={"lr": 0.004, "clip": 0}\' --only dc4 fc4 c4': (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_uncompressed_corrected_and_gradient_rows"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

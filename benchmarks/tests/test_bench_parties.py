@@ -93,12 +93,14 @@ def test_parties_bench_runs_uncompressed_corrected_and_gradient_rows(tmp_path: P
     out = tmp_path / "full.json"
     cmd = [sys.executable, "-m", "benchmarks", "parties", "--parties", "2", "--samples", "320", "--width", "32",
            "--layers", "1", "--variants", 'full={"density": 1.0}', 'nf={"density": 1.0, "noise_correct": true}',
-           'grad={"compress": "gradient"}', "--only", "full", "nf", "grad", "--timeout", "300",
+           'grad={"compress": "gradient"}', 'noclip={"density": 1.0, "clip": 0}', "--only", "full", "nf", "grad",
+           "noclip", "--timeout", "300",
            "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["parties"]["2"]
-    assert list(rows) == ["dense", "full", "nf", "grad"]
+    assert list(rows) == ["dense", "full", "nf", "grad", "noclip"]
+    assert rows["noclip"]["val_loss"] != rows["full"]["val_loss"]  # clipping at 1 changed the steps
     assert rows["full"]["resid"] == 0 and rows["nf"]["resid"] == 0  # density 1: nothing left behind
     assert rows["nf"]["val_loss"] != rows["full"]["val_loss"]  # the correction changed the steps
     assert math.isnan(rows["grad"]["resid"]) and 0 < rows["grad"]["bytes"] < rows["dense"]["bytes"]
