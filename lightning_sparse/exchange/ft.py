@@ -10,8 +10,12 @@ quorum through torchft's reconfigurable process group (process ``r`` of each gro
 ``r`` of the others), and ``should_commit`` says whether it succeeded everywhere: if not, the
 exchange is rolled back (residuals, global model, outer step, counters as before it; the process
 keeps its own view) and the group carries on with local steps and exchanges at the next step with
-the new quorum. Inside a group of several processes DDP averages the gradients, so the group's
-processes stay identical and each exchanges the whole model with its counterparts.
+the new quorum. With ``sync_delay`` the exchange is committed where it arrives, so that its
+collectives overlap the steps between; a failed one is rolled back there: nothing of it is applied
+and the residuals take back what the process sent. Inside a group of several processes DDP
+averages the gradients, so the group's processes stay identical and each exchanges the whole model
+with its counterparts; under ``sparse_fsdp`` they hold different shards, and each exchanges its
+shards with the process that holds them in every other group.
 """
 
 from __future__ import annotations
