@@ -270,15 +270,9 @@ class FaultTolerantUpdate(UpdateExchange):
             super()._land(flight)
             return
         self.rollbacks += 1
-        memory = self.state.memory
         for bucket in flight.buckets:
-            pos = 0
-            for name, p in zip(bucket.names, bucket.params, strict=True):
-                residual = memory.get(name)
-                if residual is not None:  # tensors without a residual (sent whole) keep it in the view
-                    residual.view(-1).copy_(bucket.pending_buffer()[pos : pos + p.numel()])
-                pos += p.numel()
-            memory.unstage(bucket.names)
+            bucket.put_residuals(bucket.pending_buffer(), self.state.memory)
+            self.state.memory.unstage(bucket.names)
         self._warn_rollback(error, "its sent part back in the residuals, global model and outer step unchanged")
 
     def _warn_rollback(self, error: Exception | None, what: str) -> None:

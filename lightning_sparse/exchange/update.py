@@ -342,16 +342,16 @@ class UpdateExchange:
             # (offloaded, one a bucket: a bucket's residuals are staged on the device one at a time)
             for together in [[b] for b in launch] if self.offload else [launch]:
                 plans = [state.plan(bucket.delta, bucket.params) for bucket in together]
-                wire = steps.wire
                 prepared = [
-                    bucket_parts(b, p, memory, wire, self._progress) for b, p in zip(together, plans, strict=True)
+                    bucket_parts(b, p, memory, steps.wire, self._progress) for b, p in zip(together, plans, strict=True)
                 ]
                 drop_nonfinite([part for parts, _ in prepared for part in parts], self._warn_nonfinite)
                 for bucket, plan, (parts, flat) in zip(together, plans, prepared, strict=True):
-                    if delay:  # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
-                        if flat is not None:  # (the residual's regions of the small tensors hold zeros)
-                            torch.add(bucket.delta, flat, out=bucket.pending_buffer())
-                        for _, seg, e, pos in parts if flat is None else ():
+                    # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
+                    if delay and flat is not None:  # (the residual's regions of the small tensors hold zeros)
+                        torch.add(bucket.delta, flat, out=bucket.pending_buffer())
+                    elif delay:
+                        for _, seg, e, pos in parts:
                             u = bucket.pending_buffer()[pos : pos + seg.numel()]
                             torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
                     # every update is finite now (a non-finite one was dropped above): the patterns skip their check

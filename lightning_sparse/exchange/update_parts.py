@@ -111,6 +111,14 @@ class Bucket:
             if e is not None:
                 target[pos : pos + numel].sub_(e.to(target.device))
 
+    def put_residuals(self, source: Tensor, memory: ErrorFeedback) -> None:
+        """``e = source`` (laid out like :attr:`delta`) for each tensor that has a residual; a tensor
+        without one (sent whole) keeps what is not averaged in its view."""
+        for (pos, numel), name in zip(self._regions, self.names, strict=True):
+            e = memory.get(name)
+            if e is not None:
+                e.view(-1).copy_(source[pos : pos + numel])
+
     def add_change(self, change: Tensor) -> None:
         """Add ``change`` (float32, laid out like :attr:`delta`), cast to their dtype, to the
         parameters: one ``_foreach_add_`` where they live on its device."""
@@ -287,16 +295,14 @@ def bucket_parts(
     flat = bucket.progress(memory, plan, residual_layout(wire, plan, bucket.delta))
     if flat is not None:
         return [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)], flat
-    pos = 0
     parts: list[tuple[str, Tensor, Tensor | None, int]] = []
-    for name, p in zip(bucket.names, bucket.params, strict=True):
-        seg = bucket.delta[pos : pos + p.numel()]
+    for (pos, numel), name in zip(bucket._regions, bucket.names, strict=True):
+        seg = bucket.delta[pos : pos + numel]
         e = memory.get(name) if name in memory else None
         if e is not None and e.device != seg.device:
             e = e.to(seg.device)  # an offloaded residual
         progress(name, e, out=seg, check=False)  # delta = p - (global + e): from the view the cycle started from
         parts.append((name, seg, e, pos))
-        pos += p.numel()
     return parts, None
 
 

@@ -208,9 +208,6 @@ class Average:
 
     def ready(self) -> None:
         """Wait for the collectives; raise the exchange's error where one failed."""
-        self._ready()
-
-    def _ready(self) -> None:
         if self.error is not None:
             raise self.error
         for issued in self.waits:
@@ -233,7 +230,7 @@ class Average:
     def settle(self) -> None:
         """Settle this rank's residuals (once; :meth:`add_to` does it first): afterwards they hold
         exactly what this rank did not send."""
-        self._ready()
+        self.ready()
         if self._settled:
             return
         self._settled = True
@@ -243,7 +240,7 @@ class Average:
 
     def as_dense(self) -> Tensor:
         """The average as a dense tensor: the bucket's buffer, overwritten."""
-        self._ready()
+        self.ready()
         if len(self.parts) == 1 and self.parts[0].dense is not None:
             return self.parts[0].dense()
         return self.add_to(self.buffer.zero_())
