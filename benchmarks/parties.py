@@ -20,7 +20,12 @@ per outer step, Nesterov outer step of lr 0.7 and momentum 0.9, which needs ``pi
 ``"clip": c`` clips each process's gradient norm at c, 0 not at all (default 1);
 ``"noise_correct": true`` (AdamW) scales each coordinate's step of every party by ``sqrt(v / v')``,
 ``v' = m^2 + (v - m^2) / N``: a probe of the step each party would take if it normalised by the second
-moment of the parties' averaged gradient; ``"compress": "gradient"`` rows run as dense DDP's, without
+moment of the parties' averaged gradient; ``"clip_by": "exact"`` (a probe) clips each party's gradient
+by the norm of the parties' averaged gradient (a dense all-reduce the bytes do not count), ``"local"``
+by an estimate of it from the party's AdamW moments; ``"own_share": s`` (a probe; ``"parties"``: 1/N)
+runs each party's forward, backward and step at ``global + s * e`` instead of ``global + e``;
+``"chosen_scale": 1.0`` adds the plain average, as the default did before it scaled the coordinates
+each party chose on its own; ``"compress": "gradient"`` rows run as dense DDP's, without
 the inner figures), ``--only`` keeps some rows (dense DDP always runs: the gaps are against it).
 
 Per row: the validation loss at the end (the global model, 512 windows of modules never trained on)
@@ -203,6 +208,8 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     flush = settings.pop("flush", None) if settings is not None else None  # true: dense; R: R rounds
     noise = settings.pop("noise_correct", None) if settings is not None else None
     clip = settings.pop("clip", 1.0) if settings is not None else 1.0  # 0: no clipping
+    clip_by = settings.pop("clip_by", "own") if settings is not None else "own"
+    own_share = settings.pop("own_share", None) if settings is not None else None
     if settings is not None and (settings.pop("dense", False) or diloco_h is not None):
         settings = None  # dense DDP at another learning rate, or DDP without its all-reduce for DiLoCo
     if settings is not None and "chosen_scale" in settings:  # the chosen coordinates' factor alone
@@ -242,6 +249,8 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
     mine = order[rank::world]  # every process its own shard of the same windows
     params = list(model.parameters())
     update_mode = settings is not None and strategy._core.update is not None
+    if own_share is not None:
+        _own_share(model, optimizer, strategy, 1.0 / world if own_share == "parties" else float(own_share))
     probe = _Probe(strategy if update_mode else None, params, world)  # gradient mode: as dense DDP
     peer = None
     if diloco_h is not None:  # torchft's DiLoCo: each process a replica group of its own
@@ -257,7 +266,9 @@ def run_row(args: argparse.Namespace, settings: dict[str, Any] | None) -> dict[s
         loss = _loss(logits, y)
         with fabric.no_backward_sync(model, enabled=peer is not None):  # DiLoCo: the process's own gradient
             fabric.backward(loss)
-        if clip:
+        if clip and clip_by != "own" and settings is not None:
+            _clip_by_average(params, optimizer, clip, world, clip_by)
+        elif clip:
             fabric.clip_gradients(model, optimizer, max_norm=clip)
         probe.before()
         optimizer.step()
@@ -330,6 +341,70 @@ def _noise_correct(optimizer: Any, parties: float) -> None:
 
     optimizer.register_step_pre_hook(pre)
     optimizer.register_step_post_hook(post)
+
+
+def _own_share(model: Any, optimizer: Any, strategy: Any, share: float) -> None:
+    """Probe: each party's forward, backward and step at ``global + share * e`` instead of ``global + e``
+    (the progress it hands the exchange is the same ``p - view``)."""
+    import torch
+
+    update = strategy._core.update
+    held: list[Any] = []
+
+    @torch.no_grad()
+    def shift(sign: float) -> None:
+        memory = update.state.memory
+        for name, p in update._params.items():
+            e = memory.get(name) if name in memory else None
+            if e is not None:
+                p.add_(e.view_as(p), alpha=sign * (1.0 - share))
+
+    def pre_forward(module: Any, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and not held:
+            shift(-1.0)
+            held.append(True)
+
+    def post_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if held:
+            shift(1.0)
+            held.clear()
+
+    model.module.register_forward_pre_hook(pre_forward)  # after the strategy's (prepended) hook
+    optimizer.optimizer.register_step_post_hook(post_step)
+
+
+def _clip_by_average(params: list[Any], optimizer: Any, clip: float, parties: int, how: str) -> None:
+    """Probe: clip each party's gradient by the norm of the parties' averaged gradient: exactly
+    (``"exact"``, a dense all-reduce) or estimated from the party's AdamW moments (``"local"``:
+    ``|g|^2 * (1 - (1 - 1/N) * noise / sum(v))``, the noise ``sum(v - m^2)`` less what the EMA ``m``
+    still holds of it)."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    own = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    if how == "exact":
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        norm = float(flat.norm()) / parties
+    else:
+        b1, b2 = optimizer.param_groups[0]["betas"]
+        total = noise = 0.0
+        for s in optimizer.state.values():
+            if "exp_avg_sq" not in s:
+                continue
+            step = float(s["step"])
+            m = s["exp_avg"] / (1 - b1**step)
+            v = s["exp_avg_sq"] / (1 - b2**step)
+            total += float(v.sum())
+            noise += float((v - m * m).clamp_min(0).sum())
+        noise /= 1 - (1 - b1) / (1 + b1)  # the noise left in the EMA m
+        rho = 1.0 if total == 0 else max(1.0 / parties, 1 - min(noise, total) / total * (1 - 1 / parties))
+        norm = own * rho**0.5
+    factor = min(1.0, clip / (norm + 1e-6))
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(factor)
 
 
 def _loss(logits: Any, targets: Any) -> Any:

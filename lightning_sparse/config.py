@@ -144,7 +144,10 @@ class SparseConfig:
         default=None,
         metadata=_doc(
             """update mode: what the global parameters do with each exchange's average. None
-            (default): add it in; ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
+            (default): add it in, with the coordinates each party chose on its own scaled by half
+            the number of parties from 4 parties on
+            (:class:`~lightning_sparse.exchange.outer.AddAverage`; ``AddAverage(chosen_scale=1.0)``
+            adds the plain average); ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or
             factory (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
             ``class_path``/``init_args`` in a CLI config); or an

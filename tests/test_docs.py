@@ -101,6 +101,28 @@ COMMANDS = {
     '\'fc4={"lr": 0.004, "density": 1.0, "clip": 0}\' \'c4={"lr": 0.004, "clip": 0}\' --only dc4 fc4 c4': (
         "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_uncompressed_corrected_and_gradient_rows"
     ),
+    "python -m benchmarks parties --parties 2 4 8 --variants 'diloco16={\"diloco\": 16}' "
+    '\'split={"exchange": "split"}\' \'splitplain={"exchange": "split", "chosen_scale": 1.0}\' '
+    "--json default_gpt.json": (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_probes_and_the_plain_average"
+    ),
+    "python -m benchmarks parties --task text --parties 2 4 8 --variants 'diloco16={\"diloco\": 16}' "
+    "--json default_text.json": "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_text_task",
+    'python -m benchmarks parties --task text --parties 2 4 8 --variants \'d04={"dense": true, "lr": 0.4}\' '
+    '\'d08={"dense": true, "lr": 0.8}\' \'c04={"lr": 0.4}\' \'c08={"lr": 0.8}\' '
+    '\'p04={"lr": 0.4, "chosen_scale": 1.0}\' \'p08={"lr": 0.8, "chosen_scale": 1.0}\' '
+    "--only d04 d08 c04 c08 p04 p08": ("benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_text_task"),
+    'python -m benchmarks parties --parties 4 --variants \'d4={"dense": true, "lr": 0.004}\' '
+    '\'c4x={"lr": 0.004, "clip_by": "exact", "chosen_scale": 1.0}\' \'f4x={"lr": 0.004, "density": 1.0, "clip_by": '
+    '"exact"}\' \'c4l={"lr": 0.004, "clip_by": "local", "chosen_scale": 1.0}\' --only d4 c4x f4x c4l': (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_probes_and_the_plain_average"
+    ),
+    'python -m benchmarks parties --parties 4 --variants \'d4={"dense": true, "lr": 0.004}\' '
+    '\'sinv={"lr": 0.004, "own_share": "parties", "chosen_scale": 1.0}\' \'szero={"lr": 0.004, "own_share": 0, '
+    '"chosen_scale": 1.0}\' \'shalf={"lr": 0.004, "own_share": 0.5, "chosen_scale": 1.0}\' '
+    "--only d4 sinv szero shalf": (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_probes_and_the_plain_average"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (

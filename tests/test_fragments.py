@@ -38,6 +38,7 @@ def test_split_keeps_every_tensor_once_in_module_order(how: str, count: int) -> 
 
 
 def _fragments_worker(rank: int, world: int, fragments: int) -> dict[str, Any]:
+    from lightning_sparse.exchange.outer import AddAverage
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
 
@@ -46,7 +47,7 @@ def _fragments_worker(rank: int, world: int, fragments: int) -> dict[str, Any]:
     params = dict(named)
     state = SparseState(SparseConfig(density=0.05, min_numel=1000, sync_every=4, fragments=fragments, warmup_steps=0))
     memory = state.memory
-    exchange = UpdateExchange(state)
+    exchange = UpdateExchange(state, outer_step=AddAverage(chosen_scale=1.0))  # the plain average, at 4 too
     exchange.bind(named)
     noise = torch.Generator().manual_seed(100 + rank)
 

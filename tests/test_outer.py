@@ -59,8 +59,8 @@ def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str
     torch.manual_seed(0)
     named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
     state = SparseState(compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update")
-    outer = ChosenScaled(chosen_scale)
-    exchange = UpdateExchange(state, outer_step=outer)
+    outer = ChosenScaled(chosen_scale) if chosen_scale != "default" else None
+    exchange = UpdateExchange(state, outer_step=outer)  # None: the default outer step
     exchange.bind(named)
     gen = torch.Generator().manual_seed(100 + rank)
     globals_ = []
@@ -71,7 +71,7 @@ def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str
                 p.add_(torch.randn(p.shape, generator=gen))
         exchange.exchange()
         globals_.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
-    return {"received": outer.received, "globals": globals_}
+    return {"received": outer.received if outer is not None else [], "globals": globals_}
 
 
 def test_chosen_coordinates_are_scaled_and_tensors_sent_whole_are_not(dist4) -> None:
@@ -95,7 +95,22 @@ def test_chosen_coordinates_are_scaled_and_tensors_sent_whole_are_not(dist4) -> 
             assert torch.equal(first[w:], unscaled[w:])
 
 
+def test_the_default_outer_step_scales_the_chosen_coordinates_by_half_the_parties(dist4) -> None:
+    """At 4 parties the default outer step is ``AddAverage(chosen_scale="parties")``: its global
+    model follows the one that adds the chosen coordinates twice, not the plain average's."""
+    default = dist4.run(_chosen_worker, chosen_scale="default")
+    scaled = dist4.run(_chosen_worker, chosen_scale="parties")
+    plain = dist4.run(_chosen_worker, chosen_scale=1.0)
+    for r in range(4):
+        assert torch.equal(default[r]["globals"][-1], default[0]["globals"][-1])  # one global model
+        got, want, other = default[r]["globals"][-1], scaled[r]["globals"][-1], plain[r]["globals"][-1]
+        assert torch.allclose(got, want, rtol=0, atol=1e-5)
+        assert (got - other).abs().max() > 1e-2  # and not the plain average's
+
+
 def test_chosen_scale_is_checked() -> None:
+    assert AddAverage().chosen_scale == "parties"  # the default
+
     assert AddAverage(chosen_scale="parties").chosen_scale == "parties"
     for bad in (0, -1.0, float("inf"), "twice", True):
         with pytest.raises(ValueError, match="chosen_scale=.* is not allowed"):
@@ -177,6 +192,9 @@ def test_outer_step_instance_is_an_outer_optimizer(shell: str) -> None:
 
     outer = ScaledAdd(0.5)
     cls = SparseDDPStrategy if shell == "trainer" else FabricSparseDDPStrategy
+    default = cls().update_exchange
+    assert default is not None and isinstance(default.outer_step, AddAverage)
+    assert default.outer_step.chosen_scale == "parties"  # the default: N/2 from 4 parties on
     strategy = cls(outer_optimizer=outer)
     assert strategy.update_exchange is not None and strategy.update_exchange.outer_step is outer
     assert SparseConfig(outer_optimizer=outer).fingerprint()["outer_optimizer"].endswith("ScaledAdd")

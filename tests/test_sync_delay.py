@@ -34,6 +34,7 @@ def _delay_worker(
 ) -> dict[str, Any]:
     """Twelve steps of random progress at every rank, checked at every step. On ``device`` (the
     parameters, the exchange's buffers; what is checked is copied to the CPU, where gloo compares)."""
+    from lightning_sparse.exchange.outer import AddAverage, outer_step_for
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
 
@@ -54,7 +55,9 @@ def _delay_worker(
     )
     state = SparseState(config)
     memory = state.memory
-    exchange = UpdateExchange(state)
+    # the plain average where no outer step is named (the default scales the chosen coordinates from 4 on)
+    plain = AddAverage(chosen_scale=1.0)
+    exchange = UpdateExchange(state, outer_step=plain if outer is None else outer_step_for(config.outer_factory))
     exchange.bind(named)
     noise = torch.Generator().manual_seed(100 + rank)
 

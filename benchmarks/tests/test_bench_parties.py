@@ -104,3 +104,40 @@ def test_parties_bench_runs_uncompressed_corrected_and_gradient_rows(tmp_path: P
     assert rows["full"]["resid"] == 0 and rows["nf"]["resid"] == 0  # density 1: nothing left behind
     assert rows["nf"]["val_loss"] != rows["full"]["val_loss"]  # the correction changed the steps
     assert math.isnan(rows["grad"]["resid"]) and 0 < rows["grad"]["bytes"] < rows["dense"]["bytes"]
+
+
+def test_the_local_clip_estimate_clips_less_the_more_of_the_gradient_is_noise() -> None:
+    """Without AdamW moments it clips as ``clip_grad_norm_`` does; where the moments say the gradient
+    is noise, the averaged gradient's norm is taken as smaller (down to ``1/sqrt(N)`` of the party's)."""
+    import torch
+
+    from benchmarks.parties import _clip_by_average
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95))
+    grad = torch.randn(64) * 3
+    p.grad = grad.clone()
+    _clip_by_average([p], opt, 1.0, 4, "local")  # no moments yet: the party's own norm
+    assert torch.allclose(p.grad, grad / grad.norm(), rtol=1e-5)
+    opt.state[p] = {"step": torch.tensor(100.0), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.ones(64)}
+    p.grad = grad.clone()
+    _clip_by_average([p], opt, 1.0, 4, "local")  # all noise: the average's norm is half the party's
+    assert torch.allclose(p.grad.norm(), torch.tensor(2.0), rtol=1e-4)
+
+
+@pytest.mark.dist
+def test_parties_bench_runs_the_probes_and_the_plain_average(tmp_path: Path) -> None:
+    """At 2 parties the default outer step is the plain average, bit for bit; the clipping and view
+    probes change the fit."""
+    out = tmp_path / "probes.json"
+    cmd = [sys.executable, "-m", "benchmarks", "parties", "--parties", "2", "--samples", "320", "--width", "32",
+           "--layers", "1", "--variants", 'plain={"chosen_scale": 1.0}', 'cx={"clip_by": "exact"}',
+           'cl={"clip_by": "local"}', 'half={"own_share": 0.5}', "--only", "default", "plain", "cx", "cl", "half",
+           "--timeout", "300", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["parties"]["2"]
+    assert rows["plain"]["val_loss"] == rows["default"]["val_loss"]  # N/2 = 1 at 2 parties
+    for name in ("cx", "cl", "half"):
+        assert math.isfinite(rows[name]["val_loss"]) and rows[name]["val_loss"] != rows["default"]["val_loss"], name

@@ -2,8 +2,9 @@
 
 In update mode every exchange ends in one place: :meth:`OuterStep.apply` receives the
 :class:`~lightning_sparse.wire.Average` of what the ranks sent for one group of parameters and the
-flat global values of those parameters. :class:`AddAverage` (the default) adds the average in;
-an outer optimizer (a momentum step on the average, a scaled or decayed step) is another
+flat global values of those parameters. :class:`AddAverage` (the default) adds the average in, the
+coordinates each party chose on its own scaled by half the number of parties from 4 parties on
+(:func:`parties_scale`); an outer optimizer (a momentum step on the average, a scaled or decayed step) is another
 :class:`OuterStep`, and needs nothing changed in the wire code.
 """
 
@@ -84,20 +85,27 @@ def check_chosen_scale(value: object) -> float | str:
 
 
 class AddAverage(OuterStep):
-    """Add the average into the global parameters, touching only the coordinates that were sent.
+    """Add the average into the global parameters, touching only the coordinates that were sent:
+    update mode's default outer step.
 
     Args:
         chosen_scale: the factor of the coordinates each party chose on its own (top-k and the
-            other gather compressors): ``"parties"`` (:func:`parties_scale`) or a number > 0.
+            other gather compressors): ``"parties"`` (the default, :func:`parties_scale`: 1 up to
+            2 parties, half their number from there) or a number > 0 (1: the plain average).
             Tensors sent whole and coordinates every party sends (random-k, count-sketch) are
             added as they are.
 
+    Each party's optimizer normalises its own, noisier progress, and a coordinate only one party
+    chose arrives divided by the number of parties: with more parties the global model moves less
+    per exchange than dense DDP's (``docs/results.md``, "More than two processes"), which the
+    default factor makes up for.
+
     Example:
-        >>> AddAverage().state_dict(), AddAverage(chosen_scale=2.0).chosen_scale
-        ({}, 2.0)
+        >>> AddAverage().chosen_scale, AddAverage(chosen_scale=1.0).state_dict()
+        ('parties', {})
     """
 
-    def __init__(self, chosen_scale: float | str = 1.0) -> None:
+    def __init__(self, chosen_scale: float | str = "parties") -> None:
         self.chosen_scale = check_chosen_scale(chosen_scale)
 
     def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
@@ -167,8 +175,8 @@ def outer_step_for(
     setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None, chosen_scale: float | str = 1.0
 ) -> OuterStep:
     """The outer step of a resolved ``outer_optimizer`` setting: an :class:`OuterStep` as it is, a
-    factory of optimizers as an :class:`OptimizerStep`, None as :class:`AddAverage` (both with
-    ``chosen_scale``).
+    factory of optimizers as an :class:`OptimizerStep` (with ``chosen_scale``), None as the default
+    :class:`AddAverage`.
 
     Example:
         >>> type(outer_step_for(None)).__name__, type(outer_step_for(torch.optim.SGD)).__name__
@@ -176,7 +184,7 @@ def outer_step_for(
     """
     if isinstance(setting, OuterStep):
         return setting
-    return AddAverage(chosen_scale) if setting is None else OptimizerStep(setting, chosen_scale)
+    return AddAverage() if setting is None else OptimizerStep(setting, chosen_scale)
 
 
 #: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)

@@ -69,7 +69,7 @@ class UpdateExchange:
         bucket_bytes: an optimizer's parameters go in messages of at most this many bytes of
             float32 updates (a larger parameter gets one of its own).
         outer_step: what the global parameters do with each exchange's average (default:
-            :class:`~lightning_sparse.exchange.outer.AddAverage`, add it in).
+            :class:`~lightning_sparse.exchange.outer.AddAverage`).
 
     Example:
         >>> import torch
