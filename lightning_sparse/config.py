@@ -145,7 +145,7 @@ class SparseConfig:
         metadata=_doc(
             """update mode: what the global parameters do with each exchange's average. None
             (default): add it in, with the coordinates each party chose on its own scaled by half
-            the number of parties from 4 parties on
+            the number of parties where there are more than 2
             (:class:`~lightning_sparse.exchange.outer.AddAverage`; ``AddAverage(chosen_scale=1.0)``
             adds the plain average); ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
             Nesterov, stepped with the negated average as the gradient; or any optimizer class or

@@ -194,7 +194,7 @@ def test_outer_step_instance_is_an_outer_optimizer(shell: str) -> None:
     cls = SparseDDPStrategy if shell == "trainer" else FabricSparseDDPStrategy
     default = cls().update_exchange
     assert default is not None and isinstance(default.outer_step, AddAverage)
-    assert default.outer_step.chosen_scale == "parties"  # the default: N/2 from 4 parties on
+    assert default.outer_step.chosen_scale == "parties"  # the default: N/2 above 2 parties
     strategy = cls(outer_optimizer=outer)
     assert strategy.update_exchange is not None and strategy.update_exchange.outer_step is outer
     assert SparseConfig(outer_optimizer=outer).fingerprint()["outer_optimizer"].endswith("ScaledAdd")

@@ -55,7 +55,7 @@ def _delay_worker(
     )
     state = SparseState(config)
     memory = state.memory
-    # the plain average where no outer step is named (the default scales the chosen coordinates from 4 on)
+    # the plain average where no outer step is named (the default scales the chosen coordinates above 2)
     plain = AddAverage(chosen_scale=1.0)
     exchange = UpdateExchange(state, outer_step=plain if outer is None else outer_step_for(config.outer_factory))
     exchange.bind(named)

@@ -3,7 +3,7 @@
 In update mode every exchange ends in one place: :meth:`OuterStep.apply` receives the
 :class:`~lightning_sparse.wire.Average` of what the ranks sent for one group of parameters and the
 flat global values of those parameters. :class:`AddAverage` (the default) adds the average in, the
-coordinates each party chose on its own scaled by half the number of parties from 4 parties on
+coordinates each party chose on its own scaled by half the number of parties where there are more than 2
 (:func:`parties_scale`); an outer optimizer (a momentum step on the average, a scaled or decayed step) is another
 :class:`OuterStep`, and needs nothing changed in the wire code.
 """

@@ -113,10 +113,10 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             DiLoCo's ``H``); 1 (default): every step. Between exchanges the module keeps the rank's own view,
             the global model aside; validation, checkpoints and the end of fit get the global model.
         outer_optimizer: update mode: what the global parameters do with each exchange's average. None (default): add it
-            in, with the coordinates each party chose on its own scaled by half the number of parties from 4 parties on
-            (:class:`~lightning_sparse.exchange.outer.AddAverage`; ``AddAverage(chosen_scale=1.0)`` adds the plain
-            average); ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9, Nesterov, stepped with the
-            negated average as the gradient; or any optimizer class or factory (``functools.partial(torch.optim.SGD,
+            in, with the coordinates each party chose on its own scaled by half the number of parties where there are
+            more than 2 (:class:`~lightning_sparse.exchange.outer.AddAverage`; ``AddAverage(chosen_scale=1.0)`` adds the
+            plain average); ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9, Nesterov, stepped with
+            the negated average as the gradient; or any optimizer class or factory (``functools.partial(torch.optim.SGD,
             lr=0.7, momentum=0.9, nesterov=True)``; ``class_path``/``init_args`` in a CLI config); or an
             :class:`~lightning_sparse.exchange.outer.OuterStep` of your own. Its state is in every checkpoint.
         value_bits: send the values of a sparse exchange (the selected ones and those of the small
