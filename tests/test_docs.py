@@ -123,6 +123,10 @@ COMMANDS = {
     "--only d4 sinv szero shalf": (
         "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_the_probes_and_the_plain_average"
     ),
+    'python -m benchmarks parties --parties 8 --variants \'d2={"dense": true, "lr": 0.002}\' '
+    '\'d4={"dense": true, "lr": 0.004}\' \'c2={"lr": 0.002}\' \'c4={"lr": 0.004}\' --only d2 d4 c2 c4': (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
+    ),
     # Results: accuracy against bytes (the test: --tiny)
     "python -m benchmarks convergence --tasks gpt --compressors topk --densities 0.01 0.001 "
     "--modes update gradient --peers powersgd:1 powersgd:4 --out docs/convergence/gpt": (
