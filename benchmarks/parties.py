@@ -382,7 +382,6 @@ def _clip_by_average(params: list[Any], optimizer: Any, clip: float, parties: in
     import torch.distributed as dist
 
     grads = [p.grad for p in params if p.grad is not None]
-    own = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
     if how == "exact":
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
@@ -400,6 +399,7 @@ def _clip_by_average(params: list[Any], optimizer: Any, clip: float, parties: in
             noise += float((v - m * m).clamp_min(0).sum())
         noise /= 1 - (1 - b1) / (1 + b1)  # the noise left in the EMA m
         rho = 1.0 if total == 0 else max(1.0 / parties, 1 - min(noise, total) / total * (1 - 1 / parties))
+        own = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         norm = own * rho**0.5
     factor = min(1.0, clip / (norm + 1e-6))
     with torch.no_grad():

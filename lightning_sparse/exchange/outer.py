@@ -171,12 +171,10 @@ def _key(names: tuple[str, ...]) -> str:
     return "|".join(names)
 
 
-def outer_step_for(
-    setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None, chosen_scale: float | str = 1.0
-) -> OuterStep:
+def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None) -> OuterStep:
     """The outer step of a resolved ``outer_optimizer`` setting: an :class:`OuterStep` as it is, a
-    factory of optimizers as an :class:`OptimizerStep` (with ``chosen_scale``), None as the default
-    :class:`AddAverage`.
+    factory of optimizers as an :class:`OptimizerStep` (the plain average its gradient), None as the
+    default :class:`AddAverage`.
 
     Example:
         >>> type(outer_step_for(None)).__name__, type(outer_step_for(torch.optim.SGD)).__name__
@@ -184,7 +182,7 @@ def outer_step_for(
     """
     if isinstance(setting, OuterStep):
         return setting
-    return AddAverage() if setting is None else OptimizerStep(setting, chosen_scale)
+    return AddAverage() if setting is None else OptimizerStep(setting)
 
 
 #: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)
