@@ -139,3 +139,26 @@ def test_compressor_config_repr_eq() -> None:
     assert TopK() == TopK() and TopK() != TopK(fast=False) and TopK() != RandomK()
     with pytest.raises(ValueError, match="fast=1 is not allowed"):
         TopK(fast=1)  # type: ignore[arg-type]
+
+
+def test_at_once_rule_is_declared_by_the_class_whose_choice_it_reproduces() -> None:
+    """The wire selects a bucket at once only for a compressor that declares the rule: a subclass
+    that picks otherwise (its own ``select``) goes one tensor at a time, one that only renames keeps it."""
+    from lightning_sparse.compressors import CountSketch, RandomK, TopK
+
+    class Slower(TopK):
+        def select(self, p: torch.Tensor, k: int, ctx: CompressContext) -> torch.Tensor:
+            return super().select(p, k, ctx)
+
+    class Renamed(RandomK):
+        pass
+
+    assert TopK().selects_at_once("topk") and not TopK(fast=False).selects_at_once("topk")
+    assert not Slower().selects_at_once("topk")
+    assert Renamed().selects_at_once("randomk") and not Renamed().selects_at_once("topk")
+    assert CountSketch().selects_at_once("countsketch")
+    assert not any(
+        get_compressor(name).selects_at_once(rule)
+        for name in ("rtopk", "gaussiank", "dgc", "randomblock")
+        for rule in ("topk", "randomk", "countsketch")
+    )

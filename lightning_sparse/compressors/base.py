@@ -85,6 +85,25 @@ class Compressor(ABC):
 
     name: ClassVar[str] = ""
     pattern: ClassVar[Pattern] = "gather"
+    #: the wire's rule that selects a whole bucket's tensors at once and picks exactly what this class's
+    #: :meth:`select` picks (``"topk"``, ``"randomk"``, ``"countsketch"``), or None: one tensor at a time
+    #: through :meth:`select`. A subclass that overrides :meth:`select` starts again from None.
+    at_once: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "select" in cls.__dict__ and "at_once" not in cls.__dict__:
+            cls.at_once = None  # a rule written for the parent's choice is not this class's choice
+
+    def selects_at_once(self, rule: str) -> bool:
+        """Whether the wire's bucket-at-once ``rule`` picks exactly what :meth:`select` picks.
+
+        Example:
+            >>> from lightning_sparse.compressors import RandomK, TopK
+            >>> [c.selects_at_once("topk") for c in (TopK(), TopK(fast=False), RandomK())]
+            [True, False, False]
+        """
+        return self.at_once == rule
 
     @abstractmethod
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:

@@ -118,6 +118,7 @@ class CountSketch(Compressor):
 
     name = "countsketch"
     pattern = "sketch"
+    at_once = "countsketch"
 
     def __init__(
         self,

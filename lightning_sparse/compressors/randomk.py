@@ -249,6 +249,7 @@ class RandomK(Compressor):
 
     name = "randomk"
     pattern = "shared"
+    at_once = "randomk"
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
         """The coordinates the exchange sends for this tensor (ascending): a function of

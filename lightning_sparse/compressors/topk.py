@@ -203,11 +203,15 @@ class TopK(Compressor):
 
     name = "topk"
     pattern = "gather"
+    at_once = "topk"
 
     def __init__(self, fast: bool = True) -> None:
         if not isinstance(fast, bool):
             raise ValueError(f"fast={fast!r} is not allowed: expected True or False.")
         self.fast = fast
+
+    def selects_at_once(self, rule: str) -> bool:
+        return self.fast and super().selects_at_once(rule)  # the at-once rule is the shortlist's
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
         if not self.fast:

@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
-from lightning_sparse.compressors import TopK
 from lightning_sparse.compressors.topk import sample_rank
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
@@ -68,6 +67,7 @@ def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple
     the exchange asks here, so that all of them see one flat tensor.
 
     Example:
+        >>> from lightning_sparse.compressors import TopK
         >>> from lightning_sparse.wire.context import BucketPlan, Member
         >>> plan = BucketPlan((Member("w", 1, 0, 64, True), Member("b", 2, 64, 4, False)), 68, "w, b")
         >>> ctx = WireContext(TopK(), True, 0.0, None, 0, "auto", True, None, True)
@@ -89,8 +89,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
     no substituted inputs, no offloaded residuals)."""
     compressor = ctx.compressor
     return (
-        type(compressor) is TopK
-        and compressor.fast
+        compressor.selects_at_once("topk")
         and ctx.error_feedback
         and not ctx.momentum_correction
         and call.observe is None

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import RegionViews, all_finite
-from lightning_sparse.compressors import CompressContext, Compressor, RandomK
+from lightning_sparse.compressors import CompressContext, Compressor
 from lightning_sparse.compressors.randomk import SubsetLayout, draw_subsets
 from lightning_sparse.wire.batched import residual_layout, select_values
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
@@ -47,10 +47,11 @@ __all__ = ["SharedLayout", "eligible", "select_shared"]
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members are drawn at once: random-k itself (a subclass may pick
-    otherwise), with a sparse member.
+    """Whether ``call``'s sparse members are drawn at once: a compressor whose choice is random-k's
+    (``Compressor.selects_at_once``), with a sparse member.
 
     Example:
+        >>> from lightning_sparse.compressors import RandomK
         >>> from lightning_sparse.telemetry.stats import Counters
         >>> from lightning_sparse.wire.context import Member
         >>> plan = BucketPlan((Member("w", 1, 0, 64, True),), 64, "w")
@@ -58,7 +59,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
         >>> eligible(ctx, BucketCall(torch.zeros(64), plan, 0, Counters()))
         True
     """
-    return type(ctx.compressor) is RandomK and bool(call.plan.sparse_members)
+    return ctx.compressor.selects_at_once("randomk") and bool(call.plan.sparse_members)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
     random-k's sparse members drawn and selected at once where :func:`eligible`, else one at a time.
 
     Example:
+        >>> from lightning_sparse.compressors import RandomK
         >>> from lightning_sparse.telemetry.stats import Counters
         >>> from lightning_sparse.wire.context import Member
         >>> plan = BucketPlan((Member("w", 1, 0, 1000, True),), 1000, "w")

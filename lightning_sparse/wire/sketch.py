@@ -237,24 +237,25 @@ class SketchLayout:
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members can be sketched at once: the count-sketch itself (not a
-    subclass); buckets whose members stay the same (update mode's: the hashes are drawn per bucket,
-    and DDP lays its gradient buckets out anew after its first step and on resume, which would
-    change a resumed run's draws); no momentum correction or substituted inputs; residuals that live
-    with the bucket; at most :data:`AT_ONCE_ENTRIES` ``rows * numel`` in all; and on a CPU no member
-    past :data:`CPU_ONE_BY_ONE`."""
+    """Whether ``call``'s sparse members can be sketched at once: a compressor whose choice is the
+    count-sketch's (``Compressor.selects_at_once``); buckets whose members stay the same (update
+    mode's: the hashes are drawn per bucket, and DDP lays its gradient buckets out anew after its
+    first step and on resume, which would change a resumed run's draws); no momentum correction or
+    substituted inputs; residuals that live with the bucket; at most :data:`AT_ONCE_ENTRIES`
+    ``rows * numel`` in all; and on a CPU no member past :data:`CPU_ONE_BY_ONE`."""
     compressor = ctx.compressor
     sparse = call.plan.sparse_members
-    if type(compressor) is not CountSketch or not sparse:
+    if not compressor.selects_at_once("countsketch") or not sparse:
         return False
+    rows = typing.cast(CountSketch, compressor).rows
     if ctx.momentum_correction or call.sources or (ctx.error_feedback and ctx.memory.home is not None):
         return False
     if not ctx.fixed_buckets:  # DDP's buckets: draws per bucket would change with their layout (resume)
         return False
-    if compressor.rows * sum(m.numel for m in sparse) > AT_ONCE_ENTRIES:
+    if rows * sum(m.numel for m in sparse) > AT_ONCE_ENTRIES:
         return False
     on_cpu = call.buffer.device.type == "cpu"
-    return not (on_cpu and compressor.rows * max(m.numel for m in sparse) > CPU_ONE_BY_ONE)
+    return not (on_cpu and rows * max(m.numel for m in sparse) > CPU_ONE_BY_ONE)
 
 
 def _hashes(ctx: WireContext, call: BucketCall, layout: SketchLayout) -> tuple[Tensor, torch.Generator]:
