@@ -197,11 +197,11 @@ class SparseCore:
         backward that needs none of it, so that a local step does not copy every gradient into
         DDP's buckets. It is needed for the timed fallback's plain DDP steps and, under fp16 AMP, for
         the ranks' agreement on a skipped step (:meth:`SparseExchange.keep_gradient`), and for
-        ``static_graph``'s first backward."""
+        ``static_graph``, whose reducer records the graph in the first backward and expects it in every
+        later one: there it stays on (its hook keeps each rank's own gradient, so nothing changes but
+        the hook's calls)."""
         exchange = self.state.step_exchange
-        # static_graph: DDP's first backward runs its reducer whatever (it records the graph there)
-        first_static = model.static_graph and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
-        if exchange.plain_ddp or exchange.skips is not None or first_static:
+        if exchange.plain_ddp or exchange.skips is not None or model.static_graph:
             if self._reducer_off:  # switched back on only where this switched it off; a ``no_sync``
                 model.require_backward_grad_sync = True  # the user opened is otherwise left alone
                 self._reducer_off = False
