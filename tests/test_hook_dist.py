@@ -390,7 +390,7 @@ def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:
             methods.append([k for k in after if after[k] != before.get(k, 0)])
     finally:
         comm.all_reduce = real_all_reduce
-    return {"methods": methods, "outs": outs, "fallback": state.config.timed_fallback.state_dict()}
+    return {"methods": methods, "outs": outs, "fallback": state.timed_fallback.state_dict()}
 
 
 @pytest.mark.parametrize("slow", ["sparse", "dense"])

@@ -259,6 +259,7 @@ def test_adaptive_on_one_process_learns_from_observations() -> None:
     # on one process every bucket goes dense (nothing to save); without the fallback the rule is live
     state = SparseState(density=s, fallback_to_dense=False)
     state.bind([("w", torch.nn.Parameter(torch.zeros(50_000)))])
+    s = state.schedule  # the state's own copy of the setting: the one that learns
     g = torch.Generator().manual_seed(0)
     flat, spiky = torch.randn(50_000, generator=g), torch.randn(50_000, generator=g) ** 5
     chosen = []
@@ -276,6 +277,7 @@ def test_adaptive_interval_skips_statistics_steps() -> None:
     s = AdaptiveDensity(cost_model="bits", c0=1e5, interval=3)
     state = SparseState(density=s)
     state.bind([("w", torch.nn.Parameter(torch.zeros(5000)))])
+    s = state.schedule  # the state's own copy of the setting: the one that learns
     for step in range(7):
         s.observe(step, "b", "w", torch.randn(5000))
         s.end_step(step)
@@ -288,6 +290,7 @@ def test_adaptive_state_round_trips_and_pickles() -> None:
     s = AdaptiveDensity(cost_model="bits", c0=1e5, min_density=1e-3, max_density=0.25)
     state = SparseState(density=s)
     state.bind([("w", torch.nn.Parameter(torch.zeros(20_000)))])
+    s = state.schedule  # the state's own copy of the setting: the one that learns
     s.observe(0, "b", "w", torch.randn(20_000) ** 3)
     s.end_step(0)  # leaves the decision pending: state_dict and pickle must fold it in
     saved = s.state_dict()

@@ -55,6 +55,7 @@ def _adaptive_worker(rank: int, world: int, big: bool, cost_model: str, steps: i
 
     state = SparseState(compressor="topk", density=schedule, min_numel=1000, warmup_steps=1, seed=3)
     state.bind(named)
+    schedule = state.schedule  # the rank's own copy, the one that learns
 
     sizes: list[int] = []
     gathered_sizes: list[int] = []
@@ -184,6 +185,7 @@ def _every_compressor_worker(rank: int, world: int, steps: int = 6) -> dict[str,
             schedule = AdaptiveDensity(cost_model="bits", c0=3e4, min_density=1e-3, max_density=0.25)
             state = SparseState(compressor=name, density=schedule, min_numel=1000, seed=3)
             state.bind(named)
+            schedule = state.schedule  # the rank's own copy, the one that learns
             densities, counted = [], []
             for step in range(steps):
                 before = tapped["bytes"]

@@ -449,8 +449,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["schedule_state"] = state.schedule.state_dict()
         result["methods"] = {k: v.buckets for k, v in state.telemetry.methods.items()}
         result["optimizer_state"] = trainer.optimizers[0].state_dict()["state"] if trainer.optimizers else {}
-        if state.config.timed_fallback is not None:
-            result["timed_fallback"] = state.config.timed_fallback.state_dict()
+        if state.timed_fallback is not None:
+            result["timed_fallback"] = state.timed_fallback.state_dict()
     prefix = f"{cfg['name']}_" if cfg.get("name") else ""
     torch.save(result, f"{prefix}rank{trainer.global_rank}.pt")
 

@@ -197,8 +197,10 @@ def worker(args: argparse.Namespace) -> int:
             telemetry = state.telemetry
             summaries[-1]["peak_step_wire_bytes"] = telemetry.peak_step_wire_bytes
             summaries[-1]["wait_s_per_step"] = telemetry.wait_seconds / max(1, args.warmup + args.steps)
-        if state is not None and state.config.timed_fallback is not None:
-            summaries[-1]["timed_fallback"] = state.config.timed_fallback.decisions
+        # the rank's own timed fallback (older versions kept the live one in the config)
+        timed = None if state is None else getattr(state, "timed_fallback", state.config.timed_fallback)
+        if timed is not None:
+            summaries[-1]["timed_fallback"] = timed.decisions
     if args.rank == 0 and args.result:
         result = {
             "world_size": world,

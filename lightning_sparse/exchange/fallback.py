@@ -51,7 +51,7 @@ class TimedFallback:
     Example:
         >>> from lightning_sparse import SparseDDPStrategy
         >>> strategy = SparseDDPStrategy(compressor="topk", fallback_to_dense="time")
-        >>> strategy.sparse_state.config.timed_fallback.trial_steps
+        >>> strategy.sparse_state.timed_fallback.trial_steps
         5
         >>> TimedFallback(trial_steps=3, recheck_every=1000).trial_length
         6

@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_sparse._utils import stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
+from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum, sum_of_squares
 from lightning_sparse.exchange.step import StepExchange
 from lightning_sparse.schedules import DensitySchedule
@@ -55,7 +56,6 @@ class SparseState:
             raise ValueError(f"SparseState takes a config or settings, not both (got settings {sorted(settings)}).")
         self.config = config
         self.compressor: Compressor = config.compressor  # type: ignore[assignment]
-        self.schedule: DensitySchedule = config.schedule
         self.memory = ErrorFeedback()
         if config.offload_residual:  # update mode: the residuals live in CPU memory between exchanges
             self.memory.home = torch.device("cpu")
@@ -69,6 +69,17 @@ class SparseState:
         self._names: dict[int, str] = {}
         self._params: list[Tensor] = []
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
+
+    @property
+    def schedule(self) -> DensitySchedule:
+        """This rank's density schedule (:attr:`StepExchange.schedule`: a copy of the config's ``density``)."""
+        return self.step_exchange.schedule
+
+    @property
+    def timed_fallback(self) -> TimedFallback | None:
+        """This rank's timed fallback, its trials and choices (:attr:`StepExchange.timed_fallback`: a copy of
+        the config's), or None where ``fallback_to_dense`` is not ``"time"``."""
+        return self.step_exchange.timed_fallback
 
     @property
     def step(self) -> int:
@@ -132,7 +143,7 @@ class SparseState:
         first = trainable[0][1] if trainable else None
         device = first.device if first is not None else torch.device("cpu")
         self.schedule.setup(self.wire, device, first.dtype if first is not None else torch.float32)
-        timed = self.config.timed_fallback
+        timed = self.timed_fallback
         if timed is not None:
             timed.setup(process_group, self.world_size, self.config.warmup_steps, device)
 
@@ -214,7 +225,7 @@ class SparseState:
 
         ``copy=False`` hands out the residuals themselves where they are on the CPU (for writing
         them at once, without a second copy in memory)."""
-        timed = self.config.timed_fallback
+        timed = self.timed_fallback
         return {
             "version": STATE_VERSION,
             "compress": self.config.compress,
@@ -245,6 +256,6 @@ class SparseState:
         self.velocity.load_state_dict(state.get("velocity", {}), device=device)
         self.telemetry.load_state_dict(state["telemetry"])
         saved_timed = state.get("timed_fallback")
-        timed = self.config.timed_fallback
+        timed = self.timed_fallback
         if timed is not None and saved_timed is not None:
             timed.load_state_dict(saved_timed)

@@ -17,6 +17,7 @@ communication is per bucket. Parameters below ``min_numel`` go dense, in the sam
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -29,9 +30,9 @@ from torch.futures import Future
 from lightning_sparse._utils import all_finite
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.amp import SkippedSteps
-from lightning_sparse.exchange.fallback import DENSE, SPARSE, TRIAL_DENSE
+from lightning_sparse.exchange.fallback import DENSE, SPARSE, TRIAL_DENSE, TimedFallback
 from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
-from lightning_sparse.schedules import k_for
+from lightning_sparse.schedules import DensitySchedule, k_for
 from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.wire import DENSE as DENSE_PATTERN
 from lightning_sparse.wire import (
@@ -101,6 +102,12 @@ class StepExchange:
         self.memory = memory
         self.velocity = velocity
         self.telemetry = telemetry
+        # The config holds values: what learns or measures as the run goes (an adaptive density's
+        # statistics, the timed fallback's clock and choice) is this rank's own copy, kept here.
+        #: the density schedule of this rank's exchange (a copy of the config's ``density``)
+        self.schedule: DensitySchedule = copy.deepcopy(config.schedule)
+        #: the timed fallback of this rank's exchange (a copy of the config's), None where it is off
+        self.timed_fallback: TimedFallback | None = copy.deepcopy(config.timed_fallback)
         #: optimizer steps this rank finished exchanging (saved in checkpoints)
         self.step = 0
         #: optimizer steps this rank finished, with or without an exchange (local steps count here
@@ -173,7 +180,7 @@ class StepExchange:
                 self.memory.scale_(scale / last)
                 self.velocity.scale_(scale / last)
             self._last_loss_scale = scale
-        timed = self.config.timed_fallback
+        timed = self.timed_fallback
         if timed is not None:
             # may agree on a trial's outcome (one small collective, issued here, before this step's
             # first bucket, at the same step on every rank)
@@ -191,7 +198,7 @@ class StepExchange:
         if self._in_step:
             return self._plain_ddp, False
         self.begin()
-        timed = self.config.timed_fallback
+        timed = self.timed_fallback
         dense = timed is not None and timed.kind(self.step) in (DENSE, TRIAL_DENSE)
         entering = dense and not self._plain_ddp
         self._plain_ddp = dense
@@ -204,7 +211,7 @@ class StepExchange:
             self.telemetry.residual_norm = self.memory.norm_sq() ** 0.5
             self.telemetry.residual_norm_step = self.step
         # on the exchanging thread, after the step's collectives; an adaptive density gathers its statistics
-        schedule = self.config.schedule
+        schedule = self.schedule
         schedule_bytes = schedule.end_step(self.step)
         if schedule_bytes:  # the statistics are all-gathered (DensitySchedule.end_step)
             counters = Counters()
@@ -225,11 +232,11 @@ class StepExchange:
         """Update mode with a timed fallback and a ``sync_every`` of 1: the fallback times whole steps
         (up to :meth:`mark_end`) and may make them plain DDP steps (:meth:`begin_timed`)."""
         c = self.config
-        return c.timed_fallback is not None and c.compress == "update" and c.sync_every == 1
+        return self.timed_fallback is not None and c.compress == "update" and c.sync_every == 1
 
     def mark_end(self) -> None:
         """The optimizer step's exchange is over (the timed fallback's window closes here)."""
-        timed = self.config.timed_fallback
+        timed = self.timed_fallback
         if timed is not None and self.times_whole_steps:
             timed.mark_end()
 
@@ -282,7 +289,7 @@ class StepExchange:
         config = self.config
         ctx = self.wire
         compressor = ctx.compressor
-        schedule = config.schedule
+        schedule = self.schedule
         counters = Counters(numel=buffer.numel(), buckets=1)
         count_dense(counters, self.world_size, buffer.numel() * buffer.element_size())
         call = BucketCall(
@@ -302,7 +309,7 @@ class StepExchange:
         ks: list[int] = []
         send_sparse = False
         method = "dense (warm-up)" if sparse else "dense (small tensors)"  # how the bucket is sent, for telemetry
-        timed = config.timed_fallback
+        timed = self.timed_fallback
         past_warmup = self.step >= config.warmup_steps
         if sparse and past_warmup:
             density = schedule.density(self.step)

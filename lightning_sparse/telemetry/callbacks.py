@@ -264,8 +264,8 @@ class CompressionMonitor(Callback):
             "for a dense all-reduce; ratio = dense wire / wire bytes; msg ratio = dense bytes / bytes put "
             "into the collectives; % of step = time in the hook / training step time."
         )
-        if state.config.timed_fallback is not None and state.config.timed_fallback.describe():
-            summary.notes.append(str(state.config.timed_fallback.describe()))
+        if state.timed_fallback is not None and state.timed_fallback.describe():
+            summary.notes.append(str(state.timed_fallback.describe()))
         return summary
 
 
