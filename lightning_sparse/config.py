@@ -1,10 +1,10 @@
 """SparseConfig: every setting of the sparse exchange, declared once.
 
 Each setting's type, default, validation and documentation live here; the Trainer and Fabric
-strategies keep flat, typed keyword arguments (the Lightning CLI reads their signatures) and a test
-checks that their signatures, defaults and argument docs match this class. The state of the hook
-(:class:`~lightning_sparse.exchange.state.SparseState`) is built from a config; what must agree on every
-rank is :meth:`SparseConfig.fingerprint`.
+strategies take them as flat keyword arguments, their signatures and argument docs written from this
+class (``lightning_sparse.strategies.settings.with_settings``; the Lightning CLI reads them). The
+state of the hook (:class:`~lightning_sparse.exchange.state.SparseState`) is built from a config; what
+must agree on every rank is :meth:`SparseConfig.fingerprint`.
 """
 
 from __future__ import annotations
@@ -439,11 +439,6 @@ class SparseConfig:
             "offload_residual": self.offload_residual,
             "fault_tolerant": self.fault_tolerant,
         }
-
-    @classmethod
-    def of(cls, arguments: dict[str, Any]) -> SparseConfig:
-        """The config of the settings among ``arguments`` (a shell's ``locals()``)."""
-        return cls(**{name: arguments[name] for name in setting_names() if name in arguments})
 
 
 def describe_callable(value: Any) -> Any:

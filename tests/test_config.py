@@ -19,10 +19,9 @@ from lightning_sparse import (
 )
 from lightning_sparse.config import setting_docs, setting_names
 
-# The four front ends declare the settings as their own flat arguments, each copy kept equal to
-# SparseConfig's (name, default, type, doc) by the tests below: the Lightning CLI (jsonargparse)
-# reads every strategy's own signature and docstring for its types, defaults and --help, which a
-# shared ``config: SparseConfig`` argument or ``**kwargs`` would turn into nested keys or hide.
+# The four front ends take the settings as flat keyword arguments, their signatures and argument
+# docs written from SparseConfig (strategies.settings.with_settings): the Lightning CLI (jsonargparse)
+# reads each strategy's signature and docstring for its types, defaults and --help.
 SHELLS = [SparseDDPStrategy, FabricSparseDDPStrategy, SparseFSDPStrategy, FabricSparseFSDPStrategy]
 #: settings of DDP itself, which the FSDP2 strategies do not take
 DDP_ONLY = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "start_method"}
@@ -139,3 +138,22 @@ def test_offload_global_is_checked() -> None:
         SparseConfig(offload_global=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"offload_global=True is not allowed with compress='gradient'"):
         SparseConfig(compress="gradient", offload_global=True)
+
+
+@pytest.mark.parametrize("shell", SHELLS, ids=lambda c: c.__module__)
+def test_shell_refuses_a_name_it_does_not_take(shell: type) -> None:
+    """A mistyped setting is refused by name at construction (the DDP front ends pass names that are
+    not settings on to DistributedDataParallel, which checks them)."""
+    with pytest.raises((TypeError, ValueError), match="densty"):
+        shell(densty=0.1)
+    if shell in (SparseFSDPStrategy, FabricSparseFSDPStrategy):
+        with pytest.raises(TypeError, match="static_graph"):
+            shell(static_graph=True)  # DDP's own: not a setting of the FSDP2 front ends
+
+
+def test_settings_are_keyword_arguments_in_the_signature() -> None:
+    params = inspect.signature(SparseDDPStrategy).parameters
+    assert params["density"].kind is inspect.Parameter.KEYWORD_ONLY and params["density"].default == 0.01
+    assert list(params)[-1] == "kwargs" and params["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    fsdp = inspect.signature(SparseFSDPStrategy).parameters
+    assert list(fsdp)[:2] == ["shard_size", "sharded_modules"] and "static_graph" not in fsdp

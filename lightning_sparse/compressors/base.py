@@ -100,8 +100,10 @@ class Compressor(ABC):
 
         Example:
             >>> from lightning_sparse.compressors import RandomK, TopK
-            >>> [c.selects_at_once("topk") for c in (TopK(), TopK(fast=False), RandomK())]
-            [True, False, False]
+            >>> TopK().selects_at_once("topk"), TopK(fast=False).selects_at_once("topk")
+            (True, False)
+            >>> RandomK().selects_at_once("topk")
+            False
         """
         return self.at_once == rule
 

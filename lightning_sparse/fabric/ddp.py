@@ -27,9 +27,9 @@ puts the rank's view back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -45,22 +45,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import end_process_group_at_exit
-from lightning_sparse.compressors import Compressor
-from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.ft import FaultTolerantUpdate
 from lightning_sparse.exchange.ft_env import shard_across_groups
-from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric.hooks import FabricHooks
-from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.core import SparseCore, register_names, wrap_in_ddp
 from lightning_sparse.strategies.ft_front import fabric_recovery
+from lightning_sparse.strategies.settings import take_settings, with_settings
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
 
 
+@with_settings(extra="kwargs")
 class SparseDDPStrategy(FabricHooks, DDPStrategy):
     """Fabric's DDP whose communication is a sparse exchange with error feedback.
 
@@ -77,92 +74,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     Trainer callbacks in Fabric: log them with ``fabric.log_dict`` if wanted).
 
     Args:
-        compress: ``"update"``: compress each rank's optimizer update (trains close to dense with AdamW and
-            with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``: compress the
-            gradient before the step, in DDP's communication hook, bucket by bucket as backward hands them over
-            (every bucket's collectives leave together after the last; suits plain SGD).
-        compressor: a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.
-        density: fraction of each tensor sent per step, in (0, 1], or a density schedule.
-        error_feedback: keep what was not sent and send it later.
-        min_numel: tensors with fewer elements (biases, norms) are sent dense.
-        warmup_steps: the first exchanges sent dense (gradient mode: >= 1, DDP learns its bucket order in
-            the first step; update mode, whose messages are its own: >= 0).
-        value_dtype: dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None sends the
-            gradient's dtype. Rounding errors go into the residual.
-        seed: seed of every random choice (shared coordinates, samples).
-        fallback_to_dense: ``True`` (or ``"bytes"``): send a bucket dense when the sparse exchange would
-            move at least as many bytes as a dense all-reduce (all-gather traffic grows with world size).
-            ``"time"`` (or a ``TimedFallback``): that, and after warm-up time a few dense and sparse steps
-            on this link and send everything dense if dense was faster (fast links, where the hook's own
-            passes cost more than the bytes they save). ``False``: always sparse after warm-up.
-        momentum_correction: DGC's momentum correction (e.g. 0.9; gradient mode): the hook keeps each rank's
-            momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u`` too
-            (momentum factor masking), so coordinates that wait long do not hit an optimizer momentum all at
-            once. Use it with an optimizer without momentum (``SGD(momentum=0)``; checked at setup). 0
-            (default) turns it off.
-        exchange: how the selections of compressors that pick their own coordinates (pattern ``"gather"``) are
-            combined: ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
-            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about flat in
-            the number of ranks; the global selection keeps about ``k`` coordinates per bucket tensor),
-            ``"auto"`` (default): per bucket, the split where it moves at most a quarter of the all-gather's
-            bytes (from about 16 ranks), else the all-gather.
-        compact_indices: send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
-            0.01 instead of 4) wherever that is smaller; ``False``: int32.
-        sync_every: update mode: each rank takes this many optimizer steps on its own, then exchanges the
-            compressed sum of its progress since the last exchange plus what it has not sent yet (local SGD,
-            DiLoCo's ``H``); 1 (default): every step. Between exchanges the module keeps the rank's own view,
-            the global model aside; validation, checkpoints and the end of fit get the global model.
-        outer_optimizer: update mode: what the global parameters do with each exchange's average. None (default): add it
-            in, with the coordinates each party chose on its own scaled by half the number of parties where there are
-            more than 2 (:class:`~lightning_sparse.exchange.outer.AddAverage`; ``AddAverage(chosen_scale=1.0)`` adds the
-            plain average); ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9, Nesterov, stepped with
-            the negated average as the gradient; or any optimizer class or factory (``functools.partial(torch.optim.SGD,
-            lr=0.7, momentum=0.9, nesterov=True)``; ``class_path``/``init_args`` in a CLI config); or an
-            :class:`~lightning_sparse.exchange.outer.OuterStep` of your own. Its state is in every checkpoint.
-        value_bits: send the values of a sparse exchange (the selected ones and those of the small
-            tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64 values
-            (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual. None (default):
-            values in ``value_dtype``. Compressors that pick their own coordinates (pattern
-            ``"gather"``) only.
-        batchnorm_batches: update mode: where the module is given the global model for something other than
-            training (validation, testing, prediction, checkpoints, the end of fit), the running statistics of
-            its BatchNorm layers are recomputed under the global parameters from the inputs of this many of the
-            latest training forward passes (kept by reference), and averaged over the processes: gathered in
-            the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
-            off; a module without BatchNorm is not touched.
-        sync_delay: update mode with ``sync_every > 1``: launch each exchange without waiting and apply its
-            average this many optimizer steps later (at most ``sync_every``), the local steps going on while it
-            travels (Streaming DiLoCo's overlap); meanwhile the process's view keeps its own sent part.
-            Validation, checkpoints and the end of fit apply exchanges in flight first. 0 (default): wait for
-            each exchange.
-        fragments: update mode with ``sync_every > 1``: split the parameters into this many fragments of about
-            equal size, each exchanged once per cycle at its own step (staggered evenly over the cycle, as
-            Streaming DiLoCo syncs its fragments), so one exchange carries about ``1 / fragments`` of the model;
-            1 (default): the whole model at once.
-        fragment_split: how ``fragments`` are made: ``"strided"`` (default): each parameter tensor, in module
-            order, joins the fragment with the fewest elements so far (equal blocks go round robin, block i to
-            fragment i mod F, as Streaming DiLoCo's strided pattern); ``"contiguous"``: runs of consecutive
-            tensors cut at equal shares of the elements.
-        offload_global: update mode: keep the global copy of the parameters (and an outer optimizer's state) in
-            CPU memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an exchange
-            stages one bucket at a time on the device. The residual stays on the device.
-        offload_residual: update mode: keep the residual (what each process has not sent yet) in CPU memory; an
-            exchange copies each bucket's residuals to the device and back. With ``offload_global`` the device
-            holds only the model (under ``sparse_fsdp``, its shards), gradients and optimizer state between
-            exchanges.
-        fault_tolerant: update mode: this job is one replica group of several that meet on torchft at each
-            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that dies
-            does not stop the others and heals when it comes back (docs/fault-tolerance.md). Under
-            ``sparse_fsdp`` the job is one shard group (``shard_size`` None).
-        min_replicas: ``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.
-        quorum_timeout: ``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take.
-        find_unused_parameters: as in DDP.
-        static_graph: as in DDP.
-        gradient_as_bucket_view: as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's
-            buckets carry nothing there, so gradients living in them saves two copies of every gradient per
-            step), ``False`` with ``compress="gradient"`` (DDP's default).
-        bucket_cap_mb: as in DDP (None: DDP's default, 25); in update mode also the exchange's buckets (None:
-            1024, so that a model of up to 256M float32 parameters is exchanged as one; 25 when offloading).
+        {settings}
         accelerator: as in Fabric's ``DDPStrategy``.
         parallel_devices: as in Fabric's ``DDPStrategy``.
         cluster_environment: as in Fabric's ``DDPStrategy``.
@@ -170,7 +82,6 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         precision: as in Fabric's ``DDPStrategy``.
         process_group_backend: as in Fabric's ``DDPStrategy``.
         timeout: as in Fabric's ``DDPStrategy``.
-        start_method: the launcher's start method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -185,34 +96,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     def __init__(
         self,
-        compress: Literal["update", "gradient"] = "update",
-        compressor: str | Compressor = "topk",
-        density: float | DensitySchedule = 0.01,
-        error_feedback: bool = True,
-        min_numel: int = 1024,
-        warmup_steps: int = 1,
-        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
-        seed: int = 0,
-        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
-        momentum_correction: float = 0.0,
-        exchange: Literal["auto", "allgather", "split"] = "auto",
-        compact_indices: bool = True,
-        sync_every: int = 1,
-        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
-        value_bits: Literal[2, 4, 8] | None = None,
-        batchnorm_batches: int = 16,
-        sync_delay: int = 0,
-        fragments: int = 1,
-        fragment_split: Literal["strided", "contiguous"] = "strided",
-        offload_global: bool = False,
-        offload_residual: bool = False,
-        fault_tolerant: bool = False,
-        min_replicas: int = 1,
-        quorum_timeout: float = 60.0,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool | None = None,
-        bucket_cap_mb: float | None = None,
+        *,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -220,10 +104,10 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **kwargs: Any,
+        **settings: Any,
     ) -> None:
-        self._core = SparseCore(SparseConfig.of(locals()), ddp_kwargs=kwargs)
+        config, ddp_kwargs = take_settings(SparseDDPStrategy, settings, extra=True)  # the rest: DDP's own arguments
+        self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -232,7 +116,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             precision=precision,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,
+            start_method=config.start_method,
             **self._core.ddp_kwargs,
         )
         self._ddp_model: DistributedDataParallel | None = None

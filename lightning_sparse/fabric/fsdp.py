@@ -21,11 +21,10 @@ sees the global model.
 
 from __future__ import annotations
 
-import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -40,17 +39,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import end_process_group_at_exit
-from lightning_sparse.compressors import Compressor
-from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.ft import FaultTolerantUpdate
 from lightning_sparse.exchange.ft_env import shard_across_groups
-from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.fabric.hooks import FabricHooks
-from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.core import SparseCore
 from lightning_sparse.strategies.ft_front import fabric_recovery
+from lightning_sparse.strategies.settings import DDP_ONLY, setting_default, take_settings, with_settings
 from lightning_sparse.strategies.sharding import (
     bind_shards,
     check_mesh,
@@ -60,15 +55,15 @@ from lightning_sparse.strategies.sharding import (
     make_mesh,
     mesh_shape,
     reshard,
-    settings_doc,
     shard_module,
 )
 
 __all__ = ["SparseFSDPStrategy"]
 
 
+@with_settings(exclude=DDP_ONLY, docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."})
 class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
-    __doc__ = """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
+    """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
 
     The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy``, with the same
     settings (see there for each) and the same mesh ``("replicate", "shard")``. The module is sharded
@@ -78,8 +73,8 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     do not, then the module itself (tied parameters stay with the unit around every module using them). The
     loop may call the module or a submodule (``model.model(input_ids=x, labels=x)``). Set the module up first
     (``fabric.setup_module``), then make the optimizer from its parameters (``fabric.setup_optimizers``):
-    FSDP2 replaces the parameters it shards. ``fabric.save(path, {{"model": model, "optimizer":
-    optimizer, ...}})`` writes the global model as a ``torch.distributed.checkpoint`` folder and each
+    FSDP2 replaces the parameters it shards. ``fabric.save(path, {"model": model, "optimizer":
+    optimizer, ...})`` writes the global model as a ``torch.distributed.checkpoint`` folder and each
     process's residuals and optimizer state to a file of its own in ``<path>.sparse/``;
     ``fabric.load`` with the same keys resumes exactly, on the same number of processes and
     ``shard_size``. ``fabric.load(path, model)`` (a module alone) loads the global model only.
@@ -88,7 +83,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         shard_size: processes per group; None (default): the processes of one node.
         sharded_modules: names of module classes to shard; None: ``parallelize_fn`` shards.
         parallelize_fn: ``fn(module, device_mesh) -> module`` that shards the module itself, or None.
-{settings}
+        {settings}
         process_group_backend: as in Fabric's ``ModelParallelStrategy``.
         timeout: as in Fabric's ``ModelParallelStrategy``.
 
@@ -96,7 +91,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         >>> from lightning.fabric import Fabric
         >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
         >>> fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
-    """.format(settings=textwrap.indent(settings_doc(), "    "))
+    """
 
     strategy_name = "sparse_fsdp"
 
@@ -105,36 +100,17 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         shard_size: int | None = None,
         sharded_modules: list[str] | None = None,
         parallelize_fn: Callable[[Module, Any], Module] | None = None,
-        compress: Literal["update", "gradient"] = "update",
-        compressor: str | Compressor = "topk",
-        density: float | DensitySchedule = 0.01,
-        error_feedback: bool = True,
-        min_numel: int = 1024,
-        warmup_steps: int = 1,
-        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
-        seed: int = 0,
-        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
-        momentum_correction: float = 0.0,
-        exchange: Literal["auto", "allgather", "split"] = "auto",
-        compact_indices: bool = True,
-        sync_every: int = 1,
-        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
-        value_bits: Literal[2, 4, 8] | None = None,
-        batchnorm_batches: int = 16,
-        sync_delay: int = 0,
-        fragments: int = 1,
-        fragment_split: Literal["strided", "contiguous"] = "strided",
-        offload_global: bool = False,
-        offload_residual: bool = False,
-        fault_tolerant: bool = False,
-        min_replicas: int = 1,
-        quorum_timeout: float = 60.0,
-        bucket_cap_mb: float | None = None,
+        *,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **settings: Any,
     ) -> None:
+        given = {n: setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction")}
         check_sharding_arguments(
-            compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules, fault_tolerant
+            **given,
+            shard_size=shard_size,
+            sharded_modules=sharded_modules,
+            fault_tolerant=settings.get("fault_tolerant"),
         )
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise ValueError(f"parallelize_fn={parallelize_fn!r} is not allowed: expected a callable or None")
@@ -143,7 +119,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
                 f"sharded_modules={sharded_modules!r} is not allowed with a parallelize_fn: expected None (the "
                 "parallelize_fn shards the module)"
             )
-        self._core = SparseCore(SparseConfig.of(locals()))
+        self._core = SparseCore(take_settings(SparseFSDPStrategy, settings, DDP_ONLY)[0])
         super().__init__(parallelize_fn=self._parallelize, process_group_backend=process_group_backend, timeout=timeout)
         self._shard_size = shard_size
         self.sharded_modules = None if sharded_modules is None else list(sharded_modules)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import textwrap
-from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -18,20 +16,15 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse._utils import check_bool, end_process_group_at_exit
-from lightning_sparse.compressors import Compressor
-from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.ft import FaultTolerantUpdate
 from lightning_sparse.exchange.ft_env import shard_across_groups
-from lightning_sparse.exchange.outer import OuterStep
-from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.core import SparseCore
 from lightning_sparse.strategies.ft_front import trainer_recovery
+from lightning_sparse.strategies.settings import DDP_ONLY, setting_default, take_settings, with_settings
 from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
     bind_shards,
@@ -42,7 +35,6 @@ from lightning_sparse.strategies.sharding import (
     make_mesh,
     mesh_shape,
     reshard,
-    settings_doc,
     shard_module,
 )
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
@@ -50,8 +42,9 @@ from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 __all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
 
 
+@with_settings(exclude=DDP_ONLY, docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."})
 class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
-    __doc__ = """FSDP2 inside each group of ``shard_size`` processes, update mode's sparse exchange across groups.
+    """FSDP2 inside each group of ``shard_size`` processes, update mode's sparse exchange across groups.
 
     The processes form a 2-D device mesh ``("replicate", "shard")``: ``world_size / shard_size``
     groups of ``shard_size``. Inside a group the model is sharded with FSDP2's ``fully_shard`` on the
@@ -85,7 +78,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             processes of one node. Must divide the number of processes.
         sharded_modules: names of module classes to shard (e.g. ``["GPT2Block"]``), for a
             LightningModule without a ``configure_model`` that shards it; None: ``configure_model`` does.
-{settings}
+        {settings}
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one. ``False`` adds nothing.
         process_group_backend: as in Lightning's ``ModelParallelStrategy``.
@@ -96,7 +89,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         >>> from lightning.pytorch import Trainer
         >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
         >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
-    """.format(settings=textwrap.indent(settings_doc(), "    "))
+    """
 
     strategy_name = "sparse_fsdp"
 
@@ -104,40 +97,21 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         self,
         shard_size: int | None = None,
         sharded_modules: list[str] | None = None,
-        compress: Literal["update", "gradient"] = "update",
-        compressor: str | Compressor = "topk",
-        density: float | DensitySchedule = 0.01,
-        error_feedback: bool = True,
-        min_numel: int = 1024,
-        warmup_steps: int = 1,
-        value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = None,
-        seed: int = 0,
-        fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = True,
-        momentum_correction: float = 0.0,
-        exchange: Literal["auto", "allgather", "split"] = "auto",
-        compact_indices: bool = True,
-        sync_every: int = 1,
-        outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
-        value_bits: Literal[2, 4, 8] | None = None,
-        batchnorm_batches: int = 16,
-        sync_delay: int = 0,
-        fragments: int = 1,
-        fragment_split: Literal["strided", "contiguous"] = "strided",
-        offload_global: bool = False,
-        offload_residual: bool = False,
-        fault_tolerant: bool = False,
-        min_replicas: int = 1,
-        quorum_timeout: float = 60.0,
-        bucket_cap_mb: float | None = None,
+        *,
         compression_monitor: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **settings: Any,
     ) -> None:
         check_bool("compression_monitor", compression_monitor)
+        given = {n: setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction")}
         check_sharding_arguments(
-            compress, fallback_to_dense, momentum_correction, shard_size, sharded_modules, fault_tolerant
+            **given,
+            shard_size=shard_size,
+            sharded_modules=sharded_modules,
+            fault_tolerant=settings.get("fault_tolerant"),
         )
-        self._core = SparseCore(SparseConfig.of(locals()))
+        self._core = SparseCore(take_settings(SparseFSDPStrategy, settings, DDP_ONLY)[0])
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.compression_monitor = compression_monitor
         self._shard_size = shard_size

@@ -6,7 +6,6 @@ FSDP2's traffic inside a group, and the optimizer states of the per-process chec
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,9 +14,10 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
-from lightning_sparse.config import setting_docs
+from lightning_sparse.config import setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.settings import DDP_ONLY
 from lightning_sparse.telemetry.stats import Telemetry
 
 __all__ = [
@@ -34,12 +34,12 @@ __all__ = [
     "make_mesh",
     "mesh_shape",
     "reshard",
-    "settings_doc",
     "shard_module",
     "sharding_units",
 ]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
+FSDP_SETTINGS = tuple(name for name in setting_names() if name not in DDP_ONLY)
 FSDP_SETTINGS = (
     "compress",
     "compressor",
@@ -68,17 +68,6 @@ FSDP_SETTINGS = (
     "bucket_cap_mb",
 )
 MESH_DIMS = ("replicate", "shard")
-
-
-def settings_doc() -> str:
-    docs = setting_docs()
-    lines = []
-    for name in FSDP_SETTINGS:
-        text = docs[name]
-        if name == "bucket_cap_mb":
-            text = "size of the exchange's messages in MB (None: 25)."
-        lines.append(textwrap.fill(f"{name}: {text}", 112, initial_indent="    ", subsequent_indent="        "))
-    return "\n".join(lines)
 
 
 def check_sharding_arguments(
