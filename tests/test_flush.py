@@ -102,12 +102,14 @@ def test_flush_is_for_update_mode_and_sparse_strategies() -> None:
         FlushResiduals().on_train_end(SimpleNamespace(strategy=object()), None)  # type: ignore[arg-type]
 
 
-def test_flush_is_refused_under_fault_tolerance() -> None:
+def test_flush_in_rounds_is_refused_under_fault_tolerance() -> None:
     from lightning_sparse.exchange.ft import FaultTolerantUpdate
     from lightning_sparse.exchange.state import SparseState
 
-    with pytest.raises(RuntimeError, match="flush_residuals\\(\\) is not allowed with fault_tolerant=True"):
-        FaultTolerantUpdate(SparseState(compress="update")).flush_residuals()
+    exchange = FaultTolerantUpdate(SparseState(compress="update"))
+    with pytest.raises(ValueError, match="flush_residuals\\(rounds=4\\) is not allowed with fault_tolerant=True"):
+        exchange.flush_residuals(4)
+    exchange.flush_residuals()  # not joined to any group yet: nothing to hand over
 
 
 def test_flush_on_one_process_changes_nothing() -> None:

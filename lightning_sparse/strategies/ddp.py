@@ -104,6 +104,16 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             latest training forward passes (kept by reference), and averaged over the processes: gathered in
             the forward passes of each process's own view, they fit the view, not the global model. 0 turns it
             off; a module without BatchNorm is not touched.
+        flush_at_end: update mode: at the end of a Trainer fit (a Fabric loop: ``strategy.end_fit()``), add the
+            mean of every process's residual, what it has not sent yet, to the global model, exactly (one dense
+            float32 all-reduce of the exchanged parameters, counted apart in the summary), so that what is
+            validated, tested, saved and returned holds every process's progress. False: the global model as the
+            last exchange left it.
+        max_nonfinite_steps: update mode: a process whose optimizer update of a parameter is not finite drops
+            it, puts that parameter back to its global value and resets its optimizer state for it (its next
+            finite gradient counts again), with a warning, counted as ``sparse/nonfinite_updates``; after this
+            many consecutive optimizer steps with a non-finite update the fit stops with an error naming the
+            process and the step. 0: never stop.
         sync_delay: update mode with ``sync_every > 1``: launch each exchange without waiting and apply its
             average this many optimizer steps later (at most ``sync_every``), the local steps going on while it
             travels (Streaming DiLoCo's overlap); meanwhile the process's view keeps its own sent part.
@@ -178,6 +188,8 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        flush_at_end: bool = True,
+        max_nonfinite_steps: int = 8,
         sync_delay: int = 0,
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",

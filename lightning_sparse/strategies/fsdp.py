@@ -120,6 +120,8 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = None,
         value_bits: Literal[2, 4, 8] | None = None,
         batchnorm_batches: int = 16,
+        flush_at_end: bool = True,
+        max_nonfinite_steps: int = 8,
         sync_delay: int = 0,
         fragments: int = 1,
         fragment_split: Literal["strided", "contiguous"] = "strided",

@@ -57,6 +57,8 @@ FSDP_SETTINGS = (
     "outer_optimizer",
     "value_bits",
     "batchnorm_batches",
+    "flush_at_end",
+    "max_nonfinite_steps",
     "sync_delay",
     "fragments",
     "fragment_split",
