@@ -76,10 +76,11 @@ def test_fabric_flush_in_rounds_sends_what_is_left_as_configured(tmp_path: Path)
 
 @pytest.mark.dist
 def test_trainer_flush_at_the_end_of_fit(tmp_path: Path) -> None:
-    cfg = {"max_steps": 30, "data_by_step": True, "strategy": STRATEGY}
-    plain = run_trainer(cfg, tmp_path / "plain", timeout=300)
-    flushed = run_trainer({**cfg, "flush_residuals": True}, tmp_path / "flushed", timeout=300)
-    assert "FlushResiduals" in flushed[0]["callbacks"]
+    # the default (flush_at_end=True) hands over exactly what the fit without it leaves in the residuals
+    cfg = {"max_steps": 30, "data_by_step": True}
+    plain = run_trainer({**cfg, "strategy": {**STRATEGY, "flush_at_end": False}}, tmp_path / "plain", timeout=300)
+    flushed = run_trainer({**cfg, "strategy": STRATEGY}, tmp_path / "flushed", timeout=300)
+    assert "FlushResiduals" not in flushed[0]["callbacks"]
     residuals = [_by_name(r["residuals"], r["params"]) for r in plain]  # the fit without: what was left
     assert any(bool(e.any()) for e in residuals[0].values())
     for key, old in plain[0]["params"].items():
