@@ -261,7 +261,8 @@ class SparseCore:
         process, :meth:`flush_residuals` (the exact mean of the residuals joins the global model);
         otherwise :meth:`global_model`. Every process calls it at the same point."""
         update = self.update
-        if update is not None and self.config.flush_at_end and update.active:
+        # plain DDP steps (a timed fallback's dense choice) left nothing unsent: no all-reduce of zeros
+        if update is not None and self.config.flush_at_end and update.active and not self.state.step_exchange.plain_ddp:
             self.flush_residuals()
         else:
             self.global_model()
