@@ -54,6 +54,7 @@ def main() -> None:
 
     state = getattr(fabric.strategy, "sparse_state", None)
     if state is not None:
+        fabric.strategy.end_fit()  # what the ranks have not sent yet joins the global model
         total = state.telemetry.total
         fabric.print(
             f"{args.strategy}: val accuracy {accuracy(model, val_set):.3f}, compression ratio "

@@ -177,6 +177,27 @@ class SparseConfig:
             BatchNorm is not touched."""
         ),
     )
+    flush_at_end: bool = field(
+        default=True,
+        metadata=_doc(
+            """update mode: at the end of a Trainer fit (a Fabric loop: ``strategy.end_fit()``), add the
+            mean of every process's residual, what it has not sent yet, to the global model, exactly
+            (one dense float32 all-reduce of the exchanged parameters, counted apart in the summary),
+            so that what is validated, tested, saved and returned holds every process's progress.
+            False: the global model as the last exchange left it."""
+        ),
+    )
+    max_nonfinite_steps: int = field(
+        default=8,
+        metadata=_doc(
+            """update mode: a process whose optimizer update of a parameter is not finite drops it,
+            puts that parameter back to its global value and resets its optimizer state for it (its
+            next finite gradient counts again), with a warning, counted as
+            ``sparse/nonfinite_updates``; after this many consecutive optimizer steps with a
+            non-finite update the fit stops with an error naming the process and the step. 0: never
+            stop."""
+        ),
+    )
     sync_delay: int = field(
         default=0,
         metadata=_doc(
@@ -320,6 +341,8 @@ class SparseConfig:
         check_bool("offload_global", self.offload_global)
         check_int("fragments", self.fragments, minimum=1)
         check_int("sync_delay", self.sync_delay, minimum=0)
+        check_bool("flush_at_end", self.flush_at_end)
+        check_int("max_nonfinite_steps", self.max_nonfinite_steps, minimum=0)
         if self.sync_delay and (self.compress != "update" or self.sync_delay > self.sync_every or self.sync_every == 1):
             raise ValueError(
                 f"sync_delay={self.sync_delay} is not allowed with compress={self.compress!r} and "
@@ -434,6 +457,8 @@ class SparseConfig:
             "batchnorm_batches": self.batchnorm_batches,
             "offload_global": self.offload_global,
             "sync_delay": self.sync_delay,
+            "flush_at_end": self.flush_at_end,
+            "max_nonfinite_steps": self.max_nonfinite_steps,
             "fragments": self.fragments,
             "fragment_split": self.fragment_split,
             "offload_residual": self.offload_residual,

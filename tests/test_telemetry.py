@@ -477,6 +477,8 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "value_dtype": {"value_dtype": "bfloat16"},
     "seed": {"seed": 7},
     "batchnorm_batches": {"batchnorm_batches": 0},
+    "flush_at_end": {"flush_at_end": False},
+    "max_nonfinite_steps": {"max_nonfinite_steps": 3},
     "offload_global": {"offload_global": True},
     "sync_delay": {"sync_every": 4, "sync_delay": 1},
     "fragments": {"sync_every": 4, "fragments": 2},

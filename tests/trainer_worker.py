@@ -54,6 +54,7 @@ class Net(L.LightningModule):
         self.optimizer_name = "sgd"
         self.scheduler = False
         self.skipped_steps = 0
+        self.skip_nonfinite = True  # False: a non-finite gradient reaches the optimizer
         self.residual_norms: list[float] = []
         self.sent_numel: list[int] = []
         #: global steps at whose batch end the module, residuals, cycle and loss scale are recorded
@@ -90,14 +91,15 @@ class Net(L.LightningModule):
             idx = torch.arange(start, start + bs) % n
             x, y = self.data.tensors[0][idx].to(x.device), self.data.tensors[1][idx].to(y.device)
         loss = nn.functional.cross_entropy(self(x).float(), y)
-        if self.global_step == self.nan_at_step and self.nan_rank in (-1, self.global_rank):
+        nan_now = self.global_step == self.nan_at_step or (self.nan_at_step == -2 and self.global_step > 0)
+        if nan_now and self.nan_rank in (-1, self.global_rank):  # -2: at every step from the second
             loss = loss * float("nan")
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # What a gradient scaler does: skip a step whose (averaged) gradient is not finite.
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not all(torch.isfinite(g).all() for g in grads):
+        if self.skip_nonfinite and not all(torch.isfinite(g).all() for g in grads):
             self.skipped_steps += 1
             for p in self.parameters():
                 p.grad = None
@@ -337,6 +339,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
     cls = ManualNet if cfg.get("manual") else Net
     model = cls(cfg.get("model", "mlp"), cfg.get("lr", 0.05), cfg.get("nan_at_step", -1), cfg.get("nan_rank", -1))
     model.momentum = cfg.get("momentum", 0.9)
+    model.skip_nonfinite = cfg.get("skip_nonfinite", True)
     model.optimizer_name = cfg.get("optimizer", "sgd")
     model.scheduler = cfg.get("scheduler", False)
     model.record_steps = set(cfg.get("record_steps", []))
@@ -448,6 +451,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["sent_numel"] = model.sent_numel
         result["schedule_state"] = state.schedule.state_dict()
         result["methods"] = {k: v.buckets for k, v in state.telemetry.methods.items()}
+        if strategy.update_exchange is not None:
+            result["nonfinite_updates"] = strategy.update_exchange.nonfinite_updates
         result["optimizer_state"] = trainer.optimizers[0].state_dict()["state"] if trainer.optimizers else {}
         if state.timed_fallback is not None:
             result["timed_fallback"] = state.timed_fallback.state_dict()

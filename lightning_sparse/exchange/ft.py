@@ -284,13 +284,44 @@ class FaultTolerantUpdate(UpdateExchange):
             stacklevel=3,
         )
 
+    @torch.no_grad()
     def flush_residuals(self, rounds: int | None = None) -> None:
-        """Refused: a flush outside an exchange has no quorum, and a group that heals has lost its
-        residual, so the mean would be over a different set of groups on each."""
-        raise RuntimeError(
-            "flush_residuals() is not allowed with fault_tolerant=True: it runs outside any quorum of the "
-            "live replica groups; use it without fault tolerance, or leave the residuals to the next exchanges"
-        )
+        """The exact hand-over among the live groups: a quorum (a group behind it heals there, its
+        residual zero), then the mean of the quorum's residuals joins the global model, committed
+        everywhere or rolled back. Without a quorum within ``quorum_timeout``, or where it does not
+        commit, the residuals are kept (a warning) and the module holds the global model as the last
+        exchange left it. ``rounds`` is refused: the rounds are exchanges of their own."""
+        if rounds is not None:
+            raise ValueError(
+                f"flush_residuals(rounds={rounds!r}) is not allowed with fault_tolerant=True: expected rounds=None "
+                "(the exact hand-over, one quorum); the residuals otherwise go with the next exchanges"
+            )
+        if self.manager is None:  # not started: nothing joined, nothing to hand over
+            return
+        try:
+            self._quorum()
+        except RuntimeError as missed:
+            self.hold_global()
+            warnings.warn(
+                f"lightning_sparse: replica group {self._group_id()} kept its residuals at the hand-over: "
+                f"{_gist(missed)}. The global model is as the last exchange left it.",
+                stacklevel=3,
+            )
+            return
+        saved = self._snapshot()
+        error: Exception | None = None
+        try:
+            super().flush_residuals()
+        except Exception as e:  # a collective failed: a group died or stalled
+            error = e
+            self.manager.report_error(e)
+        if self._commit():
+            self.commits += 1
+            return
+        self.rollbacks += 1
+        self._restore(saved)
+        self.hold_global()
+        self._warn_rollback(error, "the residuals kept, the global model as the last exchange left it")
 
     # ------------------------------------------------------------------ rollback
     def _global_of(self, name: str) -> Tensor:

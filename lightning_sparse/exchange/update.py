@@ -24,7 +24,6 @@ fold) and the view the cycle started from.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,12 +38,14 @@ from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update_parts import (
     Bucket,
     InFlight,
+    NonfiniteUpdates,
     ShapedResiduals,
     StagedAverage,
     average_optimizer_states,
     bucket_parts,
     check_fragments,
     drop_nonfinite,
+    flush_exactly,
     flush_in_rounds,
     fragments_of,
     split_fragments,
@@ -52,7 +53,7 @@ from lightning_sparse.exchange.update_parts import (
 from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.batched import residual_layout
-from lightning_sparse.wire.comm import Rounds, run_together, wait
+from lightning_sparse.wire.comm import Rounds, run_together
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
@@ -89,8 +90,11 @@ class UpdateExchange:
         #: called when a timed fallback takes the ranks to plain DDP steps (with a ``sync_every`` of
         #: 1): the strategy averages its optimizers' states there (see :func:`average_optimizer_states`)
         self.on_dense: Callable[[], None] | None = None
-        #: optimizer steps whose update this rank dropped because it was not finite
-        self.nonfinite_updates = 0
+        #: the updates this rank dropped as non-finite, and their healing
+        self.nonfinite = NonfiniteUpdates()
+        #: called with the names of the parameters whose update was dropped, after the exchange: the
+        #: strategy resets its optimizers' state for them there (:meth:`_heal`)
+        self.on_nonfinite: Callable[[list[str]], None] | None = None
         #: name -> parameter (trainable, bound)
         self._params: dict[str, Tensor] = {}
         self._names: dict[int, str] = {}
@@ -150,6 +154,10 @@ class UpdateExchange:
         """Whether there is anything to exchange (more than one process)."""
         return self.state.world_size > 1
 
+    def name_of(self, param: Tensor) -> str | None:
+        """The name ``param`` (a parameter, or an alias of one) is exchanged under; None: not exchanged."""
+        return self._names.get(id(param))
+
     def _names_of(self, params: Iterable[Tensor] | None) -> list[str]:
         if params is None:
             return list(self._params)
@@ -163,6 +171,7 @@ class UpdateExchange:
         Called before the rank's forward/backward/optimizer step; parameters that already hold
         the rank's view are left as they are.
         """
+        self.nonfinite.check()  # max_nonfinite_steps consecutive non-finite exchanges: the error, here
         if not self.active:
             return
         if self._timed_dense():
@@ -216,6 +225,8 @@ class UpdateExchange:
                 memory.accumulate(name, delta)
                 memory.unstage([name])
         self._hold_global(names)
+        if self.nonfinite.pending:  # found in the fold: healed now, before the next step
+            self._heal()
 
     def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None, check: bool = True) -> Tensor:
         """``p - (global + e)`` of one parameter in float32 (into ``out``, a flat float32 tensor, or
@@ -360,11 +371,13 @@ class UpdateExchange:
             steps.close()
         if delay:
             self._in_flight.append(InFlight(group, launch, futures, delay))
+            self._heal()
             return  # the collectives progress in the background; the view stays in the module
         for bucket, future in zip(launch, futures, strict=True):
             self._apply(bucket, future)
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
             self._hold_bucket(bucket)
+        self._heal()
         steps.mark_end()
 
     def _hold_bucket(self, bucket: Bucket) -> None:
@@ -459,22 +472,8 @@ class UpdateExchange:
         if rounds is not None:
             return flush_in_rounds(self, rounds)
         self.hold_global()
-        state = self.state
-        names = list(self._params)
-        parts = [(state.memory.get(n) if n in state.memory else None, self._params[n]) for n in names]
-        flat = torch.cat(
-            [e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts]
-        )
-        counters = Counters(numel=flat.numel(), buckets=1, dense_buckets=1)
-        wait(state.wire.comm.all_reduce(flat, counters))
-        flat.div_(state.world_size)
-        pos = 0
-        for name, (_, p) in zip(names, parts, strict=True):
-            p.add_(flat[pos : pos + p.numel()].view_as(p).to(p.dtype))
-            pos += p.numel()
-            self._synced.pop(name, None)
-        state.memory.clear()
-        state.telemetry.record("unsent parts", counters, "dense (flush)")
+        flush_exactly(self.state, self._params)
+        self._synced.clear()  # the module holds the new global values: the next view starts from them
 
     def _count_local(self, bucket: Bucket) -> None:
         """Telemetry of a step between exchanges: what dense DDP would have moved for it."""
@@ -482,12 +481,20 @@ class UpdateExchange:
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
         state.telemetry.record(state.plan(bucket.delta, bucket.params).label, counters, "local step")
 
+    @property
+    def nonfinite_updates(self) -> int:
+        """Parameter updates this rank dropped because they were not finite (one per tensor and exchange)."""
+        return self.nonfinite.updates
+
     def _warn_nonfinite(self, name: str) -> None:
-        self.nonfinite_updates += 1
-        if self.nonfinite_updates == 1:
-            warnings.warn(
-                f"lightning_sparse: rank {self.state.rank}'s optimizer step made {name!r} non-finite at step "
-                f"{self.state.step}; that rank's update of it is dropped (the global model stays finite). "
-                "Further occurrences are counted in UpdateExchange.nonfinite_updates.",
-                stacklevel=3,
-            )
+        self.nonfinite.found(name)
+
+    def _heal(self) -> None:
+        """After an exchange that dropped updates of this rank: those parameters go back to their
+        global values (the view keeps its sent part meanwhile under ``sync_delay``), and the
+        strategy resets its optimizers' state for them (``on_nonfinite``); see :class:`NonfiniteUpdates`."""
+        names = self.nonfinite.settle(self.state.rank, self.state.step, self.state.config.max_nonfinite_steps)
+        if names:
+            self._hold_global([n for n in names if n in self._local])
+            if self.on_nonfinite is not None:
+                self.on_nonfinite(names)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,8 +14,10 @@ from torch.futures import Future
 
 from lightning_sparse._utils import RegionViews, all_reduce_mean_, check_int
 from lightning_sparse.exchange.memory import ErrorFeedback
+from lightning_sparse.telemetry.stats import FLUSH_METHOD, Counters
 from lightning_sparse.wire import Average, BucketPlan
 from lightning_sparse.wire.batched import residual_layout
+from lightning_sparse.wire.comm import wait
 
 __all__ = [
     "flush_in_rounds",
@@ -355,6 +358,106 @@ def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup
             if isinstance(value, Tensor) and value.is_floating_point()
         ]
         all_reduce_mean_(tensors, group, world, torch.float64)
+
+
+class NonfiniteUpdates:
+    """The updates one rank dropped because its optimizer made them non-finite, exchange by exchange.
+
+    :meth:`found` counts one (a tensor's), :meth:`settle` closes an exchange: the names to heal,
+    a rate-limited warning (the 1st, 2nd, 4th, 8th ... exchange with one), and, after ``limit``
+    consecutive such exchanges, the error :meth:`check` raises before the next step (outside any
+    exchange, so that a fault-tolerant exchange does not take it for a failed collective).
+
+    Example:
+        >>> n = NonfiniteUpdates()
+        >>> n.found("w"); n.settle(rank=0, step=3, limit=0)  # doctest: +SKIP
+        ['w']
+        >>> n.settle(rank=0, step=4, limit=0), n.updates, n.streak
+        ([], 0, 0)
+    """
+
+    def __init__(self) -> None:
+        #: tensor updates dropped, in all
+        self.updates = 0
+        #: consecutive exchanges with a dropped update; exchanges with one, in all
+        self.streak = 0
+        self.exchanges = 0
+        self.pending: list[str] = []  # dropped in the exchange in progress
+        self._stop: FloatingPointError | None = None
+
+    def found(self, name: str) -> None:
+        self.updates += 1
+        self.pending.append(name)
+
+    def check(self) -> None:
+        if self._stop is not None:
+            raise self._stop
+
+    def settle(self, rank: int, step: int, limit: int) -> list[str]:
+        names, self.pending = self.pending, []
+        if not names:
+            self.streak = 0
+            return names
+        self.streak += 1
+        self.exchanges += 1
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if limit and self.streak >= limit:
+            self._stop = FloatingPointError(
+                f"lightning_sparse: rank {rank}'s optimizer update was not finite at {self.streak} consecutive "
+                f"exchanges, the last at step {step} ({shown}): its loss or gradients are NaN or infinite at every "
+                f"step (max_nonfinite_steps={limit}; 0 never stops). Under plain DDP every parameter would be NaN."
+            )
+        n = self.exchanges
+        if n & (n - 1) == 0:
+            warnings.warn(
+                f"lightning_sparse: rank {rank}'s optimizer step made {shown} non-finite at step {step} ({n} time(s) "
+                f"so far, {self.updates} tensor update(s) in all, logged as sparse/nonfinite_updates): that update is "
+                "dropped, the rank's view of them is put back to the global model and its optimizer state for them "
+                f"is reset, so its next finite gradient counts again. {limit or 'No number of'} consecutive "
+                "non-finite exchanges stop the fit (max_nonfinite_steps).",
+                stacklevel=4,
+            )
+        return names
+
+
+def reset_optimizer_states(optimizers: Iterable[Any], names: Iterable[str], name_of: Callable[[Any], Any]) -> None:
+    """Forget the optimizers' state of the parameters named ``names`` (``name_of``: a parameter's
+    name), as if they had never stepped: AdamW's moments and step count, SGD's momentum start
+    again at their next step.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.AdamW([p])
+        >>> p.grad = torch.ones(2); opt.step()
+        >>> reset_optimizer_states([opt], ["w"], lambda q: "w" if q is p else None); len(opt.state)
+        0
+    """
+    wanted = set(names)
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if name_of(p) in wanted:
+                    inner.state.pop(p, None)
+
+
+@torch.no_grad()
+def flush_exactly(state: Any, params: dict[str, Tensor]) -> None:
+    """Add the mean over processes of their residuals to ``params`` (by name; the module holds the
+    global model) and empty the residuals: one float32 all-reduce of all of them, counted as
+    :data:`~lightning_sparse.telemetry.stats.FLUSH_METHOD` (``state``: the
+    :class:`~lightning_sparse.exchange.state.SparseState`)."""
+    parts = [(state.memory.get(n) if n in state.memory else None, p) for n, p in params.items()]
+    flat = torch.cat([e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts])
+    counters = Counters(numel=flat.numel(), sent_numel=flat.numel(), buckets=1, dense_buckets=1)
+    wait(state.wire.comm.all_reduce(flat, counters))
+    flat.div_(state.world_size)
+    pos = 0
+    for _, p in parts:
+        p.add_(flat[pos : pos + p.numel()].view_as(p).to(p.dtype))
+        pos += p.numel()
+    state.memory.clear()
+    state.telemetry.record("unsent parts", counters, FLUSH_METHOD)
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ from lightning_sparse.exchange.update import (
     UpdateExchange,
     average_optimizer_states,
 )
+from lightning_sparse.exchange.update_parts import reset_optimizer_states
 from lightning_sparse.strategies.advice import check_no_optimizer_momentum, training_advice
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
@@ -130,6 +131,8 @@ class SparseCore:
         self._warned_batchnorm = False
         #: update mode: DDP's reducer was switched off for the coming backward (see ``_reducer_when_needed``)
         self._reducer_off = False
+        #: the step at which the residuals were last handed over exactly (:meth:`flush_residuals`)
+        self._handed_over: int | None = None
 
     # ------------------------------------------------------------------ binding
     def bind(
@@ -167,7 +170,10 @@ class SparseCore:
         if module is not None and self.batchnorm is not None:
             self.batchnorm.attach(module, self.state.step)
         if optimizers is not None:
-            self.update.on_dense = lambda: average_optimizer_states(optimizers(), process_group)
+            update = self.update
+            update.on_dense = lambda: average_optimizer_states(optimizers(), process_group)
+            # a non-finite update heals: the optimizers forget that parameter's state
+            update.on_nonfinite = lambda names: reset_optimizer_states(optimizers(), names, update.name_of)
 
     def register_hook(
         self,
@@ -244,9 +250,22 @@ class SparseCore:
                 "compress='update' (gradient mode keeps no global model apart from the replicas: its "
                 "residuals are gradients still to be sent)"
             )
-        self.update.flush_residuals(rounds)
-        self.state.telemetry.fold_current()  # a dense flush's bytes, recorded outside any step
+        if rounds is not None or self._handed_over != self.state.step:  # a second exact flush adds nothing
+            self.update.flush_residuals(rounds)
+            self.state.telemetry.fold_current()  # a dense flush's bytes, recorded outside any step
+            self._handed_over = self.state.step if rounds is None else None
         self.global_model()
+
+    def end_fit(self) -> None:
+        """The end of a fit: in update mode with ``flush_at_end`` (default) and more than one
+        process, :meth:`flush_residuals` (the exact mean of the residuals joins the global model);
+        otherwise :meth:`global_model`. Every process calls it at the same point."""
+        update = self.update
+        # plain DDP steps (a timed fallback's dense choice) left nothing unsent: no all-reduce of zeros
+        if update is not None and self.config.flush_at_end and update.active and not self.state.step_exchange.plain_ddp:
+            self.flush_residuals()
+        else:
+            self.global_model()
 
     def global_model(self, together: bool = True) -> None:
         """Update mode: give the module the global model for something other than training

@@ -40,33 +40,6 @@ __all__ = [
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
 FSDP_SETTINGS = tuple(name for name in setting_names() if name not in DDP_ONLY)
-FSDP_SETTINGS = (
-    "compress",
-    "compressor",
-    "density",
-    "error_feedback",
-    "min_numel",
-    "warmup_steps",
-    "value_dtype",
-    "seed",
-    "fallback_to_dense",
-    "momentum_correction",
-    "exchange",
-    "compact_indices",
-    "sync_every",
-    "outer_optimizer",
-    "value_bits",
-    "batchnorm_batches",
-    "sync_delay",
-    "fragments",
-    "fragment_split",
-    "offload_global",
-    "offload_residual",
-    "fault_tolerant",
-    "min_replicas",
-    "quorum_timeout",
-    "bucket_cap_mb",
-)
 MESH_DIMS = ("replicate", "shard")
 
 

@@ -65,9 +65,9 @@ class SparseShell:
         exchange) to the global model, exactly, and empty the residuals, in one float32 all-reduce
         of the exchanged parameters. ``rounds=R``: R more exchanges of the residuals as configured
         (compressor, density, ``value_bits``, outer step), each due at once: R exchanges' bytes, the
-        largest part of what is left each time, the rest kept. Call it where it pays, at the end of
-        a fit (``FlushResiduals`` does it for a Trainer; a Fabric loop calls it after its last
-        step), on every process at the same point; the module then holds the global model.
+        largest part of what is left each time, the rest kept. A Trainer fit and :meth:`end_fit`
+        do the exact one at the end (``flush_at_end``); call it elsewhere on every process at the
+        same point; the module then holds the global model.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -77,6 +77,19 @@ class SparseShell:
             ValueError: flush_residuals() is not allowed with compress='gradient': expected compress='update' ...
         """
         self._core.flush_residuals(rounds)
+
+    def end_fit(self) -> None:
+        """Call after a Fabric loop's last optimizer step, on every process: what the processes have
+        not sent yet joins the global model (:meth:`flush_residuals`, exactly; update mode with
+        ``flush_at_end``, the default), and the module holds the global model
+        (:meth:`global_model`), which is then what the loop evaluates and saves. A Trainer does it
+        at the end of every fit.
+
+        Example:
+            >>> from lightning_sparse import SparseDDPStrategy
+            >>> SparseDDPStrategy(compress="gradient").end_fit()  # gradient mode: nothing to hand over
+        """
+        self._core.end_fit()
 
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any

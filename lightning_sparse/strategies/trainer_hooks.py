@@ -43,16 +43,22 @@ class GlobalModelFirst(pl.Callback):
         self.core.global_model()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.core.global_model()
+        # the hand-over (flush_at_end), before the monitor's summary counts it; a FlushResiduals of
+        # the user's own hands over its way instead
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        if any(isinstance(cb, FlushResiduals) for cb in callbacks):
+            self.core.global_model()
+        else:
+            self.core.end_fit()
 
 
 class FlushResiduals(pl.Callback):
     """At the end of fit, hand what every process has not sent yet to the global model: the
     strategy's ``flush_residuals(rounds)`` (update mode). ``rounds=None``: the exact mean of the
-    residuals, one dense float32 all-reduce of the exchanged parameters; ``rounds=R``: R more
-    exchanges as configured (R exchanges' bytes). Worth it with many processes and few exchanges,
-    where the residuals still hold much at the end (``docs/results.md``, "Equal samples"). It runs
-    after the fit's last checkpoint: ``trainer.save_checkpoint(...)`` after ``fit`` keeps the result.
+    residuals, one dense float32 all-reduce of the exchanged parameters, which every fit does by
+    itself (``flush_at_end``, the default); ``rounds=R``: R more exchanges as configured (R
+    exchanges' bytes) in its place. It runs after the fit's last checkpoint:
+    ``trainer.save_checkpoint(...)`` after ``fit`` keeps the result.
 
     Example:
         >>> callbacks = [FlushResiduals(rounds=8)]  # pl.Trainer(strategy="sparse_ddp", callbacks=callbacks)

@@ -21,13 +21,21 @@ METRIC_NAMES = (
     "sparse/message_ratio",
     "sparse/density",
     "sparse/bytes_sent",
+    "sparse/bytes_sent_total",
     "sparse/wire_bytes",
+    "sparse/wire_bytes_total",
     "sparse/residual_norm",
     "sparse/compress_ms",
     "sparse/collectives",
 )
 #: logged in update mode too: how far the global model lags this rank's own view
-UPDATE_METRIC_NAMES = ("sparse/unsent_ratio",)
+UPDATE_METRIC_NAMES = ("sparse/unsent_ratio", "sparse/nonfinite_updates")
+#: what the summary says on one process instead of an empty table
+ONE_PROCESS = (
+    "one process, nothing exchanged (the sparse exchange runs between processes; this fit trained as plain Lightning)."
+)
+#: shown on the progress bar: how far the global model lags (update mode), and the bytes saved so far
+PROGRESS_BAR_NAMES = ("sparse/unsent_ratio", "sparse/compression_ratio_cumulative")
 
 
 def compression_figures(
@@ -48,7 +56,10 @@ def compression_figures(
       the compression ratio at 2 ranks, above it at more when messages are all-gathered);
     - ``sparse/density``: fraction of gradient coordinates sent (dense parts count in full);
     - ``sparse/bytes_sent``: bytes this rank put into collectives, per step;
+    - ``sparse/bytes_sent_total``: the same over the whole run, a running total (the x axis of a
+      loss-against-bytes plot: :func:`~lightning_sparse.telemetry.metrics.loss_against_bytes`);
     - ``sparse/wire_bytes``: bytes those collectives moved through this rank (ring model), per step;
+    - ``sparse/wire_bytes_total``: the same over the whole run, a running total;
     - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
     - ``sparse/unsent_ratio`` (update mode): that norm over the norm of the global parameters, how
       far the model that validation and checkpoints see lags this rank's own view;
@@ -72,7 +83,9 @@ def compression_figures(
         "sparse/message_ratio": interval.message_ratio,
         "sparse/density": interval.density,
         "sparse/bytes_sent": interval.sent_bytes / steps,
+        "sparse/bytes_sent_total": float(total.sent_bytes),
         "sparse/wire_bytes": interval.wire_bytes / steps,
+        "sparse/wire_bytes_total": float(total.wire_bytes),
         "sparse/residual_norm": float(residual_norm),
         "sparse/compress_ms": 1000.0 * interval.compress_seconds / steps,
         "sparse/collectives": interval.collectives / steps,
@@ -224,12 +237,16 @@ class CompressionMonitor(Callback):
         replicas = getattr(getattr(trainer.strategy, "update_exchange", None), "replica_figures", None)
         if replicas is not None:  # fault_tolerant: groups in the last quorum, rollbacks, heals
             figures.update(replicas())
+        update = getattr(trainer.strategy, "update_exchange", None)
+        if update is not None:  # update mode: the tensor updates this rank dropped as non-finite
+            figures["sparse/nonfinite_updates"] = float(update.nonfinite_updates)
         for name, value in figures.items():
             pl_module.log(
                 name,
                 value,
                 on_step=on_step,
                 on_epoch=not on_step,
+                prog_bar=name in PROGRESS_BAR_NAMES,
                 logger=bool(trainer.loggers),
                 sync_dist=self.sync_dist if self.sync_dist is not None else not on_step,
                 batch_size=1,
@@ -246,7 +263,13 @@ class CompressionMonitor(Callback):
         if not self.summary:
             return
         self.last_summary = self.build_summary(trainer)
-        if trainer.is_global_zero:
+        if not trainer.is_global_zero:
+            return
+        update = getattr(trainer.strategy, "update_exchange", None)
+        exchanging = update.active if update is not None else state.world_size > 1
+        if not exchanging and not self.last_summary.total.buckets:
+            print(f"Sparse {state.config.compress} communication: {ONE_PROCESS}", flush=True)
+        else:
             self.last_summary.print()
 
     def build_summary(self, trainer: pl.Trainer) -> CompressionSummary:

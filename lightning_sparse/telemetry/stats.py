@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+#: the way of sending of the exact hand-over of the residuals (``flush_residuals()``, the end of fit)
+FLUSH_METHOD = "dense (flush)"
+
 
 @dataclass
 class Counters:

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from lightning_sparse._utils import resolve_value_dtype
 from lightning_sparse.config import SparseConfig, describe_callable
-from lightning_sparse.telemetry.stats import Counters, Telemetry
+from lightning_sparse.telemetry.stats import FLUSH_METHOD, Counters, Telemetry
 
 #: the table's columns, after the row name
 COLUMNS = (
@@ -30,7 +30,7 @@ COLUMNS = (
 )
 
 #: the row names of ways of sending that are not the compressor's name
-_METHOD_NAMES = {"local step": "not sent (local steps)"}
+_METHOD_NAMES = {"local step": "not sent (local steps)", FLUSH_METHOD: "dense (hand-over at the end)"}
 
 #: what :meth:`CompressionSummary.from_telemetry` adds below the table
 ADDS_UP = (
@@ -190,6 +190,15 @@ class CompressionSummary:
                 f"The largest step's exchange moved {format_bytes(telemetry.peak_step_wire_bytes)} through this rank; "
                 f"waiting for exchanges took {waited:.2f} s."
             )
+        methods = _diff(telemetry.methods, start.methods if start is not None else None)
+        flush = methods.get(FLUSH_METHOD)
+        if flush is not None and total.wire_bytes:
+            notes.append(
+                f"The hand-over of the residuals (one dense all-reduce of what the processes had not sent, the "
+                f"row 'dense (hand-over at the end)', not in the largest step) moved {format_bytes(flush.wire_bytes)} "
+                f"through this rank, {100.0 * flush.wire_bytes / total.wire_bytes:.0f}% of the wire bytes; dense DDP "
+                "needs none, so its dense wire is 0 and the total's ratio counts it against the strategy."
+            )
         if telemetry.group_bytes is not None:
             inside = telemetry.group_bytes - ((start.group_bytes or 0.0) if start is not None else 0.0)
             notes.append(
@@ -199,7 +208,7 @@ class CompressionSummary:
         notes.append(ADDS_UP)
         return cls(
             title=title,
-            methods=_diff(telemetry.methods, start.methods if start is not None else None),
+            methods=methods,
             groups=_diff(telemetry.groups, start.groups if start is not None else None),
             total=total,
             step_seconds=step_seconds,

@@ -1,0 +1,72 @@
+"""Loss against bytes from a Lightning logger's output: the curve the README plots, from your own logs."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Iterable, Mapping
+
+__all__ = ["loss_against_bytes"]
+
+
+def _number(value: object) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def loss_against_bytes(
+    rows: str | os.PathLike[str] | Iterable[Mapping[str, object]],
+    loss: str = "val_loss",
+    bytes_column: str = "sparse/bytes_sent_total",
+) -> list[tuple[float, float]]:
+    """``(bytes sent so far, loss)`` at every logged value of ``loss``, in step order.
+
+    ``rows``: the path of a ``CSVLogger``'s ``metrics.csv``, or rows of any logger's output as
+    mappings with a ``"step"`` key (for example ``pandas.DataFrame.to_dict("records")`` of a
+    TensorBoard export). The bytes are the running total that
+    :class:`~lightning_sparse.telemetry.callbacks.CompressionMonitor` logs
+    (``sparse/bytes_sent_total``, this rank's bytes since the start of the run; or
+    ``"sparse/wire_bytes_total"``) at the latest step at or before the loss's; a loss logged
+    before any bytes is left out.
+
+    Example:
+        >>> rows = [
+        ...     {"step": 9, "sparse/bytes_sent_total": 1000.0, "val_loss": ""},
+        ...     {"step": 9, "sparse/bytes_sent_total": "", "val_loss": 0.9},
+        ...     {"step": 19, "sparse/bytes_sent_total": 2100.0, "val_loss": ""},
+        ...     {"step": 19, "sparse/bytes_sent_total": "", "val_loss": 0.5},
+        ... ]
+        >>> loss_against_bytes(rows)
+        [(1000.0, 0.9), (2100.0, 0.5)]
+
+    Plotted: ``plt.plot(*zip(*loss_against_bytes("lightning_logs/version_0/metrics.csv")))``.
+    """
+    if isinstance(rows, (str, os.PathLike)):
+        with open(rows, newline="") as f:
+            records: list[Mapping[str, object]] = list(csv.DictReader(f))
+    else:
+        records = list(rows)
+    if records and loss not in records[0] and not any(loss in r for r in records):
+        raise ValueError(f"loss={loss!r} is not among the logged columns: expected one of {sorted(records[0])}.")
+    sent: list[tuple[float, float]] = []  # (step, bytes)
+    losses: list[tuple[float, float]] = []  # (step, loss)
+    for r in records:
+        step = _number(r.get("step"))
+        if step is None:
+            continue
+        b, value = _number(r.get(bytes_column)), _number(r.get(loss))
+        if b is not None:
+            sent.append((step, b))
+        if value is not None:
+            losses.append((step, value))
+    sent.sort(key=lambda sb: sb[0])
+    out = []
+    for step, value in sorted(losses, key=lambda sv: sv[0]):
+        before = [b for s, b in sent if s <= step]
+        if before:
+            out.append((max(before), value))
+    return out
