@@ -102,9 +102,11 @@ def test_a_group_back_after_the_others_finished_is_told_the_run_is_over(tmp_path
         groups.start(0)
         groups.start(1)
         groups.finish([0, 1])
-        began = time.monotonic()
         groups.start(1)  # the same command again, after the run
-        code = _ends(groups, 1, 20 + 30, began)
+        # from its quorum's start: a loaded 2-core machine takes up to a minute to launch a group of 2
+        waits = lambda: "starting quorum" in (tmp_path / "log_g1_1.txt").read_text(errors="replace")  # noqa: E731
+        groups.wait_for("group 1 at its quorum again", waits, 180)
+        code = _ends(groups, 1, 20 + 30, time.monotonic())
     finally:
         groups.close()
     log = groups.log(1, tail=10**7)
