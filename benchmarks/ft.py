@@ -1,14 +1,17 @@
-"""What a failure costs fault-tolerant replica groups: 3 groups on CPUs, one killed mid-fit and restarted.
+"""Goodput of fault-tolerant replica groups under repeated failures: 3 groups on CPUs, killed in turn.
 
 Two fits of 3 replica groups of 1 process each (``fault_tolerant=True``, gloo, a torchft
 Lighthouse on the loopback, a small MLP regression or, with ``--model gpt``, the TinyGPT (2 blocks of
-width 64) on standard-library source, ``sync_every`` and ``value_bits`` as given):
-one without failures, one where group 2 is SIGKILLed at ``--kill-at`` and started again
-``--restart-after`` steps of group 0 later (the same command). Reported: steps lost per failure
-(steps the survivors repeated or skipped, and the steps the killed group did not train between
-its death and its healing), seconds the live groups waited in quorums (against the fit without
-failures), each group's final validation loss, whether the global models ended bit-identical, and
-the bytes each group put into the exchange. Needs the optional package: ``pip install -e ".[ft]"``.
+width 64) on standard-library source, ``sync_every`` and ``value_bits`` as given): one without
+failures, one where at each of ``--kills`` (fractions of the run) the next group (2, then 0, then 1)
+is SIGKILLed and started again at once with the same command (after the group restarted before has
+committed an exchange). Reported, against the fit without failures: the survivors' steps per second
+while a group is down (from its kill to its first committed exchange after the restart) and before
+the first kill, that time itself, the run's steps per wall second (``max_steps`` over the wall time),
+the useful steps per wall second (every process's steps up to its last committed exchange: a killed
+process's steps after its last commit, and a group's absence, count as lost), each group's final
+validation loss, and whether the global models ended bit-identical. Needs the optional package:
+``pip install -e ".[ft]"``.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ DIM, HIDDEN, GROUPS = 16, 32, 3
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
     parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp", help="what the groups train")
-    parser.add_argument("--steps", type=int, default=240, help="max_steps of every group")
+    parser.add_argument("--steps", type=int, default=960, help="max_steps of every group")
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--value-bits", type=int, default=2)
-    parser.add_argument("--kill-at", type=int, default=60, help="group 2 is killed when it reaches this step")
-    parser.add_argument("--restart-after", type=int, default=20, help="steps of group 0 before the restart")
+    parser.add_argument(
+        "--kills", type=str, default="0.1,0.35,0.6",
+        help="fractions of --steps at which a group is killed and at once started again (groups 2, 0, 1, ...)",
+    )  # fmt: skip
     parser.add_argument("--step-sleep", type=float, default=0.1, help="seconds added to every training step")
     parser.add_argument("--json", type=str, default=None, help="also write the figures here")
     parser.add_argument("--group", type=str, default=None, help=argparse.SUPPRESS)  # a group's own fit
@@ -91,14 +96,17 @@ def _task(model: str, sleep: float) -> tuple[L.LightningModule, TensorDataset, A
 
 
 class _Progress(L.Callback):
+    """Every step: the Trainer's step, the exchanges this process committed and the time, one line each."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.steps: list[int] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.steps.append(trainer.global_step)
+        commits = getattr(trainer.strategy.update_exchange, "commits", 0)  # type: ignore[attr-defined]
         with open(self.path, "a") as f:
-            f.write(f"{trainer.global_step}\n")
+            f.write(f"{trainer.global_step} {commits} {time.time():.3f}\n")
 
 
 def _fit_group(cfg: dict[str, Any]) -> None:
@@ -109,9 +117,9 @@ def _fit_group(cfg: dict[str, Any]) -> None:
     out = Path(cfg["out"])
     strategy = lightning_sparse.SparseDDPStrategy(
         fault_tolerant=True, sync_every=cfg["sync_every"], value_bits=cfg["value_bits"], density=0.1, min_numel=0,
-        quorum_timeout=30.0,  # the first quorum waits for all three to start
+        quorum_timeout=30.0,
     )  # fmt: skip
-    progress = _Progress(out / f"progress_g{group}.txt")
+    progress = _Progress(out / f"progress_g{group}_{os.environ['BENCH_FT_START']}.txt")
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[progress],
@@ -125,10 +133,8 @@ def _fit_group(cfg: dict[str, Any]) -> None:
     figures = {
         "steps": progress.steps,
         "val_loss": loss,
-        "quorum_seconds": getattr(update, "quorum_seconds", 0.0),
         "heals": getattr(update, "heals", 0),
         "rollbacks": getattr(update, "rollbacks", 0),
-        "bytes": strategy.sparse_state.telemetry.total.sent_bytes,
         "params": [p.detach().clone() for p in module.parameters()],
     }
     torch.save(figures, out / f"result_g{group}.pt")
@@ -136,7 +142,18 @@ def _fit_group(cfg: dict[str, Any]) -> None:
         update.close()
 
 
-def _fit(out: Path, args: argparse.Namespace, kill: bool) -> list[dict[str, Any]]:
+def _read(path: Path) -> list[tuple[int, int, float]]:
+    """A progress file's lines: (step, commits, time)."""
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return [(int(a), int(b), float(c)) for a, b, c in (r for r in rows if len(r) == 3)]
+
+
+def _fit(out: Path, args: argparse.Namespace, kills: list[float]) -> dict[str, Any]:
+    """One fit of the groups: each kill (a fraction of the run) SIGKILLs the next group (2, 0, 1, ...)
+    when it reaches that step, after the group restarted before it has committed an exchange, and
+    starts it again at once. Returns the groups' results, their progress files and the times."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"out": str(out), "steps": args.steps, "sync_every": args.sync_every, "value_bits": args.value_bits,
            "step_sleep": args.step_sleep, "model": args.model}  # fmt: skip
@@ -144,54 +161,62 @@ def _fit(out: Path, args: argparse.Namespace, kill: bool) -> list[dict[str, Any]
     port = free_port()
     script = Path(sys.executable).parent / "torchft_lighthouse"
     lighthouse = subprocess.Popen(
-        [str(script) if script.exists() else "torchft_lighthouse", "--min_replicas", "2" if kill else str(GROUPS),
+        [str(script) if script.exists() else "torchft_lighthouse", "--min_replicas", "2" if kills else str(GROUPS),
          "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000",
          "--quorum_tick_ms", "50"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    starts = dict.fromkeys(range(GROUPS), 0)
     killed: list[subprocess.Popen[bytes]] = []
 
     def start(group: int) -> None:
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "REPLICA_GROUP_ID": str(group),
                "NUM_REPLICA_GROUPS": str(GROUPS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
-        log = open(out / f"log_g{group}_{len(killed)}.txt", "wb")
+               "OMP_NUM_THREADS": "1", "BENCH_FT_START": str(starts[group])}  # fmt: skip
+        log = open(out / f"log_g{group}_{starts[group]}.txt", "wb")
         cmd = [sys.executable, "-m", "benchmarks", "ft", "--group", str(out / "config.json")]
         procs[group] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def step(group: int) -> int:
-        path = out / f"progress_g{group}.txt"
-        lines = path.read_text().split() if path.exists() else []
-        return int(lines[-1]) if lines else 0
+    def last(group: int) -> tuple[int, int, float]:
+        rows = _read(out / f"progress_g{group}_{starts[group]}.txt")
+        return rows[-1] if rows else (0, 0, 0.0)
 
     def wait(ready: Any, timeout: float = 300) -> None:
         end = time.monotonic() + timeout
         while not ready():
             if time.monotonic() > end:
-                raise TimeoutError(f"groups at steps {[step(g) for g in range(GROUPS)]}")
-            time.sleep(0.05)
+                raise TimeoutError(f"groups at steps {[last(g)[0] for g in range(GROUPS)]}")
+            time.sleep(0.02)
 
+    events: list[dict[str, Any]] = []
+    began = time.time()
     try:
         for g in range(GROUPS):
             start(g)
-        if kill:
-            wait(lambda: step(2) >= args.kill_at)
-            os.killpg(procs[2].pid, signal.SIGKILL)
-            killed.append(procs[2])
-            procs[2].wait(timeout=10)
-            (out / "died_at.txt").write_text(str(step(2)))
-            at = step(0)
-            wait(lambda: step(0) >= at + args.restart_after)
-            start(2)
+        for k, fraction in enumerate(kills):
+            victim = (GROUPS - 1 + k) % GROUPS
+            if events:  # the group restarted before has committed an exchange (it healed and rejoined)
+                wait(lambda: last(events[-1]["group"])[1] >= 1)
+            wait(lambda v=victim, at=int(fraction * args.steps): last(v)[0] >= at)
+            os.killpg(procs[victim].pid, signal.SIGKILL)
+            at = time.time()
+            killed.append(procs[victim])
+            procs[victim].wait(timeout=10)
+            events.append({"group": victim, "killed_at": at, "step": last(victim)[0], "start": starts[victim]})
+            starts[victim] += 1
+            start(victim)
+        late = []  # restarted groups that came back after the run was over (they exit saying so)
         for g, p in procs.items():
             if p.wait(timeout=600) != 0:
                 logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(out.glob(f"log_g{g}_*.txt")))
-                raise RuntimeError(f"group {g} failed:\n{logs}")
-        results = [torch.load(out / f"result_g{g}.pt", weights_only=False) for g in range(GROUPS)]
-        if kill:
-            results[2]["died_at"] = int((out / "died_at.txt").read_text())
-        return results
+                if "the run is over" not in logs:
+                    raise RuntimeError(f"group {g} failed:\n{logs}")
+                late.append(g)
+        wall = time.time() - began
+        results = [torch.load(out / f"result_g{g}.pt", weights_only=False) for g in range(GROUPS) if g not in late]
+        progress = {(g, n): _read(out / f"progress_g{g}_{n}.txt") for g in range(GROUPS) for n in range(starts[g] + 1)}
+        return {"results": results, "progress": progress, "events": events, "wall": wall, "late": late}
     finally:
         for p in [*procs.values(), *killed]:
             if p.poll() is None:
@@ -201,37 +226,72 @@ def _fit(out: Path, args: argparse.Namespace, kill: bool) -> list[dict[str, Any]
         lighthouse.wait(timeout=10)
 
 
-def _lost(steps: list[int], last: int) -> int:
-    """Steps a group repeated or skipped (from its first step to ``last``)."""
-    return (len(steps) - len(set(steps))) + (last - steps[0] + 1 - len(set(steps)))
+def _useful(rows: list[tuple[int, int, float]]) -> int:
+    """A process's steps that reached the global model: those up to its last committed exchange."""
+    committed = [i for i, (_, commits, _) in enumerate(rows) if commits > (rows[i - 1][1] if i else 0)]
+    return committed[-1] + 1 if committed else 0
 
 
-def figures(clean: list[dict[str, Any]], faulty: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def _rate(rows: list[tuple[int, int, float]], t0: float, t1: float) -> float | None:
+    """Steps per second of one process between the times ``t0`` and ``t1``."""
+    inside = [(step, t) for step, _, t in rows if t0 <= t <= t1]
+    if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
+        return None
+    return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
+
+
+def figures(clean: dict[str, Any], faulty: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The comparison of the two fits.
 
     Example:
-        >>> r = {"steps": [1, 2, 3, 4], "val_loss": 0.1, "quorum_seconds": 1.0, "heals": 0, "bytes": 10,
-        ...      "params": [torch.zeros(2)]}
-        >>> healed = {**r, "steps": [3, 4], "heals": 1, "died_at": 1}
-        >>> out = figures([r] * 3, [r, r, healed], argparse.Namespace(steps=4))
-        >>> out["survivor_steps_lost"], out["killed_group_steps_not_trained"], out["identical_global_models"]
-        (0, 1, True)
+        >>> rows = [(s, s // 2, 100.0 + s) for s in range(1, 9)]
+        >>> r = {"val_loss": 0.1, "heals": 0, "params": [torch.zeros(2)]}
+        >>> fit = {"results": [r] * 3, "progress": {(g, 0): rows for g in range(3)}, "events": [], "wall": 10.0}
+        >>> out = figures(fit, fit, argparse.Namespace(steps=8))
+        >>> out["useful_steps_per_s_ratio"], out["identical_global_models"]
+        (1.0, True)
     """
-    restarted = faulty[2]
-    first = faulty[0]["params"]
-    identical = all(all(torch.equal(a, b) for a, b in zip(first, r["params"], strict=True)) for r in faulty)
-    # the survivors' seconds in quorums beyond the fit without failures (the restarted group's are its own start)
-    waited = [f["quorum_seconds"] - c["quorum_seconds"] for f, c in zip(faulty[:2], clean[:2], strict=True)]
+    events, progress = faulty["events"], faulty["progress"]
+    healed, during, before = [], [], []
+    first_kill = events[0]["killed_at"] if events else float("inf")
+    for event in events:
+        g = event["group"]
+        back = [t for _, commits, t in progress[(g, event["start"] + 1)] if commits >= 1]
+        heal_at = back[0] if back else float("inf")  # None: it came back after the run was over
+        healed.append(round(heal_at - event["killed_at"], 2) if back else None)
+        for s in range(GROUPS):
+            if s == g:
+                continue
+            rows = [r for (h, _), rs in progress.items() if h == s for r in rs]
+            if (rate := _rate(rows, event["killed_at"], heal_at)) is not None:
+                during.append(rate)
+    for rows in progress.values():
+        steady = [t for _, commits, t in rows if commits >= 2]
+        if steady and (rate := _rate(rows, steady[0], first_kill)) is not None:
+            before.append(rate)
+    useful = {name: sum(_useful(rows) for rows in fit["progress"].values()) / fit["wall"]
+              for name, fit in (("clean", clean), ("faulty", faulty))}  # fmt: skip
+    first = faulty["results"][0]["params"]
+    identical = all(all(torch.equal(a, b) for a, b in zip(first, r["params"], strict=True)) for r in faulty["results"])
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {
-        "survivor_steps_lost": max(_lost(r["steps"], args.steps) for r in faulty[:2]),
-        "killed_group_steps_not_trained": restarted["steps"][0] - 1 - restarted["died_at"],
-        "survivor_extra_wait_seconds": [round(w, 2) for w in waited],
-        "val_loss_clean": [round(r["val_loss"], 4) for r in clean],
-        "val_loss_faulty": [round(r["val_loss"], 4) for r in faulty],
+        "kills": [{"group": e["group"], "at_step": e["step"]} for e in events],
+        "kill_to_first_commit_s": healed,
+        "survivor_steps_per_s_before": round(mean(before), 2),
+        "survivor_steps_per_s_during_failures": round(mean(during), 2) if during else None,
+        "survivor_rate_ratio": round(mean(during) / mean(before), 3) if during and before else None,
+        "run_steps_per_s": {
+            "clean": round(args.steps / clean["wall"], 2),
+            "faulty": round(args.steps / faulty["wall"], 2),
+        },
+        "useful_steps_per_s": {k: round(v, 2) for k, v in useful.items()},
+        "useful_steps_per_s_ratio": round(useful["faulty"] / useful["clean"], 3),
+        "wall_s": {"clean": round(clean["wall"], 1), "faulty": round(faulty["wall"], 1)},
+        "val_loss_clean": [round(r["val_loss"], 4) for r in clean["results"]],
+        "val_loss_faulty": [round(r["val_loss"], 4) for r in faulty["results"]],
         "identical_global_models": identical,
-        "heals_of_restarted_group": restarted["heals"],
-        "bytes_clean": [r["bytes"] for r in clean],
-        "bytes_faulty": [r["bytes"] for r in faulty],
+        "heals": [r["heals"] for r in faulty["results"]],
+        "groups_back_after_the_end": faulty.get("late", []),
     }
 
 
@@ -241,12 +301,15 @@ def run(args: argparse.Namespace) -> int:
         _fit_group(json.loads(Path(args.group).read_text()))
         return 0
     require_torchft()
+    kills = [float(f) for f in args.kills.split(",") if f.strip()]
+    if not kills or not all(0 < f < 1 for f in kills):
+        raise ValueError(f"--kills={args.kills!r} is not allowed: expected fractions of the run between 0 and 1.")
     with tempfile.TemporaryDirectory() as tmp:
-        clean = _fit(Path(tmp) / "clean", args, kill=False)
-        faulty = _fit(Path(tmp) / "faulty", args, kill=True)
+        clean = _fit(Path(tmp) / "clean", args, [])
+        faulty = _fit(Path(tmp) / "faulty", args, kills)
     out = figures(clean, faulty, args)
     for name, value in out.items():
-        print(f"{name:34s} {value}")
+        print(f"{name:38s} {value}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -20,6 +20,7 @@ shards with the process that holds them in every other group.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -33,6 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, require_torchft
+from lightning_sparse.exchange.ft_guard import Guard
+from lightning_sparse.exchange.ft_status import LighthouseView, ReplicaGroupError, explain
 from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import DEFAULT_BUCKET_BYTES, UpdateExchange
@@ -41,8 +44,8 @@ from lightning_sparse.wire import Collectives
 
 __all__ = ["FaultTolerantUpdate", "FrontEndState"]
 
-#: a process's first quorum waits this many times ``quorum_timeout`` for the other groups to start
-STARTUP_QUORUM_TRIES = 10
+#: a process's first quorum waits ``quorum_timeout``, at least this many seconds: the others may still be starting
+STARTUP_FLOOR_S = 20.0
 #: a front end's part of the state a healing group receives: (save, load)
 FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
 
@@ -93,10 +96,12 @@ class FaultTolerantUpdate(UpdateExchange):
         self._open = False  # a quorum waits for its should_commit
         self._awaiting: InFlight | None = None  # sync_delay: the quorum's exchange, committed on arrival
         self._met = False  # this process had a quorum
+        self._guard: Guard | None = None
+        self._where = (0, 1)  # this process's rank and size in its group
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None)
+        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None, _guard=None)
         return state
 
     @property
@@ -123,6 +128,9 @@ class FaultTolerantUpdate(UpdateExchange):
         from torchft.process_group import ProcessGroupGloo
 
         self.env = env = ReplicaGroupEnv.read()
+        self._where = (group_rank, group_world)
+        self._guard = Guard(self._describe)
+        self._guard.install()  # from here SIGTERM and SIGINT end the process wherever it waits
         os.environ.setdefault("RUST_LOG", "warn")
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = [0]
@@ -134,25 +142,10 @@ class FaultTolerantUpdate(UpdateExchange):
             dist.broadcast_object_list(port, src=source, group=group)
         timeout = timedelta(seconds=self.quorum_timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
+        reach = "the Lighthouse and this group's torchft store"
         try:
-            self.manager = Manager(
-                pg=self._pg,
-                load_state_dict=self._load_state_dict,
-                state_dict=self._state_dict,
-                min_replica_size=self.min_replicas,
-                use_async_quorum=False,
-                timeout=timeout,
-                quorum_timeout=timeout,
-                connect_timeout=timeout,
-                rank=group_rank,
-                world_size=group_world,
-                store_addr=host,
-                store_port=port[0],
-                lighthouse_addr=env.lighthouse,
-                replica_id=f"lightning_sparse_{env.group_id}",
-                hostname=host,
-                init_sync=True,
-            )
+            with self._waiting(reach, max(self.quorum_timeout, STARTUP_FLOOR_S)):
+                self.manager = self._manager(Manager, group_rank, group_world, host, port[0])
         except Exception as error:
             raise RuntimeError(
                 f"lightning_sparse: replica group {env.group_id} could not reach the torchft Lighthouse at "
@@ -160,11 +153,46 @@ class FaultTolerantUpdate(UpdateExchange):
                 "--min_replicas 1 --bind [::]:PORT` and set TORCHFT_LIGHTHOUSE=http://HOST:PORT."
             ) from error
 
+    def _manager(self, manager: Any, group_rank: int, group_world: int, host: str, port: int) -> Any:
+        """torchft's Manager of this process; every one of its timeouts is ``quorum_timeout``."""
+        assert self.env is not None
+        timeout = timedelta(seconds=self.quorum_timeout)
+        return manager(
+            pg=self._pg,
+            load_state_dict=self._load_state_dict,
+            state_dict=self._state_dict,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_world,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=self.env.lighthouse,
+            replica_id=f"lightning_sparse_{self.env.group_id}",
+            hostname=host,
+            init_sync=True,
+        )
+
     def close(self) -> None:
         """Leave the groups (the Manager's servers end)."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+
+    def _waiting(self, what: str, bound: float) -> contextlib.AbstractContextManager[None]:
+        """The process waits for ``what`` at most ``bound`` seconds (torchft's timeouts); the guard
+        ends it a margin later if torchft does not."""
+        return self._guard.waiting(what, bound) if self._guard is not None else contextlib.nullcontext()
+
+    def _describe(self) -> str:
+        rank, world = self._where
+        return f"replica group {self._group_id()} (process {rank} of {world}) at its step {self._steps}"
 
     # ------------------------------------------------------------------ the step
     def _due(self) -> bool:
@@ -188,27 +216,31 @@ class FaultTolerantUpdate(UpdateExchange):
         super().hold_local(params)
 
     def _quorum(self) -> None:
-        """A quorum of at least ``min_replicas`` live groups (waiting for them), then the exchange's
-        collectives go through torchft's process group among them."""
+        """A quorum of at least ``min_replicas`` live groups (waiting for them, at most
+        ``quorum_timeout``; a process's first quorum at least :data:`STARTUP_FLOOR_S`), then the
+        exchange's collectives go through torchft's process group among them. A recovery from a
+        healthy group follows within torchft's timeouts of the checkpoint's metadata and transfer
+        (``quorum_timeout`` each)."""
         manager = self.manager
         began = time.perf_counter()
         self._complete()  # exchanges in flight arrive before the process group reconfigures
-        # the process's first quorum waits longer: the other groups may still be starting
-        patience = self.quorum_timeout * (1 if self._met else STARTUP_QUORUM_TRIES)
-        while True:
-            try:
-                manager.start_quorum(timeout=timedelta(seconds=patience))
-            except Exception as error:
-                raise RuntimeError(
-                    f"lightning_sparse: replica group {self._group_id()} found no quorum within {patience:g} s "
-                    f"({_gist(error)}): fewer live groups than the Lighthouse's "
-                    "--min_replicas asked for one (the others ended or died), or the torchft Lighthouse at "
-                    f"TORCHFT_LIGHTHOUSE={self.env.lighthouse if self.env else None!r} is gone"
-                ) from error
-            if manager.num_participants() >= self.min_replicas:
-                break
-            manager.should_commit()  # too few groups: this quorum commits nothing; wait and ask again
-            time.sleep(0.1)
+        patience = self.quorum_timeout if self._met else max(self.quorum_timeout, STARTUP_FLOOR_S)
+        deadline = time.monotonic() + patience
+        with self._waiting("a quorum", patience + 2 * self.quorum_timeout):
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"only {manager.num_participants()} groups, min_replicas={self.min_replicas}"
+                        )
+                    manager.start_quorum(timeout=timedelta(seconds=left))
+                except Exception as error:
+                    raise self._no_quorum(patience, error) from error
+                if manager.num_participants() >= self.min_replicas:
+                    break
+                self._commit()  # too few groups: this quorum commits nothing; wait and ask again
+                time.sleep(0.1)
         self.quorum_seconds += time.perf_counter() - began
         self._met = True
         self._open = True
@@ -216,10 +248,30 @@ class FaultTolerantUpdate(UpdateExchange):
         rank = manager.participating_rank()
         self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
 
+    def _no_quorum(self, patience: float, error: Exception) -> ReplicaGroupError:
+        """The error of a quorum that did not form: which case it is, from the Lighthouse's status."""
+        env = self.env
+        view = LighthouseView.fetch(env.lighthouse) if env is not None else None
+        cause, advice = explain(view, self._group_id(), env.num_groups if env else 1, patience)
+        return ReplicaGroupError(
+            "a quorum", self._steps, self._group_id(), env.lighthouse if env else None,
+            f"{cause} (torchft: {_gist(error)})", advice,
+        )  # fmt: skip
+
     def _commit(self) -> bool:
+        """torchft's vote of this group's processes on the exchange (``should_commit``)."""
         self._open = False
-        committed = bool(self.manager.should_commit())
-        return committed
+        with self._waiting("its exchange's commit vote", self.quorum_timeout):
+            try:
+                return bool(self.manager.should_commit())
+            except Exception as error:
+                env = self.env
+                raise ReplicaGroupError(
+                    "its exchange's commit vote (torchft's should_commit)", self._steps, self._group_id(),
+                    env.lighthouse if env else None,
+                    f"it failed ({_gist(error)}): a process of this group did not vote in time (it died or stalled)",
+                    "Look at the logs of the group's other processes; start the group again: it heals from the others.",
+                ) from error  # fmt: skip
 
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:
@@ -233,7 +285,8 @@ class FaultTolerantUpdate(UpdateExchange):
         error: Exception | None = None
         flights = len(self._in_flight)
         try:
-            super().exchange(params)
+            with self._waiting("its exchange's collectives", self.quorum_timeout):
+                super().exchange(params)
         except Exception as e:  # a collective failed: a group died or stalled
             error = e
             self.manager.report_error(e)
@@ -242,12 +295,26 @@ class FaultTolerantUpdate(UpdateExchange):
             # so that its collectives overlap them
             self._awaiting, self._open = self._in_flight[-1], False
             return
+        if error is None and self.manager.current_step() == 0:
+            self._barrier()
         if self._commit():
             self.commits += 1
             return
         self.rollbacks += 1
         self._restore(saved)
         self._warn_rollback(error, "residuals, global model and outer step as before it")
+
+    def _barrier(self) -> None:
+        """Before the run's first commit (torchft's step 0 on every group of the quorum), a collective
+        among the quorum: torchft's init_sync has the groups take the first group's state at their
+        first quorum, and that group serves it only until its first ``should_commit``. An exchange
+        that sends nothing (a process's first step is no cycle's end) would let it commit before the
+        others had fetched it; the barrier holds it until they have (their quorum returns then)."""
+        try:
+            with self._waiting("the quorum's first barrier", self.quorum_timeout):
+                self._pg.allreduce([torch.zeros(1)], dist.ReduceOp.SUM).wait()
+        except Exception as e:
+            self.manager.report_error(e)
 
     def _land(self, flight: InFlight) -> None:
         """An exchange in flight arrives: where it is the quorum's, ``should_commit`` says whether it
@@ -260,8 +327,9 @@ class FaultTolerantUpdate(UpdateExchange):
         self._awaiting = None
         error: Exception | None = None
         try:
-            for future in flight.futures:
-                future.wait().ready()  # a failed collective is an error of the average
+            with self._waiting("its exchange's collectives", self.quorum_timeout):
+                for future in flight.futures:
+                    future.wait().ready()  # a failed collective is an error of the average
         except Exception as e:
             error = e
             self.manager.report_error(e)

@@ -1,0 +1,195 @@
+"""A replica group's process under watch: SIGTERM and SIGINT obeyed anywhere, and no wait past its bound.
+
+torchft's calls block the process's main thread (a quorum, a recovery, a collective of its process
+group), where Python runs no signal handler until they return, and a non-daemon thread of torchft's
+keeps the interpreter from exiting while one is still blocked. :class:`Guard` therefore acts from
+threads of its own: the C-level signal handler writes the signal's number into a pipe
+(:func:`signal.set_wakeup_fd`) that a thread reads, and a watchdog thread compares the wait in
+progress with its deadline. Either ends the process at once: one line on stderr saying why, the
+process's children (a launcher's other ranks, data-loader workers) sent the same signal and killed
+if they have not gone within :data:`CHILD_GRACE_S`, then ``os._exit``. The other groups lose nothing
+they need: a group's state lives in every group, and a group started again heals from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["CHILD_GRACE_S", "WATCHDOG_GRACE_S", "Guard", "children", "end_children"]
+
+#: a wait that outlives the bound torchft's own timeouts give it by this many seconds ends the process
+WATCHDOG_GRACE_S = 15.0
+#: seconds a leaving process's children get to exit after its signal, before they are killed
+CHILD_GRACE_S = 3.0
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def children(pid: int | None = None) -> list[int]:
+    """The process ids of ``pid``'s children (default: this process's), from ``/proc`` (Linux).
+
+    Example:
+        >>> children() == children(os.getpid())
+        True
+    """
+    pid = os.getpid() if pid is None else pid
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
+    return sorted(set(found))
+
+
+def end_children(signum: int, grace: float = CHILD_GRACE_S) -> None:
+    """Send this process's children ``signum``; kill those still there after ``grace`` seconds."""
+    pids = children()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signum)
+    end = time.monotonic() + grace
+    while pids and time.monotonic() < end:
+        pids = [p for p in pids if _running(p)]
+        time.sleep(0.05)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # reaped by its Popen already, or not ours
+        return False
+    return done == 0
+
+
+class Guard:
+    """Ends this process on SIGTERM or SIGINT wherever it is, and when a wait outlives its deadline.
+
+    Args:
+        where: the process's place and step in words (``replica group 2 (process 0 of 1) at its step 37``),
+            called when a line is written.
+
+    Example:
+        >>> guard = Guard(lambda: "replica group 0 at its step 0")
+        >>> with guard.waiting("a quorum", 30.0):
+        ...     guard.activity
+        'waiting for a quorum'
+        >>> guard.activity
+        'training'
+    """
+
+    def __init__(self, where: Callable[[], str]) -> None:
+        self.where = where
+        self._what: str | None = None
+        self._deadline = 0.0
+        self._cause = ""
+        self._lock = threading.Lock()
+        self._leaving = False
+        self._pipe: tuple[int, int] | None = None
+        self._previous: dict[int, Any] = {}
+        self._previous_fd: int | None = None
+        self._stop = threading.Event()
+
+    @property
+    def activity(self) -> str:
+        """What the process is doing, in words."""
+        return "training" if self._what is None else f"waiting for {self._what}"
+
+    def install(self) -> None:
+        """Catch SIGTERM and SIGINT and start the watchdog (from the main thread; elsewhere only the watchdog)."""
+        if self._pipe is not None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._pipe = (read, write)
+            for sig in _SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._on_signal)
+            self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            threading.Thread(target=self._read_signals, name="lightning_sparse_signals", daemon=True).start()
+        threading.Thread(target=self._watch, name="lightning_sparse_watchdog", daemon=True).start()
+
+    def close(self) -> None:
+        """Give the signals back to their former handlers and stop the threads."""
+        self._stop.set()
+        if self._pipe is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1 if self._previous_fd is None else self._previous_fd)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        with contextlib.suppress(OSError):
+            os.write(self._pipe[1], b"\0")  # wakes the reader, which then ends
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, bound: float, cause: str = "") -> Iterator[None]:
+        """The process waits for ``what`` (``a quorum``), at most ``bound`` seconds by torchft's own
+        timeouts; the watchdog ends the process :data:`WATCHDOG_GRACE_S` later. ``cause``: what the
+        line then says the user can do."""
+        outer = (self._what, self._deadline, self._cause)
+        self._what, self._deadline, self._cause = what, time.monotonic() + bound + WATCHDOG_GRACE_S, cause
+        try:
+            yield
+        finally:
+            self._what, self._deadline, self._cause = outer
+
+    # ------------------------------------------------------------------ the threads
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.leave(signum)
+
+    def _read_signals(self) -> None:
+        assert self._pipe is not None
+        while not self._stop.is_set():
+            try:
+                data = os.read(self._pipe[0], 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum in _SIGNALS:
+                    self.leave(signum)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.25):
+            what, deadline = self._what, self._deadline
+            if what is not None and time.monotonic() > deadline:
+                self.leave(
+                    0,
+                    f"{what} did not end within the bound of torchft's timeouts plus {WATCHDOG_GRACE_S:g} s"
+                    f" (torchft did not honour its timeout); {self._cause or 'the other groups go on without it'}",
+                )
+
+    def leave(self, signum: int, why: str = "") -> None:
+        """End the process now: one line on stderr, the children signalled (then killed), exit status
+        ``128 + signum`` for a signal, 1 for a wait past its deadline (``signum`` 0)."""
+        with self._lock:
+            if self._leaving:
+                if threading.current_thread() is threading.main_thread():
+                    while True:  # another thread is ending the process: the main thread goes no further
+                        time.sleep(1.0)
+                return
+            self._leaving = True
+        if signum:
+            name = signal.Signals(signum).name
+            why = (
+                f"got {name} while {self.activity}: leaving the replica groups and exiting with status "
+                f"{128 + signum}; the other groups go on without it (start it again to rejoin: it heals from them)"
+            )
+        line = f"lightning_sparse: {self.where()}: {why}\n"
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode("utf-8", "replace"))
+        end_children(signum or signal.SIGTERM)
+        os._exit(128 + signum if signum else 1)

@@ -1,0 +1,153 @@
+"""What a replica group that found no quorum learns from the torchft Lighthouse, and the error it raises.
+
+The Lighthouse serves a status page (``GET /status``, the dashboard's) with its previous quorum (its
+members and their steps) and the last heartbeat of every replica group it has heard of. A group
+whose quorum did not form reads it to say which case it is in: no other group has started, the
+others are alive but no quorum forms with them, or the run is over (a quorum formed before and no
+other group is alive any more: they reached ``max_steps`` or left).
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from dataclasses import dataclass, field
+
+from lightning_sparse.exchange.step import ExchangeError
+
+__all__ = ["HEARTBEAT_GONE_S", "LighthouseView", "ReplicaGroupError"]
+
+#: a group whose last heartbeat at the Lighthouse is older than this many seconds counts as gone
+HEARTBEAT_GONE_S = 5.0
+_UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class ReplicaGroupError(ExchangeError):
+    """A replica group's wait at the Lighthouse or among the groups did not end in time: the message
+    names what was awaited, the group's step, the group, the Lighthouse and what to do.
+
+    Example:
+        >>> error = ReplicaGroupError("a quorum", 12, 2, "http://h:29510", "none formed within 30 s", "start them.")
+        >>> isinstance(error, ExchangeError), str(error)[:58]
+        (True, 'lightning_sparse: replica group 2 waited for a quorum at i')
+    """
+
+    def __init__(
+        self, what: str, step: int, group: int | None, lighthouse: str | None, cause: str, advice: str
+    ) -> None:
+        RuntimeError.__init__(
+            self,
+            f"lightning_sparse: replica group {group} waited for {what} at its step {step} (Lighthouse "
+            f"TORCHFT_LIGHTHOUSE={lighthouse!r}): {cause}. {advice}",
+        )
+
+
+def _seconds(number: str, unit: str) -> float:
+    return float(number) * _UNITS.get(unit, 1.0)
+
+
+def group_of(replica_id: str) -> int | None:
+    """The group number in a replica id ``lightning_sparse_{group}:{uuid}``; None for another's.
+
+    Example:
+        >>> group_of("lightning_sparse_2:1271c17e"), group_of("other:1")
+        (2, None)
+    """
+    found = re.match(r"lightning_sparse_(\d+)(?::|$)", replica_id)
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class LighthouseView:
+    """The Lighthouse's status as its page shows it.
+
+    Args:
+        quorum_id: the previous quorum's id; None where none has formed.
+        members: the previous quorum's members (replica ids) and their steps (committed exchanges).
+        ages: seconds since each replica id's last heartbeat.
+        min_replicas: the Lighthouse's ``--min_replicas``, where the page says it.
+
+    Example:
+        >>> page = "Previous quorum id: 3 <br> <b>lightning_sparse_0:ab</b> <br/> Step: 60 <br/> need min_replicas 2 "
+        >>> view = LighthouseView.parse(page + "lightning_sparse_0:ab: seen 12.5s ago")
+        >>> view.quorum_id, view.members, view.ages, view.alive(exclude=1)
+        (3, {'lightning_sparse_0:ab': 60}, {'lightning_sparse_0:ab': 12.5}, [])
+    """
+
+    quorum_id: int | None
+    members: dict[str, int] = field(default_factory=dict)
+    ages: dict[str, float] = field(default_factory=dict)
+    min_replicas: int | None = None
+
+    @classmethod
+    def parse(cls, page: str) -> LighthouseView:
+        """The view of a status page's text (torchft 0.2's layout)."""
+        quorum = re.search(r"Previous quorum id:\s*(\d+)", page)
+        members = {m.group(1): int(m.group(2)) for m in re.finditer(r"<b>([^<\s]+)</b>\s*<br/?>\s*Step:\s*(\d+)", page)}
+        ages = {
+            m.group(1): _seconds(m.group(2), m.group(3)) for m in re.finditer(r"(\S+): seen ([\d.]+)(\D+?) ago", page)
+        }
+        need = re.search(r"need min_replicas (\d+)", page)
+        return cls(int(quorum.group(1)) if quorum else None, members, ages, int(need.group(1)) if need else None)
+
+    @classmethod
+    def fetch(cls, address: str, timeout: float = 3.0) -> LighthouseView | None:
+        """The view of the Lighthouse at ``address`` (``http://host:port``); None where it does not answer."""
+        try:
+            with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as response:
+                return cls.parse(response.read().decode("utf-8", "replace"))
+        except (OSError, ValueError):
+            return None
+
+    def alive(self, exclude: int | None) -> list[int]:
+        """The other groups (not ``exclude``) that sent a heartbeat within :data:`HEARTBEAT_GONE_S`."""
+        groups = {group_of(r) for r, age in self.ages.items() if age < HEARTBEAT_GONE_S}
+        return sorted(g for g in groups if g is not None and g != exclude)
+
+    def last_quorum(self, exclude: int | None) -> tuple[list[int], int] | None:
+        """The previous quorum's other groups and their highest step, where it had any."""
+        others = {group_of(r): step for r, step in self.members.items() if group_of(r) not in (None, exclude)}
+        if self.quorum_id is None or not others:
+            return None
+        return sorted(g for g in others if g is not None), max(others.values())
+
+
+def explain(view: LighthouseView | None, group: int | None, num_groups: int, patience: float) -> tuple[str, str]:
+    """(cause, advice) of a quorum that did not form within ``patience`` seconds, from the Lighthouse's view.
+
+    Example:
+        >>> explain(LighthouseView(None), 0, 3, 30.0)[0][:48]
+        'no quorum formed within 30 s: no other replica g'
+    """
+    head = f"no quorum formed within {patience:g} s"
+    others = f"REPLICA_GROUP_ID 0 to {num_groups - 1}" if num_groups > 1 else "REPLICA_GROUP_ID 0"
+    if view is None:
+        return (
+            f"{head}, and the Lighthouse's status page did not answer: it may be gone, or no other group is "
+            "alive (the run is over, or they have not started)",
+            "Check that the Lighthouse runs at that address and that the other groups are alive; if they finished, "
+            "the run is over and their final models are its result.",
+        )
+    alive = view.alive(exclude=group)
+    need = f" (--min_replicas {view.min_replicas})" if view.min_replicas is not None else ""
+    if alive:
+        return (
+            f"{head}, though groups {alive} are alive at the Lighthouse: fewer live groups than the Lighthouse "
+            f"asks for{need}, or fewer than this group's min_replicas, or they are stalled",
+            "Start the missing groups, or lower the Lighthouse's --min_replicas or the strategy's min_replicas.",
+        )
+    last = view.last_quorum(exclude=group)
+    if last is not None:
+        groups, step = last
+        return (
+            f"{head}: the run is over: the last quorum (id {view.quorum_id}) had groups {groups}, {step} exchanges "
+            f"committed, and no other group has sent the Lighthouse a heartbeat for {HEARTBEAT_GONE_S:g} s: they "
+            "reached max_steps, or left",
+            "This group does not train on alone from its own state: the run's result is the other groups' final "
+            "models (or their checkpoints); to train further, start every group again (from their checkpoints).",
+        )
+    return (
+        f"{head}: no other replica group has reached the Lighthouse{need}",
+        f"Start the other groups ({others}, the same TORCHFT_LIGHTHOUSE) within quorum_timeout of this one, "
+        "or raise quorum_timeout.",
+    )
