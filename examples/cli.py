@@ -18,6 +18,13 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_sparse  # noqa: F401  (registers strategy="sparse_ddp"; makes its classes known to the CLI)
 from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
 
+#: what every subcommand's --help ends with: the strategy's own arguments are listed by its own help
+STRATEGY_HELP = (
+    "The strategy's arguments (every setting of the sparse exchange, its type, default and doc): "
+    "--trainer.strategy.help lightning_sparse.SparseDDPStrategy (sharded models: "
+    "lightning_sparse.SparseFSDPStrategy); docs/arguments.md lists them too."
+)
+
 
 def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     """Build (and with ``run``, execute) the CLI; ``args`` default to the command line."""
@@ -26,6 +33,7 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         DigitsDataModule,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={sub: {"epilog": STRATEGY_HELP} for sub in ("fit", "validate", "test", "predict")},
         args=args,
         run=run,
     )

@@ -4,8 +4,10 @@ Argument checks, deterministic seeding, scratch buffers and a finiteness check."
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -295,3 +297,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[Any], text: str) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``allowed`` (``text``: what is allowed)."""
+    if not any(value is a or (not isinstance(value, bool) and value == a) for a in allowed):
+        raise bad_argument(name, value, text)
+
+
+def check_bucket_cap(cap: Any) -> None:
+    """ValueError unless ``bucket_cap_mb`` is None or a number > 0."""
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise bad_argument("bucket_cap_mb", cap, "expected None or a number > 0")
+
+
+def describe_callable(value: Any) -> Any:
+    """A description of a setting's value that is the same in every process (no addresses).
+
+    Example:
+        >>> describe_callable(functools.partial(torch.optim.SGD, lr=0.7))
+        'torch.optim.sgd.SGD(lr=0.7)'
+    """
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, functools.partial):
+        args = [repr(a) for a in value.args] + [f"{k}={v!r}" for k, v in sorted(value.keywords.items())]
+        return f"{describe_callable(value.func)}({', '.join(args)})"
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"{getattr(value, '__module__', None) or type(value).__module__}.{name}"

@@ -10,7 +10,6 @@ must agree on every rank is :meth:`SparseConfig.fingerprint`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,7 +18,15 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 
-from lightning_sparse._utils import check_bool, check_int, resolve_value_dtype
+from lightning_sparse._utils import (
+    bad_argument,
+    check_bool,
+    check_bucket_cap,
+    check_choice,
+    check_int,
+    describe_callable,
+    resolve_value_dtype,
+)
 from lightning_sparse.compressors import Compressor, compressors_of_pattern, get_compressor
 from lightning_sparse.exchange.fallback import TimedFallback, as_fallback
 from lightning_sparse.exchange.ft_env import check_fault_tolerance
@@ -285,124 +292,84 @@ class SparseConfig:
     timed_fallback: TimedFallback | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_bool("find_unused_parameters", self.find_unused_parameters)
-        check_bool("static_graph", self.static_graph)
-        if self.gradient_as_bucket_view not in (None, True, False):
-            raise ValueError(
-                f"gradient_as_bucket_view={self.gradient_as_bucket_view!r} is not allowed: expected None (True with "
-                "compress='update', False with compress='gradient'), True or False."
-            )
-        cap = self.bucket_cap_mb
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-            raise ValueError(f"bucket_cap_mb={cap!r} is not allowed: expected None or a number > 0.")
-        if self.start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method={self.start_method!r} is not allowed: expected 'popen', 'spawn', 'fork' or 'forkserver'."
-            )
-        if self.compress not in COMPRESS_MODES:
-            raise ValueError(
-                f"compress={self.compress!r} is not allowed: expected 'update' (compress each rank's optimizer "
-                "update, after its step) or 'gradient' (compress the gradient, before the step)."
-            )
-        compressor = get_compressor(self.compressor)
-        if self.exchange not in EXCHANGES:
-            raise ValueError(
-                f"exchange={self.exchange!r} is not allowed: expected one of {list(EXCHANGES)} ('allgather': every "
-                "rank gets every rank's selection; 'split': a sparse all-reduce whose traffic does not grow with the "
-                "number of ranks; 'auto': per bucket, the split where it moves at most a quarter of the "
-                "all-gather's bytes)."
-            )
-        if self.exchange == "split" and compressor.pattern != "gather":
-            raise ValueError(
-                f"exchange='split' is not allowed with compressor={compressor!r}: it combines compressors "
-                "that pick their own coordinates on each rank (pattern 'gather': "
-                f"{', '.join(compressors_of_pattern('gather'))}); "
-                f"this one's pattern is {compressor.pattern!r}. Use exchange='auto' or 'allgather'."
-            )
-        check_bool("compact_indices", self.compact_indices)
-        schedule = as_schedule(self.density)
-        check_bool("error_feedback", self.error_feedback)
-        check_int("min_numel", self.min_numel, minimum=0)
-        check_int("warmup_steps", self.warmup_steps, minimum=0 if self.compress == "update" else 1)
-        value_dtype = resolve_value_dtype(self.value_dtype)
-        check_int("seed", self.seed, minimum=0)
-        byte_rule, timed = as_fallback(self.fallback_to_dense)
+        # Every argument is checked on its own first and all that are wrong are named in one error (a
+        # YAML config with two mistakes says so at once); then the rules between arguments.
+        errors: list[ValueError] = []
+
+        def each(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            try:
+                return check(*args, **kwargs)
+            except ValueError as error:
+                errors.append(error)
+                return None
+
+        each(check_bool, "find_unused_parameters", self.find_unused_parameters)
+        each(check_bool, "static_graph", self.static_graph)
+        each(
+            check_choice,
+            "gradient_as_bucket_view",
+            self.gradient_as_bucket_view,
+            (None, True, False),
+            "expected None (True with compress='update', False with compress='gradient'), True or False",
+        )
+        each(check_bucket_cap, self.bucket_cap_mb)
+        each(
+            check_choice,
+            "start_method",
+            self.start_method,
+            START_METHODS,
+            "expected 'popen', 'spawn', 'fork' or 'forkserver'",
+        )
+        each(
+            check_choice,
+            "compress",
+            self.compress,
+            COMPRESS_MODES,
+            "expected 'update' (compress each rank's optimizer update, after its step) or 'gradient' (compress the "
+            "gradient, before the step)",
+        )
+        compressor = each(get_compressor, self.compressor)
+        each(
+            check_choice,
+            "exchange",
+            self.exchange,
+            EXCHANGES,
+            f"expected one of {list(EXCHANGES)} ('allgather': every rank gets every rank's selection; 'split': a "
+            "sparse all-reduce whose traffic does not grow with the number of ranks; 'auto': per bucket, the split "
+            "where it moves at most a quarter of the all-gather's bytes)",
+        )
+        each(check_bool, "compact_indices", self.compact_indices)
+        schedule = each(as_schedule, self.density)
+        each(check_bool, "error_feedback", self.error_feedback)
+        each(check_int, "min_numel", self.min_numel, minimum=0)
+        each(check_int, "warmup_steps", self.warmup_steps, minimum=0 if self.compress == "update" else 1)
+        value_dtype = each(resolve_value_dtype, self.value_dtype)
+        each(check_int, "seed", self.seed, minimum=0)
+        byte_rule, timed = each(as_fallback, self.fallback_to_dense) or (True, None)
         m = self.momentum_correction
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
-            raise ValueError(f"momentum_correction={m!r} is not allowed: expected a number in [0, 1) (0 turns it off).")
-        if m and self.compress == "update":
-            raise ValueError(
-                f"momentum_correction={m!r} is not allowed with compress='update': each rank's optimizer keeps its "
-                "own momentum there and only its update is compressed; use momentum_correction=0, or "
-                "compress='gradient' for DGC's momentum correction."
-            )
-        check_int("sync_every", self.sync_every, minimum=1)
-        check_int("batchnorm_batches", self.batchnorm_batches, minimum=0)
-        check_bool("offload_global", self.offload_global)
-        check_int("fragments", self.fragments, minimum=1)
-        check_int("sync_delay", self.sync_delay, minimum=0)
-        check_bool("flush_at_end", self.flush_at_end)
-        check_int("max_nonfinite_steps", self.max_nonfinite_steps, minimum=0)
-        if self.sync_delay and (self.compress != "update" or self.sync_delay > self.sync_every or self.sync_every == 1):
-            raise ValueError(
-                f"sync_delay={self.sync_delay} is not allowed with compress={self.compress!r} and "
-                f"sync_every={self.sync_every}: expected 0, or with compress='update' and sync_every > 1 at most "
-                "sync_every (an exchange is applied before the same fragment's next one)."
-            )
-        if self.fragment_split not in ("strided", "contiguous"):
-            raise ValueError(
-                f"fragment_split={self.fragment_split!r} is not allowed: expected 'strided' or 'contiguous'."
-            )
-        if self.fragments == 1 and self.fragment_split != "strided":
-            raise ValueError(
-                f"fragment_split={self.fragment_split!r} is not allowed with fragments=1: there is nothing to split; "
-                "set fragments > 1, or leave fragment_split at 'strided'."
-            )
-        if self.fragments > 1 and (self.compress != "update" or self.sync_every == 1):
-            raise ValueError(
-                f"fragments={self.fragments} is not allowed with compress={self.compress!r} and "
-                f"sync_every={self.sync_every}: fragments stagger the exchanges of a cycle of local steps; use "
-                "compress='update' with sync_every > 1, or fragments=1."
-            )
-        if self.offload_global and self.compress != "update":
-            raise ValueError(
-                "offload_global=True is not allowed with compress='gradient': only update mode keeps a global copy; "
-                "use compress='update', or offload_global=False."
-            )
-        check_bool("offload_residual", self.offload_residual)
-        if self.offload_residual and self.compress != "update":
-            raise ValueError(
-                "offload_residual=True is not allowed with compress='gradient': the hook's residuals stay with the "
-                "gradients; use compress='update', or offload_residual=False."
-            )
-        if self.compress == "gradient" and self.sync_every != 1:
-            raise ValueError(
-                f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged "
-                "at every optimizer step there; use compress='update' for local steps, or sync_every=1."
-            )
-        check_fault_tolerance(
-            self.fault_tolerant, self.min_replicas, self.quorum_timeout, self.compress, timed is not None
+            errors.append(bad_argument("momentum_correction", m, "expected a number in [0, 1) (0 turns it off)"))
+        for name in ("sync_every", "fragments"):
+            each(check_int, name, getattr(self, name), minimum=1)
+        for name in ("batchnorm_batches", "sync_delay", "max_nonfinite_steps"):
+            each(check_int, name, getattr(self, name), minimum=0)
+        for name in ("offload_global", "offload_residual", "flush_at_end"):
+            each(check_bool, name, getattr(self, name))
+        each(
+            check_choice,
+            "fragment_split",
+            self.fragment_split,
+            ("strided", "contiguous"),
+            "expected 'strided' or 'contiguous'",
         )
-        outer = resolve_outer_optimizer(self.outer_optimizer)
-        if outer is not None and self.compress == "gradient":
-            raise ValueError(
-                f"outer_optimizer={self.outer_optimizer!r} is not allowed with compress='gradient': the average of "
-                "the exchanged gradients goes to the optimizer itself there; use compress='update'."
-            )
-        if self.value_bits is not None:
-            if isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS:
-                raise ValueError(f"value_bits={self.value_bits!r} is not allowed: expected None, 2, 4 or 8.")
-            if compressor.pattern != "gather":
-                raise ValueError(
-                    f"value_bits={self.value_bits!r} is not allowed with compressor={compressor!r}: coded values are "
-                    "all-gathered with their coordinates, for compressors that pick their own (pattern 'gather': "
-                    f"{', '.join(compressors_of_pattern('gather'))}); this one's pattern is {compressor.pattern!r}."
-                )
-            if self.value_dtype is not None:
-                raise ValueError(
-                    f"value_bits={self.value_bits!r} is not allowed with value_dtype={self.value_dtype!r}: the codes "
-                    "replace the value dtype; set one of them."
-                )
+        outer = each(resolve_outer_optimizer, self.outer_optimizer)
+        if self.value_bits is not None and (isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS):
+            errors.append(bad_argument("value_bits", self.value_bits, "expected None, 2, 4 or 8"))
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ValueError(f"{len(errors)} arguments are not allowed:\n" + "\n".join(f"- {e}" for e in errors))
+        self._check_together(compressor, timed, outer)
         for name, value in (
             ("compressor", compressor),
             ("density", schedule),
@@ -413,6 +380,60 @@ class SparseConfig:
             ("outer_factory", outer),
         ):
             object.__setattr__(self, name, value)
+
+    def _check_together(self, compressor: Compressor, timed: TimedFallback | None, outer: Any) -> None:
+        """The rules between arguments, each valid on its own (ValueError at the first broken one)."""
+        m, update, gather = self.momentum_correction, self.compress == "update", compressor.pattern == "gather"
+        picking = f"(pattern 'gather': {', '.join(compressors_of_pattern('gather'))})"
+        local = f"compress={self.compress!r} and sync_every={self.sync_every}"
+        first = (
+            (self.exchange == "split" and not gather,
+             f"exchange='split' is not allowed with compressor={compressor!r}: it combines compressors that pick "
+             f"their own coordinates on each rank {picking}; this one's pattern is {compressor.pattern!r}. Use "
+             "exchange='auto' or 'allgather'."),
+            (m and update,
+             f"momentum_correction={m!r} is not allowed with compress='update': each rank's optimizer keeps its own "
+             "momentum there and only its update is compressed; use momentum_correction=0, or compress='gradient' "
+             "for DGC's momentum correction."),
+            (self.sync_delay and (not update or self.sync_delay > self.sync_every or self.sync_every == 1),
+             f"sync_delay={self.sync_delay} is not allowed with {local}: expected 0, or with compress='update' and "
+             "sync_every > 1 at most sync_every (an exchange is applied before the same fragment's next one)."),
+            (self.fragments == 1 and self.fragment_split != "strided",
+             f"fragment_split={self.fragment_split!r} is not allowed with fragments=1: there is nothing to split; "
+             "set fragments > 1, or leave fragment_split at 'strided'."),
+            (self.fragments > 1 and (not update or self.sync_every == 1),
+             f"fragments={self.fragments} is not allowed with {local}: fragments stagger the exchanges of a cycle "
+             "of local steps; use compress='update' with sync_every > 1, or fragments=1."),
+            (self.offload_global and not update,
+             "offload_global=True is not allowed with compress='gradient': only update mode keeps a global copy; "
+             "use compress='update', or offload_global=False."),
+            (self.offload_residual and not update,
+             "offload_residual=True is not allowed with compress='gradient': the hook's residuals stay with the "
+             "gradients; use compress='update', or offload_residual=False."),
+            (not update and self.sync_every != 1,
+             f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged at "
+             "every optimizer step there; use compress='update' for local steps, or sync_every=1."),
+        )  # fmt: skip
+        then = (
+            (outer is not None and not update,
+             f"outer_optimizer={self.outer_optimizer!r} is not allowed with compress='gradient': the average of the "
+             "exchanged gradients goes to the optimizer itself there; use compress='update'."),
+            (self.value_bits is not None and not gather,
+             f"value_bits={self.value_bits!r} is not allowed with compressor={compressor!r}: coded values are "
+             f"all-gathered with their coordinates, for compressors that pick their own {picking}; this one's "
+             f"pattern is {compressor.pattern!r}."),
+            (self.value_bits is not None and self.value_dtype is not None,
+             f"value_bits={self.value_bits!r} is not allowed with value_dtype={self.value_dtype!r}: the codes "
+             "replace the value dtype; set one of them."),
+        )  # fmt: skip
+        for rules in (first, then):
+            for broken, message in rules:
+                if broken:
+                    raise ValueError(message)
+            if rules is first:
+                check_fault_tolerance(
+                    self.fault_tolerant, self.min_replicas, self.quorum_timeout, self.compress, timed is not None
+                )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -464,22 +485,6 @@ class SparseConfig:
             "offload_residual": self.offload_residual,
             "fault_tolerant": self.fault_tolerant,
         }
-
-
-def describe_callable(value: Any) -> Any:
-    """A description of a setting's value that is the same in every process (no addresses).
-
-    Example:
-        >>> describe_callable(functools.partial(torch.optim.SGD, lr=0.7))
-        'torch.optim.sgd.SGD(lr=0.7)'
-    """
-    if value is None or isinstance(value, (str, int, float)):
-        return value
-    if isinstance(value, functools.partial):
-        args = [repr(a) for a in value.args] + [f"{k}={v!r}" for k, v in sorted(value.keywords.items())]
-        return f"{describe_callable(value.func)}({', '.join(args)})"
-    name = getattr(value, "__qualname__", None) or type(value).__qualname__
-    return f"{getattr(value, '__module__', None) or type(value).__module__}.{name}"
 
 
 def setting_names() -> tuple[str, ...]:

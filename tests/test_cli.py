@@ -211,3 +211,26 @@ def test_compressor_help_shows_its_arguments(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "Help for --compressor.help=lightning_sparse.TopK" in text
     assert "--compressor.fast {true,false}" in text and "(type: bool, default: True)" in text
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_subcommand_help_points_at_the_strategy_help(subcommand: str, capsys) -> None:
+    """``fit --help`` shows the strategy as a type only; its last lines say where its arguments are."""
+    with pytest.raises(SystemExit):
+        _cli_module().main([subcommand, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--trainer.strategy.help lightning_sparse.SparseDDPStrategy" in out
+
+
+def test_a_config_with_several_mistakes_names_them_all(tmp_path: Path) -> None:
+    """A mistyped compressor does not hide the next mistake: both are named in one error."""
+    from lightning_sparse import SparseConfig
+
+    with pytest.raises(ValueError) as caught:
+        SparseConfig(compressor="topkk", density=2.0, sync_every=0)
+    message = str(caught.value)
+    assert message.startswith("3 arguments are not allowed")
+    for name in ("compressor='topkk'", "density=2.0", "sync_every=0"):
+        assert name in message
+    with pytest.raises(ValueError, match=r"^density=2.0 is not allowed"):  # one mistake: its own message
+        SparseConfig(density=2.0)

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from lightning_sparse._utils import resolve_value_dtype
-from lightning_sparse.config import SparseConfig, describe_callable
+from lightning_sparse._utils import describe_callable, resolve_value_dtype
+from lightning_sparse.config import SparseConfig
 from lightning_sparse.telemetry.stats import FLUSH_METHOD, Counters, Telemetry
 
 #: the table's columns, after the row name
