@@ -15,4 +15,5 @@ COMMANDS: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "parties": "benchmarks.parties",
     "ft": "benchmarks.ft",
+    "identical": "benchmarks.identical",
 }
