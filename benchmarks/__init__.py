@@ -16,4 +16,5 @@ COMMANDS: dict[str, str] = {
     "parties": "benchmarks.parties",
     "ft": "benchmarks.ft",
     "identical": "benchmarks.identical",
+    "calls": "benchmarks.calls",
 }
