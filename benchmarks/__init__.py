@@ -15,4 +15,6 @@ COMMANDS: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "parties": "benchmarks.parties",
     "ft": "benchmarks.ft",
+    "identical": "benchmarks.identical",
+    "calls": "benchmarks.calls",
 }
