@@ -19,7 +19,8 @@ from test_ft import CONFIG, Groups  # noqa: E402
 
 pytestmark = pytest.mark.dist
 FSDP = {"strategy": "fsdp", "devices": 2}
-KINDS = [pytest.param({}, id="ddp"), pytest.param(FSDP, id="sparse_fsdp_2_processes")]
+# the sparse_fsdp groups (2 processes each, about a minute a test) run with -m slow
+KINDS = [pytest.param({}, id="ddp"), pytest.param(FSDP, id="sparse_fsdp_2_processes", marks=pytest.mark.slow)]
 
 
 def _session(leader: int) -> list[int]:
