@@ -25,12 +25,19 @@ BASE: dict[str, Any] = {"n": 256, "max_steps": 32, "density": 0.05, "data_by_ste
 
 
 # the trial: dense steps 1-5, sparse steps 6-10, the choice at step 11 (the checkpoint is at step 16)
-TIMED: dict[str, Any] = {"compressor": "topk", "density": BASE["density"], "fallback_to_dense": "time"}
+TIMED: dict[str, Any] = {
+    "compressor": "topk",
+    "density": BASE["density"],
+    "fallback_to_dense": "time",
+    "flush_at_end": False,
+}
 
 
 def _strategy(name: str, compress: str = "gradient") -> dict[str, Any]:
-    # no dense fallback: every step after warm-up takes the compressor's own path
-    return {"compressor": name, "density": BASE["density"], "fallback_to_dense": False, "compress": compress}
+    # no dense fallback: every step after warm-up takes the compressor's own path; update mode without the
+    # end-of-fit hand-over, so that what a fit ends with is the exchange's state, residuals and all
+    extra = {"flush_at_end": False} if compress == "update" else {}
+    return {"compressor": name, "density": BASE["density"], "fallback_to_dense": False, "compress": compress, **extra}
 
 
 # update mode: each rank's own AdamW (its state differs per rank and must come back on resume)
@@ -86,7 +93,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     "nan_at_step": 10,
                     "nan_rank": 1,
                 },
-                {"name": "all_small", "strategy": {"min_numel": 10**9}},
+                {"name": "all_small", "strategy": {"min_numel": 10**9, "flush_at_end": False}},
                 {
                     "name": "full_timed",
                     "strategy": TIMED,
