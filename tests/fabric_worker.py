@@ -114,8 +114,11 @@ def run(cfg: dict[str, Any]) -> None:
         unflushed = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
         unflushed["residuals"] = {k: v.clone() for k, v in state.memory.state_dict().items()}
         unflushed["sent_bytes"] = state.telemetry.total.sent_bytes
-        rounds = cfg["flush_residuals"] if cfg["flush_residuals"] is not True else None
-        fabric.strategy.flush_residuals(rounds)  # type: ignore[attr-defined]
+        if cfg["flush_residuals"] == "end_fit":  # what the docs' loops call after their last step
+            fabric.strategy.end_fit()  # type: ignore[attr-defined]
+        else:
+            rounds = cfg["flush_residuals"] if cfg["flush_residuals"] is not True else None
+            fabric.strategy.flush_residuals(rounds)  # type: ignore[attr-defined]
     result = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "residuals": state.memory.state_dict(),
@@ -132,6 +135,7 @@ def run(cfg: dict[str, Any]) -> None:
         "records": records,
         "skipped_steps": 0 if state.step_exchange.skips is None else state.step_exchange.skips.skipped,
         "unflushed": unflushed,
+        "nonfinite_updates": getattr(fabric.strategy.update_exchange, "nonfinite_updates", None),  # type: ignore[attr-defined]
     }
     torch.save(result, f"{cfg['name']}_rank{rank}.pt")
     fabric.barrier()

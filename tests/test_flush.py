@@ -4,6 +4,7 @@ global model, exactly, in the Fabric and Trainer front ends (2 processes, gloo).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,14 +27,31 @@ def _by_name(residuals: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
 
 @pytest.mark.dist
 def test_fabric_flush_adds_the_mean_residual_exactly(tmp_path: Path) -> None:
-    # 30 steps of cycles of 4: the loop ends inside a cycle, whose progress joins the residuals first
+    # 30 steps of cycles of 4: the loop ends inside a cycle, whose progress joins the residuals first;
+    # flush_residuals() and end_fit() (the documented call after a loop's last step, flush_at_end=True)
     runs = run_trainer(
-        {"steps": 30, "runs": [{"name": "flush", "strategy": STRATEGY, "flush_residuals": True}]},
+        {
+            "steps": 30,
+            "runs": [
+                {"name": "flush", "strategy": STRATEGY, "flush_residuals": True},
+                {"name": "end_fit", "strategy": STRATEGY, "flush_residuals": "end_fit"},
+            ],
+        },
         tmp_path,
         timeout=300,
         worker="fabric_worker.py",
     )
-    ranks = runs["flush"]
+    for name in ("flush", "end_fit"):
+        _assert_mean_residual_handed_over(runs[name])
+    for a, b in zip(runs["flush"], runs["end_fit"], strict=True):  # the same fit, the same hand-over
+        for key, value in a["params"].items():
+            assert torch.equal(value, b["params"][key]), key
+
+
+def _assert_mean_residual_handed_over(ranks: list[dict[str, Any]]) -> None:
+    """After a Fabric loop's exact hand-over: every process's module holds the global model before
+    plus the mean of the residuals before, the residuals are empty and one float32 all-reduce of the
+    parameters was counted."""
     before = [r["unflushed"] for r in ranks]
     assert before[0]["params"].keys() == ranks[0]["params"].keys()
     residuals = [_by_name(b["residuals"], b["params"]) for b in before]

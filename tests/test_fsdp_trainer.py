@@ -1,7 +1,8 @@
 """``sparse_fsdp`` with the Trainer on real gloo processes (tests/fsdp_worker.py): 4 processes as 2
-groups of 2 (sparse HSDP), 2 as 2 groups of 1 (must end where ``sparse_ddp`` ends), 2 as one group
-of 2 (plain FSDP2), exact resume mid-cycle, a GPT with tied embeddings held in ``self.model`` (fit,
-then validate, test and predict on the same Trainer), and the errors at construction and setup."""
+groups of 2 (sparse HSDP), 2 as 2 groups of 1 (must end where ``sparse_ddp`` ends; the end-of-fit
+hand-over adds the mean residual), 2 as one group of 2 (plain FSDP2), exact resume mid-cycle, a GPT
+with tied embeddings held in ``self.model`` (fit, then validate, test and predict on the same
+Trainer), and the errors at construction and setup."""
 
 from __future__ import annotations
 
@@ -144,11 +145,14 @@ def test_gpt_ends_on_the_same_bits_however_it_is_called_or_sharded(gpt: dict[str
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp_pairs")
     settings = {**SPARSE, "warmup_steps": 0}
+    groups_of_1 = {**settings, "shard_size": 1, "sharded_modules": ["Block"]}
     config = {
         "devices": 2,
         "steps": 12,
         "runs": [
-            {"name": "groups_of_1", "args": {**settings, "shard_size": 1, "sharded_modules": ["Block"]}},
+            {"name": "groups_of_1", "args": groups_of_1},
+            # the same fit without the hand-over at the end: what it leaves in the residuals
+            {"name": "kept", "args": {**groups_of_1, "flush_at_end": False}},
             {"name": "ddp", "strategy": "sparse_ddp", "args": settings},
             {"name": "one_group", "args": {**settings, "shard_size": 2, "sharded_modules": ["Block"]}},
             {"name": "fsdp2", "strategy": "fsdp2", "self_sharded": True},
@@ -167,6 +171,21 @@ def test_groups_of_one_end_where_sparse_ddp_ends(pairs: dict[str, Any]) -> None:
         assert a["telemetry"]["sent_bytes"] == b["telemetry"]["sent_bytes"]
         assert a["telemetry"]["dense_bytes"] == b["telemetry"]["dense_bytes"]
         assert a["group_bytes"] == 0 and b["group_bytes"] is None  # a group of 1 moves nothing inside
+
+
+@pytest.mark.dist
+def test_the_hand_over_at_the_end_of_fit_adds_the_mean_residual(pairs: dict[str, Any]) -> None:
+    # the default (flush_at_end=True) hands over exactly what the same fit without it leaves unsent
+    kept, flushed = pairs["kept"], pairs["groups_of_1"]
+    assert any(bool(e.any()) for e in kept[0]["residuals"].values())
+    for name, old in kept[0]["params"].items():
+        assert torch.equal(old, kept[1]["params"][name]), name  # one global model before
+        e = [r["residuals"].get(name, torch.zeros(old.numel())).view_as(old) for r in kept]
+        for r in flushed:
+            assert torch.equal(r["params"][name], old + (e[0] + e[1]) / 2), name
+    for r, k in zip(flushed, kept, strict=True):  # nothing left unsent; one float32 all-reduce counted
+        assert all(not bool(e.any()) for e in r["residuals"].values())
+        assert r["telemetry"]["sent_bytes"] - k["telemetry"]["sent_bytes"] == r["param_bytes"]
 
 
 @pytest.mark.dist

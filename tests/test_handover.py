@@ -1,5 +1,6 @@
 """The model a user gets is the model the ranks trained: the residuals handed over at the end of fit
-by default, and a rank whose update went non-finite heals (2 processes, gloo)."""
+by default, and a rank whose update went non-finite heals, under the Trainer and in a Fabric loop (2
+processes, gloo)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_trainer
 
 
@@ -83,3 +85,28 @@ def test_a_rank_nonfinite_at_every_step_ends_the_fit_naming_it(tmp_path: Path) -
     log = (tmp_path / "log.txt").read_text()
     assert "FloatingPointError: lightning_sparse: rank 1's optimizer update was not finite at 3 consecutive" in log
     assert re.search(r"consecutive exchanges, the last at step \d+", log), str(failed.value)[-2000:]
+
+
+@pytest.mark.dist
+def test_a_rank_whose_update_went_nonfinite_once_heals_in_a_fabric_loop(tmp_path: Path) -> None:
+    # tests/fabric_worker.py: rank 1's loss times NaN at step 10 only, AdamW (the NaN reaches its state)
+    strategy = {"warmup_steps": 0}
+    runs = run_trainer(
+        {
+            "steps": 30,
+            "optimizer": "adamw",
+            "lr": 0.01,
+            "runs": [{"name": "clean", "strategy": strategy}, {"name": "nan", "strategy": strategy, "nan_at": 10}],
+        },
+        tmp_path,
+        timeout=300,
+        worker="fabric_worker.py",
+    )
+    clean, nan = runs["clean"], runs["nan"]
+    # one step's updates of rank 1 were dropped, every later one exchanged again
+    assert nan[1]["nonfinite_updates"] == len(nan[1]["params"]), nan[1]["nonfinite_updates"]
+    assert nan[0]["nonfinite_updates"] == clean[0]["nonfinite_updates"] == clean[1]["nonfinite_updates"] == 0
+    for key, value in nan[0]["params"].items():  # one finite global model
+        assert torch.isfinite(value).all() and torch.equal(value, nan[1]["params"][key]), key
+    assert nan[0]["final_acc"] >= clean[0]["final_acc"] - 0.05, (nan[0]["final_acc"], clean[0]["final_acc"])
+    assert "rank 1's optimizer step made" in (tmp_path / "log.txt").read_text()  # the warning

@@ -15,7 +15,7 @@ import torch
 from conftest import run_trainer
 
 from lightning_sparse import COMPRESSORS, CompressionMonitor, SparseDDPStrategy
-from lightning_sparse.telemetry.callbacks import METRIC_NAMES
+from lightning_sparse.telemetry.callbacks import METRIC_NAMES, ONE_PROCESS
 from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.telemetry.summary import ADDS_UP, CompressionSummary, format_bytes
 
@@ -164,6 +164,34 @@ def test_fit_logs_the_figures_through_the_logger(tmp_path: Path) -> None:
     assert format_bytes(t["dense_bytes"]) in total_line and format_bytes(t["sent_bytes"]) in total_line
     assert f"{t['dense_bytes'] / t['sent_bytes']:.1f}x" in total_line
     assert "\u2501" not in out and "\u2503" not in out  # no box drawing when not a terminal
+    # the hand-over at the end of fit (flush_at_end, the default): a row of its own, one dense float32
+    # all-reduce of every parameter (at 2 ranks the ring moves its size through a rank), all coordinates
+    # sent, no dense DDP counterpart; the footer counts it against the table's wire bytes
+    assert r0["methods"]["dense (flush)"] == 1
+    rows_by_name = {re.split(r"\s{2,}", line)[0]: re.split(r"\s{2,}", line)[1:] for line in out.splitlines()}
+    handover = format_bytes(r0["param_bytes"])
+    assert rows_by_name["dense (hand-over at the end)"][:6] == ["1", "0 B", handover, "-", "-", "1.0000"]
+    share = 100.0 * r0["param_bytes"] / t["wire_bytes"]
+    footer = f"row 'dense (hand-over at the end)', not in the largest step) moved {handover} through this rank"
+    assert f"{footer}, {share:.0f}% of the wire bytes" in " ".join(out.split())
+
+
+@pytest.mark.dist
+def test_one_process_summary_says_nothing_is_exchanged(tmp_path: Path) -> None:
+    """On one process the exchange never runs: the summary is one line saying so, not an empty table."""
+    runs = run_trainer(
+        {
+            "max_steps": 4,
+            "devices": 1,
+            "runs": [{"name": "update", "strategy": {}}, {"name": "gradient", "strategy": {"compress": "gradient"}}],
+        },
+        tmp_path,
+    )
+    out = (tmp_path / "log.txt").read_text()
+    for mode in ("update", "gradient"):
+        assert runs[mode][0]["telemetry"]["wire_bytes"] == 0  # gradient mode's hook runs, moving nothing
+        assert out.count(f"Sparse {mode} communication: {ONE_PROCESS}") == 1, out[-3000:]
+    assert "all buckets" not in out and "rank 0 of 1" not in out  # no table, no header above one
 
 
 def _run_spawn_worker(config: dict[str, Any], out_dir: Path, timeout: float = 300) -> dict[str, Any]:

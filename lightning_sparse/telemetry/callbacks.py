@@ -267,7 +267,8 @@ class CompressionMonitor(Callback):
             return
         update = getattr(trainer.strategy, "update_exchange", None)
         exchanging = update.active if update is not None else state.world_size > 1
-        if not exchanging and not self.last_summary.total.buckets:
+        # gradient mode's hook runs on one process too (DDP calls it), but its all-reduces move nothing
+        if not exchanging and not self.last_summary.total.wire_bytes:
             print(f"Sparse {state.config.compress} communication: {ONE_PROCESS}", flush=True)
         else:
             self.last_summary.print()
