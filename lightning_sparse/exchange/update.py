@@ -161,7 +161,7 @@ class UpdateExchange:
     def _names_of(self, params: Iterable[Tensor] | None) -> list[str]:
         if params is None:
             return list(self._params)
-        return [self._names[id(p)] for p in params if id(p) in self._names]
+        return [n for n in map(self._names.get, map(id, params)) if n is not None]
 
     # ------------------------------------------------------------------ the rank's own view
     @torch.no_grad()
@@ -277,9 +277,9 @@ class UpdateExchange:
     def _buckets_for(self, names: list[str]) -> list[Bucket]:
         """The buckets of a group of parameters; their global values live in one flat tensor per
         bucket, so that the exchange adds the average of what was sent straight into it."""
-        key = tuple(id(self._params[n]) for n in names)
+        key = tuple(map(id, map(self._params.__getitem__, names)))
         buckets = self._buckets.get(key)
-        if buckets is not None and all(b.owns(self._global) for b in buckets):
+        if buckets is not None and all([b.owns(self._global) for b in buckets]):
             return buckets
         groups: list[list[str]] = []
         size = 0
