@@ -48,18 +48,18 @@ class ErrorFeedback:
         """Whether ``name`` has a residual that may be non-zero."""
         return name in self._residuals and name not in self._zero
 
-    def held(self, names: Iterable[str]) -> set[str]:
-        """The names of ``names`` that have a residual that may be non-zero (``name in self`` of
-        each, in one call).
+    def held(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The residuals of those of ``names`` that may be non-zero (``get`` of each ``name in
+        self``), by name, in one call.
 
         Example:
             >>> ef = ErrorFeedback()
             >>> _ = ef.accumulate("w", torch.ones(2))
             >>> ef.held(["w", "b"])
-            {'w'}
+            {'w': tensor([1., 1.])}
         """
-        residuals, zero = self._residuals, self._zero
-        return {n for n in names if n in residuals and n not in zero}
+        residuals, zero, staged = self._residuals, self._zero, self._staged
+        return {n: staged.get(n, residuals[n]) for n in names if n in residuals and n not in zero}
 
     def __len__(self) -> int:
         return len(self._residuals)

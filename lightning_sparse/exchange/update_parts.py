@@ -166,18 +166,24 @@ class ShapedResiduals:
 
     Example:
         >>> shaped, e = ShapedResiduals(), torch.zeros(6)
-        >>> shaped.of("w", e, torch.ones(2, 3)).shape, shaped.of("w", e, torch.ones(2, 3)) is shaped.of("w", e, e)
-        (torch.Size([2, 3]), True)
+        >>> [v.shape for v in shaped.of(["w"], [e], [torch.ones(2, 3)])]
+        [torch.Size([2, 3])]
+        >>> shaped.of(["w"], [e], [torch.ones(2, 3)])[0] is shaped.of(["w"], [e], [e])[0]
+        True
     """
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[Tensor, Tensor]] = {}
 
-    def of(self, name: str, e: Tensor, p: Tensor) -> Tensor:
-        held = self._held.get(name)
-        if held is None or held[0] is not e:
-            held = self._held[name] = (e, e.view_as(p))
-        return held[1]
+    def of(self, names: list[str], residuals: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+        """The residuals of ``names`` shaped as their ``params``, all at once (no call a tensor)."""
+        shaped, held = [], self._held
+        for name, e, p in zip(names, residuals, params, strict=True):
+            found = held.get(name)
+            if found is None or found[0] is not e:
+                found = held[name] = (e, e.view_as(p))
+            shaped.append(found[1])
+        return shaped
 
 
 def fragments_of(
