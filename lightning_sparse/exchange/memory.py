@@ -6,6 +6,8 @@ resumed runs start from the initial layout again, while names stay put.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor
 
@@ -46,6 +48,19 @@ class ErrorFeedback:
         """Whether ``name`` has a residual that may be non-zero."""
         return name in self._residuals and name not in self._zero
 
+    def held(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The residuals of those of ``names`` that may be non-zero (``get`` of each ``name in
+        self``), by name, in one call.
+
+        Example:
+            >>> ef = ErrorFeedback()
+            >>> _ = ef.accumulate("w", torch.ones(2))
+            >>> ef.held(["w", "b"])
+            {'w': tensor([1., 1.])}
+        """
+        residuals, zero, staged = self._residuals, self._zero, self._staged
+        return {n: staged.get(n, residuals[n]) for n in names if n in residuals and n not in zero}
+
     def __len__(self) -> int:
         return len(self._residuals)
 
@@ -81,11 +96,16 @@ class ErrorFeedback:
         cached = self._flats.get(layout)
         if cached is not None and cached[0].device == device:
             buf, views = cached
-            if all(self._residuals.get(n) is v for n, v in views):
-                for name, view in views:
-                    if name in self._zero:  # flushed whole by a dense send
-                        view.zero_()
-                        self._zero.discard(name)
+            residuals, zero = self._residuals, self._zero
+            for name, view in views:
+                if residuals.get(name) is not view:
+                    break
+            else:
+                if zero:
+                    for name, view in views:
+                        if name in zero:  # flushed whole by a dense send
+                            view.zero_()
+                            zero.discard(name)
                 return buf
         names = {n for n, _ in layout if n is not None}
         for key in [k for k in self._flats if any(n in names for n, _ in k if n is not None)]:
@@ -159,6 +179,8 @@ class ErrorFeedback:
 
     def unstage(self, names: list[str] | None = None) -> None:
         """Offloaded: write the device copies of ``names`` (default: all) back to :attr:`home` and drop them."""
+        if not self._staged:
+            return
         for name in list(self._staged) if names is None else names:
             staged = self._staged.pop(name, None)
             if staged is None:

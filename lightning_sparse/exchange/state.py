@@ -170,7 +170,7 @@ class SparseState:
 
     def plan(self, buffer: Tensor, params: list[Tensor]) -> BucketPlan:
         """The (cached) layout of a bucket, from its parameters in buffer order."""
-        ids = tuple(id(p) for p in params)
+        ids = tuple(map(id, params))
         plan = self._plans.get(ids)
         if plan is None:
             members = []

@@ -59,6 +59,7 @@ __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
 #: float32 bytes per exchanged bucket at most: large, as a bucket costs a fixed number of operations
 DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES = 1024 * 1024 * 1024, 25 * 1024 * 1024  # the second: offloaded
+_CPU = torch.device("cpu")  # where offloaded global copies live
 
 
 class UpdateExchange:
@@ -161,7 +162,7 @@ class UpdateExchange:
     def _names_of(self, params: Iterable[Tensor] | None) -> list[str]:
         if params is None:
             return list(self._params)
-        return [self._names[id(p)] for p in params if id(p) in self._names]
+        return [n for n in map(self._names.get, map(id, params)) if n is not None]
 
     # ------------------------------------------------------------------ the rank's own view
     @torch.no_grad()
@@ -176,32 +177,34 @@ class UpdateExchange:
             return
         if self._timed_dense():
             return  # a plain DDP step: the module holds the replicas, identical on every rank
-        memory = self.state.memory
+        names = [n for n in self._names_of(params) if n not in self._local]
+        if not names:
+            return  # the module holds the view already (the optimizer step's, after the forward's)
+        held, offload = self.state.memory.held(names), self.offload  # the residuals at once: no call a tensor
         views: list[Tensor] = []
         residuals: list[Tensor] = []
-        for name in self._names_of(params):
-            if name in self._local:
-                continue
+        shaped: list[str] = []  # their names
+        for name in names:
             p = self._params[name]
             g = self._global.get(name)
-            home, pin = self._place(p)
-            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != home:
-                g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=pin)
-                self._global[name] = g
+            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != (_CPU if offload else p.device):
+                home, pin = self._place(p)  # (the device above is its home, inline: no call a tensor)
+                self._global[name] = g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=pin)
                 self._synced.pop(name, None)
             # The module holds the global value unless something wrote to the parameter since
             # (a checkpoint restore, a callback): then what it holds is the global value now.
             if self._synced.get(name) != p._version:
                 g.copy_(p)
-            e = memory.get(name) if name in memory else None
+            e = held.get(name)
             if e is not None and e.device == p.device:
                 views.append(p)
-                residuals.append(self._shaped_residuals.of(name, e, p))
+                residuals.append(e)
+                shaped.append(name)
             elif e is not None:
                 p.add_(e.view_as(p).to(p.device))  # offloaded: a copy on the device
             self._local.add(name)
-        if views:
-            torch._foreach_add_(views, residuals)  # one operator, not one per tensor
+        if views:  # one operator, not one per tensor
+            torch._foreach_add_(views, self._shaped_residuals.of(shaped, residuals, views))
 
     @torch.no_grad()
     def hold_global(self, params: Iterable[Tensor] | None = None) -> None:
@@ -263,7 +266,7 @@ class UpdateExchange:
         """Where the global copy of ``p`` lives (the CPU when offloaded, else ``p``'s device), and
         whether it is pinned (an offloaded copy of a CUDA parameter: faster copies to and from it)."""
         if self.offload:
-            return torch.device("cpu"), p.is_cuda
+            return _CPU, p.is_cuda
         return p.device, False
 
     def _hold_global(self, names: Iterable[str]) -> None:
@@ -277,9 +280,9 @@ class UpdateExchange:
     def _buckets_for(self, names: list[str]) -> list[Bucket]:
         """The buckets of a group of parameters; their global values live in one flat tensor per
         bucket, so that the exchange adds the average of what was sent straight into it."""
-        key = tuple(id(self._params[n]) for n in names)
+        key = tuple(map(id, map(self._params.__getitem__, names)))
         buckets = self._buckets.get(key)
-        if buckets is not None and all(b.owns(self._global) for b in buckets):
+        if buckets is not None and all([b.owns(self._global) for b in buckets]):
             return buckets
         groups: list[list[str]] = []
         size = 0
@@ -374,7 +377,7 @@ class UpdateExchange:
             self._heal()
             return  # the collectives progress in the background; the view stays in the module
         for bucket, future in zip(launch, futures, strict=True):
-            self._apply(bucket, future)
+            self._apply_average(bucket, self._wait(future))  # through the outer step
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
             self._hold_bucket(bucket)
         self._heal()
@@ -386,10 +389,6 @@ class UpdateExchange:
         for name, p in zip(bucket.names, bucket.params, strict=True):
             self._synced[name] = p._version
             self._local.discard(name)
-
-    def _apply(self, bucket: Bucket, future: Future[Average]) -> None:
-        """Wait for a bucket's average and apply it to its global values through the outer step."""
-        self._apply_average(bucket, self._wait(future))
 
     def _wait(self, future: Future[Average]) -> Any:
         waited = time.perf_counter()

@@ -96,10 +96,15 @@ class Bucket:
         """The parameters as flat views (kept while each still holds the same memory), None where
         one is not contiguous (the exchange then takes it one tensor at a time)."""
         views = self._flat_params
-        if views is None or any(v.data_ptr() != p.data_ptr() for v, p in zip(views, self.params, strict=True)):
-            if not all(p.is_contiguous() for p in self.params):
-                return None
-            views = self._flat_params = [p.view(-1) for p in self.params]
+        if views is not None:
+            for v, p in zip(views, self.params, strict=True):
+                if v.data_ptr() != p.data_ptr():
+                    break
+            else:
+                return views
+        if not all([p.is_contiguous() for p in self.params]):
+            return None
+        views = self._flat_params = [p.view(-1) for p in self.params]
         return views
 
     def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> None:
@@ -149,7 +154,10 @@ class Bucket:
 
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         """Whether the global values of its parameters still live in this bucket."""
-        return all(globals_.get(n) is v for n, v in zip(self.names, self.views, strict=True))
+        for n, v in zip(self.names, self.views, strict=True):
+            if globals_.get(n) is not v:
+                return False
+        return True
 
 
 class ShapedResiduals:
@@ -158,18 +166,24 @@ class ShapedResiduals:
 
     Example:
         >>> shaped, e = ShapedResiduals(), torch.zeros(6)
-        >>> shaped.of("w", e, torch.ones(2, 3)).shape, shaped.of("w", e, torch.ones(2, 3)) is shaped.of("w", e, e)
-        (torch.Size([2, 3]), True)
+        >>> [v.shape for v in shaped.of(["w"], [e], [torch.ones(2, 3)])]
+        [torch.Size([2, 3])]
+        >>> shaped.of(["w"], [e], [torch.ones(2, 3)])[0] is shaped.of(["w"], [e], [e])[0]
+        True
     """
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[Tensor, Tensor]] = {}
 
-    def of(self, name: str, e: Tensor, p: Tensor) -> Tensor:
-        held = self._held.get(name)
-        if held is None or held[0] is not e:
-            held = self._held[name] = (e, e.view_as(p))
-        return held[1]
+    def of(self, names: list[str], residuals: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+        """The residuals of ``names`` shaped as their ``params``, all at once (no call a tensor)."""
+        shaped, held = [], self._held
+        for name, e, p in zip(names, residuals, params, strict=True):
+            found = held.get(name)
+            if found is None or found[0] is not e:
+                found = held[name] = (e, e.view_as(p))
+            shaped.append(found[1])
+        return shaped
 
 
 def fragments_of(
@@ -203,7 +217,7 @@ Layout = tuple[tuple[str | None, int], ...]
 def _flat_residual(memory: ErrorFeedback, plan: BucketPlan, layout: Layout, device: torch.device) -> Tensor | None:
     """The bucket's residuals as one flat tensor laid out as ``layout``; None where they cannot be:
     offloaded (``ErrorFeedback.flat`` says so), or a member has a residual ``layout`` leaves out."""
-    if any(name is None and m.name in memory for (name, _), m in zip(layout, plan.members, strict=True)):
+    if memory.held([m.name for (name, _), m in zip(layout, plan.members, strict=True) if name is None]):
         return None
     return memory.flat(layout, device)
 

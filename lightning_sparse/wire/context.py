@@ -41,9 +41,26 @@ class BucketPlan:
     numel: int
     label: str
 
+    def __hash__(self) -> int:
+        # the layouts made once per plan are cached by it, so a plan is hashed several times an
+        # exchange: worked out once (a member's hash is a Python call, one per tensor)
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = hash((self.members, self.numel, self.label))
+        return found
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a string's hash differs from process to process: the one worked out here stays here
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @functools.cached_property
     def sparse_members(self) -> tuple[Member, ...]:
         return tuple(m for m in self.members if m.sparse)
+
+    @functools.cached_property
+    def sparse_numels(self) -> tuple[int, ...]:
+        """The sparse members' sizes, in buffer order."""
+        return tuple(m.numel for m in self.sparse_members)
 
     @functools.cached_property
     def dense_members(self) -> tuple[Member, ...]:

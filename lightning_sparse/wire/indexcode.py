@@ -27,6 +27,8 @@ with bfloat16 values a sent coordinate costs about 3.1 bytes instead of 6.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -56,6 +58,11 @@ def rice_parameter(n: int, k: int) -> int:
     """
     check_int("n", n, minimum=1)
     check_int("k", k, minimum=0)
+    return _rice_parameter(n, k)
+
+
+@functools.lru_cache(maxsize=4096)  # sizes only: asked for every message layout at every step
+def _rice_parameter(n: int, k: int) -> int:
     if k == 0:
         return 0
     m = max(n - k, 0)

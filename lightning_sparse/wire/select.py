@@ -21,8 +21,11 @@ def flush_residuals(ctx: WireContext, call: BucketCall, members: tuple[Member, .
     if not ctx.error_feedback:
         return
     memory = ctx.memory
+    held = memory.held([m.name for m in members])
+    if not held:
+        return
     for m in members:
-        if m.name in memory:
+        if m.name in held:
             segment = call.segment(m)
             if not call.inputs_finite and not all_finite(segment):
                 # Send the non-finite gradient as it is (every rank then sees a non-finite average

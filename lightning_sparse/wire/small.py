@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_sparse._utils import RegionViews, all_finite
 from lightning_sparse.wire import batched, quant
 from lightning_sparse.wire.comm import Issued, futures
-from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
+from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, Pending, WireContext
 from lightning_sparse.wire.select import flush_residuals
 
 __all__ = ["all_gather_message", "launch_small"]
@@ -28,7 +28,7 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
     send: one message for all of them."""
     if not members:
         return Pending([], lambda out: None)
-    views = _member_views(members)
+    views = _member_views(call.plan, members)
     bits = ctx.value_bits
     world = ctx.world_size
     coded = bits is not None and quant.coded_members_pay(world, views.numel, bits, call.buffer.element_size())
@@ -94,8 +94,21 @@ class _MemberViews:
         return found
 
 
+def _member_views(plan: BucketPlan, members: tuple[Member, ...]) -> _MemberViews:
+    """The views of ``members`` of ``plan``: kept by the plan where they are its small tensors
+    (hashing the plan costs one call, a tuple of members one a member), else by the members."""
+    if members is plan.dense_members:
+        return _plan_views(plan)
+    return _views_of(members)
+
+
 @functools.lru_cache(maxsize=1024)
-def _member_views(members: tuple[Member, ...]) -> _MemberViews:
+def _plan_views(plan: BucketPlan) -> _MemberViews:
+    return _MemberViews(plan.dense_members)
+
+
+@functools.lru_cache(maxsize=1024)
+def _views_of(members: tuple[Member, ...]) -> _MemberViews:
     return _MemberViews(members)
 
 
@@ -112,7 +125,7 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
     named = {name for name, _ in layout if name is not None}
     if any(m.name not in named for m in members):
         return None
-    views = _member_views(members)
+    views = _member_views(call.plan, members)
     at = views.positions(buffer.device)
     values = buffer[at]
     if not call.inputs_finite and not all_finite(values):
