@@ -22,7 +22,8 @@ from lightning_sparse.strategies.checkpoint import read_rank_states
 
 pytestmark = pytest.mark.dist
 
-UPDATE = {"compress": "update", "density": 0.05}
+# without the end-of-fit hand-over (tests/test_handover.py): what fit ends with is the exchange's own state
+UPDATE = {"compress": "update", "density": 0.05, "flush_at_end": False}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,10 @@ def test_trains_with_identical_global_replicas(runs: dict[str, Any], name: str) 
         t = r["telemetry"]
         assert t["sent_bytes"] < t["dense_bytes"] / 3, "update mode sends a fraction of the dense bytes"
         assert r["train_acc"] > r["initial_acc"] + 0.15, (r["initial_acc"], r["train_acc"])
-        assert r["residuals"], "the unsent part is kept"
+        if name == "default":  # the default hands every process's unsent part over at the end of fit
+            assert not r["residuals"], "the hand-over empties the residuals"
+        else:
+            assert r["residuals"], "the unsent part is kept"
     assert results[0]["hook_step"] == 30  # one exchange per optimizer step
 
 
