@@ -20,17 +20,9 @@ from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import wait
 
 __all__ = [
-    "flush_in_rounds",
-    "Bucket",
-    "InFlight",
-    "ShapedResiduals",
-    "StagedAverage",
-    "average_optimizer_states",
-    "bucket_parts",
-    "drop_nonfinite",
-    "fragments_of",
-    "split_fragments",
-]
+    "flush_in_rounds", "Bucket", "InFlight", "ShapedResiduals", "StagedAverage", "average_optimizer_states",
+    "bucket_parts", "drop_nonfinite", "fragments_of", "split_fragments",
+]  # fmt: skip
 
 
 class Bucket:
@@ -458,18 +450,21 @@ def reset_optimizer_states(optimizers: Iterable[Any], names: Iterable[str], name
 @torch.no_grad()
 def flush_exactly(state: Any, params: dict[str, Tensor]) -> None:
     """Add the mean over processes of their residuals to ``params`` (by name; the module holds the
-    global model) and empty the residuals: one float32 all-reduce of all of them, counted as
+    global model) and empty the residuals: one float32 all-reduce of all of them (none where all are
+    zero everywhere: a one-value all-reduce finds out first), counted as
     :data:`~lightning_sparse.telemetry.stats.FLUSH_METHOD` (``state``: the
     :class:`~lightning_sparse.exchange.state.SparseState`)."""
     parts = [(state.memory.get(n) if n in state.memory else None, p) for n, p in params.items()]
     flat = torch.cat([e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts])
-    counters = Counters(numel=flat.numel(), sent_numel=flat.numel(), buckets=1, dense_buckets=1)
-    wait(state.wire.comm.all_reduce(flat, counters))
-    flat.div_(state.world_size)
-    pos = 0
-    for _, p in parts:
-        p.add_(flat[pos : pos + p.numel()].view_as(p).to(p.dtype))
-        pos += p.numel()
+    counters = Counters(numel=flat.numel(), buckets=1, dense_buckets=1)
+    unsent = torch.count_nonzero(flat).to(torch.float32).reshape(1)  # none anywhere: no all-reduce of zeros
+    wait(state.wire.comm.all_reduce(unsent, counters))
+    if unsent.item():
+        counters.sent_numel = flat.numel()
+        wait(state.wire.comm.all_reduce(flat, counters))
+        means = flat.div_(state.world_size).split([p.numel() for _, p in parts])
+        for (_, p), mean in zip(parts, means, strict=True):
+            p.add_(mean.view_as(p).to(p.dtype))
     state.memory.clear()
     state.telemetry.record("unsent parts", counters, FLUSH_METHOD)
 
