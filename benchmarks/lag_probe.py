@@ -5,7 +5,9 @@ Run from a checkout (the processes are started by Lightning's launcher)::
     python -m benchmarks.lag_probe --out lag.json --sync-every 4 --width 16 [--submodule]
 
 It fits the vision task (``lightning_sparse.demos.ResNetClassifier`` on the digits at 32x32) with
-``sparse_ddp`` (or plain DDP, ``--dense``), then records on rank 0:
+``sparse_ddp`` (or plain DDP, ``--dense``) without the end-of-fit hand-over (``--hand-over`` keeps
+it: then the global model holds every process's progress and nothing is unsent), then records on
+rank 0:
 
 - ``validate_acc``: what ``trainer.validate`` reports (the global model, with the strategy's
   BatchNorm statistics; ``--bn-batches 0`` keeps them as training left them);
@@ -108,6 +110,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bn-batches", type=int, default=16)
     parser.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="keep the end-of-fit hand-over (flush_at_end, the strategy's default); without it the probes see "
+        "the lag that the hand-over closes",
+    )
+    parser.add_argument(
         "--submodule",
         action="store_true",
         help="the network in self.net, called as self.net(x) from training_step (never self(x))",
@@ -131,6 +139,7 @@ def main() -> None:
             outer_optimizer=args.outer,
             compression_monitor=False,
             batchnorm_batches=args.bn_batches,
+            flush_at_end=args.hand_over,
         )
     curve = _Curve()
     trainer = L.Trainer(
