@@ -69,7 +69,9 @@ def _fit(cli: object, args: list[str]) -> tuple[str, int]:
 def main() -> None:
     torch.set_num_threads(1)
     sys.argv[0] = os.path.abspath(sys.argv[0])  # the launcher re-runs this script from the directory below
-    home = os.getcwd()
+    # where the run started (the launcher starts the other rank in this rank's working directory,
+    # which this rank removes at the end: every rank goes back to the first one's)
+    home = os.environ.setdefault("TELEMETRY_SAMPLE_HOME", os.getcwd())
     work = tempfile.mkdtemp(prefix="telemetry_sample_")
     os.chdir(work)
     try:
