@@ -143,7 +143,7 @@ def _run_together(cmds: list[list[str]], cwd: Path, env: dict[str, str], logs: l
     return codes
 
 
-@pytest.mark.parametrize("compress", ["update", "gradient"])
+@pytest.mark.parametrize("compress", ["update", pytest.param("gradient", marks=pytest.mark.slow)])
 def test_multinode_two_nodes_under_torchrun(tmp_path: Path, compress: str) -> None:
     """`torchrun --nnodes 2 ... examples/multinode.py --num-nodes 2`, both "nodes" on this machine:
     two torchrun launchers of 2 processes each (node ranks 0 and 1) meet over loopback, and the 4

@@ -136,6 +136,7 @@ def _run(tmp: Path, config: dict[str, Any], num_groups: int) -> list[dict[str, A
 CONFIG = {"max_steps": 240, "sync_every": 4, "value_bits": 2, "step_sleep": 0.1, "quorum_timeout": 30.0}
 
 
+@pytest.mark.slow
 def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> None:
     # Slower steps than the other tests': the restarted process (Python, torch and Lightning imported again)
     # must be back before the survivors reach max_steps, or it is told the run is over (a loaded CPU
@@ -166,7 +167,7 @@ def test_a_killed_group_restarts_heals_and_ends_identical(tmp_path: Path) -> Non
     assert all(r["participants"] == 3 for r in results)
 
 
-@pytest.mark.parametrize("delay", [0, 1], ids=["blocking", "sync_delay=1"])
+@pytest.mark.parametrize("delay", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["blocking", "sync_delay=1"])
 def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_path: Path, delay: int) -> None:
     """Blocking, the survivors roll the exchange back at once; with ``sync_delay=1`` where it arrives,
     a step later (its collectives overlap that step): nothing of it applied, the sent part back in
@@ -283,7 +284,7 @@ def test_groups_of_two_processes_heal_and_end_identical(tmp_path: Path) -> None:
     assert _identical(results)  # both processes of both groups
 
 
-@pytest.mark.parametrize("front", ["trainer", "fabric"])
+@pytest.mark.parametrize("front", ["trainer", pytest.param("fabric", marks=pytest.mark.slow)])
 def test_sparse_fsdp_groups_of_two_processes_heal_and_end_identical(tmp_path: Path, front: str) -> None:
     """Each group shards its model across its two processes (FSDP2); process r of a group exchanges
     its shards with process r of the other, and a restarted group heals shard by shard."""

@@ -138,6 +138,7 @@ def test_a_killed_rank_ends_the_others_and_the_fit_resumes(tmp_path: Path, mode:
             assert torch.equal(resumed[rank]["residuals"][key], value), f"rank {rank}: residual {key} differs"
 
 
+@pytest.mark.slow
 def test_a_delayed_exchange_that_stalls_names_the_step_that_launched_it(tmp_path: Path) -> None:
     """sync_every=4, sync_delay=2: exchanges launch at the 4th and 8th optimizer steps (0-based 3 and
     7, as errors count them) and are waited for two steps later. Rank 1 stops before its 6th step;

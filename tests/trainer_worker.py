@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -411,11 +412,15 @@ def fit_once(cfg: dict[str, Any]) -> None:
             return real_all_gather(out, t, group)
 
         lightning_sparse.wire.comm.all_gather = slow_all_gather
-    try:
-        trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("ckpt_path"))
-    finally:
-        lightning_sparse.wire.comm.all_reduce = real_all_reduce
-        lightning_sparse.wire.comm.all_gather = real_all_gather
+    # record_warnings: the fit's warnings in the result (several runs of one launch share one log)
+    with warnings.catch_warnings(record=bool(cfg.get("record_warnings"))) as caught:
+        if caught is not None:
+            warnings.simplefilter("always")
+        try:
+            trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("ckpt_path"))
+        finally:
+            lightning_sparse.wire.comm.all_reduce = real_all_reduce
+            lightning_sparse.wire.comm.all_gather = real_all_gather
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     extra: dict[str, Any] = {}
     if cfg.get("test"):
@@ -437,6 +442,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
         **extra,
         "callbacks": [type(cb).__name__ for cb in trainer.callbacks],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        "warnings": [str(w.message) for w in caught or []],
     }
     if tap is not None:
         result["wire_bytes_by_step"] = dict(tap.bytes_by_step)

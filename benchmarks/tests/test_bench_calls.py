@@ -54,7 +54,7 @@ def test_one_default_exchange_counts_calls_through_the_package(tmp_path: Path) -
     assert sum(figures["files"].values()) == figures["package"]["call"]
     assert 0 < figures["moves"] < figures["package"]["call"]
     # a steady state: every measured step alike, but for the few callbacks a collective already done
-    # runs on this thread
+    # runs on this thread (more of them on a loaded machine)
     calls = [c["call"] for counts in figures["per_step"].values() for c in counts]
-    assert len(calls) == 4 and max(calls) - min(calls) <= 0.02 * min(calls), calls
+    assert len(calls) == 4 and max(calls) - min(calls) <= 0.05 * min(calls), calls
     assert figures["exchange"]["call"] == min(calls)

@@ -7,6 +7,7 @@ import pytest
 from benchmarks.checkpoint import measure
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_save_costs_each_process_about_what_dense_ddp_costs_rank_0() -> None:
     # 4.2M parameters with AdamW: rank 0's checkpoint is ~50 MB. Gathering the other 3 ranks'

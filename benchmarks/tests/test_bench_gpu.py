@@ -42,6 +42,7 @@ def test_summary_takes_the_slower_process() -> None:
     assert row["collectives_per_step"] == 2 and row["host_syncs_per_step"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_gpu_bench_runs_every_row_on_cpus(tmp_path) -> None:
     out = tmp_path / "gpu.json"

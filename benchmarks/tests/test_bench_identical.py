@@ -27,6 +27,7 @@ def test_extract_writes_the_package_as_git_has_it(tmp_path: Path) -> None:
         extract("no-such-revision", tmp_path / "other")
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_the_same_code_twice_gives_equal_checksums(tmp_path: Path) -> None:
     copy = tmp_path / "copy"

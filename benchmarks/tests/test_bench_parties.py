@@ -41,6 +41,7 @@ def test_parties_bench_runs_dense_and_sparse_rows(tmp_path: Path) -> None:
     assert "| outer2 |" in format_table(result, 2) and "| dense | " in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_parties_bench_runs_the_text_task(tmp_path: Path) -> None:
     out = tmp_path / "text.json"
@@ -88,6 +89,7 @@ def test_the_noise_correction_scales_each_step_by_the_averaged_second_moment() -
     assert bool((f > 1.0).any()) and bool((f <= 2.0).all())
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_parties_bench_runs_uncompressed_corrected_and_gradient_rows(tmp_path: Path) -> None:
     out = tmp_path / "full.json"
@@ -126,6 +128,7 @@ def test_the_local_clip_estimate_clips_less_the_more_of_the_gradient_is_noise() 
     assert torch.allclose(p.grad.norm(), torch.tensor(2.0), rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_parties_bench_runs_the_probes_and_the_plain_average(tmp_path: Path) -> None:
     """At 2 parties the default outer step is the plain average, bit for bit; the clipping and view

@@ -32,6 +32,7 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, int,
     return json.loads(out.read_text()), done.stdout, done.returncode, png
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_measured_equals_model(small_run) -> None:
     result, table, _, _ = small_run
@@ -47,6 +48,7 @@ def test_measured_equals_model(small_run) -> None:
     assert "measured == model at W = 2, 4" in table
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_table_properties(small_run) -> None:
     result, table, _, _ = small_run
@@ -71,6 +73,7 @@ def test_table_properties(small_run) -> None:
     assert last["split compact"] < 3 * first["split compact"]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_targets_and_exit_code(small_run) -> None:
     result, table, code, png = small_run

@@ -8,6 +8,7 @@ import pytest
 from benchmarks.sharding import PARTS, measure
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_each_part_of_the_training_state_is_shard_sized() -> None:
     ddp = measure("sparse_ddp", 4, 2, width=256, blocks=4, steps=2, timeout=300)

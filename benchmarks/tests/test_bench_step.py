@@ -157,6 +157,7 @@ def test_step_bench_shaped(tmp_path) -> None:
     _check(result)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_step_bench_exchanges_on_4_ranks(tmp_path) -> None:
     """`--world-size 4 --exchanges allgather split`: a row per exchange for top-k, one for random-k
@@ -182,6 +183,7 @@ def test_step_bench_exchanges_on_4_ranks(tmp_path) -> None:
     assert "| MB on the wire per rank per step |" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_step_bench_timed_fallback(tmp_path) -> None:
     result = _run_bench(tmp_path, "--bandwidth", "none", "--fallback", "time")
@@ -219,6 +221,7 @@ def _run_peers(tmp_path, *peers: str) -> tuple[dict, str]:
     return json.loads(out.read_text()), done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_step_bench_peers(tmp_path) -> None:
     result, table = _run_peers(tmp_path, "powersgd:2", "fp16")
@@ -241,6 +244,7 @@ def test_step_bench_peers(tmp_path) -> None:
     assert 0 < powersgd["bytes_per_step"] < dense / 5  # rank-2 factors of 182x182 weights, biases dense
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_step_bench_failing_peer_is_a_row(tmp_path) -> None:
     # torch's bf16 hook refuses to register without CUDA + NCCL (or XPU + XCCL): on a CPU build of
@@ -279,6 +283,7 @@ def test_table_compares_each_run_with_its_unshaped_self() -> None:
     assert "(unshaped dense DDP, the compute floor: 0.250 s)" in table
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_step_bench_delay_and_fragments_against_unshaped(tmp_path) -> None:
     """`--sync-delay 0 1 --fragments 1 4 --unshaped-baseline` (shaped where this machine can): a row
