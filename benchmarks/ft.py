@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fractions of --steps at which a group is killed and at once started again (groups 2, 0, 1, ...)",
     )  # fmt: skip
     parser.add_argument("--step-sleep", type=float, default=0.1, help="seconds added to every training step")
+    parser.add_argument(
+        "--join-timeout-ms", type=int, default=1000,
+        help="the Lighthouse's --join_timeout_ms: how long a quorum whose members changed waits for groups that "
+        "heartbeat but have not asked (a group just killed counts as one until its heartbeats lapse)",
+    )  # fmt: skip
     parser.add_argument("--json", type=str, default=None, help="also write the figures here")
     parser.add_argument("--group", type=str, default=None, help=argparse.SUPPRESS)  # a group's own fit
 
@@ -162,8 +167,8 @@ def _fit(out: Path, args: argparse.Namespace, kills: list[float]) -> dict[str, A
     script = Path(sys.executable).parent / "torchft_lighthouse"
     lighthouse = subprocess.Popen(
         [str(script) if script.exists() else "torchft_lighthouse", "--min_replicas", "2" if kills else str(GROUPS),
-         "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000",
-         "--quorum_tick_ms", "50"],
+         "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", str(args.join_timeout_ms),
+         "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     procs: dict[int, subprocess.Popen[bytes]] = {}

@@ -88,6 +88,7 @@ class FaultTolerantUpdate(UpdateExchange):
         #: seconds spent waiting for quorums (and for enough groups)
         self.quorum_seconds = 0.0
         self.manager: Any = None
+        self._join: tuple[int, int, str, int] | None = None  # where the Manager is built (start)
         self.env: ReplicaGroupEnv | None = None
         self._pg: Any = None
         self._store: Any = None
@@ -101,7 +102,7 @@ class FaultTolerantUpdate(UpdateExchange):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None, _guard=None)
+        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None, _guard=None, _join=None)
         return state
 
     @property
@@ -117,17 +118,16 @@ class FaultTolerantUpdate(UpdateExchange):
 
     # ------------------------------------------------------------------ start and end
     def start(self, group: dist.ProcessGroup | None, group_rank: int, group_world: int) -> None:
-        """Join the replica groups: host (group rank 0) or reach this group's store, and build the
-        torchft ``Manager`` with its reconfigurable gloo process group. ``group``: the job's own
-        process group (the store's port is broadcast over it)."""
-        if self.manager is not None:
+        """Prepare to join the replica groups: host (group rank 0) or reach this group's store, and
+        build the reconfigurable gloo process group (the ``Manager`` follows at the first quorum).
+        ``group``: the job's own process group (the store's port is broadcast over it)."""
+        if self._join is not None:
             return
         require_torchft()
         from torch.distributed import TCPStore
-        from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        self.env = env = ReplicaGroupEnv.read()
+        self.env = ReplicaGroupEnv.read()
         self._where = (group_rank, group_world)
         self._guard = Guard(self._describe)
         self._guard.install()  # from here SIGTERM and SIGINT end the process wherever it waits
@@ -140,12 +140,20 @@ class FaultTolerantUpdate(UpdateExchange):
         if group_world > 1:
             source = dist.get_global_rank(group, 0) if group is not None else 0
             dist.broadcast_object_list(port, src=source, group=group)
-        timeout = timedelta(seconds=self.quorum_timeout)
-        self._pg = ProcessGroupGloo(timeout=timeout)
-        reach = "the Lighthouse and this group's torchft store"
+        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=self.quorum_timeout))
+        self._join = (group_rank, group_world, host, port[0])
+
+    def _join_groups(self) -> None:
+        """Build torchft's ``Manager``, whose heartbeats make the Lighthouse count this group: at the
+        first quorum, not at setup, so that a group still setting up (a restarted one) does not hold
+        the others' quorums waiting for it."""
+        from torchft.manager import Manager
+
+        assert self._join is not None and self.env is not None
+        env, reach = self.env, "the Lighthouse and this group's torchft store"
         try:
             with self._waiting(reach, max(self.quorum_timeout, STARTUP_FLOOR_S)):
-                self.manager = self._manager(Manager, group_rank, group_world, host, port[0])
+                self.manager = self._manager(Manager, *self._join)
         except Exception as error:
             raise RuntimeError(
                 f"lightning_sparse: replica group {env.group_id} could not reach the torchft Lighthouse at "
@@ -204,6 +212,8 @@ class FaultTolerantUpdate(UpdateExchange):
     def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
         """Before an optimizer step at which an exchange is due (and before the first): the quorum,
         healing where the group is behind it; then this process's view, as in update mode."""
+        if self.manager is None and self._join is not None:
+            self._join_groups()
         if self.manager is not None and self._quorum_at != self._steps and (self._quorum_at is None or self._due()):
             self._quorum_at = self._steps
             self._quorum()
