@@ -11,6 +11,7 @@ from lightning_sparse.compressors.base import (
     Pattern,
     compressors_of_pattern,
     get_compressor,
+    k_for,
     register_compressor,
 )
 from lightning_sparse.compressors.countsketch import CountSketch
@@ -36,6 +37,7 @@ __all__ = [
     "compressors_of_pattern",
     "exact_topk_indices",
     "get_compressor",
+    "k_for",
     "random_subset",
     "register_compressor",
 ]
