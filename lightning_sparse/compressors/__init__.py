@@ -14,6 +14,7 @@ from lightning_sparse.compressors.base import (
     k_for,
     register_compressor,
 )
+from lightning_sparse.compressors.chunktopk import ChunkTopK
 from lightning_sparse.compressors.countsketch import CountSketch
 from lightning_sparse.compressors.dgc import DGC
 from lightning_sparse.compressors.gaussiank import GaussianK
@@ -24,6 +25,7 @@ from lightning_sparse.compressors.topk import TopK, exact_topk_indices
 
 __all__ = [
     "COMPRESSORS",
+    "ChunkTopK",
     "CompressContext",
     "Compressor",
     "CountSketch",
