@@ -34,7 +34,17 @@ from torch import Tensor
 from benchmarks._json import write_json
 from lightning_sparse.compressors import COMPRESSORS, CompressContext, Compressor, exact_topk_indices
 
-DEFAULT_COMPRESSORS = ["topk", "randomk", "rtopk", "gaussiank", "dgc", "randomblock", "countsketch", "countsketch:p1=0"]
+DEFAULT_COMPRESSORS = [
+    "topk",
+    "chunk_topk",
+    "randomk",
+    "rtopk",
+    "gaussiank",
+    "dgc",
+    "randomblock",
+    "countsketch",
+    "countsketch:p1=0",
+]
 BASELINE = "memory pass"
 TORCH_TOPK = "torch.topk"
 

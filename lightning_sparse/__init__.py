@@ -13,6 +13,7 @@ from lightning_sparse._utils import end_process_group
 from lightning_sparse.compressors import (
     COMPRESSORS,
     DGC,
+    ChunkTopK,
     Compressor,
     CountSketch,
     GaussianK,
@@ -48,6 +49,7 @@ __all__ = [
     "COMPRESSORS",
     "AdaptiveDensity",
     "AddAverage",
+    "ChunkTopK",
     "CompressionMonitor",
     "Compressor",
     "ConstantDensity",

@@ -213,6 +213,19 @@ def test_compressor_help_shows_its_arguments(capsys) -> None:
     assert "--compressor.fast {true,false}" in text and "(type: bool, default: True)" in text
 
 
+def test_chunk_topk_by_name_or_class_on_the_command_line() -> None:
+    """``--trainer.strategy.init_args.compressor chunk_topk`` (a registered name) or ``ChunkTopK``
+    with its ``chunk`` on top of a config, and the compressor's own help."""
+    from lightning_sparse import ChunkTopK
+
+    config = str(ROOT / "examples" / "configs" / "randomk.yaml")
+    option = "--trainer.strategy.init_args.compressor"
+    cli = _cli_module().main(["--config", config, option, "chunk_topk"], run=False)
+    assert cli.trainer.strategy.sparse_state.compressor == ChunkTopK()
+    cli = _cli_module().main(["--config", config, option, "ChunkTopK", f"{option}.chunk", "256"], run=False)
+    assert cli.trainer.strategy.sparse_state.compressor == ChunkTopK(chunk=256)
+
+
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])
 def test_subcommand_help_points_at_the_strategy_help(subcommand: str, capsys) -> None:
     """``fit --help`` shows the strategy as a type only; its last lines say where its arguments are."""

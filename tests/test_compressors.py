@@ -162,3 +162,32 @@ def test_at_once_rule_is_declared_by_the_class_whose_choice_it_reproduces() -> N
         for name in ("rtopk", "gaussiank", "dgc", "randomblock")
         for rule in ("topk", "randomk", "countsketch")
     )
+
+
+def test_the_exchange_sends_as_many_coordinates_as_the_compressor_declares() -> None:
+    """``Compressor.k_for`` sizes every tensor's selection: the exchange's message, the byte rule's
+    cost and ``exchange_cost`` follow a compressor that declares its own count; the default rule is
+    ``k_for`` (today's ``round(density * numel)``), answered once per sizes and density."""
+    from lightning_sparse import SparseConfig, SparseState, exchange_cost
+    from lightning_sparse.compressors import k_for
+    from lightning_sparse.exchange.hook import communicate
+
+    class Twice(TopK):  # selects as top-k does (at once included), twice as many
+        def k_for(self, numel: int, density: float) -> int:
+            return min(numel, 2 * super().k_for(numel, density))
+
+    assert TopK().k_for(5000, 0.01) == k_for(5000, 0.01) == 50
+    assert Twice().ks_for((5000, 300), 0.01) == [100, 6] and Twice().ks_for((5000, 300), 0.01) == [100, 6]
+    for compressor, k in ((TopK(), 50), (Twice(), 100)):
+        named = [("w", torch.zeros(5000, requires_grad=True))]
+        state = SparseState(compressor=compressor, density=0.01, min_numel=0, fallback_to_dense=False)
+        state.bind(named)
+        communicate(state, torch.zeros(5000), [named[0][1]]).wait()  # the dense warm-up step
+        g = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+        out = communicate(state, g.clone(), [named[0][1]]).wait()
+        assert int((out != 0).sum()) == k
+        assert torch.equal(out + state.memory.get("w"), g)  # nothing lost
+        assert_is_topk(g, out.nonzero().squeeze(1), k)
+    one = exchange_cost(SparseConfig(compressor=TopK(), density=0.01), [100_000], world_size=2)[0]
+    two = exchange_cost(SparseConfig(compressor=Twice(), density=0.01), [100_000], world_size=2)[0]
+    assert two > 1.9 * one

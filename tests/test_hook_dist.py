@@ -188,7 +188,6 @@ def _conservation_worker(
 
     from lightning_sparse.exchange.hook import communicate
     from lightning_sparse.exchange.state import SparseState
-    from lightning_sparse.schedules import k_for
 
     dtype = getattr(torch, grad_dtype)
     named = _params(dtype)
@@ -213,7 +212,7 @@ def _conservation_worker(
             g = (torch.randn(numel, generator=gen) * (1 + step)).to(dtype)
             plan = state.plan(g, params)
             old = {m.name: state.memory.get(m.name).clone() for m in plan.members if m.name in state.memory}
-            ks = [k_for(m.numel, 0.02) for m in plan.sparse_members]
+            ks = [state.compressor.k_for(m.numel, 0.02) for m in plan.sparse_members]  # the compressor's count
             captured.clear()
             ps = {
                 m.name: g[m.offset : m.offset + m.numel].float() + old[m.name]
@@ -242,7 +241,7 @@ def _conservation_worker(
                 # conservation, exactly: sent + e_new == g + e_old
                 assert torch.equal(sent[seg] + new, p), f"step {step} {m.name}: conservation broken"
                 if m.sparse and sparse_step:
-                    assert int((sent[seg] != 0).sum()) <= k_for(m.numel, 0.02)
+                    assert int((sent[seg] != 0).sum()) <= state.compressor.k_for(m.numel, 0.02)
             # the output is the mean of what the ranks sent, bit-identical on every rank
             everyone = [torch.empty_like(sent) for _ in range(world)]
             dist.all_gather(everyone, sent)

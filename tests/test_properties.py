@@ -83,7 +83,7 @@ def test_conservation_shapes_and_counts(setup: dict) -> None:
                 continue
             if mc:  # momentum factor masking: what was sent is gone from u too
                 assert not state.velocity.get(m.name)[out[seg] != 0].any()
-            assert int((out[seg] != 0).sum()) <= k_for(m.numel, setup["density"])
+            assert int((out[seg] != 0).sum()) <= state.compressor.k_for(m.numel, setup["density"])
             if setup["error_feedback"]:
                 new = state.memory.get(m.name) if m.name in state.memory else torch.zeros(m.numel)
                 assert torch.equal(out[seg].float() + new, p), f"step {step}: conservation broken for {m.name}"

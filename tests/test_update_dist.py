@@ -22,7 +22,6 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
 
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
-    from lightning_sparse.schedules import k_for
 
     named = _params(torch.float32)
     params = [p for _, p in named]
@@ -68,7 +67,7 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
             loss.backward()
             optimizer.step()
             after = torch.cat([p.detach().reshape(-1).clone() for p in params])
-            ks = [k_for(m.numel, 0.02) for m in plan.sparse_members]
+            ks = [state.compressor.k_for(m.numel, 0.02) for m in plan.sparse_members]  # the compressor's count
             captured.clear()
             exchange.exchange()
             sent = _decode(captured, state, step, plan, ks, numel, torch.float32)
@@ -83,7 +82,7 @@ def _update_worker(rank: int, world: int, compressor: Any, value_dtype: str | No
                 # conservation, exactly: sent + e_new == e_old + delta
                 assert torch.equal(sent[seg] + new, e_old + delta[seg]), f"step {step} {m.name}: conservation broken"
                 if m.sparse and sparse_step:
-                    assert int((sent[seg] != 0).sum()) <= k_for(m.numel, 0.02)
+                    assert int((sent[seg] != 0).sum()) <= state.compressor.k_for(m.numel, 0.02)
                     assert bool((new != 0).any()), "a sparse step keeps an unsent part"
                 else:
                     assert not bool((new != 0).any()), "a dense send keeps nothing back"

@@ -97,7 +97,7 @@ def test_bad_value_bits_are_refused(settings: dict[str, Any], message: str) -> N
         SparseDDPStrategy(**settings)
 
 
-def _worker(rank: int, world: int, bits: int, exchange: str) -> dict[str, Any]:
+def _worker(rank: int, world: int, bits: int, exchange: str, compressor: Any = "topk") -> dict[str, Any]:
     from lightning_sparse.exchange.hook import communicate
     from lightning_sparse.exchange.state import SparseState
 
@@ -105,8 +105,8 @@ def _worker(rank: int, world: int, bits: int, exchange: str) -> dict[str, Any]:
     params = [p for _, p in named]
     numel = sum(p.numel() for p in params)
     config = SparseConfig(
-        compress="gradient", density=0.03, min_numel=1000, seed=3, fallback_to_dense=False, exchange=exchange,
-        value_bits=bits,
+        compress="gradient", compressor=compressor, density=0.03, min_numel=1000, seed=3, fallback_to_dense=False,
+        exchange=exchange, value_bits=bits,
     )  # fmt: skip
     state = SparseState(config)
     state.bind(named)

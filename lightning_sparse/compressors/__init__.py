@@ -11,8 +11,10 @@ from lightning_sparse.compressors.base import (
     Pattern,
     compressors_of_pattern,
     get_compressor,
+    k_for,
     register_compressor,
 )
+from lightning_sparse.compressors.chunktopk import ChunkTopK
 from lightning_sparse.compressors.countsketch import CountSketch
 from lightning_sparse.compressors.dgc import DGC
 from lightning_sparse.compressors.gaussiank import GaussianK
@@ -23,6 +25,7 @@ from lightning_sparse.compressors.topk import TopK, exact_topk_indices
 
 __all__ = [
     "COMPRESSORS",
+    "ChunkTopK",
     "CompressContext",
     "Compressor",
     "CountSketch",
@@ -36,6 +39,7 @@ __all__ = [
     "compressors_of_pattern",
     "exact_topk_indices",
     "get_compressor",
+    "k_for",
     "random_subset",
     "register_compressor",
 ]

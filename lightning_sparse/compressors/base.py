@@ -32,6 +32,20 @@ Pattern = str
 
 #: name -> compressor class; a compressor joins with ``@register_compressor``.
 COMPRESSORS: dict[str, type[Compressor]] = {}
+#: answers :meth:`Compressor.ks_for` keeps per compressor before it starts again (a density that changes at
+#: every step, as a warm-up's does, would otherwise add one set of answers a step)
+_KS_MEMO_SIZE = 1024
+
+
+def k_for(numel: int, density: float) -> int:
+    """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1): the rule of
+    every compressor that does not declare its own (:meth:`Compressor.k_for`).
+
+    Example:
+        >>> k_for(1000, 0.01), k_for(10, 0.01), k_for(10, 1.0)
+        (10, 1, 10)
+    """
+    return max(1, min(numel, round(density * numel)))
 
 
 @dataclass(frozen=True)
@@ -72,9 +86,10 @@ class CompressContext:
 class Compressor(ABC):
     """Base class of all compressors.
 
-    Subclasses implement :meth:`select` and set ``pattern``. They hold configuration only:
-    every per-step random choice comes from the generators of the :class:`CompressContext`,
-    so a compressor is stateless, picklable and resumes exactly.
+    Subclasses implement :meth:`select` and set ``pattern``; one that sends another number of
+    coordinates than ``round(density * numel)`` declares it in :meth:`k_for`. They hold
+    configuration only: every per-step random choice comes from the generators of the
+    :class:`CompressContext`, so a compressor is stateless, picklable and resumes exactly.
 
     Example:
         >>> import torch
@@ -115,6 +130,49 @@ class Compressor(ABC):
         ``"shared"`` compressors must return the same indices on every rank (use only
         ``ctx.shared_generator`` and the sizes, never the values of ``p``).
         """
+
+    def k_for(self, numel: int, density: float) -> int:
+        """How many coordinates this compressor sends of a tensor of ``numel`` elements at ``density``.
+
+        The wire sizes everything by it: the ``k`` each tensor's :meth:`select` is asked for, the
+        messages (the all-gather's equal sizes), the byte rule that sends a bucket dense where that
+        moves fewer bytes, the telemetry's cost model and an adaptive density's candidates. The
+        default is :func:`k_for`, ``round(density * numel)`` within ``[1, numel]``; a compressor that
+        picks in fixed groups (:class:`~lightning_sparse.compressors.ChunkTopK`: so many per chunk)
+        declares its own count here. It must depend on the sizes and the settings only (every rank
+        must send the same number) and never exceed ``numel``.
+
+        Example:
+            >>> from lightning_sparse.compressors import TopK
+            >>> TopK().k_for(10_000, 0.01)
+            100
+        """
+        return k_for(numel, density)
+
+    def ks_for(self, numels: tuple[int, ...], density: float) -> list[int]:
+        """:meth:`k_for` of each of ``numels`` (a bucket's sparse tensors). An exchange asks at every
+        step: for a float ``density`` the answers are kept (they depend on the sizes and settings
+        only), so a subclass declares :meth:`k_for` alone.
+
+        Example:
+            >>> from lightning_sparse.compressors import TopK
+            >>> TopK().ks_for((1000, 10), 0.01)
+            [10, 1]
+        """
+        if type(density) is not float:  # a schedule's own number type: as it is, each time
+            return [self.k_for(n, density) for n in numels]
+        memo: dict[tuple[tuple[int, ...], float], tuple[int, ...]] = self.__dict__.setdefault("_ks_memo", {})
+        ks = memo.get((numels, density))
+        if ks is None:
+            if len(memo) >= _KS_MEMO_SIZE:
+                memo.clear()
+            ks = memo[(numels, density)] = tuple(self.k_for(n, density) for n in numels)
+        return list(ks)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_ks_memo", None)  # kept answers, not settings
+        return state
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments, for checkpoints, logs and cross-rank consistency checks."""

@@ -33,7 +33,6 @@ from lightning_sparse.exchange.amp import SkippedSteps
 from lightning_sparse.exchange.fallback import DENSE, SPARSE, TRIAL_DENSE, TimedFallback
 from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.schedules.base import ks_for
 from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.wire import DENSE as DENSE_PATTERN
 from lightning_sparse.wire import (
@@ -314,7 +313,7 @@ class StepExchange:
         past_warmup = self.step >= config.warmup_steps
         if sparse and past_warmup:
             density = schedule.density(self.step)
-            ks = ks_for(plan.sparse_numels, density)
+            ks = compressor.ks_for(plan.sparse_numels, density)  # as many as the compressor sends
             kind = timed.kind(self.step) if timed is not None else SPARSE
             if kind == TRIAL_DENSE:
                 method = "dense (timing trial)"

@@ -16,8 +16,9 @@ that runs the hook, in the same order on every rank, so a schedule may launch a 
 ``end_step`` (never from a future's callback).
 """
 
+from lightning_sparse.compressors.base import k_for
 from lightning_sparse.schedules.adaptive import AdaptiveDensity
-from lightning_sparse.schedules.base import ConstantDensity, DensitySchedule, WarmupDensity, as_schedule, k_for
+from lightning_sparse.schedules.base import ConstantDensity, DensitySchedule, WarmupDensity, as_schedule
 from lightning_sparse.schedules.energy import topk_energy
 
 __all__ = [

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_density, check_int
 from lightning_sparse.compressors import TopK
-from lightning_sparse.schedules.base import DensitySchedule, k_for
+from lightning_sparse.schedules.base import DensitySchedule
 from lightning_sparse.schedules.energy import topk_energy
 from lightning_sparse.schedules.link import measure_link
 from lightning_sparse.wire import Collectives, WireContext, bucket_wire_bytes, sparse_pays
@@ -227,6 +227,7 @@ class AdaptiveDensity(DensitySchedule):
         self._ctx = ctx
         self._grad_dtype = grad_dtype
         self._rows, self._sizes, self._pending = {}, {}, None
+        self._ks = {}  # the counts are the compressor's (Compressor.k_for)
         world = ctx.world_size
         needs_measure = self.cost_model == "latency_bandwidth" and (self.alpha is None or self.beta is None)
         if needs_measure and world > 1:
@@ -239,6 +240,7 @@ class AdaptiveDensity(DensitySchedule):
         d = p.numel()
         ks = self._ks.get(d)
         if ks is None:
+            k_for = self._ctx.compressor.k_for
             ks = self._ks[d] = [k_for(d, x) for x in self.grid]
         e = topk_energy(p, ks)
         row = self._rows.get(bucket)
@@ -296,12 +298,13 @@ class AdaptiveDensity(DensitySchedule):
         """
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
-        shared = self._ctx.compressor.pattern == "shared"
+        compressor = self._ctx.compressor
+        shared = compressor.pattern == "shared"
         best, best_ratio = self._density, -math.inf
         for j, density in enumerate(self.grid):
             gain = cost = 0.0
             for (_, sizes), row in zip(layout, energy, strict=True):
-                ks = [k_for(d, density) for d in sizes]
+                ks = [compressor.k_for(d, density) for d in sizes]
                 sparse_cost, dense_cost = self.message_costs(ks, sizes)
                 if dense_cost is not None:  # the strategy would send this bucket dense
                     gain += row[-1]

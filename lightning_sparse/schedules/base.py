@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Literal
 
@@ -11,29 +10,6 @@ from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_density, check_int
 from lightning_sparse.wire import WireContext
-
-
-def k_for(numel: int, density: float) -> int:
-    """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1)."""
-    return max(1, min(numel, round(density * numel)))
-
-
-def ks_for(numels: tuple[int, ...], density: float) -> list[int]:
-    """:func:`k_for` of each of ``numels`` (a bucket's sparse tensors), worked out once per sizes
-    and density (a float): an exchange asks at every step.
-
-    Example:
-        >>> ks_for((1000, 10), 0.01)
-        [10, 1]
-    """
-    if type(density) is not float:  # a schedule's own number type: as it is, each time
-        return [k_for(n, density) for n in numels]
-    return list(_ks_for(numels, density))
-
-
-@functools.lru_cache(maxsize=1024)
-def _ks_for(numels: tuple[int, ...], density: float) -> tuple[int, ...]:
-    return tuple(k_for(n, density) for n in numels)
 
 
 class DensitySchedule(ABC):

@@ -4,7 +4,7 @@
 exchange answers for a bucket at run time: does it go dense or sparse (warm-up, ``min_numel``, the
 byte rule), and, sparse, how (the gather pattern's all-gather or split, or the compressor's own
 pattern), with the ring-model bytes that moves through each rank. It is built from the same pieces
-as the exchange (:mod:`lightning_sparse.wire`, :func:`~lightning_sparse.schedules.k_for`), so its
+as the exchange (:mod:`lightning_sparse.wire`, :meth:`~lightning_sparse.compressors.Compressor.k_for`), so its
 answer is the exchange's; the telemetry's ``wire_bytes`` of that bucket is the same figure.
 
 :func:`exchange_time` adds the link: every collective costs a round trip whatever its size, so an
@@ -22,7 +22,6 @@ import torch
 
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.step import wire_context
-from lightning_sparse.schedules import k_for
 from lightning_sparse.wire import (
     GATHER,
     Collectives,
@@ -51,8 +50,8 @@ def exchange_cost(
     the parameters'), exchanged among ``world_size`` ranks under ``config`` at optimizer step
     ``step`` (None: the first step after warm-up). The exchange's own decisions apply: tensors
     below ``min_numel`` go dense; before ``warmup_steps``, or with no tensor large enough, the
-    whole bucket is all-reduced; each sparse tensor sends ``k_for(numel, density)`` coordinates at
-    the schedule's density for ``step``; with the byte rule on (``fallback_to_dense``) the bucket
+    whole bucket is all-reduced; each sparse tensor sends ``compressor.k_for(numel, density)``
+    coordinates at the schedule's density for ``step``; with the byte rule on (``fallback_to_dense``) the bucket
     goes dense where the sparse exchange would move no fewer bytes than a dense all-reduce of its
     sparse tensors (always at world size 1, where nothing moves). A timed fallback's decisions
     depend on measured times and are not modelled.
@@ -98,7 +97,7 @@ def exchange_cost(
         return dense, "dense"
     ctx = wire_context(config, Collectives(None, world_size))
     density = config.schedule.density(step)
-    ks = [k_for(n, density) for n in sparse]
+    ks = ctx.compressor.ks_for(tuple(sparse), density)
     vbytes = ctx.vdtype(torch.empty(0, dtype=dtype)).itemsize
     wire = bucket_wire_bytes(ctx, ks, sparse, vbytes)
     if ctx.byte_rule and not sparse_pays(wire, world_size, sum(sparse) * itemsize):

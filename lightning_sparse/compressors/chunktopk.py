@@ -1,0 +1,145 @@
+"""Chunked top-k (as SparseLoCo and DeMo select): the top of every chunk of a tensor, in one ``torch.topk``."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse._utils import check_int, scratch
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+
+#: what the padding of the last, partial row holds: below every magnitude, so it is never picked
+_PAD = -1.0
+
+
+def tail_count(per_row: int, tail: int, chunk: int) -> int:
+    """Picks of a last row of ``tail`` values when every full row of ``chunk`` gives ``per_row``: its
+    share, ``round(per_row * tail / chunk)`` within ``[1, tail]`` (0 when ``per_row`` is 0).
+
+    Example:
+        >>> tail_count(41, 1000, 4096), tail_count(41, 1, 4096), tail_count(0, 1000, 4096)
+        (10, 1, 0)
+    """
+    if per_row <= 0:
+        return 0
+    return max(1, min(tail, round(per_row * tail / chunk)))
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How :class:`ChunkTopK` picks ``k`` of ``numel`` values in rows of ``chunk``: ``rows`` rows (the
+    last one padded), ``per_row`` picks a row from the one ``torch.topk`` (sorted by magnitude where
+    not every row keeps all of them), ``counts`` the picks each row keeps, ``offsets`` each row's
+    first index (``(rows, 1)``) and ``keep`` the positions of the kept picks among the ``rows x
+    per_row`` (None: all of them). Made once per sizes and device.
+
+    Example:
+        >>> layout = RowLayout.of(10, 5, 4, torch.device("cpu"))
+        >>> layout.rows, layout.per_row, layout.counts, layout.keep.tolist()
+        (3, 2, (2, 2, 1), [0, 1, 2, 3, 4])
+    """
+
+    rows: int
+    per_row: int
+    counts: tuple[int, ...]
+    offsets: Tensor
+    keep: Tensor | None
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def of(numel: int, k: int, chunk: int, device: torch.device) -> RowLayout:
+        rows = -(-numel // chunk)
+        tail = numel - (rows - 1) * chunk
+
+        def sent(per_row: int) -> int:  # what ChunkTopK.k_for gives for so many a full row
+            return (rows - 1) * per_row + tail_count(per_row, tail, chunk)
+
+        # the most per full row that sends at most k (sent() grows with it), then one more in the
+        # first rows for a k that k_for does not give: fewer than one more a full row
+        low, high = 0, chunk
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if sent(mid) <= k else (low, mid - 1)
+        extra = k - sent(low)
+        counts = tuple([low + 1] * extra + [low] * (rows - 1 - extra) + [tail_count(low, tail, chunk)])
+        per_row = max(counts)
+        keep = None
+        if any(c != per_row for c in counts):
+            picks = torch.arange(rows * per_row, device=device).view(rows, per_row)
+            wanted = torch.arange(per_row, device=device) < torch.tensor(counts, device=device).unsqueeze(1)
+            keep = picks[wanted]
+        offsets = torch.arange(0, rows * chunk, chunk, device=device).unsqueeze(1)
+        return RowLayout(rows, per_row, counts, offsets, keep)
+
+
+@register_compressor
+class ChunkTopK(Compressor):
+    """Chunked top-k (the selection of SparseLoCo, Sarfi et al. 2025, and of DeMo, Peng et al. 2024,
+    without DeMo's DCT): the tensor is viewed as rows of ``chunk`` values and each row sends its
+    ``round(density * chunk)`` largest ``|p|``, all rows in one ``torch.topk`` along the rows.
+
+    The last row of a tensor whose size is not a multiple of ``chunk`` is padded (in a scratch
+    buffer, below every magnitude, so padding is never picked) and sends its share,
+    ``round(per_row * tail / chunk)``, at least one; a tensor of at most ``chunk`` values is one row
+    and sends ``round(density * numel)``, as :class:`~lightning_sparse.compressors.TopK` does. The
+    count is the compressor's own (:meth:`k_for`; the wire sizes its messages by it), about
+    ``density * numel``. Fixed shapes: no threshold estimate, no shortlist, no fallback and nothing
+    read back to the host. A ``k`` that :meth:`k_for` does not give (a direct call) is spread over
+    the rows, the first rows taking one more.
+
+    Values and indices are all-gathered (or split) as for top-k; ``value_bits`` and
+    ``compact_indices`` apply as to the other gather compressors, and the Rice-coded indices gain
+    from the picks' spacing of about one every ``1 / density`` values.
+
+    Args:
+        chunk: values per row, an integer >= 2 (SparseLoCo's 4096 by default; DeMo's chunks of 64
+            with 32 picks each are ``chunk=64, density=0.5``).
+
+    Example:
+        >>> import torch
+        >>> from lightning_sparse.compressors import CompressContext
+        >>> c = ChunkTopK(chunk=4)
+        >>> p = torch.tensor([0.1, -3.0, 2.0, 0.5, 4.0, 0.0, -1.0, 0.2, 0.3, -0.7])
+        >>> c.k_for(p.numel(), 0.5)  # 2 in each full row of 4, 1 in the last row of 2
+        5
+        >>> c.select(p, 5, CompressContext()).sort().values
+        tensor([1, 2, 4, 6, 9])
+        >>> from lightning_sparse import SparseDDPStrategy
+        >>> strategy = SparseDDPStrategy(compressor=ChunkTopK(chunk=1024), density=0.01)
+    """
+
+    name = "chunk_topk"
+    pattern = "gather"
+
+    def __init__(self, chunk: int = 4096) -> None:
+        self.chunk = check_int("chunk", chunk, minimum=2)
+
+    def k_for(self, numel: int, density: float) -> int:
+        chunk = self.chunk
+        if numel <= chunk:
+            return super().k_for(numel, density)
+        rows = -(-numel // chunk)
+        per_row = max(1, min(chunk, round(density * chunk)))
+        return (rows - 1) * per_row + tail_count(per_row, numel - (rows - 1) * chunk, chunk)
+
+    def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
+        n, chunk = p.numel(), self.chunk
+        if k >= n:
+            return torch.arange(n, device=p.device)
+        if k <= 0:
+            return torch.empty(0, dtype=torch.long, device=p.device)
+        if n <= chunk:
+            return torch.topk(p.abs(), k, sorted=False).indices
+        layout = RowLayout.of(n, k, chunk, p.device)
+        size = layout.rows * chunk
+        a = scratch("chunk_topk.abs", size, p.dtype, p.device)
+        torch.abs(p, out=a[:n])
+        if size > n:
+            a[n:].fill_(_PAD)
+        # sorted where a row keeps fewer than it picked: its first picks are its largest
+        top = torch.topk(a.view(layout.rows, chunk), layout.per_row, dim=1, sorted=layout.keep is not None)
+        idx = top.indices.add_(layout.offsets).view(-1)
+        return idx if layout.keep is None else idx.index_select(0, layout.keep)
