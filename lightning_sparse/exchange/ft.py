@@ -12,10 +12,8 @@ exchange is rolled back (residuals, global model, outer step, counters as before
 keeps its own view) and the group carries on with local steps and exchanges at the next step with
 the new quorum. With ``sync_delay`` the exchange is committed where it arrives, so that its
 collectives overlap the steps between; a failed one is rolled back there: nothing of it is applied
-and the residuals take back what the process sent. Inside a group of several processes DDP
-averages the gradients, so the group's processes stay identical and each exchanges the whole model
-with its counterparts; under ``sparse_fsdp`` they hold different shards, and each exchanges its
-shards with the process that holds them in every other group.
+and the residuals take back what the process sent. Each process of a group exchanges what it
+holds (the whole model; its shards under ``sparse_fsdp``) with its counterpart in every other group.
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ class FaultTolerantUpdate(UpdateExchange):
         super().__init__(state, bucket_bytes, outer_step)
         self.min_replicas = int(min_replicas)
         self.quorum_timeout = float(quorum_timeout)
-        #: the front end's part of the healing state (optimizer states, step counters), set by it
+        #: the front end's part of the healing state (optimizer states, step counters), given to :meth:`start`
         self.front_end: FrontEndState | None = None
         #: exchanges committed, rolled back; recoveries from a peer; groups in the last quorum
         self.commits = 0
@@ -117,10 +115,14 @@ class FaultTolerantUpdate(UpdateExchange):
         return True
 
     # ------------------------------------------------------------------ start and end
-    def start(self, group: dist.ProcessGroup | None, group_rank: int, group_world: int) -> None:
+    def start(
+        self, group: dist.ProcessGroup | None, group_rank: int, group_world: int, front_end: FrontEndState | None = None
+    ) -> None:
         """Prepare to join the replica groups: host (group rank 0) or reach this group's store, and
         build the reconfigurable gloo process group (the ``Manager`` follows at the first quorum).
-        ``group``: the job's own process group (the store's port is broadcast over it)."""
+        ``group``: the job's own process group (the store's port is broadcast over it); ``front_end``:
+        what a healing group takes from a peer besides the exchange's state (optimizers, counters)."""
+        self.front_end = front_end
         if self._join is not None:
             return
         require_torchft()

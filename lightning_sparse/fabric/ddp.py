@@ -28,36 +28,39 @@ puts the rank's view back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse._utils import end_process_group_at_exit
-from lightning_sparse.exchange.ft import FaultTolerantUpdate
-from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric.hooks import FabricHooks
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore, register_names, wrap_in_ddp
+from lightning_sparse.strategies.core import SparseCore, wrap_in_ddp
 from lightning_sparse.strategies.ft_front import fabric_recovery
 from lightning_sparse.strategies.settings import take_settings, with_settings
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
 
 
-@with_settings(extra="kwargs")
+#: the arguments of Fabric's DDPStrategy the strategy takes and passes on
+FABRIC_ARGS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision",
+    "process_group_backend",
+    "timeout",
+)
+
+
+@with_settings(extra="kwargs", inherit=(DDPStrategy, FABRIC_ARGS))
 class SparseDDPStrategy(FabricHooks, DDPStrategy):
     """Fabric's DDP whose communication is a sparse exchange with error feedback.
 
@@ -75,13 +78,6 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     Args:
         {settings}
-        accelerator: as in Fabric's ``DDPStrategy``.
-        parallel_devices: as in Fabric's ``DDPStrategy``.
-        cluster_environment: as in Fabric's ``DDPStrategy``.
-        checkpoint_io: as in Fabric's ``DDPStrategy``.
-        precision: as in Fabric's ``DDPStrategy``.
-        process_group_backend: as in Fabric's ``DDPStrategy``.
-        timeout: as in Fabric's ``DDPStrategy``.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -94,64 +90,27 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     strategy_name = "sparse_ddp"
 
-    def __init__(
-        self,
-        *,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **settings: Any,
-    ) -> None:
-        config, ddp_kwargs = take_settings(SparseDDPStrategy, settings, extra=True)  # the rest: DDP's own arguments
+    def __init__(self, **settings: Any) -> None:
+        config, fabric_args, ddp_kwargs = take_settings(SparseDDPStrategy, settings)  # the rest: DDP's own
         self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=config.start_method,
-            **self._core.ddp_kwargs,
-        )
+        super().__init__(**fabric_args, start_method=config.start_method, **self._core.ddp_kwargs)
         self._ddp_model: DistributedDataParallel | None = None
         self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
 
-    # ------------------------------------------------------------------ start and end
-    @override
-    def setup_environment(self) -> None:
-        """Fabric's setup (``fabric.launch()``); the process group is then ended at interpreter exit.
-
-        Fabric calls no teardown when the user's loop ends, so the end is registered here: at
-        exit, before Python's shutdown, a barrier of every rank and (if this setup created the
-        group) ``destroy_process_group``; nothing when the process leaves on an uncaught
-        exception (``lightning_sparse._utils.end_process_group_at_exit``)."""
-        created = not _distributed_is_initialized()
-        super().setup_environment()
-        end_process_group_at_exit(created=created)
-
     # ------------------------------------------------------------------ setup
     @override
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # fault-tolerant: shard over every replica group's processes, as torchft's DistributedSampler does
-        return shard_across_groups(super().distributed_sampler_kwargs, self._core.config.fault_tolerant)
+    def setup_environment(self) -> None:
+        """Fabric's setup (``fabric.launch()``); the process group is then ended at interpreter exit."""
+        self._start_processes(super().setup_environment)
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap the module in DDP and register the sparse communication on it (any device)."""
         model = wrap_in_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)  # not Lightning's side stream
         scaler = getattr(self.precision, "scaler", None)
+        recovery = fabric_recovery(lambda: self._optimizers)  # a healing group takes the optimizers' states too
         self._core.register_hook(
-            model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self._optimizers
+            model, self.global_rank, self.world_size, self.root_device, scaler, lambda: self._optimizers, recovery
         )
-        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes the optimizers' states too
-            self._core.update.front_end = fabric_recovery(lambda: self._optimizers)
         self._watch_forward(model)
         self._ddp_model = model
         return model
@@ -219,12 +178,6 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         if isinstance(checkpoint, dict) and CHECKPOINT_KEY in checkpoint:
             self._restore_sparse(checkpoint, path, self._ddp_model is not None, weights_only)
         return checkpoint
-
-    # ------------------------------------------------------------------ names
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``sparse_ddp`` and its variants with a Fabric strategy registry (idempotent)."""
-        register_names(cls, strategy_registry)
 
 
 def register_fabric_strategies() -> None:

@@ -22,46 +22,44 @@ sees the global model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse._utils import end_process_group_at_exit
-from lightning_sparse.exchange.ft import FaultTolerantUpdate
-from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.fabric.hooks import FabricHooks
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
 from lightning_sparse.strategies.ft_front import fabric_recovery
-from lightning_sparse.strategies.settings import DDP_ONLY, setting_default, take_settings, with_settings
+from lightning_sparse.strategies.settings import DDP_ONLY, take_settings, with_settings
 from lightning_sparse.strategies.sharding import (
     bind_shards,
     check_mesh,
     check_sharding_arguments,
     load_local_optimizer_states,
     local_tree,
-    make_mesh,
     mesh_shape,
     reshard,
     shard_module,
+    start_mesh,
 )
 
 __all__ = ["SparseFSDPStrategy"]
 
 
-@with_settings(exclude=DDP_ONLY, docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."})
+@with_settings(
+    exclude=DDP_ONLY,
+    docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
+    inherit=(ModelParallelStrategy, ("process_group_backend", "timeout")),
+)
 class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
 
@@ -84,8 +82,6 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         sharded_modules: names of module classes to shard; None: ``parallelize_fn`` shards.
         parallelize_fn: ``fn(module, device_mesh) -> module`` that shards the module itself, or None.
         {settings}
-        process_group_backend: as in Fabric's ``ModelParallelStrategy``.
-        timeout: as in Fabric's ``ModelParallelStrategy``.
 
     Example:
         >>> from lightning.fabric import Fabric
@@ -94,24 +90,16 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     """
 
     strategy_name = "sparse_fsdp"
+    _names = FSDP_NAMES
 
     def __init__(
         self,
         shard_size: int | None = None,
         sharded_modules: list[str] | None = None,
         parallelize_fn: Callable[[Module, Any], Module] | None = None,
-        *,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **settings: Any,
     ) -> None:
-        given = {n: setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction")}
-        check_sharding_arguments(
-            **given,
-            shard_size=shard_size,
-            sharded_modules=sharded_modules,
-            fault_tolerant=settings.get("fault_tolerant"),
-        )
+        check_sharding_arguments(settings, shard_size, sharded_modules)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise ValueError(f"parallelize_fn={parallelize_fn!r} is not allowed: expected a callable or None")
         if parallelize_fn is not None and sharded_modules is not None:
@@ -119,8 +107,9 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
                 f"sharded_modules={sharded_modules!r} is not allowed with a parallelize_fn: expected None (the "
                 "parallelize_fn shards the module)"
             )
-        self._core = SparseCore(take_settings(SparseFSDPStrategy, settings, DDP_ONLY)[0])
-        super().__init__(parallelize_fn=self._parallelize, process_group_backend=process_group_backend, timeout=timeout)
+        config, fabric_args, _ = take_settings(SparseFSDPStrategy, settings)
+        self._core = SparseCore(config)
+        super().__init__(parallelize_fn=self._parallelize, **fabric_args)
         self._shard_size = shard_size
         self.sharded_modules = None if sharded_modules is None else list(sharded_modules)
         self._user_parallelize = parallelize_fn
@@ -149,24 +138,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     def setup_environment(self) -> None:
         """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")``
         mesh; the group is ended at interpreter exit (as with Fabric's ``sparse_ddp``)."""
-        created = not _distributed_is_initialized()
-        ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
-        end_process_group_at_exit(created=created)
-        self._device_mesh = make_mesh(
-            self.root_device,
-            self.world_size,
-            self._shard_size or self.num_processes,
-            self._core.config.fault_tolerant,
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every process trains on its own batches (inside a group FSDP2 averages their gradients);
-        # fault-tolerant: over every replica group's processes, as torchft's DistributedSampler does
-        kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
-        return shard_across_groups(kwargs, self._core.config.fault_tolerant)
+        self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
 
     # ------------------------------------------------------------------ setup
     def _parallelize(self, module: Module, mesh: Any) -> Module:
@@ -191,9 +163,8 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         exchange to this process's shards across the ``"replicate"`` dimension."""
         module = super().setup_module(module)  # parallelize, then materialize what is on the meta device
         scaler = getattr(self.precision, "scaler", None)
-        bind_shards(self._core, module, self.device_mesh, self.root_device, scaler, lambda: self._optimizers)
-        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes its shards' states too
-            self._core.update.front_end = fabric_recovery(lambda: self._optimizers, sharded=True)
+        recovery = fabric_recovery(lambda: self._optimizers, sharded=True)  # a healing group takes its shards' too
+        bind_shards(self._core, module, self.device_mesh, self.root_device, scaler, lambda: self._optimizers, recovery)
         self._watch_forward(module)
         self._module = module
         return module
@@ -295,11 +266,3 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
             )
         module = modules[0]
         return getattr(module, "_forward_module", module)  # a Fabric-wrapped module: the sharded one
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``sparse_fsdp`` with a Fabric strategy registry (idempotent)."""
-        if "sparse_fsdp" not in strategy_registry or strategy_registry["sparse_fsdp"].get("strategy") is not cls:
-            strategy_registry.register(
-                "sparse_fsdp", cls, description="FSDP2 inside groups, sparse exchange across", override=True
-            )

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
-from lightning_sparse.exchange.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.ft import FaultTolerantUpdate, FrontEndState
 from lightning_sparse.exchange.hook import sparse_comm_hook, update_comm_hook
 from lightning_sparse.exchange.outer import outer_step_for
 from lightning_sparse.exchange.state import SparseState
@@ -37,7 +37,7 @@ from lightning_sparse.strategies.advice import check_no_optimizer_momentum, trai
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
 
-__all__ = ["STRATEGY_NAMES", "SparseCore", "register_names", "wrap_in_ddp"]
+__all__ = ["FSDP_NAMES", "STRATEGY_NAMES", "SparseCore", "register_names", "wrap_in_ddp"]
 
 #: the registered names, with their descriptions and fixed arguments (Trainer and Fabric registries)
 STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -82,9 +82,18 @@ def wrap_in_ddp(
     return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
 
 
-def register_names(cls: type, registry: Any) -> None:
-    """Register :data:`STRATEGY_NAMES` for ``cls`` in a Trainer or Fabric strategy registry (idempotent)."""
-    for name, description, params in STRATEGY_NAMES:
+#: the name of ``sparse_fsdp`` (Trainer and Fabric registries)
+FSDP_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("sparse_fsdp", "FSDP2 inside groups, sparse exchange across", {}),
+)
+
+
+def register_names(
+    cls: type, registry: Any, names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
+) -> None:
+    """Register ``names`` (:data:`STRATEGY_NAMES`, :data:`FSDP_NAMES`) for ``cls`` in a Trainer or Fabric
+    strategy registry (idempotent)."""
+    for name, description, params in names:
         if name in registry and registry[name].get("strategy") is cls:
             continue
         registry.register(name, cls, description=description, override=True, **params)
@@ -147,6 +156,7 @@ class SparseCore:
         module: torch.nn.Module | None = None,
         aliases: Iterable[tuple[str, torch.Tensor]] = (),
         job: tuple[dist.ProcessGroup | None, int, int] | None = None,
+        recovery: FrontEndState | None = None,
     ) -> None:
         """Bind the exchange to the parameters it exchanges and the process group it exchanges over,
         for any front end: apply a checkpoint payload that waited for the model, attach the gradient
@@ -155,7 +165,8 @@ class SparseCore:
         :meth:`global_model` recomputes. ``aliases``: the tensors the optimizers hold where they are
         not the exchanged ones (update mode; FSDP2's DTensors), by parameter name. ``job``: the whole
         job's group, this process's rank and size in it, where it is not ``process_group``
-        (``fault_tolerant`` under FSDP2: a replica group is the job, sharded across its processes)."""
+        (``fault_tolerant`` under FSDP2: a replica group is the job, sharded across its processes).
+        ``recovery``: the front end's part of a fault-tolerant group's healing state."""
         self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
@@ -166,7 +177,7 @@ class SparseCore:
         # each rank keeps its own gradient; the exchange runs after the optimizer step
         self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
         if isinstance(self.update, FaultTolerantUpdate):
-            self.update.start(*(job or (process_group, rank, world_size)))
+            self.update.start(*(job or (process_group, rank, world_size)), front_end=recovery)
         if module is not None and self.batchnorm is not None:
             self.batchnorm.attach(module, self.state.step)
         if optimizers is not None:
@@ -183,6 +194,7 @@ class SparseCore:
         device: torch.device,
         scaler: Any = None,
         optimizers: Callable[[], list[Any]] | None = None,
+        recovery: FrontEndState | None = None,
     ) -> None:
         """:meth:`bind` to a DDP model's parameters and process group, and register DDP's hook on it
         (on any device): the sparse exchange in gradient mode; in update mode, a hook that keeps
@@ -190,7 +202,8 @@ class SparseCore:
         if not isinstance(model, DistributedDataParallel):
             raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
         group = model.process_group
-        self.bind(model.module.named_parameters(), group, rank, world_size, device, scaler, optimizers, model.module)
+        named = model.module.named_parameters()
+        self.bind(named, group, rank, world_size, device, scaler, optimizers, model.module, recovery=recovery)
         if isinstance(self.update, FaultTolerantUpdate):  # fault-tolerant: DDP averages inside the group
             return
         model.register_comm_hook(self.state, sparse_comm_hook if self.update is None else update_comm_hook)

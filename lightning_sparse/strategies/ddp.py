@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_sparse._utils import check_bool, end_process_group_at_exit
-from lightning_sparse.exchange.ft import FaultTolerantUpdate
-from lightning_sparse.exchange.ft_env import shard_across_groups
+from lightning_sparse._utils import check_bool
 from lightning_sparse.strategies.advice import training_advice
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore, register_names, wrap_in_ddp
+from lightning_sparse.strategies.core import SparseCore, wrap_in_ddp
 from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.settings import take_settings, with_settings
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
@@ -30,7 +22,19 @@ from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 __all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
 
 
-@with_settings(extra="kwargs")
+#: the arguments of Lightning's DDPStrategy the strategy takes and passes on
+LIGHTNING_ARGS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+)
+
+
+@with_settings(extra="kwargs", inherit=(DDPStrategy, LIGHTNING_ARGS))
 class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
 
@@ -50,13 +54,6 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
             summary is printed at the end of fit. ``False`` adds nothing.
-        accelerator: as in Lightning's ``DDPStrategy``.
-        parallel_devices: as in Lightning's ``DDPStrategy``.
-        cluster_environment: as in Lightning's ``DDPStrategy``.
-        checkpoint_io: as in Lightning's ``DDPStrategy``.
-        precision_plugin: as in Lightning's ``DDPStrategy``.
-        process_group_backend: as in Lightning's ``DDPStrategy``.
-        timeout: as in Lightning's ``DDPStrategy``.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -69,42 +66,17 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
 
     strategy_name = "sparse_ddp"
 
-    def __init__(
-        self,
-        *,
-        compression_monitor: bool = True,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, *, compression_monitor: bool = True, **settings: Any) -> None:
         check_bool("compression_monitor", compression_monitor)
-        config, ddp_kwargs = take_settings(SparseDDPStrategy, settings, extra=True)  # the rest: DDP's own arguments
+        config, lightning_args, ddp_kwargs = take_settings(SparseDDPStrategy, settings)  # the rest: DDP's own
         self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=config.start_method,
-            **self._core.ddp_kwargs,
-        )
+        super().__init__(**lightning_args, start_method=config.start_method, **self._core.ddp_kwargs)
         self.compression_monitor = compression_monitor
 
-    # ------------------------------------------------------------------ start and end
+    # ------------------------------------------------------------------ start
     @override
     def setup_environment(self) -> None:
-        created = not _distributed_is_initialized()
-        super().setup_environment()
-        # ended on every rank together at interpreter exit, before Python's shutdown begins
-        end_process_group_at_exit(created=created)
+        self._start_processes(super().setup_environment)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -121,17 +93,10 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
         scaler = getattr(self.precision_plugin, "scaler", None)
+        recovery = trainer_recovery(self)
         self._core.register_hook(
-            self.model, self.global_rank, self.world_size, self.root_device, scaler, optimizers=lambda: self.optimizers
+            self.model, self.global_rank, self.world_size, self.root_device, scaler, lambda: self.optimizers, recovery
         )
-        if isinstance(self._core.update, FaultTolerantUpdate):
-            self._core.update.front_end = trainer_recovery(self)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # fault-tolerant: shard over every replica group's processes, as torchft's DistributedSampler does
-        return shard_across_groups(super().distributed_sampler_kwargs, self._core.config.fault_tolerant)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -152,12 +117,6 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             now = isinstance(self.model, DistributedDataParallel)
             self._restore_sparse(checkpoint, checkpoint_path, now, weights_only)
         return checkpoint
-
-    # ------------------------------------------------------------------ names
-    @classmethod
-    def register_strategies(cls, strategy_registry: dict) -> None:
-        """Register ``sparse_ddp`` and its variants (idempotent)."""
-        register_names(cls, strategy_registry)
 
 
 def register_strategies() -> None:

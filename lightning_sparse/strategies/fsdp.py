@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -18,13 +15,11 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_sparse._utils import check_bool, end_process_group_at_exit
-from lightning_sparse.exchange.ft import FaultTolerantUpdate
-from lightning_sparse.exchange.ft_env import shard_across_groups
+from lightning_sparse._utils import check_bool
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
 from lightning_sparse.strategies.ft_front import trainer_recovery
-from lightning_sparse.strategies.settings import DDP_ONLY, setting_default, take_settings, with_settings
+from lightning_sparse.strategies.settings import DDP_ONLY, take_settings, with_settings
 from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
     bind_shards,
@@ -32,17 +27,21 @@ from lightning_sparse.strategies.sharding import (
     check_sharding_arguments,
     load_local_optimizer_states,
     local_tree,
-    make_mesh,
     mesh_shape,
     reshard,
     shard_module,
+    start_mesh,
 )
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
 __all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
 
 
-@with_settings(exclude=DDP_ONLY, docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."})
+@with_settings(
+    exclude=DDP_ONLY,
+    docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
+    inherit=(ModelParallelStrategy, ("process_group_backend", "timeout")),
+)
 class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     """FSDP2 inside each group of ``shard_size`` processes, update mode's sparse exchange across groups.
 
@@ -81,8 +80,6 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         {settings}
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
             fitting, unless it already has one. ``False`` adds nothing.
-        process_group_backend: as in Lightning's ``ModelParallelStrategy``.
-        timeout: as in Lightning's ``ModelParallelStrategy``.
 
     Example:
         >>> import lightning_sparse
@@ -92,6 +89,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     """
 
     strategy_name = "sparse_fsdp"
+    _names = FSDP_NAMES
 
     def __init__(
         self,
@@ -99,20 +97,13 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         sharded_modules: list[str] | None = None,
         *,
         compression_monitor: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **settings: Any,
     ) -> None:
         check_bool("compression_monitor", compression_monitor)
-        given = {n: setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction")}
-        check_sharding_arguments(
-            **given,
-            shard_size=shard_size,
-            sharded_modules=sharded_modules,
-            fault_tolerant=settings.get("fault_tolerant"),
-        )
-        self._core = SparseCore(take_settings(SparseFSDPStrategy, settings, DDP_ONLY)[0])
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        check_sharding_arguments(settings, shard_size, sharded_modules)
+        config, lightning_args, _ = take_settings(SparseFSDPStrategy, settings)
+        self._core = SparseCore(config)
+        super().__init__(**lightning_args)
         self.compression_monitor = compression_monitor
         self._shard_size = shard_size
         self.sharded_modules = None if sharded_modules is None else list(sharded_modules)
@@ -130,26 +121,9 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        created = not _distributed_is_initialized()
-        ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
-        end_process_group_at_exit(created=created)
-        self._device_mesh = make_mesh(
-            self.root_device,
-            self.world_size,
-            self._shard_size or self.num_processes,
-            self._core.config.fault_tolerant,
-        )
+        self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every process trains on its own batches (inside a group FSDP2 averages their gradients);
-        # fault-tolerant: over every replica group's processes, as torchft's DistributedSampler does
-        kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
-        return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
     # ------------------------------------------------------------------ sharding and binding
     @override
@@ -223,9 +197,10 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     def _bind(self) -> None:
         assert self.model is not None
         scaler = getattr(self.precision_plugin, "scaler", None)
-        bind_shards(self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers)
-        if isinstance(self._core.update, FaultTolerantUpdate):  # a healing group takes its shards' states too
-            self._core.update.front_end = trainer_recovery(self, sharded=True)
+        recovery = trainer_recovery(self, sharded=True)  # a healing group takes its shards' states too
+        bind_shards(
+            self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers, recovery
+        )
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -267,14 +242,6 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         states = checkpoint.pop("optimizer_states", [])
         load_local_optimizer_states(self.model, list(zip(self.optimizers, states, strict=False)))
         return checkpoint
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``sparse_fsdp`` (idempotent)."""
-        if "sparse_fsdp" not in strategy_registry or strategy_registry["sparse_fsdp"].get("strategy") is not cls:
-            strategy_registry.register(
-                "sparse_fsdp", cls, description="FSDP2 inside groups, sparse exchange across", override=True
-            )
 
 
 def finish_sharded_setup(strategy: ModelParallelStrategy, trainer: pl.Trainer) -> None:

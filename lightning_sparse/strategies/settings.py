@@ -4,8 +4,10 @@ Every front end (Trainer and Fabric; DDP and FSDP2) takes the settings as flat k
 ``SparseDDPStrategy(density=0.001, sync_every=4)``, which is what the Lightning CLI shows and reads
 (``--trainer.strategy.density``). Their names, types, defaults and docs live in the config alone:
 :func:`with_settings` writes them into a front end's signature (``__signature__``, which
-:func:`inspect.signature` and jsonargparse read) and into its docstring's ``Args:``, and
-:func:`take_settings` turns the keyword arguments a front end was given into the config.
+:func:`inspect.signature` and jsonargparse read) and into its docstring's ``Args:``, with the
+arguments it passes on to the Lightning strategy it extends (read from that strategy's signature),
+and :func:`take_settings` splits the keyword arguments a front end was given into the config, those
+arguments and the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import textwrap
+import types
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -44,28 +47,37 @@ def setting_default(settings: dict[str, Any], name: str) -> Any:
     return settings[name] if name in settings else SparseConfig.__dataclass_fields__[name].default
 
 
-def take_settings(
-    cls: type, settings: dict[str, Any], exclude: Iterable[str] = (), extra: bool = False
-) -> tuple[SparseConfig, dict[str, Any]]:
-    """The config of the settings among a front end's keyword arguments, and the rest.
-
-    ``exclude``: settings ``cls`` does not take; ``extra``: whether other names are allowed (they are
-    returned, for the front end to check: DDP's own arguments); else one raises TypeError naming it.
+def take_settings(cls: type, settings: dict[str, Any]) -> tuple[SparseConfig, dict[str, Any], dict[str, Any]]:
+    """A front end's keyword arguments (``cls`` decorated with :func:`with_settings`) split into the
+    config of its settings, the arguments it passes on to the Lightning strategy it extends, and the
+    rest, which only a front end with ``extra`` takes (for it to check: DDP's own arguments); without
+    ``extra``, a name that is none of these raises TypeError naming it.
 
     Example:
-        >>> config, rest = take_settings(SparseConfig, {"density": 0.1, "broadcast_buffers": False}, extra=True)
-        >>> config.density.density(0), rest
-        (0.1, {'broadcast_buffers': False})
+        >>> @with_settings(extra="kwargs")
+        ... class Front:
+        ...     '''A front end.
+        ...
+        ...     Args:
+        ...         {settings}
+        ...     '''
+        ...     def __init__(self, **settings: Any) -> None:
+        ...         pass
+        >>> config, base, rest = take_settings(Front, {"density": 0.1, "broadcast_buffers": False})
+        >>> config.density.density(0), base, rest
+        (0.1, {}, {'broadcast_buffers': False})
     """
+    exclude, inherited, extra = cls._settings  # type: ignore[attr-defined]
     names = {f.name for f in _fields(exclude)}
-    rest = {k: v for k, v in settings.items() if k not in names}
+    base = {k: v for k, v in settings.items() if k in inherited}
+    rest = {k: v for k, v in settings.items() if k not in names and k not in inherited}
     if rest and not extra:
         name = next(iter(rest))
         raise TypeError(
             f"{cls.__name__} got an unexpected keyword argument {name!r}: expected one of its own arguments or a "
             f"setting ({', '.join(sorted(names))})."
         )
-    return SparseConfig(**{k: v for k, v in settings.items() if k in names}), rest
+    return SparseConfig(**{k: v for k, v in settings.items() if k in names}), base, rest
 
 
 def _entry(name: str, text: str, indent: str) -> str:
@@ -80,7 +92,10 @@ def _entry(name: str, text: str, indent: str) -> str:
 
 
 def with_settings(
-    exclude: Iterable[str] = (), docs: dict[str, str] | None = None, extra: str | None = None
+    exclude: Iterable[str] = (),
+    docs: dict[str, str] | None = None,
+    extra: str | None = None,
+    inherit: tuple[type, Iterable[str]] | None = None,
 ) -> Callable[[T], T]:
     """Class decorator: the settings of :class:`~lightning_sparse.config.SparseConfig` (but ``exclude``)
     join a front end's own arguments in its signature and its docs.
@@ -89,7 +104,9 @@ def with_settings(
     :func:`take_settings`); its docstring's ``Args:`` holds a line ``{settings}`` where the settings'
     entries go (``docs``: a front end's own words for a setting). The signature lists its own positional
     arguments, then every setting (keyword-only, typed, with its default), then its own keyword-only
-    arguments, then ``**extra`` where the front end passes further arguments on (DDP's).
+    arguments, then ``inherit``'s: the arguments ``(base, names)`` of the Lightning strategy it extends
+    that it passes on (their types and defaults read from ``base.__init__``, documented as "as in"
+    it), then ``**extra`` where the front end passes further arguments on (DDP's).
 
     Example:
         >>> @with_settings(exclude=DDP_ONLY)
@@ -101,7 +118,7 @@ def with_settings(
         ...         name: its own.
         ...     '''
         ...     def __init__(self, *, name: str = "x", **settings: Any) -> None:
-        ...         self.config, _ = take_settings(Front, settings, DDP_ONLY)
+        ...         self.config, _, _ = take_settings(Front, settings)
         >>> list(inspect.signature(Front).parameters)[:3], Front(density=0.5).config.density.density(0)
         (['compress', 'compressor', 'density'], 0.5)
     """
@@ -121,17 +138,31 @@ def with_settings(
             *(kinds(f.name, kinds.KEYWORD_ONLY, default=f.default, annotation=config_hints[f.name]) for f in fields),
             *trailing,
         ]
+        base, inherited = (inherit[0], tuple(inherit[1])) if inherit is not None else (object, ())
+        if inherited:
+            base_init = base.__init__  # type: ignore[misc]
+            # only these names' types: the others may name what the base imports for type checking alone
+            only = types.SimpleNamespace(__annotations__={n: base_init.__annotations__[n] for n in inherited})
+            base_hints = typing.get_type_hints(only, globalns=base_init.__globals__)
+            defaults = inspect.signature(base_init).parameters
+            params += [
+                kinds(n, kinds.KEYWORD_ONLY, default=defaults[n].default, annotation=base_hints[n]) for n in inherited
+            ]
         if extra is not None:
             params.append(kinds(extra, kinds.VAR_KEYWORD, annotation=Any))
         init.__signature__ = inspect.Signature(params, return_annotation=None)
-        init.__annotations__ = {**init.__annotations__, **{f.name: config_hints[f.name] for f in fields}}
+        # what jsonargparse reads besides the signature: the settings' and the inherited arguments' types
+        init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in params if p.name not in hints}}
+        cls._settings = (frozenset(exclude), frozenset(inherited), extra is not None)  # type: ignore[attr-defined]
         doc = cls.__doc__ or ""
         line = next((ln for ln in doc.splitlines() if ln.strip() == PLACEHOLDER), None)
         if line is None:
             raise TypeError(f"{cls.__name__}'s docstring needs a line {PLACEHOLDER} in its Args")
         indent = line[: len(line) - len(line.lstrip())]
         words = {**{f.name: f.metadata["doc"] for f in fields}, **(docs or {})}
-        entries = "\n".join(_entry(f.name, words[f.name], indent) for f in fields)
+        origin = "Fabric" if base.__module__.startswith("lightning.fabric") else "Lightning"
+        words.update({n: f"as in {origin}'s ``{base.__name__}``." for n in inherited})
+        entries = "\n".join(_entry(n, words[n], indent) for n in [*(f.name for f in fields), *inherited])
         cls.__doc__ = doc.replace(line, entries, 1)
         return cls
 

@@ -16,8 +16,9 @@ from torch.optim import Optimizer
 
 from lightning_sparse.config import setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
+from lightning_sparse.exchange.ft import FrontEndState
 from lightning_sparse.strategies.core import SparseCore
-from lightning_sparse.strategies.settings import DDP_ONLY
+from lightning_sparse.strategies.settings import DDP_ONLY, setting_default
 from lightning_sparse.telemetry.stats import Telemetry
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "reshard",
     "shard_module",
     "sharding_units",
+    "start_mesh",
 ]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
@@ -43,15 +45,12 @@ FSDP_SETTINGS = tuple(name for name in setting_names() if name not in DDP_ONLY)
 MESH_DIMS = ("replicate", "shard")
 
 
-def check_sharding_arguments(
-    compress: Any,
-    fallback_to_dense: Any,
-    momentum_correction: Any,
-    shard_size: Any,
-    sharded_modules: Any,
-    fault_tolerant: Any = False,
-) -> None:
-    """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError)."""
+def check_sharding_arguments(settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
+    """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError): their own
+    and, among the ``settings`` they were given, those of gradient mode."""
+    compress, fallback_to_dense, momentum_correction, fault_tolerant = (
+        setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
+    )
     if fault_tolerant is True and shard_size is not None:
         raise ValueError(
             f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
@@ -83,6 +82,21 @@ def check_sharding_arguments(
             f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
             "names, or None"
         )
+
+
+def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None) -> Any:
+    """What a ``sparse_fsdp`` front end's ``setup_environment`` does: ``setup`` (Lightning's
+    ``ParallelStrategy``'s, not ``ModelParallelStrategy``'s, which builds a mesh of its own) and the
+    process group, ended at interpreter exit where this created it (``SparseShell._start_processes``);
+    returns the :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
+
+    def start() -> None:
+        setup()
+        strategy._setup_distributed()
+
+    strategy._start_processes(start)
+    size = shard_size or strategy.num_processes
+    return make_mesh(strategy.root_device, strategy.world_size, size, strategy._core.config.fault_tolerant)
 
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, fault_tolerant: bool = False) -> Any:
@@ -290,9 +304,10 @@ def bind_shards(
     device: torch.device,
     scaler: Any,
     optimizers: Callable[[], list[Any]],
+    recovery: FrontEndState | None = None,
 ) -> None:
     """Bind the exchange to this process's shards of ``module``'s parameters, across the ``"replicate"``
-    dimension."""
+    dimension (``recovery``: the front end's part of a fault-tolerant group's healing state)."""
     named = [(n, p) for n, p in module.named_parameters()]
     # the exchange works on this process's shards: to_local().detach() shares the DTensor's
     # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
@@ -311,6 +326,7 @@ def bind_shards(
         module=module,
         aliases=named,
         job=(shard.get_group(), int(shard.get_local_rank()), int(shard.size())),
+        recovery=recovery,
     )
 
 

@@ -1,4 +1,7 @@
-"""The shell the Trainer and the Fabric strategies share: their properties and the update-mode optimizer step."""
+"""The shell the Trainer and the Fabric strategies share: their properties, starts and optimizer step.
+
+Besides: the samplers' shards and the checkpoint payload's save and restore.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 
+from lightning_sparse._utils import end_process_group_at_exit
+from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
+from lightning_sparse.strategies.core import STRATEGY_NAMES, register_names
 
 if TYPE_CHECKING:
     from lightning_sparse.strategies.core import SparseCore
@@ -20,7 +27,8 @@ __all__ = ["SparseShell"]
 
 class SparseShell:
     """What the Trainer and the Fabric strategies share on top of :class:`SparseCore`: the
-    properties they expose and the update-mode optimizer step.
+    properties they expose, the start of their processes, the samplers' shards and the update-mode
+    optimizer step.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy
@@ -29,12 +37,37 @@ class SparseShell:
     """
 
     _core: SparseCore
+    #: the names the strategy registers (``strategies.core.STRATEGY_NAMES`` or ``FSDP_NAMES``)
+    _names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
     _in_optimizer_step: bool = False
     # provided by the front end's strategy
     global_rank: int
     world_size: int
     root_device: torch.device
     checkpoint_io: CheckpointIO
+
+    def _start_processes(self, start: Callable[[], None]) -> None:
+        """Run the front end's ``setup_environment`` (``start``: the process group), then, where it
+        created the group, end it at interpreter exit on every rank together
+        (``lightning_sparse._utils.end_process_group_at_exit``): Fabric calls no teardown when the
+        user's loop ends, and a Trainer's process group outlives its runs."""
+        created = not _distributed_is_initialized()
+        start()
+        end_process_group_at_exit(created=created)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process trains on batches of its own (under ``sparse_fsdp`` too, where FSDP2 averages
+        a group's gradients); fault-tolerant, over every replica group's processes, as torchft's
+        ``DistributedSampler`` shards them."""
+        kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
+        return shard_across_groups(kwargs, self._core.config.fault_tolerant)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the strategy's names (``sparse_ddp`` and its variants, or ``sparse_fsdp``) with a
+        Trainer or Fabric strategy registry (idempotent)."""
+        register_names(cls, strategy_registry, cls._names)
 
     @property
     def sparse_state(self) -> SparseState:
