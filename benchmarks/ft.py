@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the Lighthouse's --join_timeout_ms: how long a quorum whose members changed waits for groups that "
         "heartbeat but have not asked (a group just killed counts as one until its heartbeats lapse)",
     )  # fmt: skip
+    parser.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=300,
+        help="the Lighthouse's --heartbeat_timeout_ms: how long after a group's last heartbeat it stops counting it "
+        "as live (torchft's Manager sends one every 100 ms)",
+    )  # fmt: skip
     parser.add_argument("--json", type=str, default=None, help="also write the figures here")
     parser.add_argument("--group", type=str, default=None, help=argparse.SUPPRESS)  # a group's own fit
 
@@ -168,7 +173,7 @@ def _fit(out: Path, args: argparse.Namespace, kills: list[float]) -> dict[str, A
     lighthouse = subprocess.Popen(
         [str(script) if script.exists() else "torchft_lighthouse", "--min_replicas", "2" if kills else str(GROUPS),
          "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", str(args.join_timeout_ms),
-         "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
+         "--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms), "--quorum_tick_ms", "50"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     procs: dict[int, subprocess.Popen[bytes]] = {}
