@@ -184,14 +184,16 @@ class SparseConfig:
             BatchNorm is not touched."""
         ),
     )
-    flush_at_end: bool = field(
+    flush_at_end: bool | int = field(
         default=True,
         metadata=_doc(
             """update mode: at the end of a Trainer fit (a Fabric loop: ``strategy.end_fit()``), add the
             mean of every process's residual, what it has not sent yet, to the global model, exactly
             (one dense float32 all-reduce of the exchanged parameters, counted apart in the summary),
             so that what is validated, tested, saved and returned holds every process's progress.
-            False: the global model as the last exchange left it."""
+            An int R >= 1: R more exchanges as configured instead (R exchanges' bytes, each the largest
+            part of what is left; for fits that send far less than one dense all-reduce). False: the
+            global model as the last exchange left it."""
         ),
     )
     max_nonfinite_steps: int = field(
@@ -303,8 +305,8 @@ class SparseConfig:
                 errors.append(error)
                 return None
 
-        each(check_bool, "find_unused_parameters", self.find_unused_parameters)
-        each(check_bool, "static_graph", self.static_graph)
+        for name in ("find_unused_parameters", "static_graph", "compact_indices", "error_feedback"):
+            each(check_bool, name, getattr(self, name))
         each(
             check_choice,
             "gradient_as_bucket_view",
@@ -313,13 +315,7 @@ class SparseConfig:
             "expected None (True with compress='update', False with compress='gradient'), True or False",
         )
         each(check_bucket_cap, self.bucket_cap_mb)
-        each(
-            check_choice,
-            "start_method",
-            self.start_method,
-            START_METHODS,
-            "expected 'popen', 'spawn', 'fork' or 'forkserver'",
-        )
+        each(check_choice, "start_method", self.start_method, START_METHODS, f"expected one of {list(START_METHODS)}")
         each(
             check_choice,
             "compress",
@@ -338,9 +334,7 @@ class SparseConfig:
             "sparse all-reduce whose traffic does not grow with the number of ranks; 'auto': per bucket, the split "
             "where it moves at most a quarter of the all-gather's bytes)",
         )
-        each(check_bool, "compact_indices", self.compact_indices)
         schedule = each(as_schedule, self.density)
-        each(check_bool, "error_feedback", self.error_feedback)
         each(check_int, "min_numel", self.min_numel, minimum=0)
         each(check_int, "warmup_steps", self.warmup_steps, minimum=0 if self.compress == "update" else 1)
         value_dtype = each(resolve_value_dtype, self.value_dtype)
@@ -353,8 +347,11 @@ class SparseConfig:
             each(check_int, name, getattr(self, name), minimum=1)
         for name in ("batchnorm_batches", "sync_delay", "max_nonfinite_steps"):
             each(check_int, name, getattr(self, name), minimum=0)
-        for name in ("offload_global", "offload_residual", "flush_at_end"):
+        for name in ("offload_global", "offload_residual"):
             each(check_bool, name, getattr(self, name))
+        flush = self.flush_at_end
+        if not isinstance(flush, int) or (not isinstance(flush, bool) and flush < 1):
+            errors.append(bad_argument("flush_at_end", flush, "expected True, False or an int >= 1 (exchanges)"))
         each(
             check_choice,
             "fragment_split",

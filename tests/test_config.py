@@ -99,8 +99,11 @@ def test_config_validates_at_construction() -> None:
         SparseConfig(exchange="ring")
     with pytest.raises(ValueError, match=r"compact_indices=1 is not allowed: expected True or False"):
         SparseConfig(compact_indices=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"flush_at_end='yes' is not allowed: expected True or False"):
+    with pytest.raises(ValueError, match=r"flush_at_end='yes' is not allowed: expected True, False or an int >= 1"):
         SparseConfig(flush_at_end="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"flush_at_end=0 is not allowed"):
+        SparseConfig(flush_at_end=0)
+    assert SparseConfig(flush_at_end=8).flush_at_end == 8  # 8 exchanges as configured at the end of fit
     with pytest.raises(ValueError, match=r"max_nonfinite_steps=-1 is not allowed"):
         SparseDDPStrategy(max_nonfinite_steps=-1)
     assert SparseConfig().flush_at_end and SparseConfig().max_nonfinite_steps == 8

@@ -72,6 +72,7 @@ VARIANT_KEYS = {
     "delay": "sync_delay",  # apply each exchange this many optimizer steps after its launch
     "fragments": "fragments",  # exchange the parameters in this many staggered fragments
     "split": "fragment_split",  # how: strided (the default) or contiguous (module order)
+    "flush": "flush_at_end",  # the end-of-fit hand-over: 0 none, R that many exchanges (default: exact)
 }
 _FLOAT_KEYS = {"density", "density_start"}
 _TEXT_KEYS = {"outer", "split"}
@@ -89,6 +90,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
         {'density': 0.0025}
         >>> parse_variant("sync_every=4,delay=1,fragments=4")
         {'sync_every': 4, 'sync_delay': 1, 'fragments': 4}
+        >>> parse_variant("sync_every=4,flush=16"), parse_variant("flush=0")
+        ({'sync_every': 4, 'flush_at_end': 16}, {'flush_at_end': False})
         >>> parse_variant("")
         {}
     """
@@ -98,6 +101,8 @@ def parse_variant(spec: str) -> dict[str, Any]:
         if key not in VARIANT_KEYS or not value:
             raise ValueError(f"--variants {spec!r} is not allowed: expected key=value pairs of {sorted(VARIANT_KEYS)}")
         out[VARIANT_KEYS[key]] = value if key in _TEXT_KEYS else float(value) if key in _FLOAT_KEYS else int(value)
+    if out.get("flush_at_end") == 0:
+        out["flush_at_end"] = False
     return out
 
 
@@ -167,6 +172,10 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"applied {run['sync_delay']} step{'s' if run['sync_delay'] > 1 else ''} later")
     if run.get("density_start"):
         extra.append(f"density from {run['density_start']:g} over {run.get('density_steps', 40)} steps")
+    if run.get("flush_at_end") is False:
+        extra.append("no hand-over")
+    elif run.get("flush_at_end") not in (None, True):
+        extra.append(f"hand-over in {run['flush_at_end']} exchanges")
     if run.get("shard_size"):
         extra.append(f"sparse_fsdp, groups of {run['shard_size']}")
     elif run.get("shard_size") == 0:

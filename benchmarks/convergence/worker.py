@@ -110,6 +110,7 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         sync_delay=config.get("sync_delay", 0),
         fragments=config.get("fragments", 1),
         fragment_split=config.get("fragment_split", "strided"),
+        **({"flush_at_end": config["flush_at_end"]} if "flush_at_end" in config else {}),
         compression_monitor=False,
     )
 

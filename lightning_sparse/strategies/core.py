@@ -271,12 +271,13 @@ class SparseCore:
 
     def end_fit(self) -> None:
         """The end of a fit: in update mode with ``flush_at_end`` (default) and more than one
-        process, :meth:`flush_residuals` (the exact mean of the residuals joins the global model);
-        otherwise :meth:`global_model`. Every process calls it at the same point."""
-        update = self.update
+        process, :meth:`flush_residuals` (``True``: the exact mean of the residuals joins the global
+        model; an int: that many exchanges as configured); otherwise :meth:`global_model`. Every
+        process calls it at the same point."""
+        update, flush = self.update, self.config.flush_at_end
         # plain DDP steps (a timed fallback's dense choice) left nothing unsent: no all-reduce of zeros
-        if update is not None and self.config.flush_at_end and update.active and not self.state.step_exchange.plain_ddp:
-            self.flush_residuals()
+        if update is not None and flush is not False and update.active and not self.state.step_exchange.plain_ddp:
+            self.flush_residuals(None if flush is True else flush)
         else:
             self.global_model()
 
