@@ -410,6 +410,9 @@ class SparseConfig:
             (not update and self.sync_every != 1,
              f"sync_every={self.sync_every!r} is not allowed with compress='gradient': gradients are exchanged at "
              "every optimizer step there; use compress='update' for local steps, or sync_every=1."),
+            (self.fault_tolerant is True and not isinstance(self.flush_at_end, bool),
+             f"flush_at_end={self.flush_at_end!r} is not allowed with fault_tolerant=True: the hand-over in exchanges "
+             "needs the same processes throughout; expected True (exact, where a quorum forms) or False."),
         )  # fmt: skip
         then = (
             (outer is not None and not update,

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
+from lightning_sparse.strategies.presets import PRESETS
 from lightning_sparse.telemetry.callbacks import METRIC_NAMES
 
 pytest.importorskip("jsonargparse")
@@ -96,6 +97,9 @@ def test_config_parses_into_the_configured_strategy(config: Path) -> None:
             assert str(state.config.value_dtype) == f"torch.{args['value_dtype']}"
         if "compression_monitor" in args:
             assert strategy.compression_monitor == args["compression_monitor"]
+    if isinstance(spec, str) and spec.removeprefix("sparse_ddp_") in PRESETS:  # a preset by name reached it
+        for key, value in PRESETS[spec.removeprefix("sparse_ddp_")].items():
+            assert key == "outer_optimizer" or getattr(strategy.sparse_state.config, key) == value, key
     for callback in yaml.safe_load(config.read_text())["trainer"].get("callbacks", []):  # each one reached it
         name = callback["class_path"].rsplit(".", 1)[-1]
         assert any(type(cb).__name__ == name for cb in cli.trainer.callbacks), name

@@ -104,6 +104,8 @@ def test_config_validates_at_construction() -> None:
     with pytest.raises(ValueError, match=r"flush_at_end=0 is not allowed"):
         SparseConfig(flush_at_end=0)
     assert SparseConfig(flush_at_end=8).flush_at_end == 8  # 8 exchanges as configured at the end of fit
+    with pytest.raises(ValueError, match=r"flush_at_end=8 is not allowed with fault_tolerant=True"):
+        SparseConfig(flush_at_end=8, fault_tolerant=True)
     with pytest.raises(ValueError, match=r"max_nonfinite_steps=-1 is not allowed"):
         SparseDDPStrategy(max_nonfinite_steps=-1)
     assert SparseConfig().flush_at_end and SparseConfig().max_nonfinite_steps == 8

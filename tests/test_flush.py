@@ -108,6 +108,16 @@ def test_trainer_flush_at_the_end_of_fit(tmp_path: Path) -> None:
             assert torch.equal(r["params"][key], expected), key
     for r in flushed:
         assert all(not bool(e.any()) for e in r["residuals"].values())
+    # flush_at_end=R: R exchanges as configured; global + mean residual is what the fit without left
+    rounds = run_trainer({**cfg, "strategy": {**STRATEGY, "flush_at_end": 4}}, tmp_path / "rounds", timeout=300)
+    left = [_by_name(r["residuals"], r["params"]) for r in rounds]
+    for key, old in plain[0]["params"].items():
+        assert torch.equal(rounds[0]["params"][key], rounds[1]["params"][key]), key  # one global model
+        kept = rounds[0]["params"][key] + (left[0][key] + left[1][key]) / 2
+        torch.testing.assert_close(kept, old + (residuals[0][key] + residuals[1][key]) / 2, rtol=0, atol=1e-6)
+    for before, after in zip(residuals, left, strict=True):  # the largest part went, some is left
+        remaining = sum(float(e.norm()) ** 2 for e in after.values())
+        assert 0 < remaining < sum(float(e.norm()) ** 2 for e in before.values())
 
 
 def test_flush_is_for_update_mode_and_sparse_strategies() -> None:

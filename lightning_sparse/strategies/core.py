@@ -36,6 +36,7 @@ from lightning_sparse.exchange.update_parts import reset_optimizer_states
 from lightning_sparse.strategies.advice import check_no_optimizer_momentum, training_advice
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
+from lightning_sparse.strategies.presets import PRESETS
 
 __all__ = ["FSDP_NAMES", "STRATEGY_NAMES", "SparseCore", "register_names", "wrap_in_ddp"]
 
@@ -54,6 +55,11 @@ STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "sparse_ddp_spawn_find_unused_parameters_true",
         "sparse DDP with find_unused_parameters=True, start_method 'spawn'",
         {"start_method": "spawn", "find_unused_parameters": True},
+    ),
+    # the presets: sparse_ddp_1000x, ... (strategies.presets.PRESETS)
+    *(
+        (f"sparse_ddp_{name}", f"sparse DDP, preset {name!r}: {settings}", {"start_method": "popen", **settings})
+        for name, settings in PRESETS.items()
     ),
 )
 

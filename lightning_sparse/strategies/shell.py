@@ -12,12 +12,14 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
+from typing_extensions import Self
 
 from lightning_sparse._utils import end_process_group_at_exit
 from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
 from lightning_sparse.strategies.core import STRATEGY_NAMES, register_names
+from lightning_sparse.strategies.presets import preset_settings
 
 if TYPE_CHECKING:
     from lightning_sparse.strategies.core import SparseCore
@@ -62,6 +64,20 @@ class SparseShell:
         ``DistributedSampler`` shards them."""
         kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
         return shard_across_groups(kwargs, self._core.config.fault_tolerant)
+
+    @classmethod
+    def preset(cls, name: str, **arguments: Any) -> Self:
+        """The strategy at a named point of the compression frontier
+        (``lightning_sparse.strategies.presets.PRESETS``: ``"1000x"``, ``"2000x"``, ``"4000x"``),
+        ``arguments`` on top (any of the strategy's own). ``Trainer(strategy="sparse_ddp_1000x")`` is the
+        first as a name.
+
+        Example:
+            >>> from lightning_sparse import SparseDDPStrategy
+            >>> SparseDDPStrategy.preset("1000x", density=0.02).sparse_state.config.sync_every
+            4
+        """
+        return cls(**{**preset_settings(name), **arguments})
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

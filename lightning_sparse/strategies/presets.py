@@ -1,0 +1,39 @@
+"""Named points of the compression frontier: a bandwidth budget instead of five arguments.
+
+Each preset is a set of settings measured on the GPT task of ``docs/results.md`` (600 steps, 2
+processes, AdamW): exchanges every ``sync_every`` steps of the top 1 % of each tensor in 2-bit
+values, no dense warm-up exchange, and an end-of-fit hand-over of a few exchanges as configured
+(``flush_at_end=R``) instead of one dense all-reduce, which alone would cost more than such a fit
+sends. The name is the fewer bytes than dense DDP it gives there; a fit of other length or model
+moves it little (the hand-over's share grows in short fits). ``docs/results.md`` ("Presets") has
+the loss each one reached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PRESETS", "preset_settings"]
+
+#: the presets, by name: the settings each one sets
+PRESETS: dict[str, dict[str, Any]] = {
+    "1000x": {"sync_every": 4, "value_bits": 2, "warmup_steps": 0, "flush_at_end": 16},
+    "2000x": {"sync_every": 8, "value_bits": 2, "warmup_steps": 0, "flush_at_end": 8},
+    "4000x": {"sync_every": 16, "outer_optimizer": "nesterov", "value_bits": 2, "warmup_steps": 0, "flush_at_end": 4},
+}
+
+
+def preset_settings(name: str) -> dict[str, Any]:
+    """The settings of preset ``name`` (a copy), or ValueError naming the presets there are.
+
+    Example:
+        >>> preset_settings("1000x")["sync_every"]
+        4
+        >>> preset_settings("1x")
+        Traceback (most recent call last):
+        ...
+        ValueError: preset='1x' is not allowed: expected one of ['1000x', '2000x', '4000x'].
+    """
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not allowed: expected one of {list(PRESETS)}.")
+    return dict(PRESETS[name])
