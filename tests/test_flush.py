@@ -115,6 +115,10 @@ def test_trainer_flush_at_the_end_of_fit(tmp_path: Path) -> None:
         assert torch.equal(rounds[0]["params"][key], rounds[1]["params"][key]), key  # one global model
         kept = rounds[0]["params"][key] + (left[0][key] + left[1][key]) / 2
         torch.testing.assert_close(kept, old + (residuals[0][key] + residuals[1][key]) / 2, rtol=0, atol=1e-6)
+    for r, p in zip(rounds, plain, strict=True):  # the 4 exchanges in rows of their own, nothing dense DDP sends
+        assert r["methods"]["topk"] == p["methods"]["topk"]  # the fit's own exchanges, as without the hand-over
+        assert r["methods"]["topk (hand-over)"] * 7 == 4 * p["methods"]["topk"]  # 7 exchanges in 30 steps
+        assert r["telemetry"]["dense_bytes"] == p["telemetry"]["dense_bytes"]
     for before, after in zip(residuals, left, strict=True):  # the largest part went, some is left
         remaining = sum(float(e.norm()) ** 2 for e in after.values())
         assert 0 < remaining < sum(float(e.norm()) ** 2 for e in before.values())

@@ -14,7 +14,7 @@ from torch.futures import Future
 
 from lightning_sparse._utils import RegionViews, all_reduce_mean_, check_int
 from lightning_sparse.exchange.memory import ErrorFeedback
-from lightning_sparse.telemetry.stats import FLUSH_METHOD, Counters
+from lightning_sparse.telemetry.stats import FLUSH_METHOD, HAND_OVER, Counters
 from lightning_sparse.wire import Average, BucketPlan
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import wait
@@ -484,12 +484,13 @@ def flush_in_rounds(exchange: Any, rounds: int) -> None:
         ValueError: rounds=0 is not allowed: expected an integer >= 1.
     """
     check_int("rounds", rounds, minimum=1)
+    telemetry = exchange.state.telemetry
     exchange.hold_global()  # the progress since the last exchange joins the residuals
-    exchange.due_now = True
+    exchange.due_now, telemetry.label = True, HAND_OVER  # rows of their own in the summary, no steps
     try:
         for _ in range(rounds):
             exchange.hold_local()
             exchange.exchange()
             exchange.hold_global()  # an exchange still in flight (sync_delay) arrives here
     finally:
-        exchange.due_now = False
+        exchange.due_now, telemetry.label = False, None

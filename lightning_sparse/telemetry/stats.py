@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 #: the way of sending of the exact hand-over of the residuals (``flush_residuals()``, the end of fit)
 FLUSH_METHOD = "dense (flush)"
+#: the label of the hand-over's exchanges (``flush_at_end=R``, ``flush_residuals(rounds=R)``)
+HAND_OVER = "hand-over"
 
 
 @dataclass
@@ -120,6 +122,9 @@ class Telemetry:
     peak_step_wire_bytes: float = 0.0
     #: seconds this rank spent waiting for exchanges to complete (update mode)
     wait_seconds: float = 0.0
+    #: while set (the hand-over's exchanges, :data:`HAND_OVER`): appended to every method's name, the
+    #: dense counterpart is 0 (dense DDP has nothing to hand over) and no step is counted
+    label: str | None = None
 
     def record_group(self, nbytes: float) -> None:
         """Count one collective of FSDP2 inside the group (``nbytes`` through this process)."""
@@ -127,6 +132,9 @@ class Telemetry:
 
     def record(self, group: str, counters: Counters, method: str = "dense") -> None:
         """Add one bucket's figures: to the step in progress, its group and the way it was sent."""
+        if self.label is not None:
+            counters = replace(counters, dense_bytes=0, dense_wire_bytes=0.0)
+            method = f"{method} ({self.label})"
         self.current.add(counters)
         self.groups.setdefault(group, Counters()).add(counters)
         self.methods.setdefault(method, Counters()).add(counters)
@@ -138,6 +146,8 @@ class Telemetry:
         self.current = Counters()
 
     def end_step(self) -> None:
+        if self.label is not None:  # not an optimizer step
+            return self.fold_current()
         self.peak_step_wire_bytes = max(self.peak_step_wire_bytes, self.current.wire_bytes)
         self.total.add(self.current)
         self.last = self.current

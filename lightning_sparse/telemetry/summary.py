@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from lightning_sparse._utils import describe_callable, resolve_value_dtype
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.telemetry.stats import FLUSH_METHOD, Counters, Telemetry
+from lightning_sparse.telemetry.stats import FLUSH_METHOD, HAND_OVER, Counters, Telemetry
 
 #: the table's columns, after the row name
 COLUMNS = (
@@ -198,6 +198,13 @@ class CompressionSummary:
                 f"row 'dense (hand-over at the end)', not in the largest step) moved {format_bytes(flush.wire_bytes)} "
                 f"through this rank, {100.0 * flush.wire_bytes / total.wire_bytes:.0f}% of the wire bytes; dense DDP "
                 "needs none, so its dense wire is 0 and the total's ratio counts it against the strategy."
+            )
+        handed = [c.wire_bytes for name, c in methods.items() if name.endswith(f"({HAND_OVER})")]
+        if handed and total.wire_bytes:
+            notes.append(
+                f"The hand-over in exchanges (flush_at_end=R: the rows '... ({HAND_OVER})', not steps) moved "
+                f"{format_bytes(sum(handed))} through this rank, {100.0 * sum(handed) / total.wire_bytes:.0f}% of the "
+                "wire bytes; dense DDP needs none, so their dense wire is 0."
             )
         if telemetry.group_bytes is not None:
             inside = telemetry.group_bytes - ((start.group_bytes or 0.0) if start is not None else 0.0)
