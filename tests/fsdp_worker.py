@@ -37,8 +37,9 @@ class Block(nn.Module):
 
 
 class Blocks(L.LightningModule):
-    def __init__(self, lr: float = 0.03, self_sharded: bool = False) -> None:
+    def __init__(self, lr: float = 0.03, self_sharded: bool = False, nan_at: tuple[int, int] = (-1, -1)) -> None:
         super().__init__()
+        self.nan_at = tuple(nan_at)  # (step, rank): that rank's loss times NaN at that step
         self.inp = nn.Linear(8, WIDTH)
         self.blocks = nn.Sequential(*[Block() for _ in range(3)])
         self.out = nn.Linear(WIDTH, 1)
@@ -65,6 +66,8 @@ class Blocks(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = (self(x) - y).pow(2).mean()
+        if (self.global_step, self.global_rank) == self.nan_at:
+            loss = loss * float("nan")  # reaches AdamW's moments: every later update of this rank is NaN
         self.losses.append(float(loss.detach()))
         self.batches.append(float(x.sum()))
         return loss
@@ -213,7 +216,7 @@ def fit_once(cfg: dict[str, Any]) -> None:
     model: Any = (
         GPTModule(cfg.get("call", "model"), cfg.get("self_sharded", False))
         if gpt
-        else Blocks(self_sharded=cfg.get("self_sharded", False))
+        else Blocks(self_sharded=cfg.get("self_sharded", False), nan_at=cfg.get("nan_at", (-1, -1)))
     )
     trainer = L.Trainer(
         accelerator=cfg.get("accelerator", "cpu"),
@@ -262,6 +265,8 @@ def fit_once(cfg: dict[str, Any]) -> None:
         result["group_bytes"] = state.telemetry.group_bytes
         result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         result["residuals"] = state.memory.state_dict()
+        update = strategy.update_exchange  # type: ignore[attr-defined]
+        result["nonfinite_updates"] = None if update is None else update.nonfinite_updates
     if cfg.get("validate"):
         result["val_loss"] = float(trainer.validate(model, val, verbose=False)[0]["val_loss"])
     if cfg.get("evaluate"):  # then the other stages on the same Trainer, and the whole model after them

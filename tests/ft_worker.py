@@ -44,16 +44,18 @@ def data(n: int, seed: int) -> TensorDataset:
 
 
 class Net(L.LightningModule):
-    def __init__(self, step_sleep: float) -> None:
+    def __init__(self, step_sleep: float, nan_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
         self.step_sleep = step_sleep
+        self.nan_at_step = nan_at_step  # this group's loss times NaN at that step (AdamW's moments go NaN)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.step_sleep:
             time.sleep(self.step_sleep)
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        return loss * float("nan") if self.global_step == self.nan_at_step else loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -230,7 +232,8 @@ def main() -> None:
         _die_in_exchange(int(cfg["die_in_exchange"]), trainer_ref)
     trainer_ref.append(trainer)
     checks: list[bool] = []
-    module = Net(cfg.get("step_sleep", 0.0))
+    nan_at = cfg.get("nan_at", {}).get(str(group), -1)  # {group: step}
+    module = Net(cfg.get("step_sleep", 0.0), nan_at)
     if cfg.get("check_rollback"):
 
         class Watch(L.Callback):
@@ -260,6 +263,7 @@ def main() -> None:
         "participants": ft.participants if ft else 0,
         "rollback_checks": checks,
         "bytes": strategy.sparse_state.telemetry.total.sent_bytes,
+        "nonfinite_updates": update.nonfinite_updates if update is not None else 0,
     }
     torch.save(result, f"result_g{group}_r{trainer.global_rank}.pt")
     if ft is not None:

@@ -6,6 +6,7 @@ Trainer), and the errors at construction and setup."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +157,22 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             {"name": "ddp", "strategy": "sparse_ddp", "args": settings},
             {"name": "one_group", "args": {**settings, "shard_size": 2, "sharded_modules": ["Block"]}},
             {"name": "fsdp2", "strategy": "fsdp2", "self_sharded": True},
+            # rank 0's loss times NaN at step 4 (AdamW): its shards heal
+            {"name": "nan", "args": groups_of_1, "nan_at": [4, 0]},
         ],
     }
     return run_trainer(config, root, timeout=600, worker="fsdp_worker.py")
+
+
+@pytest.mark.dist
+def test_a_process_whose_update_went_nonfinite_once_heals_its_shards(pairs: dict[str, Any]) -> None:
+    nan, clean = pairs["nan"], pairs["groups_of_1"]
+    # one step's updates of rank 0 dropped (one per tensor it holds), every later one exchanged again
+    assert nan[0]["nonfinite_updates"] == len(nan[0]["params"]), nan[0]["nonfinite_updates"]
+    assert nan[1]["nonfinite_updates"] == clean[0]["nonfinite_updates"] == 0
+    for name, value in nan[0]["params"].items():  # one finite global model
+        assert torch.isfinite(value).all() and torch.equal(value, nan[1]["params"][name]), name
+    assert all(math.isfinite(loss) for loss in nan[0]["losses"][5:])
 
 
 @pytest.mark.dist

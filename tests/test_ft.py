@@ -284,6 +284,16 @@ def test_groups_of_two_processes_heal_and_end_identical(tmp_path: Path) -> None:
     assert _identical(results)  # both processes of both groups
 
 
+def test_a_group_whose_update_went_nonfinite_once_heals(tmp_path: Path) -> None:
+    # group 0's loss times NaN at step 6 (AdamW): one exchange drops its updates, every later one counts
+    config = {**CONFIG, "max_steps": 24, "sync_every": 1, "step_sleep": 0.0, "nan_at": {"0": 6}}
+    results = _run(tmp_path, config, 2)
+    tensors = len(results[0]["params"])
+    assert results[0]["nonfinite_updates"] == tensors and results[1]["nonfinite_updates"] == 0, results
+    assert all(r["global_step"] == 24 for r in results)
+    assert all(torch.isfinite(v).all() for v in results[0]["params"].values()) and _identical(results)
+
+
 @pytest.mark.parametrize("front", ["trainer", pytest.param("fabric", marks=pytest.mark.slow)])
 def test_sparse_fsdp_groups_of_two_processes_heal_and_end_identical(tmp_path: Path, front: str) -> None:
     """Each group shards its model across its two processes (FSDP2); process r of a group exchanges
