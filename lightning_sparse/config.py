@@ -41,6 +41,9 @@ COMPRESS_MODES = ("update", "gradient")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
+_WHERE_DDP = "as in DDP, where one is built (update mode builds none but under ``fault_tolerant``)."
+
+
 def _doc(text: str) -> Any:
     return {"doc": " ".join(text.split())}
 
@@ -264,14 +267,14 @@ class SparseConfig:
         default=60.0,
         metadata=_doc("``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take."),
     )
-    find_unused_parameters: bool = field(default=False, metadata=_doc("as in DDP."))
-    static_graph: bool = field(default=False, metadata=_doc("as in DDP."))
+    find_unused_parameters: bool = field(default=False, metadata=_doc(_WHERE_DDP))
+    static_graph: bool = field(default=False, metadata=_doc(_WHERE_DDP))
     gradient_as_bucket_view: bool | None = field(
         default=None,
         metadata=_doc(
-            """as in DDP; ``None`` (default): ``True`` with ``compress="update"`` (DDP's buckets carry
-            nothing there, so gradients living in them saves two copies of every gradient per
-            step), ``False`` with ``compress="gradient"`` (DDP's default)."""
+            """as in DDP, where one is built; ``None`` (default): ``True`` with ``compress="update"`` (a
+            fault-tolerant group's DDP, which averages inside the group: two copies of every gradient
+            saved per step), ``False`` with ``compress="gradient"`` (DDP's default)."""
         ),
     )
     bucket_cap_mb: float | None = field(

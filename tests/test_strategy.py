@@ -64,6 +64,9 @@ def test_defaults_and_ddp_kwargs() -> None:
         ({"mixed_precision": object()}, r"mixed_precision=.* is not allowed with SparseDDPStrategy: DDP's mixed"),
         ({"ddp_comm_hook": print}, r"ddp_comm_hook=.* is not allowed with SparseDDPStrategy"),
         ({"model_averaging_period": 4}, r"model_averaging_period=4 is not allowed"),
+        # update mode builds no DDP: an argument of DDP's reducer alone would do nothing
+        ({"delay_all_reduce_named_params": []}, r"delay_all_reduce_named_params=\[\] is not allowed with compress='u"),
+        ({"check_reduction": True}, r"check_reduction=True is not allowed with compress='update': update mode builds"),
         # a misspelt argument is refused here, not by DistributedDataParallel at setup
         ({"bucket_cap": 4}, r"bucket_cap=4 is not allowed: it is an argument of neither SparseDDPStrategy nor"),
     ],
@@ -71,6 +74,15 @@ def test_defaults_and_ddp_kwargs() -> None:
 def test_bad_arguments_raise_at_construction(kwargs, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
         SparseDDPStrategy(**kwargs)
+
+
+def test_update_mode_takes_the_ddp_arguments_its_replicas_honour() -> None:
+    from lightning_sparse.strategies.core import SparseCore
+
+    s = SparseDDPStrategy(broadcast_buffers=False, init_sync=False, forward_sync_buffers=None)
+    assert s._ddp_kwargs["broadcast_buffers"] is False and s._ddp_kwargs["init_sync"] is False
+    assert isinstance(s._core, SparseCore) and s._core.replicated
+    assert not SparseDDPStrategy(compress="gradient", check_reduction=True)._core.replicated  # DDP's there
 
 
 def test_none_for_a_conflicting_ddp_argument_means_none() -> None:

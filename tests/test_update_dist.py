@@ -282,41 +282,43 @@ def test_training_advice_for_batchnorm_models() -> None:
     assert "WarmupDensity" in drift
 
 
-def _reducer_worker(rank: int, world: int) -> dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel
-
+def _replicas_worker(rank: int, world: int) -> dict[str, Any]:
     from lightning_sparse.config import SparseConfig
+    from lightning_sparse.exchange.replicas import Replicas
     from lightning_sparse.strategies.core import SparseCore
 
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # each rank its own initial parameters: the replicas start from rank 0's
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     net.register_buffer("seen", torch.full((1,), float(rank)))  # differs per rank until broadcast
     core = SparseCore(SparseConfig(compressor="topk", density=0.5, sync_every=4))
-    ddp = DistributedDataParallel(net, **core.ddp_kwargs)
-    core.register_hook(ddp, rank, world, torch.device("cpu"))
+    model = core.wrap(net, None, core.ddp_kwargs)
+    assert isinstance(model, Replicas)
+    start = [p.detach().clone() for p in net.parameters()]
+    core.register_hook(model, rank, world, torch.device("cpu"))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
 
-    def backward() -> tuple[list[torch.Tensor], list[int]]:
-        ddp.zero_grad(set_to_none=True)
-        ddp(x).square().sum().backward()
-        grads = [p.grad.clone() for p in net.parameters()]
-        return grads, [p.grad.untyped_storage().data_ptr() for p in net.parameters()]
+    def backward() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        net.seen.fill_(float(rank))
+        model(x).square().sum().backward()
+        model.gradients_ready(core.state)
+        return [p.grad.clone() for p in net.parameters()]
 
-    own_grads, own_storages = backward()
-    for p in net.parameters():  # this rank's own gradient, computed without DDP
+    own = backward()
+    for p in net.parameters():  # this rank's own gradient, computed without the wrapper
         p.grad = None
     net(x).square().sum().backward()
     expected = [p.grad.clone() for p in net.parameters()]
     exchange = core.state.step_exchange
-    exchange._plain_ddp = True  # the timed fallback's plain DDP step: the reducer averages
+    exchange._plain_ddp = True  # the timed fallback's plain DDP step: the gradients are averaged
     try:
-        averaged, _ = backward()
+        averaged = backward()
     finally:
         exchange._plain_ddp = False
-    again, _ = backward()
+    again = backward()
     return {
-        "own": [torch.equal(g, e) for g, e in zip(own_grads, expected, strict=True)],
-        "own_storages": len(set(own_storages)),
+        "start": start,
+        "own": [torch.equal(g, e) for g, e in zip(own, expected, strict=True)],
         "averaged": averaged,
         "expected": expected,
         "again": [torch.equal(g, e) for g, e in zip(again, expected, strict=True)],
@@ -324,14 +326,15 @@ def _reducer_worker(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_local_steps_skip_ddps_reducer_until_a_plain_ddp_step(dist2) -> None:
-    """Update mode: a backward keeps each rank's own gradient without DDP's reducer (no copy into
-    its buckets: each gradient its own tensor, not a view of one bucket), a plain DDP step of the
-    timed fallback all-reduces as DDP does, and the buffers are still broadcast from rank 0."""
-    r0, r1 = dist2.run(_reducer_worker)
+def test_update_mode_replicas_keep_own_gradients_until_a_plain_ddp_step(dist2) -> None:
+    """Update mode builds no DDP: the replicas start from rank 0's parameters, a backward keeps each
+    rank's own gradient, a plain DDP step of the timed fallback averages them, and every forward
+    starts from rank 0's buffers (as DDP's ``broadcast_buffers``)."""
+    r0, r1 = dist2.run(_replicas_worker)
+    for p0, p1 in zip(r0["start"], r1["start"], strict=True):
+        assert torch.equal(p0, p1)
     for r in (r0, r1):
         assert all(r["own"]) and all(r["again"]), r
-        assert r["own_storages"] == 4  # with the reducer they would share its one bucket
-        assert r["seen"] == 0.0  # rank 0's buffer, broadcast at each forward as before
+        assert r["seen"] == 0.0  # rank 0's buffer, broadcast at each forward
     for a0, a1, e0, e1 in zip(r0["averaged"], r1["averaged"], r0["expected"], r1["expected"], strict=True):
         assert torch.equal(a0, a1) and torch.allclose(a0, (e0 + e1) / 2)

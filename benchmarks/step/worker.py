@@ -29,6 +29,8 @@ def _step(model: Any, opt: Any, exchange: Any, x: Any, y: Any) -> None:
         exchange.hold_local()
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()  # DDP waits for every bucket's future (callbacks' collectives included)
+    if exchange is not None:
+        model.gradients_ready(exchange.state)  # a timed fallback's plain DDP step averages here
     opt.step()
     if exchange is not None:
         exchange.exchange()
@@ -43,7 +45,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from benchmarks.compressors import parse_compressor
     from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
-    from lightning_sparse.exchange.hook import update_comm_hook
+    from lightning_sparse.exchange.replicas import Replicas
 
     world = args.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
@@ -61,7 +63,7 @@ def worker(args: argparse.Namespace) -> int:
             layers += [nn.Linear(width, width), nn.Tanh()]
         return nn.Sequential(*layers[:-1])
 
-    runs: list[tuple[str, DistributedDataParallel, Any]] = []
+    runs: list[tuple[str, nn.Module, Any]] = []
     exchanges: list[Any] = []  # per run: its UpdateExchange (update mode), else None
     if not args.no_dense:
         runs.append((DENSE, DistributedDataParallel(make_model(), init_sync=False), None))
@@ -98,13 +100,13 @@ def worker(args: argparse.Namespace) -> int:
                 fragments=fragments,
                 **extra_args,
             )
-            model = DistributedDataParallel(make_model(), init_sync=False, **strategy._ddp_kwargs)
             state = strategy.sparse_state
             exchange = strategy.update_exchange
-            if exchange is not None:
+            if exchange is not None:  # update mode builds no DDP: each rank keeps its own gradient
+                model = Replicas(make_model(), init_sync=False)
                 exchange.bind(model.module.named_parameters(), process_group=model.process_group)
-                model.register_comm_hook(state, update_comm_hook)
             else:
+                model = DistributedDataParallel(make_model(), init_sync=False, **strategy._ddp_kwargs)
                 state.bind(model.module.named_parameters(), process_group=model.process_group)
                 model.register_comm_hook(state, sparse_comm_hook)
             extra = ("" if how == "auto" else ", " + how) + ("" if sync == 1 else f", every {sync} steps")

@@ -2,8 +2,9 @@
 
 - :mod:`~lightning_sparse.exchange.step` - one optimizer step of the exchange (``StepExchange``);
 - :mod:`~lightning_sparse.exchange.state` - the state that owns it (``SparseState``);
-- :mod:`~lightning_sparse.exchange.hook` - DDP's communication hooks onto it;
+- :mod:`~lightning_sparse.exchange.hook` - DDP's communication hook onto it (gradient mode);
 - :mod:`~lightning_sparse.exchange.update`, :mod:`~lightning_sparse.exchange.update_parts` - update mode;
+- :mod:`~lightning_sparse.exchange.replicas` - update mode's data parallelism, without DDP;
 - :mod:`~lightning_sparse.exchange.outer` - what the global parameters do with the average;
 - :mod:`~lightning_sparse.exchange.batchnorm` - the global model's BatchNorm statistics;
 - :mod:`~lightning_sparse.exchange.ft`, :mod:`~lightning_sparse.exchange.ft_env` - fault-tolerant replica groups;

@@ -10,11 +10,11 @@ one rank makes every rank skip the step, alike. :class:`SkippedSteps` keeps that
   dropped as a whole, as plain DDP drops it, and no rank loses what it sent in the skipped step.
   The cost: one copy of the residuals per step, only while a gradient scaler is active.
 - **update mode**: each rank keeps its own gradient, so one rank's overflow would reach no other
-  rank. The hook agrees on it instead: one all-reduce of one number per step, after the step's last
-  bucket; on an overflow anywhere every rank's gradient is made NaN, so every scaler skips the step
-  and backs off alike (the scales stay identical on every rank), and the exchange after the step
-  does nothing: nothing is sent, the residuals, the global model, the outer optimizer and the
-  local-step cycle are left as they were.
+  rank. The processes agree on it instead after the backward (``Replicas.gradients_ready``): one
+  all-reduce of one number per step, after the step's last gradient; on an overflow anywhere every
+  rank's gradient is made NaN, so every scaler skips the step and backs off alike (the scales stay
+  identical on every rank), and the exchange after the step does nothing: nothing is sent, the
+  residuals, the global model, the outer optimizer and the local-step cycle are left as they were.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class SkippedSteps:
     @property
     def overflowed(self) -> bool:
         """Update mode: whether a gradient overflowed on some rank in this step (agreed by every
-        rank in the hook), so that every rank's scaler skipped it."""
+        rank after the backward), so that every rank's scaler skipped it."""
         return self._agreed_overflow
 
     def agree(
@@ -116,8 +116,8 @@ class SkippedSteps:
         counters: Counters,
         error: Callable[[str, str], Exception],
     ) -> Future[Tensor]:
-        """Update mode's DDP hook under a gradient scaler: keep this rank's gradient ``buffer``; after
-        the step's last bucket, agree with every rank on whether a gradient overflowed anywhere
+        """Update mode under a gradient scaler: keep this rank's gradient ``buffer``; after
+        the step's last one, agree with every rank on whether a gradient overflowed anywhere
         (one all-reduce of one number, counted into ``counters``) and if so, make every bucket's
         gradient NaN so that every rank's scaler skips the step. ``error(what, cause)``: the
         exception raised if that all-reduce fails."""

@@ -1,16 +1,14 @@
-"""DDP's communication hooks: thin adapters from DDP's buckets onto the step's exchange.
+"""DDP's communication hook: a thin adapter from DDP's buckets onto the step's exchange.
 
 DDP calls a communication hook once per gradient bucket per optimizer step, on the autograd
 thread, as soon as the bucket's gradients are ready, and waits for the returned future before the
-optimizer step. Both hooks here hand the bucket to the state's
+optimizer step. The hook hands the bucket to the state's
 :class:`~lightning_sparse.exchange.step.StepExchange`, which owns the step:
 
-- :func:`sparse_comm_hook` (gradient mode, and the plain DDP steps of update mode's timed
-  fallback): compress, exchange, and write the average of what the ranks sent back into the
-  bucket as the averaged dense gradient;
-- :func:`update_comm_hook` (update mode): keep this rank's own gradient and send nothing (the
-  exchange runs after the optimizer step, :mod:`lightning_sparse.exchange.update`); under fp16 AMP the
-  ranks agree on overflowed steps here.
+- :func:`sparse_comm_hook` (gradient mode): compress, exchange, and write the average of what the
+  ranks sent back into the bucket as the averaged dense gradient;
+- :func:`communicate`, its body on plain tensors: update mode, which builds no DDP
+  (:mod:`lightning_sparse.exchange.replicas`), averages a timed fallback's plain DDP steps with it.
 
 The buckets of one backward pass leave together (:class:`BackwardBatch`): each bucket is compressed
 as DDP hands it over (its selection overlaps the rest of the backward pass), its collectives are
@@ -35,21 +33,12 @@ from lightning_sparse.exchange.step import StepExchange
 from lightning_sparse.wire import Average, BucketPlan
 from lightning_sparse.wire.comm import Rounds, run_together
 
-__all__ = ["BackwardBatch", "communicate", "sparse_comm_hook", "update_comm_hook"]
+__all__ = ["BackwardBatch", "communicate", "sparse_comm_hook"]
 
 
 def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tensor]:
     """DDP communication hook (``ddp_model.register_comm_hook(state, sparse_comm_hook)``)."""
     return communicate(state, bucket.buffer(), bucket.parameters(), is_last=bucket.is_last())
-
-
-def update_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tensor]:
-    """DDP communication hook of update mode: keep this rank's own gradient, send nothing; on the
-    steps a timed fallback makes plain DDP steps, all-reduce the gradient as DDP does."""
-    exchange = state.step_exchange
-    if exchange.plain_ddp:
-        return sparse_comm_hook(state, bucket)
-    return exchange.keep_gradient(bucket.buffer(), bucket.is_last())
 
 
 def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True) -> Future[Tensor]:

@@ -97,6 +97,11 @@ class SparseState:
         return self.step_exchange.world_size
 
     @property
+    def parameters(self) -> list[Tensor]:
+        """The parameters the state is bound to, in the order :meth:`bind` got them."""
+        return self._params
+
+    @property
     def wire(self) -> WireContext:
         """What the wire code works with on this rank (settings, stores, counted collectives)."""
         return self.step_exchange.wire

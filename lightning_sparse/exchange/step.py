@@ -246,9 +246,10 @@ class StepExchange:
 
     # ------------------------------------------------------------------ update mode's own gradient
     def keep_gradient(self, buffer: Tensor, last: bool) -> Future[Tensor]:
-        """Update mode's DDP hook: keep this rank's own gradient ``buffer``, send nothing; under fp16
-        AMP agree with every rank, after the step's last bucket, on whether a gradient overflowed
-        anywhere (every rank's scaler then skips the step)."""
+        """Update mode (:meth:`Replicas.gradients_ready <lightning_sparse.exchange.replicas.Replicas.gradients_ready>`):
+        keep this rank's own gradient ``buffer``, send nothing; under fp16 AMP agree with every rank,
+        after the step's last gradient, on whether one overflowed anywhere (every rank's scaler then
+        skips the step)."""
         if self.skips is None:
             return _done(buffer)
         counters = Counters()

@@ -28,20 +28,23 @@ puts the rank's view back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sparse.exchange.replicas import Replicas
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric.hooks import FabricHooks
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore, wrap_in_ddp
+from lightning_sparse.strategies.core import SparseCore
 from lightning_sparse.strategies.ft_front import fabric_recovery
 from lightning_sparse.strategies.settings import take_settings, with_settings
 
@@ -94,8 +97,9 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         config, fabric_args, ddp_kwargs = take_settings(SparseDDPStrategy, settings)  # the rest: DDP's own
         self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
         super().__init__(**fabric_args, start_method=config.start_method, **self._core.ddp_kwargs)
-        self._ddp_model: DistributedDataParallel | None = None
+        self._ddp_model: Module | None = None
         self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
+        self._backward_sync_control = _BackwardSyncOf()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -103,9 +107,11 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         """Fabric's setup (``fabric.launch()``); the process group is then ended at interpreter exit."""
         self._start_processes(super().setup_environment)
 
-    def setup_module(self, module: Module) -> DistributedDataParallel:
-        """Wrap the module in DDP and register the sparse communication on it (any device)."""
-        model = wrap_in_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)  # not Lightning's side stream
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # Replicas too
+        """Make the module data parallel (update mode: :class:`~lightning_sparse.exchange.replicas.Replicas`,
+        no reducer; gradient mode: DDP, not on Lightning's side stream) and bind the sparse communication
+        to it (any device)."""
+        model = self._core.wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
         scaler = getattr(self.precision, "scaler", None)
         recovery = fabric_recovery(lambda: self._optimizers)  # a healing group takes the optimizers' states too
         self._core.register_hook(
@@ -118,10 +124,19 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
-        module = self._ddp_model.module if self._ddp_model is not None else None
+        module: Any = self._ddp_model.module if self._ddp_model is not None else None
         self._core.check_optimizers([optimizer], self.world_size, module)
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return super().get_module_state_dict(module.module if isinstance(module, Replicas) else module)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        module = module.module if isinstance(module, Replicas) else module
+        super().load_module_state_dict(module, state_dict, strict=strict)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -184,6 +199,20 @@ def register_fabric_strategies() -> None:
     """Make ``Fabric(strategy="sparse_ddp")``, its variants and ``"sparse_fsdp"`` resolve (idempotent)."""
     SparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)
     SparseFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+class _BackwardSyncOf(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` for a DDP model; nothing for update mode's
+    :class:`~lightning_sparse.exchange.replicas.Replicas`, whose backward syncs nothing (a plain DDP step
+    of the timed fallback averages the gradients at ``optimizer.step()``, after the last one)."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        if enabled and not isinstance(module, Replicas):
+            raise TypeError(f"no_backward_sync expected the module set up by the strategy, got {type(module).__name__}")
+        return nullcontext()
 
 
 class _RestoringIO(CheckpointIO):

@@ -60,6 +60,7 @@ class FabricHooks(SparseShell):
         """The optimizer step on this rank's view, then (update mode) the exchange: afterwards the
         module holds the new global values of the optimizer's parameters."""
         strategy = super()
+        self._gradients_ready()  # after the backward: what the step needs of the gradients
 
         def step() -> Any:
             return strategy.optimizer_step(optimizer, **kwargs)  # type: ignore[attr-defined]

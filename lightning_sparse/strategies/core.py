@@ -23,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 from lightning_sparse.exchange.ft import FaultTolerantUpdate, FrontEndState
-from lightning_sparse.exchange.hook import sparse_comm_hook, update_comm_hook
+from lightning_sparse.exchange.hook import sparse_comm_hook
 from lightning_sparse.exchange.outer import outer_step_for
+from lightning_sparse.exchange.replicas import REPLICA_ARGS, Replicas
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import (
     DEFAULT_BUCKET_BYTES,
@@ -139,13 +140,23 @@ class SparseCore:
                 self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
         #: keyword arguments of DistributedDataParallel
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
+        #: update mode builds no DistributedDataParallel (but for a fault-tolerant group's own average)
+        self.replicated = self.update is not None and not config.fault_tolerant
+        others = sorted(set(extra) - REPLICA_ARGS) if self.replicated else []
+        if others:
+            raise ValueError(
+                f"{others[0]}={extra[others[0]]!r} is not allowed with compress='update': update mode builds no "
+                "DistributedDataParallel (each process steps on its own gradient; lightning_sparse.exchange.replicas."
+                "Replicas starts the replicas equal and syncs their buffers), so this argument of DDP's reducer would "
+                f"do nothing. Allowed there: {', '.join(sorted(REPLICA_ARGS))}; or use compress='gradient'."
+            )
+        #: the model as :meth:`wrap` replicated it (update mode), once it did
+        self.replicas: Replicas | None = None
         #: this rank's sparse state in the strategy's checkpoints
         self.checkpoint = CheckpointPayload(self.state, self.update)
         #: update mode: the BatchNorm statistics of the global model
         self.batchnorm = GlobalBatchNorm(config.batchnorm_batches) if self.update is not None else None
         self._warned_batchnorm = False
-        #: update mode: DDP's reducer was switched off for the coming backward (see ``_reducer_when_needed``)
-        self._reducer_off = False
         #: the step at which the residuals were last handed over exactly (:meth:`flush_residuals`)
         self._handed_over: int | None = None
 
@@ -192,6 +203,15 @@ class SparseCore:
             # a non-finite update heals: the optimizers forget that parameter's state
             update.on_nonfinite = lambda names: reset_optimizer_states(optimizers(), names, update.name_of)
 
+    def wrap(
+        self, module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
+    ) -> torch.nn.Module:
+        """``module`` made data parallel: in update mode :class:`Replicas` (no reducer: each process
+        keeps its own gradient), else ``DistributedDataParallel`` (see :func:`wrap_in_ddp`)."""
+        if self.replicated:
+            return Replicas(module, **ddp_kwargs)
+        return wrap_in_ddp(module, device_ids, ddp_kwargs)
+
     def register_hook(
         self,
         model: torch.nn.Module | None,
@@ -202,43 +222,20 @@ class SparseCore:
         optimizers: Callable[[], list[Any]] | None = None,
         recovery: FrontEndState | None = None,
     ) -> None:
-        """:meth:`bind` to a DDP model's parameters and process group, and register DDP's hook on it
-        (on any device): the sparse exchange in gradient mode; in update mode, a hook that keeps
-        each rank's own gradient (and all-reduces the timed fallback's plain DDP steps)."""
-        if not isinstance(model, DistributedDataParallel):
-            raise RuntimeError(f"expected the model wrapped in DistributedDataParallel, got {type(model).__name__}")
+        """:meth:`bind` to the parameters and process group of a model :meth:`wrap` made: in gradient
+        mode register the sparse exchange as DDP's communication hook (on any device); in update mode
+        the replicas need none (``SparseShell._gradients_ready`` gives them what a step needs of
+        the gradients), and a fault-tolerant group's DDP averages inside the group."""
+        expected = Replicas if self.replicated else DistributedDataParallel
+        if not isinstance(model, expected):
+            raise RuntimeError(f"expected the model wrapped in {expected.__name__}, got {type(model).__name__}")
         group = model.process_group
         named = model.module.named_parameters()
         self.bind(named, group, rank, world_size, device, scaler, optimizers, model.module, recovery=recovery)
-        if isinstance(self.update, FaultTolerantUpdate):  # fault-tolerant: DDP averages inside the group
-            return
-        model.register_comm_hook(self.state, sparse_comm_hook if self.update is None else update_comm_hook)
-        if self.update is not None:
-            model.register_forward_pre_hook(self._reducer_when_needed)
-            model.register_forward_hook(self._buffers_as_before)
-
-    def _reducer_when_needed(self, model: DistributedDataParallel, args: Any) -> None:
-        """Update mode sends no gradient: switch DDP's reducer off (as ``no_sync`` does) for a
-        backward that needs none of it, so that a local step does not copy every gradient into
-        DDP's buckets. It is needed for the timed fallback's plain DDP steps and, under fp16 AMP, for
-        the ranks' agreement on a skipped step (:meth:`SparseExchange.keep_gradient`), and for
-        ``static_graph``, whose reducer records the graph in the first backward and expects it in every
-        later one: there it stays on (its hook keeps each rank's own gradient, so nothing changes but
-        the hook's calls)."""
-        exchange = self.state.step_exchange
-        if exchange.plain_ddp or exchange.skips is not None or model.static_graph:
-            if self._reducer_off:  # switched back on only where this switched it off; a ``no_sync``
-                model.require_backward_grad_sync = True  # the user opened is otherwise left alone
-                self._reducer_off = False
-        elif model.require_backward_grad_sync:
-            model.require_backward_grad_sync = False
-            self._reducer_off = True
-
-    def _buffers_as_before(self, model: DistributedDataParallel, args: Any, output: Any) -> None:
-        """A forward without the reducer stops DDP from broadcasting the module's buffers at the next
-        forward; keep them broadcast as with the reducer (``broadcast_buffers`` decides)."""
-        if self._reducer_off:
-            model.require_forward_param_sync = True
+        if isinstance(model, Replicas):
+            self.replicas = model
+        elif self.update is None:
+            model.register_comm_hook(self.state, sparse_comm_hook)
 
     def check_optimizers(self, optimizers: list[Any], world_size: int, module: torch.nn.Module | None = None) -> None:
         """Refuse an optimizer momentum under momentum correction; warn (rank 0) about combinations

@@ -12,9 +12,10 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_sparse._utils import check_bool
+from lightning_sparse.exchange.replicas import Replicas
 from lightning_sparse.strategies.advice import training_advice
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore, wrap_in_ddp
+from lightning_sparse.strategies.core import SparseCore
 from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.settings import take_settings, with_settings
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
@@ -47,7 +48,9 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     ``compress="gradient"`` DDP's communication hook sends part of each gradient plus residual,
     every bucket's together after backward's last. Tensors below ``min_numel`` and the first
     ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
-    launchers, NCCL/gloo, the buckets.
+    launchers, NCCL/gloo; update mode builds no ``DistributedDataParallel`` (no gradient is
+    all-reduced: :class:`~lightning_sparse.exchange.replicas.Replicas` starts the processes equal
+    and syncs their buffers as DDP does).
 
     Args:
         {settings}
@@ -85,9 +88,10 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
 
     # ------------------------------------------------------------------ the hook
     @override
-    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """DDP built on the current CUDA stream, not Lightning's side stream (see :func:`wrap_in_ddp`)."""
-        return wrap_in_ddp(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # Replicas too
+        """Update mode: :class:`~lightning_sparse.exchange.replicas.Replicas` (no reducer); gradient
+        mode: DDP built on the current CUDA stream, not Lightning's side stream (see :func:`wrap_in_ddp`)."""
+        return self._core.wrap(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -114,9 +118,15 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         if CHECKPOINT_KEY in checkpoint:
             # Restored before DDP wraps the model; applied when the hook is registered. In update mode
             # checkpoint["optimizer_states"] becomes this process's own.
-            now = isinstance(self.model, DistributedDataParallel)
+            now = isinstance(self.model, (DistributedDataParallel, Replicas))
             self._restore_sparse(checkpoint, checkpoint_path, now, weights_only)
         return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.model, Replicas):  # unwrapped as Lightning unwraps DDP
+            self.model = self.lightning_module
+        super().teardown()
 
 
 def register_strategies() -> None:

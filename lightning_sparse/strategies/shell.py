@@ -154,6 +154,17 @@ class SparseShell:
             checkpoint, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device, now, weights_only
         )
 
+    def _gradients_ready(self) -> None:
+        """After the backward, before the optimizer step, on every process: in update mode what the
+        step needs of the gradients (:meth:`Replicas.gradients_ready
+        <lightning_sparse.exchange.replicas.Replicas.gradients_ready>`: a timed fallback's plain DDP
+        step, fp16 AMP's overflow agreement); most steps need nothing."""
+        core = self._core
+        if core.replicas is not None:
+            steps = core.state.step_exchange
+            if steps.plain_ddp or steps.skips is not None:
+                core.replicas.gradients_ready(core.state)
+
     def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
         """Run the optimizer ``step``; in update mode on this rank's view of its parameters, then
         the exchange: afterwards the module holds the new global values of those parameters."""

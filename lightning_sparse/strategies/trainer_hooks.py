@@ -108,8 +108,13 @@ class TrainerHooks(SparseShell):
     ) -> Any:
         strategy = super()
 
+        def ready() -> Any:  # the forward and backward, then what the step needs of the gradients
+            output = closure()
+            self._gradients_ready()
+            return output
+
         def step() -> Any:
-            return strategy.optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[attr-defined]
+            return strategy.optimizer_step(optimizer, ready, model, **kwargs)  # type: ignore[attr-defined]
 
         return self._sparse_step(optimizer, step)
 
