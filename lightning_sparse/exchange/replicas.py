@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.futures import Future
 
 from lightning_sparse.exchange.hook import communicate
@@ -51,10 +52,9 @@ def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None)
     source = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for same in kinds.values():
-            flat = torch.cat([t.data.reshape(-1) for t in same])
+            flat = _flatten_dense_tensors(same)
             dist.broadcast(flat, src=source, group=group)
-            for t, value in zip(same, flat.split([t.numel() for t in same]), strict=True):
-                t.data.copy_(value.view_as(t))
+            torch._foreach_copy_([t.data for t in same], _unflatten_dense_tensors(flat, same))
 
 
 class Replicas(torch.nn.Module):
@@ -109,15 +109,14 @@ class Replicas(torch.nn.Module):
             sync_buffers_at_start = self.sync_buffers
         self.bucket_bytes = int((_DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
         self._buckets: list[list[Tensor]] | None = None
+        self._sync_each_forward = self.sync_buffers and any(True for _ in module.buffers())
         if init_sync:
             start = [p for p in module.parameters()] + (list(module.buffers()) if sync_buffers_at_start else [])
             broadcast_from_first(start, self.process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.sync_buffers:
-            buffers = list(self.module.buffers())  # read each time: a module may replace its buffers
-            if buffers:
-                broadcast_from_first(buffers, self.process_group)
+        if self._sync_each_forward:  # a module without buffers: not a Python call per submodule a step
+            broadcast_from_first(list(self.module.buffers()), self.process_group)  # read each time, as DDP
         return self.module(*args, **kwargs)
 
     # ------------------------------------------------------------------ the steps that need gradients
