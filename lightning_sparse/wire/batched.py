@@ -1,31 +1,11 @@
-"""Top-k of every sparse member of a bucket at once, in a fixed number of operators.
+"""Top-k of every sparse member of a bucket at once, in a fixed number of operators and one host read.
 
-Whatever the number of tensors in the bucket, the selection costs about thirty operators and one
-host read.
-
-The per-tensor selection (:func:`~lightning_sparse.wire.select.select_sorted`) costs a handful of
-operators and a host read or two per tensor; on a GPU, where every operator is a kernel launch and
-every read waits for the queue, a model of 150 tensors spends its exchange waiting on the host. Here
-the bucket's residuals are one flat tensor (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`)
-and the selection runs on it:
-
-1. ``p = g + e`` for every sparse member: one ``_foreach_add_``.
-2. A threshold per member from a uniform sample of its magnitudes (the same number of draws for
-   every member, so the samples form a matrix: one ``topk`` along its rows), set a few standard
-   deviations low so that at least ``k`` entries of each member pass it.
-3. The entries at or above their member's threshold, into a shortlist of fixed capacity
-   (``nonzero_static``: no host read to size it), sorted by (member, magnitude descending) with one
-   sort of int64 keys.
-4. Each member's first ``k`` entries of the sorted shortlist: its exact top-``k``.
-
-One host read per bucket checks that every member's shortlist held ``k`` entries and that the
-shortlist fitted its capacity; where not (rare: a threshold estimated too high, a tensor with fewer
-than ``k`` non-zeros), the members are selected one by one as before. Either way the coordinates are
-each member's exact top-``k`` (ties aside): the same as the per-tensor selection's.
-
-On a CPU a bucket that holds a tensor of :data:`CPU_ONE_BY_ONE` elements or more is selected one
-tensor at a time (on its flat residual all the same): there the passes over the whole bucket cost
-more than the host reads they save. On CUDA every bucket is selected at once.
+On the bucket's flat residual (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`): ``p = g + e``;
+a threshold per member from a uniform sample of its magnitudes, set a few standard deviations low so
+that at least ``k`` entries pass; the entries above it in a fixed-capacity shortlist (``nonzero_static``),
+sorted by (member, magnitude descending); each member's first ``k`` there. One host read checks that
+every member got ``k`` and the shortlist fitted; where not, the members are selected one by one. Either
+way the coordinates are each member's exact top-``k`` (ties aside), as the per-tensor selection's.
 """
 
 from __future__ import annotations
@@ -45,7 +25,7 @@ from lightning_sparse.wire.message import SparseSpace, quantize
 
 __all__ = ["BatchedLayout", "batched_topk", "eligible", "rank_shortlist", "residual_layout"]
 
-#: draws per member for its threshold; aim for this many draws above the true threshold
+#: draws per member for its threshold; aim for ``_ABOVE`` draws above the true threshold
 _DRAWS = (256, 4096)
 _ABOVE = 32
 #: the threshold sits this many standard deviations of the count above it low
@@ -53,18 +33,15 @@ _MARGIN = 4.0
 #: the shortlist holds this many times the entries the thresholds are expected to pass
 _SLACK = 1.5
 _BITS = 0x7FFFFFFF
-#: on a CPU, a bucket holding a tensor this large is selected one tensor at a time: there a host
-#: read costs nothing, and the passes over the whole bucket that the selection at once makes
-#: (magnitudes, a threshold per element, a mask, its shortlist) cost 7x the one-at-a-time
-#: shortlist's for 4M-element tensors. Every tensor of a CUDA bucket is selected at once.
+#: on a CPU, a bucket holding a tensor this large is selected one tensor at a time: a host read costs
+#: nothing there, and the passes over the whole bucket cost more than the per-tensor shortlist
 CPU_ONE_BY_ONE = 1 << 20
 
 
 def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple[tuple[str | None, int], ...]:
     """How a bucket's residuals lie in their flat tensor (:meth:`ErrorFeedback.flat
-    <lightning_sparse.exchange.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors' too
-    where they travel coded (``value_bits``) and so keep a rounding error of their own. Every part of
-    the exchange asks here, so that all of them see one flat tensor.
+    <lightning_sparse.exchange.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors'
+    where they travel coded (``value_bits``). Every part of the exchange asks here, so all see one tensor.
 
     Example:
         >>> from lightning_sparse.compressors import TopK
@@ -84,9 +61,8 @@ def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members can be selected at once: exact top-k with plain error
-    feedback on residuals that live with the bucket (no momentum correction, no density observer,
-    no substituted inputs, no offloaded residuals)."""
+    """Whether ``call``'s sparse members can be selected at once: exact top-k with plain error feedback
+    on residuals that live with the bucket (no momentum correction, observer, sources or offloading)."""
     compressor = ctx.compressor
     return (
         compressor.selects_at_once("topk")
@@ -136,10 +112,8 @@ class BatchedLayout:
 
     @functools.cached_property
     def member_of(self) -> Tensor:
-        """int32, per entry of the bucket: its member (the thresholds' index). Made on first use,
-        once per bucket, on the device (4 bytes an entry; a CPU bucket selected one tensor at a time
-        never makes it): a gather through it is a pass over the bucket, where
-        ``repeat_interleave(sizes)`` writes each member from one GPU thread (milliseconds a call)."""
+        """int32, per entry of the bucket: its member. Made once, on first use: a gather through it
+        is a pass over the bucket, where ``repeat_interleave`` on a GPU writes each member from one thread."""
         members = torch.arange(self.sizes.numel(), dtype=torch.int32, device=self.sizes.device)
         return torch.repeat_interleave(members, self.sizes, output_size=self.numel)
 
@@ -160,7 +134,7 @@ class BatchedLayout:
             shortlist += min(d, d * j / draws + 1)
         total_k = sum(ks)
         capacity = min(plan.numel, max(total_k, math.ceil(_SLACK * shortlist) + 64))
-        # the picks in buffer order are member after member; sparse space orders members by name
+        # picks come member after member in buffer order; sparse space orders members by name
         firsts = [sum(ks[:i]) for i in range(len(ks))]
         order = [firsts[i] + j for i in space.members for j in range(ks[i])]
         starts = zip(space.members, space.starts, space.offsets, strict=True)
@@ -203,8 +177,8 @@ class BatchedLayout:
 
 @dataclass
 class BatchedSelection:
-    """What :func:`batched_topk` picked: ``at``, bucket offsets in sparse-space order (ascending
-    there), ``coords`` the same in sparse space, ``residual`` the bucket's flat residual."""
+    """What :func:`batched_topk` picked: ``at``, bucket offsets in sparse-space order, ``coords`` the
+    same in sparse space, ``residual`` the bucket's flat residual."""
 
     at: Tensor
     coords: Tensor
@@ -213,21 +187,19 @@ class BatchedSelection:
 
 def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSelection | None:
     """Accumulate ``p = g + e`` into the bucket's flat residual and pick every sparse member's top-``k``
-    of ``|p|``. None, with nothing changed, where the inputs are not all finite (the per-tensor
-    selection then names the tensor and keeps its residual)."""
+    of ``|p|``. None, with nothing changed, where an input is not finite (the per-tensor path handles it)."""
     buffer = call.buffer
     layout = BatchedLayout.of(call.plan, tuple(ks), buffer.device)
     if not call.inputs_finite:
         if not all_finite(buffer):
             return None
-        call.inputs_finite = True  # the whole bucket, small tensors included: they need not look again
+        call.inputs_finite = True  # small tensors included: they need not check again
     e = ctx.memory.flat(residual_layout(ctx, call.plan, buffer), buffer.device)
     if e is None:
         return None
     torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
     if layout.one_by_one_on_cpu and buffer.device.type == "cpu":
-        # where a tensor is this large a host read costs nothing next to its passes, and the
-        # one-at-a-time shortlist (NumPy, in cache-sized chunks) is several times faster on a CPU
+        # see CPU_ONE_BY_ONE
         return BatchedSelection(at := _one_by_one(ctx, call, layout, e), at + layout.space_shift, e)
     n = layout.numel
     a = scratch("batched.abs", n + 1, torch.float32, buffer.device)
@@ -239,14 +211,14 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     sample = a[draws]
     top = torch.topk(sample, layout.deepest, dim=1).values
     threshold = top.gather(1, layout.rank_col).squeeze(1)
-    # zeros never pass (a member with fewer than k non-zeros takes the per-tensor path); k >= numel: all
+    # zeros never pass (fewer than k non-zeros: the per-tensor path); k >= numel: all
     threshold = torch.where(layout.take_all, -1.0, threshold.clamp_min(torch.finfo(torch.float32).tiny))
     layout.thresholds.index_copy_(0, layout.sparse_regions, threshold)
     over = layout.thresholds.index_select(0, layout.member_of)
     mask = torch.ge(a[:n], over)
     ranked, starts, counts, passed = rank_shortlist(a, mask, layout.capacity, layout.region_ends, layout.sparse_regions)
     short = (counts < layout.ks).any() | (passed > layout.capacity)
-    if bool(short):  # the one host read: rare, a member is selected by itself
+    if bool(short):  # the one host read; rare
         at = _one_by_one(ctx, call, layout, e)
     else:
         picked = ranked[starts.index_select(0, layout.pick_member).add_(layout.local_k)]
@@ -257,11 +229,10 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
 def rank_shortlist(
     a: Tensor, mask: Tensor, capacity: int, ends: Tensor, members: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The positions where ``mask`` holds (at most ``capacity``: a fixed-size shortlist, no host read),
-    ranked by member, then by magnitude ``a`` descending (``a``: non-negative float32, one entry past
-    the mask's end for the padding to read; ``ends``: each member's end, ``members``: the members'
-    numbers). Returns the ranked positions, each member's start and count among them, and how many
-    passed (above ``capacity``: the shortlist is cut short).
+    """The positions where ``mask`` holds (at most ``capacity``, no host read), ranked by member
+    (``ends``: each member's end, ``members``: their numbers), then by magnitude ``a`` descending
+    (non-negative float32, one entry past the mask for the padding to read). Returns the ranked
+    positions, each member's start and count among them, and how many passed (over ``capacity``: cut short).
 
     Example:
         >>> a = torch.tensor([0.5, 2.0, 1.0, 3.0, -1.0])
@@ -296,21 +267,19 @@ def _one_by_one(ctx: WireContext, call: BucketCall, layout: BatchedLayout, e: Te
 
 
 def select_values(e: Tensor, at: Tensor, vdtype: torch.dtype, keep: bool) -> tuple[Tensor, Tensor]:
-    """``p`` at the picks and the values as they travel; with ``keep`` the residual keeps the rest
-    (``sent + e_new == p``)."""
+    """``p`` at the picks and the values as they travel; with ``keep`` the residual keeps the rest."""
     exact = e[at]
     sent = quantize(exact, vdtype)
     if sent is exact:
-        sent = exact.clone()  # two tensors, as callers may change what travels (the split's codes)
+        sent = exact.clone()  # callers may change what travels (the split's codes)
     if keep:
         keep_unsent(e, at, exact, sent, coded=False)
     return exact, sent
 
 
 def keep_unsent(e: Tensor, at: Tensor, exact: Tensor, sent: Tensor, coded: bool) -> None:
-    """After ``exact`` (``p`` at bucket offsets ``at``) travelled as ``sent``: what stays in the flat
-    residual ``e`` there, so that ``sent + e_new == p`` exactly (``coded``: ``sent`` is what
-    ``value_bits`` codes stand for)."""
+    """After ``exact`` (``p`` at bucket offsets ``at``) travelled as ``sent``, keep the rest in the flat
+    residual ``e``, so that ``sent + e_new == p`` exactly (``coded``: ``sent`` is what codes stand for)."""
     if coded:
         e.index_copy_(0, at, quant.remainder(exact, sent))
     elif sent.dtype != exact.dtype:

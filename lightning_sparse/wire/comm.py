@@ -1,14 +1,9 @@
 """The collectives the package issues, each counted where it is issued.
 
-:class:`Collectives` wraps ``torch.distributed``'s collectives for one process group: each call
-counts the bytes it hands over and their ring traffic into the given
-:class:`~lightning_sparse.telemetry.stats.Counters` (so no collective goes uncounted, and none is counted
-twice), and returns the collective's future, or None at world size 1, where nothing is issued.
-
-Inside :meth:`Collectives.coalescing` the calls are queued instead, and leave the block as one
-collective per kind (and dtype): every bucket of an exchange then crosses the wire in one
-all-gather and one all-reduce, whatever the number of buckets. Across data centres each
-collective costs a round trip, so their number matters as much as their bytes.
+:class:`Collectives` wraps ``torch.distributed``'s collectives for one process group: each call counts
+its bytes and ring traffic into the given :class:`~lightning_sparse.telemetry.stats.Counters` and
+returns its future (None at world size 1). Inside :meth:`Collectives.coalescing` the calls leave as one
+collective per kind and dtype: across data centres each collective costs a round trip.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.cost import count_all_gather, count_all_reduce, count_all_to_all
 
 T = TypeVar("T")
-#: a launch in rounds: it yields after issuing a round whose result it needs before the next (an
-#: all-to-all or a table all-reduce), and returns its result. Driven together
-#: (:func:`run_together`), every bucket's first round leaves in one collective, then every second.
+#: a launch in rounds: it yields after issuing a round whose result it needs before the next, and
+#: returns its result; driven together (:func:`run_together`), every bucket's first rounds leave as one.
 Rounds = Generator[None, None, T]
 
 
@@ -43,9 +37,8 @@ def run(rounds: Rounds[T]) -> T:
 
 
 def run_together(launches: list[Rounds[T]]) -> list[T]:
-    """Drive several launches in rounds in lock-step, in order: each takes its first round, then
-    each its second, ... Inside :meth:`Collectives.coalescing` the rounds of all of them then
-    leave together (waiting for one issues what is queued). The same order on every rank."""
+    """Drive several launches in rounds in lock-step, in order (the same on every rank): each takes
+    its first round, then each its second, ..."""
     results: dict[int, T] = {}
     active = list(range(len(launches)))
     while active:
@@ -66,13 +59,11 @@ def _nbytes(tensor: Tensor) -> int:
 
 @dataclass(frozen=True)
 class Issued:
-    """A collective in flight: its future, and what it is (for the error that says where a stalled
-    exchange was).
+    """A collective in flight: its future, and what it is (for the error that says where an exchange stalled).
 
-    A call queued by :meth:`Collectives.coalescing` has a ``future`` of its own that completes with
-    the coalesced collective, and a ``queued`` entry: :meth:`wait` then issues the queue if it is
-    still waiting (a round that must arrive before the next is prepared) and copies the call's part
-    of the coalesced result into its own output, on the waiting thread (and CUDA stream)."""
+    A call queued by :meth:`Collectives.coalescing` has a ``queued`` entry: :meth:`wait` then issues the
+    queue if needed and copies the call's part of the result into its output, on the waiting thread
+    (and CUDA stream)."""
 
     future: Future[list[Tensor]]
     what: str
@@ -105,13 +96,11 @@ def first_line(error: BaseException) -> str:
 
 
 def reconfigurable(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` is one ``torch.distributed`` did not create (torchft's process groups, which
-    reconfigure at each quorum): its own methods are called then, as torchft does."""
+    """Whether ``group`` is one ``torch.distributed`` did not create (torchft's): its own methods are called then."""
     return group is not None and group not in dist.distributed_c10d._world.pg_map
 
 
-# The raw collectives (module functions, looked up at every call: a test may stand in its own to
-# read what crosses the wire).
+# The raw collectives: module functions looked up at every call, so a test may replace them.
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future[list[Tensor]]:
     """Sum ``tensor`` in place over the group, asynchronously."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
@@ -157,10 +146,9 @@ class Collectives:
 
     @contextmanager
     def coalescing(self) -> Iterator[None]:
-        """Queue every collective called inside the block; at its end they are issued as one
-        collective per kind and dtype, in the order each kind was first called (the same on every
-        rank, as the calls are). Waiting for a queued call inside the block issues what is queued
-        first. Nested blocks issue at the outermost one's end.
+        """Queue every collective called inside the block; at its end, issue one collective per kind and
+        dtype, in first-call order (the same on every rank). Waiting for a queued call issues the queue
+        first; nested blocks issue at the outermost one's end.
 
         Example:
             >>> comm = Collectives(group=None, world=1)
@@ -175,8 +163,8 @@ class Collectives:
             self.release()
 
     def hold(self) -> None:
-        """Start queueing, as entering :meth:`coalescing` does (for a block that spans calls, such as
-        the hook calls of one backward pass); :meth:`release` ends it."""
+        """Start queueing, as entering :meth:`coalescing` does (for a block spanning calls, e.g. one
+        backward pass's hook calls); :meth:`release` ends it."""
         self.queue.depth += 1
 
     def release(self, issue: bool = True) -> None:
@@ -240,8 +228,7 @@ _ISSUE: dict[str, Callable[[Tensor, Tensor, dist.ProcessGroup | None], Future[li
 
 
 class _Queued:
-    """One call queued by :meth:`Collectives.coalescing`: where its part of the coalesced collective
-    lies, and the future its caller holds."""
+    """One call queued by :meth:`Collectives.coalescing`: its part of the coalesced collective, and its future."""
 
     def __init__(self, queue: _Queue, kind: str, output: Tensor, tensor: Tensor) -> None:
         self.queue = queue
@@ -271,8 +258,7 @@ class _Queued:
 
 
 class _Queue:
-    """The calls queued inside :meth:`Collectives.coalescing` (shared by copies of a
-    :class:`Collectives`), and the count of collectives issued."""
+    """The calls queued inside :meth:`Collectives.coalescing` (shared by copies of a :class:`Collectives`)."""
 
     def __init__(self) -> None:
         self.depth = 0

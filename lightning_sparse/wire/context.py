@@ -1,9 +1,7 @@
 """What the wire code is given: a bucket's layout, the settings it needs, and one call's inputs.
 
-The wire code (patterns, selection, the split exchange) sees the hook's state only through these
-types: :class:`WireContext` (the settings and the per-rank stores that stay between steps, built
-when the state is bound to a process group) and :class:`BucketCall` (one bucket at one step). Both
-are defined here, below the wire code, so nothing in it imports the state above it.
+The wire code sees the hook's state only through :class:`WireContext` and :class:`BucketCall`, defined
+here, below it, so that nothing in the wire imports the state above it.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class BucketPlan:
     label: str
 
     def __hash__(self) -> int:
-        # the layouts made once per plan are cached by it, so a plan is hashed several times an
-        # exchange: worked out once (a member's hash is a Python call, one per tensor)
+        # cached: the layouts cached by plan hash it several times an exchange, at a Python call per member
         found = self.__dict__.get("_hash")
         if found is None:
             found = self.__dict__["_hash"] = hash((self.members, self.numel, self.label))
@@ -92,13 +89,11 @@ class WireContext:
         velocity: the local momenta of momentum correction, by parameter name.
         comm: the counted collectives of this rank's process group.
         rank: this rank.
-        fixed_buckets: the buckets keep their members from step to step and across a resume (update
-            mode's own buckets); DDP lays its gradient buckets out anew after its first step and on
-            resume, so an exchange whose draws are made per bucket (the count-sketch's at once)
-            would draw differently there.
+        fixed_buckets: the buckets keep their members across steps and resumes (update mode's; DDP
+            lays its buckets out anew after its first step and on resume).
 
     Built from a :class:`~lightning_sparse.config.SparseConfig` in one place
-    (``lightning_sparse.exchange.step.wire_context``), so that each setting keeps one home and one default.
+    (``lightning_sparse.exchange.step.wire_context``), which holds the defaults.
 
     Example:
         >>> from lightning_sparse.compressors import TopK
@@ -107,7 +102,7 @@ class WireContext:
         (1, torch.bfloat16)
     """
 
-    # the settings: no defaults here, they are the config's (``lightning_sparse.exchange.step.wire_context``)
+    # no defaults: they are the config's
     compressor: Compressor
     error_feedback: bool
     momentum_correction: float
@@ -128,8 +123,7 @@ class WireContext:
         return self.comm.world
 
     def vdtype(self, buffer: Tensor) -> torch.dtype:
-        """The dtype the values of ``buffer`` are selected in (float32 under ``value_bits``: the
-        message codes them)."""
+        """The dtype the values of ``buffer`` are selected in (float32 under ``value_bits``)."""
         if self.value_bits is not None:
             return torch.float32
         return self.value_dtype or buffer.dtype
@@ -153,8 +147,7 @@ class BucketCall:
         counters: this call's telemetry (every collective is counted into it).
         sources: float32 tensors sent instead of a member's slice of ``buffer`` (momentum
             correction's local momentum), by name.
-        inputs_finite: the caller made every input finite (the update exchange drops a
-            non-finite update on its rank), so the per-tensor finiteness read is skipped.
+        inputs_finite: every input is known to be finite, so the finiteness read is skipped.
         observe: the density schedule's observer, if it observes.
     """
 
@@ -179,14 +172,12 @@ class BucketCall:
 class Pending:
     """A launched part of a bucket's exchange: its futures, and how to add its result.
 
-    ``apply(out)`` runs once every future of the bucket has completed; it adds the average over
-    ranks of what the ranks sent for its own coordinates into ``out`` (laid out like the bucket).
-    ``dense`` (the dense pattern only) instead returns that average as the bucket's buffer itself.
-    ``settle`` (a part whose residuals are settled only once its collectives arrived: the split and
-    count-sketch exchanges) takes what was sent out of this rank's residuals; :class:`Average`
-    calls it once, before the first ``apply``. ``chosen``: each rank chose its coordinates on its
-    own (the gather patterns), so a coordinate's average may hold fewer parties than it divides
-    by; ``apply(out, scale)`` then adds ``scale`` times the average (:meth:`Average.add_to`).
+    ``apply(out)``, once every future completed, adds the average over ranks of this part into ``out``
+    (laid out like the bucket); ``dense`` (the dense pattern) returns it as the bucket's buffer instead.
+    ``settle`` takes what was sent out of this rank's residuals where that is known only once the
+    collectives arrived (split, count-sketch); :class:`Average` calls it once, before the first
+    ``apply``. ``chosen``: each rank chose its coordinates on its own (gather patterns);
+    ``apply(out, scale)`` then adds ``scale`` times the average (:meth:`Average.add_to`).
     """
 
     futures: list[Issued]
@@ -199,9 +190,8 @@ class Pending:
 class Average:
     """The average over ranks of what every rank sent for one bucket, once its collectives completed.
 
-    Where it lands is the caller's choice: :meth:`as_dense` (the gradient hook: the averaged
-    gradient, in the bucket's buffer) or :meth:`add_to` (an outer step: added into the global
-    parameters, or into a buffer of zeros for an outer optimizer to take as its gradient).
+    :meth:`as_dense` gives it in the bucket's buffer (the gradient hook); :meth:`add_to` adds it into
+    a tensor (an outer step).
     """
 
     def __init__(
@@ -218,8 +208,7 @@ class Average:
         self.parties = parties
         #: the exchange failed (a collective failed or timed out): using the average raises it
         self.error = error
-        #: the collectives: waited for on the thread (and CUDA stream) that uses the average, so
-        #: that it reads what the collectives wrote (instant once they completed)
+        #: the collectives, waited for on the thread (and CUDA stream) that uses the average
         self.waits = waits or []
         self._settled = False
 
@@ -232,10 +221,8 @@ class Average:
         self.waits = []
 
     def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
-        """Add the average into ``out`` (a flat tensor laid out like the bucket; only the
-        coordinates that were sent are touched) and return ``out``. ``chosen_scale``: the factor
-        of the coordinates each rank chose on its own (:attr:`Pending.chosen`; the rest, tensors
-        sent whole and coordinates every rank sends, are added as they are)."""
+        """Add the average into ``out`` (flat, laid out like the bucket; only the coordinates sent are
+        touched) and return ``out``. ``chosen_scale``: the factor of the parts of :attr:`Pending.chosen`."""
         self.settle()
         for part in self.parts:
             if part.chosen and chosen_scale != 1.0:
@@ -245,8 +232,7 @@ class Average:
         return out
 
     def settle(self) -> None:
-        """Settle this rank's residuals (once; :meth:`add_to` does it first): afterwards they hold
-        exactly what this rank did not send."""
+        """Settle this rank's residuals (once): afterwards they hold exactly what this rank did not send."""
         self.ready()
         if self._settled:
             return

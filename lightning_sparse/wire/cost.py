@@ -1,12 +1,8 @@
-"""What crosses the wire, in bytes: the ring models and the one byte rule.
+"""What crosses the wire, in bytes: the ring models and the byte rule.
 
-The ring models are the one place the package turns message sizes into traffic: a ring all-gather
-of ``m`` bytes per rank moves ``(W-1)*m`` bytes through each rank, a ring all-reduce of ``n`` bytes
-``2*(W-1)/W*n``, an all-to-all of ``n`` bytes (all W chunks) ``(W-1)/W*n``. The ``count_*``
-functions add a collective to :class:`~lightning_sparse.telemetry.stats.Counters` (the bytes handed to it and
-its ring traffic); :class:`~lightning_sparse.wire.comm.Collectives` calls them for every collective
-it issues. :func:`sparse_pays` is the byte rule: the hook, the density schedules and the telemetry
-all ask it whether a bucket's sparse exchange moves fewer bytes than a dense all-reduce of it.
+Through each rank, a ring all-gather of ``m`` bytes per rank moves ``(W-1)*m`` bytes, a ring all-reduce
+of ``n`` bytes ``2*(W-1)/W*n``, an all-to-all of ``n`` bytes ``(W-1)/W*n``. :func:`sparse_pays` is the
+byte rule that the hook, the density schedules and the telemetry all ask.
 """
 
 from __future__ import annotations
@@ -31,15 +27,13 @@ def count_all_reduce(counters: Counters, world: int, nbytes: int) -> None:
 
 
 def count_all_gather(counters: Counters, world: int, nbytes: int) -> None:
-    """Count an all-gather of ``nbytes`` per rank this rank issued: the bytes handed to it, and its
-    ring traffic."""
+    """Count an all-gather of ``nbytes`` per rank this rank issued (see :func:`count_all_reduce`)."""
     counters.sent_bytes += nbytes
     counters.wire_bytes += ring_all_gather_bytes(world, nbytes)
 
 
 def count_all_to_all(counters: Counters, world: int, nbytes: int) -> None:
-    """Count an all-to-all of ``nbytes`` (all W chunks) this rank issued: every chunk but its own
-    leaves the rank, ``(W-1)/W * nbytes``."""
+    """Count an all-to-all of ``nbytes`` (all W chunks) this rank issued: every chunk but its own leaves."""
     counters.sent_bytes += nbytes
     counters.wire_bytes += (world - 1) / world * nbytes if world > 1 else 0.0
 
@@ -52,8 +46,7 @@ def count_dense(counters: Counters, world: int, nbytes: int) -> None:
 
 def sparse_pays(sparse_wire: float, world: int, dense_bytes: int) -> bool:
     """The byte rule: whether a sparse exchange moving ``sparse_wire`` bytes through each rank moves
-    fewer than a dense all-reduce of the same ``dense_bytes`` of tensors. At world size 1 nothing
-    moves either way, and dense (exact) is chosen.
+    fewer than a dense all-reduce of ``dense_bytes``. At world size 1 dense (exact) is chosen.
 
     Example:
         >>> sparse_pays(100.0, world=2, dense_bytes=4000), sparse_pays(0.0, world=1, dense_bytes=4000)

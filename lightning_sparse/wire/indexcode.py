@@ -1,28 +1,14 @@
 """Fixed-size, exactly decodable coding of sorted unique coordinate indices (Rice code on gaps).
 
-A sparse message carries ``c <= k`` strictly increasing indices into a vector of ``n`` elements.
-It goes through ``all_gather`` / ``all_to_all`` with equal sizes on every rank, so its size must
-be known in advance from ``(n, k)`` alone. Sending the indices as int32 costs 4 bytes each; this
-module codes the gaps between them instead:
+A message of ``c <= k`` strictly increasing indices into ``[0, n)`` must have a size known from
+``(n, k)`` alone (collectives need equal sizes on every rank). Its gaps ``v_0 = idx_0``,
+``v_i = idx_i - idx_{i-1} - 1`` are coded with a Rice parameter ``b = rice_parameter(n, k)``:
+``[low stream: the low b bits of every gap, ceil(k*b/8) bytes][unary stream: v_i >> b zero bits and a
+one bit per gap, ceil((k + max(n-k, 0) // 2**b)/8) bytes]``, unused bits zero.
 
-* gaps ``v_0 = idx_0``, ``v_i = idx_i - idx_{i-1} - 1`` (all >= 0);
-* a Rice parameter ``b = rice_parameter(n, k)`` that depends only on ``(n, k)``;
-* a *low stream* holding the low ``b`` bits of every gap (fixed width, MSB first), and a *unary
-  stream* holding, for every gap, ``v_i >> b`` zero bits followed by a one bit.
-
-Message layout: ``[low stream: ceil(k*b/8) bytes][unary stream: ceil((k + max(n-k, 0) // 2**b)/8)
-bytes]``, unused bits zero. Both directions are vectorized torch code (shifts, masks, cumsum,
-nonzero) with no Python loop over elements, on the device of the input.
-
-Size bound, for ANY set of indices (clustered or not): for ``c >= 1`` the gaps sum to
-``idx_last - (c - 1) <= n - c``, and a sum of floors is at most the floor of the sum, so the unary
-stream holds ``c + sum(v_i >> b) <= c + (n - c) // 2**b`` bits. That is nondecreasing in ``c`` (one
-more index adds a bit and removes at most one from the floor), hence at most
-``k + (n - k) // 2**b`` for every ``c <= k`` (when ``k >= n``, ``c <= n`` and it is at most
-``n <= k``). The low stream holds ``c*b <= k*b`` bits. ``b`` minimizes the worst case
-``k*(b+1) + (n-k) // 2**b``, so the cost per index is about ``log2(n/k) + 2`` bits: at density
-0.01, ``b = 6`` and the bound is about 8.6 bits per index (~1.07 bytes, against 4 for int32), so
-with bfloat16 values a sent coordinate costs about 3.1 bytes instead of 6.
+The bound holds for any indices: the gaps sum to at most ``n - c``, so the unary stream holds at most
+``c + (n - c) // 2**b`` bits, nondecreasing in ``c`` and so at most ``k + (n - k) // 2**b``. ``b``
+minimizes the worst case ``k*(b+1) + (n-k) // 2**b``: about ``log2(n/k) + 2`` bits an index.
 """
 
 from __future__ import annotations
@@ -128,10 +114,9 @@ def encode_indices(idx: Tensor, n: int, k: int, out: Tensor | None = None, *, va
     """Rice-code strictly increasing indices ``idx`` (int64/int32, values in ``[0, n)``, at most
     ``k`` of them) into a uint8 tensor of exactly ``rice_capacity_bytes(n, k)`` bytes.
 
-    ``out``, if given, is a 1-D uint8 tensor of that size on ``idx``'s device (for instance a slice
-    of a bigger message); every byte of it is overwritten and it is returned. Sortedness and range
-    are only checked with ``validate=True`` (it synchronizes with the device); unchecked bad input
-    gives an undecodable message but never writes outside it.
+    ``out``, if given (1-D uint8 of that size on ``idx``'s device), is overwritten and returned.
+    Sortedness and range are checked only with ``validate=True`` (a host read); bad input gives an
+    undecodable message but never writes outside it.
 
     >>> data = encode_indices(torch.tensor([3, 4, 900, 901, 999]), n=1000, k=8)
     >>> data.numel() == rice_capacity_bytes(1000, 8)
@@ -184,8 +169,7 @@ def decode_indices(data: Tensor, n: int, k: int, count: int) -> Tensor:
     size = rice_capacity_bytes(n, k)
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != size:
         raise _bad("data", data, f"expected a 1-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes")
-    # a fixed-size result, so nothing waits on the host (a message with fewer than ``count`` indices
-    # fails a device-side assertion): one row of the rows' decoder
+    # no host read: a message with fewer than ``count`` indices fails a device-side assertion
     return decode_index_rows(data.unsqueeze(0), n, k, count)[0]
 
 
@@ -206,8 +190,7 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != size:
         raise _bad("data", data, f"expected a 2-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes a row")
     rows = data.shape[0]
-    # every row's terminating one bits, row by row: a row holding fewer than ``count`` shifts the
-    # rows after it (or leaves -1 padding at the end), which the device-side assertion catches
+    # every row's terminating one bits; a row holding fewer than ``count`` fails the assertion
     if not rows or not count:
         return torch.zeros(rows, count, dtype=torch.int64, device=data.device)
     ones = torch.nonzero_static(_unpack(data[:, low_bytes:]), size=rows * count, fill_value=-1)
@@ -218,17 +201,14 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
     if b:
         shifts = torch.arange(b - 1, -1, -1, device=data.device)
         v |= (_unpack(data[:, :low_bytes])[:, : count * b].view(rows, count, b).long() << shifts).sum(2)
-    # one scan over every row (a scan along the rows of a few long rows runs a thread per row on a
-    # GPU), then each row less the sum of the rows before it: exact in int64
+    # one flat scan, not one along each row (a thread per row on a GPU): exact in int64
     return _running_in_rows(v + 1)
 
 
 def encode_index_rows(idx: Tensor, counts: Tensor, n: int, k: int, out: Tensor) -> Tensor:
-    """:func:`encode_indices` of every row of ``idx`` (``(rows, k)``; row ``r`` holds its
-    ``counts[r]`` strictly increasing indices first, then anything) into ``out`` (``(rows,
-    rice_capacity_bytes(n, k))`` uint8, e.g. a column slice of a batch of messages), byte for byte
-    what :func:`encode_indices` of each row's first ``counts[r]`` indices writes. The counts stay on
-    the device: a fixed number of operators, no host read.
+    """:func:`encode_indices` of every row of ``idx`` (``(rows, k)``; row ``r`` holds its ``counts[r]``
+    indices first, then anything) into ``out`` (``(rows, rice_capacity_bytes(n, k))`` uint8), byte for
+    byte; the counts stay on the device (no host read).
 
     >>> rows = torch.tensor([[3, 4, 900], [0, 7, 0]])
     >>> out = torch.empty(2, rice_capacity_bytes(1000, 3), dtype=torch.uint8)
@@ -249,8 +229,7 @@ def encode_index_rows(idx: Tensor, counts: Tensor, n: int, k: int, out: Tensor) 
         low = torch.zeros(rows, low_bytes * 8, dtype=torch.uint8, device=dev)
         low[:, : width * b] = ((v.unsqueeze(2) >> shifts) & 1).view(rows, width * b)
         out[:, :low_bytes] = _pack(low).view(rows, low_bytes)
-    # each terminating one bit, from one scan over every row (see decode_index_rows), less the rows
-    # before; past the count, into a spare last column; clamped so that bad input stays in bounds
+    # each terminating one bit (past the count: a spare last column); clamped so bad input stays in bounds
     bits = unary_bytes * 8
     ones = _running_in_rows(((v >> b) + 1).mul_(valid)).clamp_(0, max(bits - 1, 0))
     ones.add_(torch.arange(0, rows * bits, bits, device=dev).unsqueeze(1))
@@ -279,9 +258,8 @@ def decode_counted_rows(data: Tensor, n: int, k: int, counts: Tensor, fill: int)
         return torch.full((rows, k), fill, dtype=torch.int64, device=dev)
     counts = counts.long()
     valid = torch.arange(k, device=dev) < counts.unsqueeze(1)
-    # every row's terminating one bits, rows one after the other: the i-th one belongs to the row
-    # whose counts' running sum first exceeds i (a row holding fewer or more than its count: the
-    # device-side assertion); its place in its row is i less the counts of the rows before
+    # the i-th one bit belongs to the row whose counts' running sum first exceeds i (a row holding
+    # another count fails the assertion)
     ones = torch.nonzero_static(_unpack(data[:, low_bytes:]), size=rows * k, fill_value=-1)
     ends = torch.cumsum(counts, 0)
     i = torch.arange(rows * k, device=dev)
@@ -297,8 +275,7 @@ def decode_counted_rows(data: Tensor, n: int, k: int, counts: Tensor, fill: int)
 
 
 def _running_in_rows(steps: Tensor) -> Tensor:
-    """Per row of ``steps`` (``(rows, width)``), its running sum less one, each row on its own: one
-    scan over every row, less what the rows before summed to."""
+    """Per row of ``steps`` (``(rows, width)``), its running sum less one, from one flat scan."""
     rows, width = steps.shape
     flat = torch.cumsum(steps.reshape(-1), 0).view(rows, width)
     before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])

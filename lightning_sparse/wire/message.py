@@ -31,8 +31,8 @@ def _align(nbytes: int, to: int) -> int:
 
 
 def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
-    """Cast values for the wire; float16 saturates at its largest finite value instead of
-    overflowing to inf, so the part above it stays in the residual rather than poisoning it."""
+    """Cast values for the wire; float16 saturates instead of overflowing to inf, so the part above
+    its largest value stays in the residual rather than poisoning it."""
     if dtype == values.dtype:
         return values
     if dtype == torch.float16:
@@ -43,17 +43,15 @@ def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
 
 @functools.lru_cache(maxsize=1024)
 def _uniform_shift(space: SparseSpace) -> int | None:
-    """The one shift from a space's coordinates to bucket offsets, if every member has the same
-    (worked out once per space: an exchange asks at every call)."""
+    """The one shift from a space's coordinates to bucket offsets, if every member has the same."""
     shifts = {o - s for o, s in zip(space.offsets, space.starts, strict=True)}
     return shifts.pop() if len(shifts) == 1 else None
 
 
 @functools.lru_cache(maxsize=256)
 def _space_tensors(space: SparseSpace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """A space's member starts, their shifts to bucket offsets and its bounds (starts, then the
-    end) as int64 tensors on ``device``, made once: a tensor built from host data is a copy from
-    pageable memory, which a GPU's host waits for."""
+    """A space's member starts, their shifts to bucket offsets and its bounds (starts, then the end)
+    as int64 tensors on ``device``, made once (a copy from host memory makes the host wait)."""
     shifts = [o - s for o, s in zip(space.offsets, space.starts, strict=True)]
     made = torch.tensor((*space.starts, space.numel, *shifts), dtype=torch.int64, device=device)
     n = len(space.starts)
@@ -64,11 +62,9 @@ def _space_tensors(space: SparseSpace, device: torch.device) -> tuple[Tensor, Te
 class SparseSpace:
     """A bucket's sparse members laid end to end: the coordinates gather messages address.
 
-    Addressing this space rather than the bucket keeps the tensors sent dense (biases, norms)
-    out of the index range, which the compact index code's size depends on. The members are laid
-    out by name, not in the bucket's order: DDP orders a bucket differently before and after it
-    rebuilds its buckets (the first step of a run, resumed runs included), and the split
-    exchange's ownership of coordinates must not depend on that.
+    The tensors sent dense stay out of the index range (the compact code's size depends on it). The
+    members are laid out by name, not in bucket order: DDP reorders a bucket when it rebuilds its
+    buckets, and the split exchange's ownership of coordinates must not change with that.
     """
 
     numel: int
@@ -114,13 +110,10 @@ class MessageLayout:
     """A fixed-size message of up to ``capacity`` (value, coordinate) pairs in ``[0, n)``.
 
     ``[count: int32, 4 bytes of padding (with header)][values][to 4 bytes][indices][to 8 bytes]``:
-    values first so that their views are aligned, indices as int32 or, with ``compact``, in the
-    Rice code of :mod:`lightning_sparse.wire.indexcode` wherever that is smaller. With
-    ``value_bits`` the values travel as a bfloat16 scale per 64 values and a ``value_bits`` code
-    each (:mod:`lightning_sparse.wire.quant`), and :meth:`unpack` gives back the float32 values the
-    codes stand for. The size depends only on ``(n, capacity, value dtype, value bits, compact,
-    header)``: the same on every rank, as the collectives need. Without a header the message always
-    holds exactly ``capacity`` pairs.
+    values first so that their views are aligned; indices as int32 or, with ``compact``, Rice-coded
+    (:mod:`lightning_sparse.wire.indexcode`) where smaller; with ``value_bits``, values as codes
+    (:mod:`lightning_sparse.wire.quant`). The size depends only on the fields, so it is the same on
+    every rank. Without a header the message holds exactly ``capacity`` pairs.
 
     Example:
         >>> import torch
@@ -175,9 +168,7 @@ class MessageLayout:
         return self.pack_arriving(coords, values, out)[0]
 
     def pack_arriving(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """:meth:`pack`, and the values as they arrive: what the codes stand for (float32) with
-        ``value_bits``, else ``values`` cast to ``value_dtype`` (what :meth:`unpack` gives back,
-        without decoding the message)."""
+        """:meth:`pack`, and the values as they arrive (what :meth:`unpack` gives back, without decoding)."""
         count = coords.numel()
         if count > self.capacity or (not self.header and count != self.capacity):
             raise ValueError(f"{count} pairs do not fit a message of capacity {self.capacity}")
@@ -226,9 +217,8 @@ class MessageLayout:
         return coords, values
 
     def unpack_rows(self, messages: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`unpack` of every row of ``messages`` (``(rows, size)`` uint8: one message a row, as
-        an all-gather leaves them), in the same operators whatever the number of rows:
-        ``(coordinates, values)``, each ``(rows, capacity)``. Messages without a header only.
+        """:meth:`unpack` of every row of ``messages`` (``(rows, size)`` uint8, as an all-gather leaves
+        them), in a fixed number of operators: each ``(rows, capacity)``. Messages without a header only.
 
         Example:
             >>> layout = MessageLayout(n=10_000, capacity=100, value_dtype=torch.float32, compact=True)
@@ -257,11 +247,9 @@ class MessageLayout:
         return coords, values
 
     def pack_rows(self, coords: Tensor, values: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`pack_arriving` of a batch of messages with a header, their counts on the device:
-        row ``r`` of ``coords`` / ``values`` (``(rows, capacity)``) holds its ``counts[r]`` pairs
-        first, then anything. ``(messages (rows, size), values as they arrive (rows, capacity),
-        zero past the counts)``; each message is byte for byte what :meth:`pack` writes of its
-        pairs, in a fixed number of operators and no host read.
+        """:meth:`pack_arriving` of a batch of messages with a header, the counts on the device: row ``r``
+        of ``coords`` / ``values`` (``(rows, capacity)``) holds its ``counts[r]`` pairs first. Each
+        message is byte for byte what :meth:`pack` writes; the arriving values are zero past the counts.
 
         Example:
             >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)
@@ -298,10 +286,9 @@ class MessageLayout:
         return out, arriving
 
     def unpack_counted_rows(self, messages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`unpack` of every row of ``messages`` (``(rows, size)``, messages with a header) with
-        their counts left on the device: ``(coordinates (rows, capacity), values (rows, capacity),
-        counts (rows,))``, a row's coordinates past its count :attr:`n` (so that every row stays
-        ascending) and its values there zero.
+        """:meth:`unpack` of every row of ``messages`` (with a header), the counts left on the device:
+        ``(coordinates, values, counts)``; past its count a row holds coordinate :attr:`n` (rows stay
+        ascending) and value zero.
 
         Example:
             >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)

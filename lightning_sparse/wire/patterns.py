@@ -1,19 +1,12 @@
 """Wire patterns: how the coordinates a compressor chose cross the wire, and what that costs.
 
-A compressor names its pattern (``Compressor.pattern``); :data:`PATTERNS` maps the name to a
-:class:`WirePattern`, which compresses a bucket's sparse members (error feedback included), packs
-them into one message, launches the collective(s) through the context's counted
-:class:`~lightning_sparse.wire.comm.Collectives` and returns a
-:class:`~lightning_sparse.wire.context.Pending` that adds the averaged values into whatever the
-caller gives it (see :class:`~lightning_sparse.wire.context.Average`):
+:data:`PATTERNS` maps a compressor's ``pattern`` to a :class:`WirePattern`, which compresses a bucket's
+sparse members, launches the collectives and returns a :class:`~lightning_sparse.wire.context.Pending`:
 
 - :class:`GatherPattern` - each rank's own ``k`` (value, index) pairs, all-gathered or split;
 - :class:`SharedPattern` - every rank picks the same coordinates (shared seed), values all-reduced;
 - :class:`SketchPattern` - count-sketch tables all-reduced, then exact values at the candidates;
 - :class:`DensePattern` - the tensors sent whole (warm-up, fallback, small tensors), all-reduced.
-
-Each pattern's :meth:`WirePattern.wire_bytes` is its ring-model traffic, which the byte rule
-(:func:`~lightning_sparse.wire.cost.sparse_pays`) compares with a dense all-reduce.
 """
 
 from __future__ import annotations
@@ -42,19 +35,14 @@ from lightning_sparse.wire.split import launch_split, split_wire_bytes
 #: how a gather-pattern bucket crosses the wire (``exchange=...``)
 EXCHANGES = ("auto", "allgather", "split")
 #: ``exchange="auto"`` takes the split where it moves at most this fraction of the all-gather's wire
-#: bytes (from about 16 ranks). The split applies about k coordinates where the all-gather applies
-#: the union of every rank's k, and that costs accuracy: on a GPT with AdamW at 4 ranks the split
-#: (0.78x the bytes) landed 0.07 nats further from dense; on a GRU with SGD at 8 ranks the split at
-#: density 0.01 (0.50x the bytes) was 1.3 points below the all-gather, and the all-gather at half
-#: the density (1.2x the split's bytes) still 1.0 point above it.
+#: bytes (from about 16 ranks): it applies about k coordinates where the all-gather applies the union
+#: of every rank's k, which costs accuracy (``docs/results.md``)
 SPLIT_AUTO_RATIO = 0.25
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """What a bucket's sparse exchange costs depends on: ``ks`` of tensors of ``numels``, values of
-    ``vbytes`` bytes, among ``world`` ranks, and how it crosses (compressor settings, exchange,
-    index coding)."""
+    """What a bucket's sparse exchange costs depends on (the arguments of :meth:`WirePattern.wire_bytes`)."""
 
     world: int
     ks: tuple[int, ...]
@@ -113,23 +101,13 @@ def bucket_wire_bytes(
 class GatherPattern(WirePattern):
     """Each rank selects its own ``k`` coordinates per tensor; two ways to combine them:
 
-    - ``"allgather"``: every rank's (value, coordinate) pairs are all-gathered and summed, in rank
-      order, by every rank. Traffic per rank grows with W: ``(W-1)`` messages.
-    - ``"split"`` (Ok-Topk's sparse all-reduce, Li and Hoefler, PPoPP 2022): the coordinates are
-      split among the ranks in blocks of ``SPLIT_BLOCK``, taken in turn; each rank sends each
-      owner its pairs in the owner's region (one all-to-all, at most ``SPLIT_SLACK * k / W`` pairs
-      per owner: the largest, when more fall there), every owner sums what it got, keeps the
-      ``k / W`` largest sums and the owners' choices are all-gathered: the bucket's global
-      selection, about ``k`` coordinates. Traffic per rank about ``3k (W-1)/W`` pairs, flat in W.
-      What a rank selected and that did not reach the global selection (not chosen by its owner,
-      or past its share) stays in its residual; the rounding of a sum to the value dtype stays in
-      its owner's residual, so nothing is lost: sum over ranks of (sent + residual) is conserved.
-      (:mod:`lightning_sparse.wire.split`.)
+    - ``"allgather"``: every rank's (value, coordinate) pairs are all-gathered and summed in rank
+      order by every rank: ``(W-1)`` messages per rank.
+    - ``"split"``: Ok-Topk's sparse all-reduce (:mod:`lightning_sparse.wire.split`), about ``3k (W-1)/W``
+      pairs per rank, flat in W.
 
-    ``"auto"`` takes the split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's
-    bytes through each rank under the ring model (from about 16 ranks), else the all-gather: the
-    same choice on every rank (it depends only on sizes). Messages hold sparse-space coordinates
-    (:class:`SparseSpace`), coded by :class:`MessageLayout`.
+    ``"auto"`` takes the split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's bytes
+    (a function of sizes only: the same on every rank).
     """
 
     def choose(
@@ -142,11 +120,7 @@ class GatherPattern(WirePattern):
         compact: bool,
         value_bits: int | None = None,
     ) -> tuple[str, float]:
-        """``(exchange, wire bytes per rank)`` for a bucket's sparse members.
-
-        Asked up to three times per bucket and step (the byte fallback, the telemetry's label, the
-        launch) and for every candidate of an adaptive density: the answer depends on sizes only
-        and is kept."""
+        """``(exchange, wire bytes per rank)`` for a bucket's sparse members (cached: sizes only)."""
         return _choose(world, sum(ks), vbytes, sum(numels), exchange, compact, value_bits)
 
     def exchange_for(self, ctx: WireContext, ks: list[int], numels: list[int], vbytes: int) -> str:
@@ -196,10 +170,8 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
     gathered, issued = all_gather_message(ctx, call, message)
 
     def apply(out: Tensor, scale: float = 1.0) -> None:
-        # every rank's message decoded at once, then added rank by rank: each rank's coordinates are
-        # unique, so every add lands on its own coordinate and the sum over ranks happens in rank
-        # order (identical bits on every rank, CUDA included, where one index_add_ of all of them
-        # would add a coordinate's values in any order)
+        # added rank by rank: the sum over ranks in rank order gives identical bits on every rank (one
+        # index_add_ of all of them would add a coordinate's values in any order on CUDA)
         coords, values = layout.unpack_rows(gathered.view(world, layout.size))
         at = space.to_bucket(coords.view(-1)).view(world, -1)
         values = values.to(out.dtype)
@@ -219,8 +191,7 @@ class SharedPattern(WirePattern):
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
         world = ctx.world_size
         space = SparseSpace.of(call.plan)
-        # every rank picks the same coordinates, so the values line up in every rank's message
-        sel = select_shared(ctx, call, ks, ctx.vdtype(call.buffer))  # random-k: every member at once
+        sel = select_shared(ctx, call, ks, ctx.vdtype(call.buffer))  # the same coordinates on every rank
         message = sel.sent
         call.counters.sent_numel += message.numel()
         issued = futures(ctx.comm.all_reduce(message, call.counters))
@@ -235,20 +206,13 @@ class SharedPattern(WirePattern):
 class SketchPattern(WirePattern):
     """Count-sketch (Sketched SGD): two all-reduces per bucket, both issued from the hook.
 
-    Round 1 all-reduces the float32 ``rows x cols`` tables of all the bucket's sparse members
-    (one message). Every rank then finds the same candidates from the summed tables
-    (``compressor.candidates``), and round 2 all-reduces this rank's exact ``p`` at the
-    candidates (in ``value_dtype``, one message). When round 2 completes, every rank keeps the
-    ``k`` largest sums per member, writes their average into the bucket, and takes exactly what
-    it contributed at those ``k`` coordinates out of its residual (the rounding error of
-    ``value_dtype`` stays in).
+    Round 1 all-reduces the float32 tables of the bucket's sparse members; every rank finds the same
+    candidates in the sums, and round 2 all-reduces this rank's ``p`` there. Every rank then keeps the
+    ``k`` largest sums per member and takes what it contributed there out of its residual.
 
-    Ordering: round 1 is waited for here, on the hook's thread, and round 2 is issued right
-    after it, before the hook returns (in update mode, every bucket's round 1 first, as one
-    all-reduce, then every round 2: :meth:`launch_rounds`). Every collective of every bucket is therefore issued by
-    the same thread in the same order on every rank; issuing round 2 from a completion callback
-    (a process-group thread) could interleave it differently with other buckets' collectives on
-    each rank. The cost is that backward waits for one small all-reduce per bucket.
+    Round 1 is waited for on the hook's thread and round 2 issued right after: every collective is
+    issued by one thread in the same order on every rank, which a completion callback (a
+    process-group thread) would not guarantee.
     """
 
     def cost(self, sizes: Sizes) -> float:
@@ -261,17 +225,15 @@ class SketchPattern(WirePattern):
         return ring_all_reduce_bytes(sizes.world, table_bytes) + ring_all_reduce_bytes(sizes.world, value_bytes)
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
-        if sketch_at_once(ctx, call):  # every sparse member at once (lightning_sparse.wire.sketch)
+        if sketch_at_once(ctx, call):
             return (yield from launch_sketch(ctx, call, ks))
-        compressor = typing.cast(CountSketch, ctx.compressor)  # the compressors of pattern "sketch" sketch
+        compressor = typing.cast(CountSketch, ctx.compressor)
         world = ctx.world_size
         buffer, plan, counters = call.buffer, call.plan, call.counters
         vdtype = ctx.vdtype(buffer)
         members = plan.sparse_members
         shapes = [compressor.table_shape(m.numel, k) for m, k in zip(members, ks, strict=True)]
-        # The tables live only until round 1 completes: a reused buffer saves the page faults of a
-        # fresh multi-MB allocation every step. One per bucket: the buckets of an update exchange
-        # hold theirs across their first rounds together.
+        # reused (no page faults of a fresh allocation); one per bucket, as update mode's rounds overlap
         size = sum(r * c for r, c in shapes)
         tables = scratch(f"patterns.sketch_tables.{plan.label}", size, torch.float32, buffer.device).zero_()
         ps: list[Tensor | None] = []
@@ -287,9 +249,8 @@ class SketchPattern(WirePattern):
                 p = ctx.memory.accumulate(m.name, g) if ctx.error_feedback else g
                 compressor.sketch(p, k, cctx, view)
             else:
-                # Sketch nothing (the summed tables stay finite, so every rank still finds the same
-                # candidates), then send NaN in round 2: every rank gets a non-finite average and
-                # skips the step alike; this rank's residual keeps its previous value.
+                # sketch nothing (the tables stay finite: the same candidates on every rank) and send
+                # NaN in round 2, so every rank skips the step; the residual keeps its value
                 counters.nonfinite_buckets = 1
             if call.observe is not None:  # as in select_sorted: every rank observes every member
                 call.observe(call.step, plan.label, m.name, p if p is not None else g)
@@ -299,7 +260,7 @@ class SketchPattern(WirePattern):
             pos += rows * cols
         first_round = ctx.comm.all_reduce(tables, counters)
         yield  # the other buckets' first rounds are issued meanwhile
-        wait(first_round)  # round 1, on this thread (see above)
+        wait(first_round)  # on this thread (see above)
         cands = [
             compressor.candidates(view, m.numel, k, cctx)
             for view, m, k, cctx in zip(views, members, ks, ctxs, strict=True)
@@ -348,10 +309,8 @@ class SketchPattern(WirePattern):
 class DensePattern(WirePattern):
     """Tensors sent whole: their residuals flushed into them, then one all-reduce.
 
-    :meth:`launch` sends the whole bucket (warm-up, fallback, a bucket of small tensors);
-    :meth:`launch_members` the members below ``min_numel`` of a bucket sent sparse, packed into
-    one message (with ``value_bits``, coded like the selected values and all-gathered, where that
-    moves fewer bytes: :func:`~lightning_sparse.wire.quant.coded_members_pay`).
+    :meth:`launch` sends the whole bucket; :meth:`launch_members` the small tensors of a bucket sent
+    sparse (:func:`~lightning_sparse.wire.small.launch_small`).
     """
 
     def cost(self, sizes: Sizes) -> float:
@@ -360,7 +319,7 @@ class DensePattern(WirePattern):
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int] | None = None) -> Pending:
         buffer, plan, world = call.buffer, call.plan, ctx.world_size
         flush_residuals(ctx, call, plan.members)
-        if call.observe is not None:  # the bucket now holds p = g + e: an adaptive density learns from dense steps too
+        if call.observe is not None:  # the bucket holds p = g + e: a density schedule learns from dense steps too
             for m in plan.sparse_members:
                 call.observe(call.step, plan.label, m.name, call.segment(m))
         call.counters.sent_numel += buffer.numel()

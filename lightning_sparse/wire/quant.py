@@ -1,12 +1,10 @@
 """Low-bit values (``value_bits``): a bfloat16 scale per chunk of 64 values and a signed code per value.
 
-A chunk's scale ``m`` is the largest magnitude in it; a value ``v`` travels as the code
-``c = round(v / (m / L))`` in ``[-L, L]`` (``L = 2**(bits-1) - 1``: 127, 7 and 1 for 8, 4 and 2
-bits; 2 bits is ternary, ``{-m, 0, m}``, as in TernGrad) and stands for ``c * (m / L)``. The grid
-holds zero and is uniform, so every value is within a factor of two of what it stands for, or
-stands for zero: ``v - dequantized`` is exact in float32 (Sterbenz), and a rank that keeps it in its
-residual conserves ``sent + e_new == e_old + delta`` bit for bit. A non-finite value makes its
-chunk's scale non-finite, so the whole chunk arrives non-finite on every rank.
+A chunk's scale ``m`` is its largest magnitude; a value ``v`` travels as ``c = round(v / (m / L))`` in
+``[-L, L]`` (``L = 2**(bits-1) - 1``; 2 bits is ternary, as in TernGrad) and stands for ``c * (m / L)``.
+The grid holds zero and is uniform, so ``v - dequantized`` is exact in float32 (Sterbenz) and a rank
+that keeps it in its residual conserves ``sent + e_new == e_old + delta`` bit for bit. A non-finite
+value makes its whole chunk arrive non-finite on every rank.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ def quantize(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
 
 
 def quantize_rows(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """:func:`quantize` of every row of ``values`` (``(rows, n)``: one message a row, each chunked
-    on its own) in the same operators whatever the number of rows: ``(codes (rows, n) int8,
-    scales (rows, chunks) bfloat16)``.
+    """:func:`quantize` of every row of ``values`` (``(rows, n)``, each chunked on its own), in a fixed
+    number of operators: ``(codes (rows, n) int8, scales (rows, chunks) bfloat16)``.
 
     Example:
         >>> import torch
@@ -88,9 +85,8 @@ def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
 
 
 def remainder(exact: Tensor, sent: Tensor) -> Tensor:
-    """What stays in the residual after ``exact`` travelled as the codes standing for ``sent``:
-    ``exact - sent`` (exact in float32), or all of ``exact`` where ``sent`` is not finite (a chunk
-    holding a non-finite value arrives non-finite and every rank skips the step).
+    """What stays in the residual after ``exact`` travelled as codes standing for ``sent``: ``exact - sent``
+    (exact in float32), or all of ``exact`` where ``sent`` is not finite (every rank skips that step).
 
     Example:
         >>> import torch
@@ -132,8 +128,7 @@ def unpack(message: Tensor, count: int, bits: int) -> Tensor:
 
 
 def unpack_rows(messages: Tensor, count: int, bits: int) -> Tensor:
-    """:func:`unpack` of every row of ``messages`` (one :func:`pack` message a row, as an all-gather
-    leaves them) in the same operators whatever the number of rows: ``(rows, count)`` float32.
+    """:func:`unpack` of every row of ``messages`` (as an all-gather leaves them): ``(rows, count)`` float32.
 
     Example:
         >>> import torch
@@ -159,9 +154,8 @@ def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
 
 
 def pack_code_rows(codes: Tensor, valid: Tensor, bits: int, out: Tensor) -> None:
-    """:func:`pack_codes` of every row of ``codes`` (``(rows, n)``) into ``out`` (``(rows,
-    code_bytes(n))`` uint8), writing only the codes where ``valid``: a row's codes past its count
-    are zero bits, as :func:`pack_codes` of its first ``count`` codes leaves them.
+    """:func:`pack_codes` of every row of ``codes`` (``(rows, n)``) into ``out`` (``(rows, code_bytes(n))``
+    uint8), only where ``valid``: byte for byte what :func:`pack_codes` of each row's valid codes writes.
 
     Example:
         >>> import torch
@@ -183,9 +177,8 @@ def pack_code_rows(codes: Tensor, valid: Tensor, bits: int, out: Tensor) -> None
 
 
 def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:
-    """The int8 codes :func:`pack_codes` wrote (``data`` 2-D: one message's codes per row, ``count``
-    a row), in a fixed number of operators."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # made there: no host copy
+    """The int8 codes :func:`pack_codes` wrote (``data`` 2-D: one message per row, ``count`` a row)."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)
     u = (data.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # every code of a byte at once
     u = u.reshape(-1)[:count] if data.dim() == 1 else u.reshape(data.shape[0], -1)[:, :count]
     return (u.to(torch.int16) - levels(bits)).to(torch.int8)
@@ -193,8 +186,7 @@ def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:
 
 def coded_members_pay(world: int, numel: int, bits: int, value_bytes: int = 4) -> bool:
     """Whether ``numel`` small-tensor values move fewer ring-model bytes through each rank all-gathered
-    as ``bits``-bit codes than all-reduced as they are: up to 28 ranks at 2 bits, 15 at 4 and 7
-    at 8 (float32 values); the same answer on every rank.
+    as ``bits``-bit codes than all-reduced as they are (the same answer on every rank).
 
     Example:
         >>> coded_members_pay(2, 9728, 2), coded_members_pay(16, 9728, 8)

@@ -1,7 +1,4 @@
-"""Selection with error feedback, for every pattern that picks coordinates.
-
-What such a pattern does to a bucket's sparse members before their values cross the wire, and what
-it does to the residuals after."""
+"""Selection with error feedback, for every pattern that picks coordinates."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ def flush_residuals(ctx: WireContext, call: BucketCall, members: tuple[Member, .
         if m.name in held:
             segment = call.segment(m)
             if not call.inputs_finite and not all_finite(segment):
-                # Send the non-finite gradient as it is (every rank then sees a non-finite average
-                # and the optimizer / gradient scaler skips the step); keep the residual unpoisoned.
+                # sent as it is, so every rank skips the step; the residual stays unpoisoned
                 call.counters.nonfinite_buckets = 1
                 continue
             memory.accumulate(m.name, segment)
@@ -42,18 +38,16 @@ def flush_residuals(ctx: WireContext, call: BucketCall, members: tuple[Member, .
 class Selection:
     """A bucket's selected coordinates, sorted, before they cross the wire.
 
-    ``coords``: sparse-space coordinates (int64, ascending); ``exact``: ``p`` there (before the
-    value dtype's rounding); ``sent``: the values as they travel; ``residual``: per sparse member
-    in :class:`SparseSpace` order, the residual buffer holding ``p = g + e`` (None: no error
-    feedback, or a non-finite input).
+    ``coords``: sparse-space coordinates (int64, ascending); ``exact``: ``p`` there; ``sent``: the values
+    as they travel; ``residual``: per sparse member in :class:`SparseSpace` order, the buffer holding
+    ``p = g + e`` (None: no error feedback, or a non-finite input).
     """
 
     coords: Tensor
     exact: Tensor
     sent: Tensor
     residual: list[Tensor | None]
-    #: selected at once (:mod:`~lightning_sparse.wire.batched`): the bucket's flat residual, and the
-    #: bucket offsets of ``coords``
+    #: selected at once: the bucket's flat residual, and the bucket offsets of ``coords``
     flat: Tensor | None = None
     at: Tensor | None = None
 
@@ -61,11 +55,9 @@ class Selection:
 def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype, settle: bool) -> Selection:
     """Select ``ks`` coordinates of each sparse member (error feedback included), sorted.
 
-    With ``settle`` the residuals keep what is not sent right away (``sent + e_new == p``: the
-    all-gather and the shared patterns); without, they keep all of ``p`` and the caller settles
-    what was finally sent (the split exchange). A member whose input is not finite sends NaN, at
-    its first ``k`` coordinates or, for a shared pattern, at the coordinates every rank picks, and
-    leaves its residual as it was; ``counters.nonfinite_buckets`` is then set.
+    With ``settle`` the residuals keep what is not sent right away (``sent + e_new == p``); without,
+    they keep all of ``p`` and the caller settles what was finally sent (the split exchange). A member
+    whose input is not finite sends NaN and leaves its residual as it was.
     """
     if batched.eligible(ctx, call):
         picked = batched.batched_topk(ctx, call, ks)
@@ -84,8 +76,7 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
         g = call.input_of(m)
         cctx = ctx.compress_context(call.step, m)
         if not call.inputs_finite and not all_finite(g):
-            # the same message shape as always, NaN values: every rank sees a non-finite average
-            # and skips the step alike; this rank's residual keeps its previous value
+            # the same message shape, NaN values: every rank skips the step alike
             call.counters.nonfinite_buckets = 1
             if call.observe is not None:
                 call.observe(call.step, plan.label, m.name, g)
@@ -120,7 +111,7 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
 
 def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selection, accepted: Tensor) -> None:
     """Take the coordinates at positions ``accepted`` of the selection out of the residuals."""
-    if sel.flat is not None and sel.at is not None:  # selected at once: one operator for the bucket
+    if sel.flat is not None and sel.at is not None:  # selected at once
         exact, sent = sel.exact[accepted], sel.sent[accepted]
         batched.keep_unsent(sel.flat, sel.at[accepted], exact, sent, coded=ctx.value_bits is not None)
         return
@@ -132,8 +123,7 @@ def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selectio
         if ctx.error_feedback:
             exact, sent = sel.exact[accepted[part]], sel.sent[accepted[part]]
             if ctx.value_bits is not None:
-                # a chunk holding another member's non-finite value arrives non-finite (every rank
-                # skips the step): this member's coordinates in it keep what they had
+                # a chunk made non-finite by another member's value: these coordinates keep what they had
                 ctx.memory.keep_unsent(m.name, idx, quant.remainder(exact, sent))
             else:
                 rounded = sent.dtype != exact.dtype

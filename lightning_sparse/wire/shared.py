@@ -1,29 +1,12 @@
 """Random-k of every sparse member of a bucket at once, in a fixed number of operators, no host read.
 
-The per-tensor selection (:func:`~lightning_sparse.wire.select.select_sorted`) draws each member's
-coordinates by itself: a handful of operators per tensor, and a host read each where the draw counts
-its distinct indices. Here the whole bucket goes together, whatever the number of its tensors:
-
-1. Every sparse member's ``k`` coordinates in one draw
-   (:func:`~lightning_sparse.compressors.randomk.draw_subsets`, about fifty operators): a function of
-   (seed, step, parameter key, numel, k) alone, so the same on every rank, the same as
-   :meth:`RandomK.select <lightning_sparse.compressors.RandomK.select>` gives the tensor by itself, and
-   the same whatever the bucket's layout (DDP lays its buckets out anew after its first step, a resumed
-   run's included: the coordinates, and so the run, do not change with it).
-2. ``p = g + e`` for every sparse member: one ``_foreach_add_`` on the bucket's flat residual
-   (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`).
-3. ``p`` at the coordinates, and what stays in the residual there (``sent + e_new == p`` exactly): one
-   gather and one ``index_fill_`` (or ``index_copy_`` of the rounding error) for the bucket.
-
-Host reads: in gradient mode one per bucket, for the finiteness of its input (the update exchange has
-made its inputs finite: none). A bucket whose input is not finite, or that needs each member by itself
-(momentum correction's substituted inputs and masked velocity, offloaded residuals), is selected one
-member at a time as before, at the same coordinates: a member whose input is not finite sends NaN
-there and keeps its residual.
-
-Memory: about 50 bytes per candidate for the bucket's layout (made once per plan and ``ks``) and 60
-per candidate while drawing; a member has ``k`` candidates and a small margin (every coordinate once,
-fewer than about ``2k``, where ``k`` is a large part of its numel).
+Every sparse member's ``k`` coordinates come from one draw
+(:func:`~lightning_sparse.compressors.randomk.draw_subsets`), a function of (seed, step, parameter key,
+numel, k) alone: the same on every rank, the same as :meth:`RandomK.select
+<lightning_sparse.compressors.RandomK.select>`, and independent of the bucket's layout (which DDP
+changes after its first step and on resume). ``p = g + e`` and the residual update
+(``sent + e_new == p`` exactly) then run on the bucket's flat residual. A bucket with a non-finite
+input, momentum correction or offloaded residuals goes one member at a time, at the same coordinates.
 """
 
 from __future__ import annotations
@@ -47,17 +30,15 @@ __all__ = ["SharedLayout", "eligible", "select_shared"]
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members are drawn at once: a compressor whose choice is random-k's
-    (``Compressor.selects_at_once``), with a sparse member.
+    """Whether ``call``'s sparse members are drawn at once: a random-k compressor and a sparse member.
 
     Example:
-        >>> from lightning_sparse.compressors import RandomK
+        >>> from lightning_sparse.compressors import RandomK, TopK
         >>> from lightning_sparse.telemetry.stats import Counters
         >>> from lightning_sparse.wire.context import Member
-        >>> plan = BucketPlan((Member("w", 1, 0, 64, True),), 64, "w")
-        >>> ctx = WireContext(RandomK(), True, 0.0, None, 0, "auto", True, None, True)
-        >>> eligible(ctx, BucketCall(torch.zeros(64), plan, 0, Counters()))
-        True
+        >>> call = BucketCall(torch.zeros(64), BucketPlan((Member("w", 1, 0, 64, True),), 64, "w"), 0, Counters())
+        >>> [eligible(WireContext(c, True, 0.0, None, 0, "auto", True, None, True), call) for c in (RandomK(), TopK())]
+        [True, False]
     """
     return ctx.compressor.selects_at_once("randomk") and bool(call.plan.sparse_members)
 
@@ -82,7 +63,7 @@ class SharedLayout:
     spans: tuple[tuple[int, int, int, int, int], ...]  # space order: (key, numel, k, first pick, offset)
 
     @staticmethod
-    @functools.lru_cache(maxsize=64)  # a bucket's layout holds about 100 bytes per coordinate it picks
+    @functools.lru_cache(maxsize=64)  # a layout holds about 100 bytes per coordinate it picks
     def of(plan: BucketPlan, ks: tuple[int, ...], device: torch.device) -> SharedLayout:
         sparse = plan.sparse_members
         space = SparseSpace.of(plan)
@@ -111,7 +92,7 @@ class SharedLayout:
 
 def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Selection:
     """:func:`~lightning_sparse.wire.select.select_sorted` (with ``settle``) for the shared pattern:
-    random-k's sparse members drawn and selected at once where :func:`eligible`, else one at a time.
+    every sparse member at once where :func:`eligible`.
 
     Example:
         >>> from lightning_sparse.compressors import RandomK
@@ -133,17 +114,15 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
         at = at.index_select(0, layout.space_order)
     whole = not ctx.momentum_correction and not call.sources and (not ctx.error_feedback or ctx.memory.home is None)
     if whole and (call.inputs_finite or all_finite(buffer)):  # the one host read, in gradient mode
-        call.inputs_finite = True  # the whole bucket, small tensors included: they need not look again
+        call.inputs_finite = True  # small tensors included: they need not check again
         return _at_once(ctx, call, layout, at, vdtype)
-    # one member at a time (select_sorted: non-finite members, momentum correction, offloaded
-    # residuals), at the coordinates drawn
+    # one member at a time, at the coordinates drawn
     picks = {(key, numel, k): at[pos : pos + k] - offset for key, numel, k, pos, offset in layout.spans}
     return select_sorted(dataclasses.replace(ctx, compressor=_Drawn(picks)), call, ks, vdtype, settle=True)
 
 
 def _at_once(ctx: WireContext, call: BucketCall, layout: SharedLayout, at: Tensor, vdtype: torch.dtype) -> Selection:
-    """``p`` at the bucket offsets ``at`` (sparse-space order) for every sparse member, the residuals
-    settled (``sent + e_new == p``)."""
+    """``p`` at the bucket offsets ``at`` (sparse-space order), the residuals settled."""
     buffer, plan = call.buffer, call.plan
     coords = at + layout.space_shift
     e = None
@@ -152,8 +131,7 @@ def _at_once(ctx: WireContext, call: BucketCall, layout: SharedLayout, at: Tenso
         e = ctx.memory.flat(regions, buffer.device)
         assert e is not None  # residuals that live with the bucket (select_shared)
         if regions is plan.residual_layout:
-            # the small tensors' regions hold no residual: add the whole bucket at once (a view per
-            # member of a new buffer costs an operator each), then clear them
+            # one add for the whole bucket, then clear the small tensors' regions (they hold no residual)
             e.add_(buffer)
             if plan.dense_members:
                 torch._foreach_zero_(layout.small_views.of(e))
@@ -171,8 +149,7 @@ def _at_once(ctx: WireContext, call: BucketCall, layout: SharedLayout, at: Tenso
 
 
 class _Drawn(Compressor):
-    """The coordinates drawn for a bucket's members, by (key, numel, k): what the per-tensor
-    selection sends when the bucket goes one member at a time (the same as ``RandomK.select``)."""
+    """The coordinates drawn for a bucket's members, by (key, numel, k), for the per-tensor selection."""
 
     name = "randomk"
     pattern = "shared"

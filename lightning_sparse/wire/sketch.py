@@ -1,49 +1,12 @@
-"""Count-sketch exchange of every sparse member of a bucket at once, in a fixed number of operators.
+"""Count-sketch (Sketched SGD) of every sparse member of a bucket at once, in a fixed number of operators.
 
-:class:`~lightning_sparse.compressors.CountSketch` works on one tensor: its hashes, sketch,
-candidate search and pick cost a few dozen operators and a host read or two per tensor, and on a
-GPU a model of 150 tensors spends its exchange launching kernels and waiting for the queue. Here
-the bucket's sparse members go together, whatever their number (about 150 operators a bucket):
-
-1. ``p = g + e`` for every sparse member: one ``_foreach_add_`` on the bucket's flat residual
-   (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`).
-2. Local pre-truncation (``p1``): a threshold per member from a sample of its magnitudes (the same
-   number of draws for every member: one ``topk`` along the rows of the sample matrix).
-3. The hashes of every block of every member in one draw; every sparse coordinate's bucket in each
-   row, from its block's shift (an ``index_select`` by the coordinate's block); one ``index_add_``
-   into the concatenated ``rows x cols`` tables. Round 1 all-reduces them.
-4. Every coordinate's estimate (the median over rows of ``sign * table[bucket]``); per member a
-   threshold from a shared sample of the estimates, the coordinates at or above it in a shortlist
-   of fixed capacity (``nonzero_static``), sorted by int64 keys (member, magnitude descending): each
-   member's first ``c = ceil(p2 * k)`` entries are its candidates, the exact top-``c`` of its
-   estimates, as the per-tensor compressor finds them. Round 2 all-reduces ``p`` there.
-5. Per member the ``k`` largest ``|sums|`` (each member's ``c`` sums are a fixed segment: one sort of
-   int64 keys), added into the output with one ``index_add_``; the residual keeps what was not sent
-   with one ``index_fill_`` (``sent + e_new == p`` exactly).
-
-Host reads: one per bucket that the shortlists held every member's ``c`` entries and fitted their
-capacity (where not, rare, the candidates are each member's ``topk`` of its estimates, one member at
-a time: the same coordinates), and in gradient mode one for the finiteness of the bucket's input.
-A member whose input is not finite sketches nothing and sends NaN; its residual keeps its old value.
-
-The hashes are those of :mod:`~lightning_sparse.compressors.countsketch` in kind: row ``r`` sends
-coordinate ``j`` of a member to ``(o + shift[r, b]) mod cols`` with sign ``sign[r, b]`` (``b`` its
-block of ``cols`` coordinates, ``o`` its offset in it), ``shift`` uniform and ``sign`` a fair coin per
-(row, block), independent. The estimates keep their guarantees (no collision inside a block,
-collisions across blocks with probability ``1 / cols``, independent unbiased signs). They are not
-the same draws: here they come at once for the whole bucket, from a generator of (seed, step, the
-bucket's members) on the bucket's device, where ``CountSketch.hashes`` draws per parameter on the
-host. For the same seed the tables, candidates and picks therefore differ from the per-tensor
-compressor's (and from one device type to another), while every rank draws the same and a run is
-reproducible. Pre-truncation thresholds come from a per-bucket sample too.
-
-Memory: every coordinate's buckets and values in each row (``rows x numel`` for the bucket, a few
-bytes each) where the per-tensor compressor's large-tensor paths work in ``rows x cols``; on a CPU a
-bucket holding a member with ``rows * numel`` above :data:`CPU_ONE_BY_ONE` takes the per-tensor
-path (there a host read costs nothing and those paths avoid the passes over ``rows x numel``), and
-on any device a bucket above :data:`AT_ONCE_ENTRIES` in all (GPT-2 small as one bucket: set
-``bucket_cap_mb``, 25 say, for its buckets to go at once; update mode's collectives leave together
-whatever the number of buckets).
+The batched :class:`~lightning_sparse.compressors.CountSketch`: round 1 all-reduces every member's
+``rows x cols`` table of its pre-truncated ``p = g + e``; each member's ``c = ceil(p2 * k)`` largest
+estimates are its candidates, and round 2 all-reduces ``p`` there; per member the ``k`` largest
+``|sums|`` are applied and the residual keeps the rest (``sent + e_new == p``). The hashes are drawn
+per bucket from (seed, step, the bucket's members): the same on every rank, not the per-tensor
+compressor's draws. A member whose input is not finite sketches nothing and sends NaN; its residual
+keeps its old value.
 """
 
 from __future__ import annotations
@@ -67,21 +30,16 @@ from lightning_sparse.wire.message import quantize
 
 __all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
 
-#: on a CPU, a bucket with a member of ``rows * numel`` above this takes the per-tensor path (the
-#: per-tensor compressor's limit for estimating every coordinate at once)
+#: on a CPU, a bucket with a member of ``rows * numel`` above this takes the per-tensor path
 CPU_ONE_BY_ONE = 1 << 20
-#: on any device, a bucket whose sparse members hold more than this many ``rows * numel`` entries
-#: takes the per-tensor path: the bucket at once holds every coordinate's bucket and value in each
-#: row (about 12 bytes an entry: 0.8 GB here), the per-tensor path ``rows x cols`` per tensor
+#: a bucket of more ``rows * numel`` sparse entries takes the per-tensor path (at once: about 12 bytes an entry)
 AT_ONCE_ENTRIES = 1 << 26
-#: draws per member for the candidates' threshold; aim for this many draws above it
+#: the candidates' thresholds and shortlist, sampled as in :mod:`~lightning_sparse.wire.batched`
 _DRAWS = (256, 4096)
 _ABOVE = 32
-#: the threshold sits this many standard deviations of the count above it low
 _MARGIN = 4.0
-#: the shortlist holds this many times the entries the thresholds are expected to pass
 _SLACK = 1.5
-#: draws per member for the pre-truncation thresholds (the per-tensor compressor draws 4096 or more)
+#: draws per member for the pre-truncation thresholds
 _CUT_DRAWS = (4096, 1 << 14)
 _BITS = 0x7FFFFFFF
 _HASH_TAG = 0x5CE7C4
@@ -92,8 +50,7 @@ _CUT_TAG = 0x5CE7C7
 class SketchLayout:
     """What the count-sketch of one bucket needs, made once per (plan, ks, compressor, device).
 
-    Coordinates are counted in the bucket's sparse space here: its sparse members' entries one
-    after the other, in buffer order (``q``).
+    Coordinates ``q`` run over the sparse members' entries one after the other, in buffer order.
 
     Example:
         >>> from lightning_sparse.wire.context import BucketPlan, Member
@@ -162,8 +119,7 @@ class SketchLayout:
                 block_member.append(i)
                 block_wide.append([2 * (table + r * c) - (q + b * c) for r in range(rows)])
             table += rows * c
-        # the doubled tables: each row of each member's table laid twice side by side, so that a
-        # block's buckets are its offsets plus the row's shift, with no wrap around
+        # the doubled tables: each row twice side by side, so a block's buckets need no wrap around
         unfold = torch.cat(
             [
                 (torch.arange(rows).unsqueeze(1) * c + torch.arange(c).repeat(2)).view(-1) + rows * sum(cols[:i])
@@ -237,12 +193,10 @@ class SketchLayout:
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members can be sketched at once: a compressor whose choice is the
-    count-sketch's (``Compressor.selects_at_once``); buckets whose members stay the same (update
-    mode's: the hashes are drawn per bucket, and DDP lays its gradient buckets out anew after its
-    first step and on resume, which would change a resumed run's draws); no momentum correction or
-    substituted inputs; residuals that live with the bucket; at most :data:`AT_ONCE_ENTRIES`
-    ``rows * numel`` in all; and on a CPU no member past :data:`CPU_ONE_BY_ONE`."""
+    """Whether ``call``'s sparse members can be sketched at once: a count-sketch compressor, fixed
+    buckets (the hashes are drawn per bucket, and DDP lays its buckets out anew after its first step
+    and on resume), no momentum correction or substituted inputs, residuals that live with the
+    bucket, and the size limits :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`."""
     compressor = ctx.compressor
     sparse = call.plan.sparse_members
     if not compressor.selects_at_once("countsketch") or not sparse:
@@ -250,7 +204,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
     rows = typing.cast(CountSketch, compressor).rows
     if ctx.momentum_correction or call.sources or (ctx.error_feedback and ctx.memory.home is not None):
         return False
-    if not ctx.fixed_buckets:  # DDP's buckets: draws per bucket would change with their layout (resume)
+    if not ctx.fixed_buckets:
         return False
     if rows * sum(m.numel for m in sparse) > AT_ONCE_ENTRIES:
         return False
@@ -259,9 +213,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
 
 
 def _hashes(ctx: WireContext, call: BucketCall, layout: SketchLayout) -> tuple[Tensor, torch.Generator]:
-    """Every block's shift and sign in each row, from one draw of the generator every rank shares,
-    as where the block's first coordinate lands in the signed doubled tables (int32, ``(rows,
-    blocks)``: see :func:`_buckets`); the generator, for the candidates' sample."""
+    """Each block's start in the signed doubled tables (int32, ``(rows, blocks)``), and the shared generator."""
     device = call.buffer.device
     gen = make_generator(device, mix_seed(ctx.seed, _HASH_TAG, call.step, layout.seed_key))
     draws = torch.randint(0, 1 << 62, (2, *layout.block_wide.shape), generator=gen, device=device)
@@ -271,11 +223,7 @@ def _hashes(ctx: WireContext, call: BucketCall, layout: SketchLayout) -> tuple[T
 
 
 def _buckets(layout: SketchLayout, hashes: Tensor) -> list[Tensor]:
-    """Per row, where each sparse coordinate lands in the signed doubled tables (int32): the
-    doubled tables (each row of each member's table twice, side by side: a block's buckets are then
-    its offsets plus the row's shift, no wrap), then the same again for the coordinates of sign -1.
-    Row by row, contiguous: a gather along the other dimension, or a coordinate-major layout whose
-    rows are strided, runs several times slower on a CPU."""
+    """Per row (contiguous), where each sparse coordinate lands in the signed doubled tables (int32)."""
     q = torch.arange(layout.numel, dtype=torch.int32, device=hashes.device)
     return [row.index_select(0, layout.block_of).add_(q) for row in hashes.unbind(0)]
 
@@ -298,8 +246,8 @@ def _per_coordinate(values: Tensor, layout: SketchLayout) -> Tensor:
 def sketch_tables(
     ctx: WireContext, call: BucketCall, layout: SketchLayout, x: Tensor, tables: Tensor
 ) -> tuple[Tensor, torch.Generator]:
-    """Add this rank's ``x`` (the sparse members' ``p``, one after the other, float32) into
-    ``tables`` (round 1's message), truncated as ``p1`` says. Returns the hashes (see :func:`_hashes`).
+    """Add this rank's ``x`` (the sparse members' ``p``, float32) into ``tables``, pre-truncated as
+    ``p1`` says. Returns the hashes and the shared generator (see :func:`_hashes`).
 
     Example:
         >>> from lightning_sparse.telemetry.stats import Counters
@@ -312,7 +260,7 @@ def sketch_tables(
         >>> float(tables.abs().sum())  # cols = 8: no collision, each coordinate alone in its bucket
         8.0
     """
-    if layout.cut_draws:  # only the entries above a sampled estimate of the (p1 * k)-th magnitude
+    if layout.cut_draws:
         gen = make_generator(x.device, mix_seed(ctx.seed, _CUT_TAG, ctx.rank, call.step, layout.seed_key))
         a = x.abs()
         cut = _thresholds(a, layout, layout.cut_draws, layout.cut_deepest, layout.cut_rank_col, gen)
@@ -328,8 +276,7 @@ def sketch_tables(
 
 
 def _candidates(layout: SketchLayout, a: Tensor, q: Tensor, gen: torch.Generator) -> Tensor:
-    """Each member's ``c`` largest of ``a[:numel]`` (``|estimates|``; ``a[numel] = -1``), member after
-    member, as sparse coordinates."""
+    """Each member's ``c`` largest of ``a[:numel]`` (``|estimates|``; ``a[numel] = -1``), as sparse coordinates."""
     n = layout.numel
     threshold = _thresholds(a, layout, layout.draws, layout.deepest, layout.rank_col, gen)
     # zeros never pass (c >= numel: everything does); a member whose threshold is 0 (most of its
@@ -349,8 +296,7 @@ def _candidates_one_by_one(layout: SketchLayout, a: Tensor) -> Tensor:
 
 
 def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> list[Tensor]:
-    """The sparse members' slices of ``buffer``: one ``split`` where ``buffer`` is new to the layout
-    (a gradient bucket is, every step), where a view per member would cost an operator each."""
+    """The sparse members' slices of ``buffer``: one ``split`` where the members tile it."""
     if layout.member_sizes and buffer.numel() == plan.numel:
         parts = torch.split(buffer, list(layout.member_sizes))
         return [parts[i] for i in layout.sparse_regions]
@@ -358,12 +304,11 @@ def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> lis
 
 
 def _nonfinite_members(call: BucketCall) -> list[bool] | None:
-    """Which sparse members' inputs are not finite (None: all are), in one host read where the
-    whole bucket is finite."""
+    """Which sparse members' inputs are not finite (None: all are finite; one host read then)."""
     if call.inputs_finite:
         return None
     if all_finite(call.buffer):
-        call.inputs_finite = True  # the whole bucket, small tensors included: they need not look again
+        call.inputs_finite = True  # small tensors included: they need not check again
         return None
     bad = [not all_finite(call.input_of(m)) for m in call.plan.sparse_members]
     if not any(bad):
@@ -374,8 +319,7 @@ def _nonfinite_members(call: BucketCall) -> list[bool] | None:
 
 def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
     """:meth:`SketchPattern.launch_rounds <lightning_sparse.wire.patterns.SketchPattern.launch_rounds>`
-    for every sparse member of the bucket at once (where :func:`eligible`): round 1, the tables;
-    round 2, this rank's ``p`` at the candidates; the pick and the residuals once it arrived."""
+    for every sparse member of the bucket at once (where :func:`eligible`)."""
     compressor = typing.cast(CountSketch, ctx.compressor)
     buffer, plan, counters, world = call.buffer, call.plan, call.counters, ctx.world_size
     vdtype = ctx.vdtype(buffer)
@@ -402,14 +346,13 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
         for (q0, d, _, _, _, _), b in zip(layout.spans, bad, strict=True):
             if b:
                 x[q0 : q0 + d].zero_()
-    # the tables live only until round 1 completes: a reused buffer saves a fresh allocation's page
-    # faults every step (one per bucket: an update exchange's buckets hold theirs together)
+    # reused (no page faults of a fresh allocation); one per bucket, as update mode's rounds overlap
     tables = scratch(f"patterns.sketch_tables.{plan.label}", layout.tables, torch.float32, buffer.device).zero_()
     hashes, gen = sketch_tables(ctx, call, layout, x, tables)
     del x
     first_round = ctx.comm.all_reduce(tables, counters)
     yield  # the other buckets' first rounds are issued meanwhile
-    wait(first_round)  # round 1, on this thread (see SketchPattern)
+    wait(first_round)  # on this thread: see SketchPattern
     n = layout.numel
     wide = scratch("sketch.wide", 2 * layout.unfold.numel(), torch.float32, buffer.device)
     positive, negative = wide.chunk(2)
@@ -432,8 +375,7 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
     picked: list[tuple[Tensor, Tensor]] = []
 
     def pick() -> tuple[Tensor, Tensor]:
-        """The bucket offsets kept and their sums: per member the k largest |sums|."""
-        if not picked:
+        if not picked:  # per member the k largest |sums|: bucket offsets, sums
             bits = values.to(torch.float32).abs().view(torch.int32)
             key = layout.cand_base - bits  # member ascending, then magnitude descending
             chosen = torch.sort(key).indices[layout.pick_slots]

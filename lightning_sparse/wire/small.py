@@ -1,9 +1,7 @@
 """The small tensors of a sparse bucket (below ``min_numel``): sent whole, beside the selected values.
 
-Packed into one message, all-reduced as they are or, with ``value_bits``, coded like the selected
-values and all-gathered where that moves fewer bytes (:func:`~lightning_sparse.wire.quant.coded_members_pay`).
-Their views are made once per bucket, and with the bucket's residuals as one flat tensor the coded
-ones are flushed, coded and settled with a fixed number of operators, whatever their number.
+One message for all of them: all-reduced as they are or, with ``value_bits``, coded and all-gathered
+where that moves fewer bytes (:func:`~lightning_sparse.wire.quant.coded_members_pay`).
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ __all__ = ["all_gather_message", "launch_small"]
 
 
 def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending:
-    """Flush the residuals of ``members`` (a sparse bucket's small tensors) into them and launch their
-    send: one message for all of them."""
+    """Flush the residuals of ``members`` (a sparse bucket's small tensors) into them and launch their send."""
     if not members:
         return Pending([], lambda out: None)
     views = _member_views(call.plan, members)
@@ -38,8 +35,7 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
             return at_once
     flush_residuals(ctx, call, members)
     buffer = call.buffer
-    # one operator for all of them through their positions (made once): a per-tensor loop, or views
-    # of a new buffer each call, cost operators by the tensor
+    # one operator for all of them, through their positions
     values = torch.index_select(buffer, 0, views.positions(buffer.device), out=views.message(buffer))
     call.counters.sent_numel += values.numel()
     if coded:
@@ -68,9 +64,8 @@ def all_gather_message(ctx: WireContext, call: BucketCall, message: Tensor) -> t
 
 
 class _MemberViews:
-    """A bucket's small tensors: their views in the bucket, their positions in it, and the message
-    buffer itself (one per bucket and dtype: a bucket's exchange is applied before its next one
-    starts)."""
+    """A bucket's small tensors: their regions, their positions, and the message buffer (one per dtype,
+    reused: a bucket's exchange is applied before its next one starts)."""
 
     def __init__(self, members: tuple[Member, ...]) -> None:
         self.bucket = RegionViews(tuple((m.offset, m.numel) for m in members))
@@ -95,8 +90,8 @@ class _MemberViews:
 
 
 def _member_views(plan: BucketPlan, members: tuple[Member, ...]) -> _MemberViews:
-    """The views of ``members`` of ``plan``: kept by the plan where they are its small tensors
-    (hashing the plan costs one call, a tuple of members one a member), else by the members."""
+    """The views of ``members`` of ``plan``, cached by the plan where they are its small tensors
+    (cheaper to hash), else by the members."""
     if members is plan.dense_members:
         return _plan_views(plan)
     return _views_of(members)
@@ -113,11 +108,9 @@ def _views_of(members: tuple[Member, ...]) -> _MemberViews:
 
 
 def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending | None:
-    """:func:`_launch_coded_members` for members whose residuals are regions of the bucket's flat
-    residual (:func:`~lightning_sparse.wire.batched.residual_layout`): gathered, coded, settled and
-    applied through their positions, the same operations on the same values, so the same bits.
-    None (nothing done) where that cannot be: no error feedback, a buffer that is not float32,
-    offloaded residuals, a non-finite value (the per-tensor path keeps that member's residual)."""
+    """:func:`_launch_coded_members` on the bucket's flat residual: the same operations on the same
+    values, so the same bits. None (nothing done) without error feedback, for a buffer that is not
+    float32, offloaded residuals or a non-finite value."""
     buffer = call.buffer
     if not ctx.error_feedback or buffer.dtype != torch.float32 or ctx.memory.home is not None:
         return None
@@ -152,11 +145,9 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
 
 
 def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Member, ...], values: Tensor) -> Pending:
-    """The small tensors of a sparse send with ``value_bits``: their values (residuals flushed in)
-    travel as codes like the selected ones, all-gathered (codes of different scales do not add up
-    in an all-reduce), and each rank keeps its rounding error in its residuals: ``sent + e_new ==
-    g + e_old`` exactly. A non-finite value arrives non-finite on every rank (the step is skipped
-    alike); its member's residual and its chunk's other values keep what they had."""
+    """The small tensors of a sparse send with ``value_bits``: coded, all-gathered (codes of different
+    scales do not add up in an all-reduce), each rank keeping its rounding error in its residuals
+    (``sent + e_new == g + e_old`` exactly). A non-finite member keeps its residual."""
     bits = typing.cast(int, ctx.value_bits)
     world, n = ctx.world_size, values.numel()
     message, sent = quant.pack(values, bits)

@@ -1,15 +1,11 @@
 """The split exchange, after Ok-Topk's sparse all-reduce (Li and Hoefler, PPoPP 2022).
 
-Owners of block-cyclic regions of a bucket's sparse space sum what the ranks selected there, keep
-the largest sums, and the owners' choices are all-gathered. Traffic per rank about flat in the
-number of ranks.
-
-Every step of a bucket works on fixed-size tensors: what a rank sends each owner is a row of
-``(world, send capacity)`` padded past its count, an owner's sums a row per received pair, its
-choice a row of the keep capacity; the counts travel in the messages' headers and stay on the
-device. So the exchange is a fixed number of operators whatever the number of tensors, and reads
-nothing on the host besides the selection's one read. An owner keeps the largest sums, ties to
-the smaller coordinate.
+The ranks own block-cyclic regions of a bucket's sparse space; each rank sends each owner its
+selected pairs there (one all-to-all), every owner sums them in rank order and keeps the largest sums
+(ties to the smaller coordinate), and the owners' choices are all-gathered. Traffic per rank is about
+flat in the number of ranks. What a rank selected that did not reach the global selection stays in
+its residual, and a sum's rounding stays in its owner's: the sum over ranks of sent plus residual is
+conserved. Every tensor has a fixed size and the counts stay on the device: no host read.
 """
 
 from __future__ import annotations
@@ -110,9 +106,8 @@ _MAGNITUDE_BITS = 0x7FFFFFFF
 
 
 def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: int) -> Tensor:
-    """Positions of the selection by owner, ``(world, cap)``: row ``j`` holds owner ``j``'s
-    positions ascending, then ``owner.numel()`` (padding); the ``cap`` largest magnitudes
-    (ties: the smaller position) where more fall on one owner.
+    """Positions of the selection by owner, ``(world, cap)``: row ``j`` holds owner ``j``'s positions
+    ascending, then ``owner.numel()``; the ``cap`` largest magnitudes (ties: the smaller position).
 
     Example:
         >>> owner = torch.tensor([0, 1, 0, 0, 1])
@@ -120,8 +115,7 @@ def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: i
         [[2, 3], [1, 4], [5, 5]]
     """
     count = owner.numel()
-    # one sort by (owner, magnitude descending, position): magnitudes are finite or inf and not
-    # negative, so their bits order as they do
+    # one sort by (owner, magnitude descending, position): non-negative floats' bits order as they do
     bits = magnitude.float().view(torch.int32).long()
     key, by = torch.sort(owner * (1 << 32) + (_MAGNITUDE_BITS - bits), stable=True)
     group = key.div_(1 << 32, rounding_mode="floor")
@@ -133,10 +127,9 @@ def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: i
 
 
 def _owner_choice(local: Tensor, values: Tensor, end: int, keep: int) -> tuple[Tensor, Tensor]:
-    """An owner's choice from what the ranks sent it (row ``r``: rank ``r``'s positions in the
-    region, ``end`` past its count, and their values): each position's sum (added in rank order),
-    and the ``keep`` largest sums by magnitude (NaN the largest; ties to the smaller position).
-    ``(positions ascending, then end; their sums, then 0)``, ``keep`` of each.
+    """An owner's choice from what the ranks sent it (row ``r``: rank ``r``'s positions, ``end`` past
+    its count, and their values): the ``keep`` largest sums (added in rank order; NaN the largest;
+    ties to the smaller position). ``(positions ascending, then end; their sums, then 0)``.
 
     Example:
         >>> local = torch.tensor([[2, 5, 9], [5, 7, 9]])  # 9: past rank 0's and rank 1's counts
@@ -153,14 +146,13 @@ def _owner_choice(local: Tensor, values: Tensor, end: int, keep: int) -> tuple[T
     sums.index_add_(0, group, values.reshape(-1)[order].float())
     unique = torch.full_like(local, end).scatter_(0, group, local)  # each group's position, ascending
     magnitude = torch.where(unique < end, sums.abs().nan_to_num(nan=math.inf), -1.0)
-    # fewer positions than ``keep``: all of them, then padding (end, 0)
     top = torch.sort(magnitude, descending=True, stable=True).indices[:keep].sort().values
     return unique[top], sums[top]
 
 
 def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Rounds[Pending]:
-    """Launch the split exchange of a gather-pattern bucket (see :class:`GatherPattern`), in rounds:
-    it yields once its all-to-all is issued, and waits for it when resumed."""
+    """Launch the split exchange of a gather-pattern bucket, in rounds: it yields once its all-to-all
+    is issued, and waits for it when resumed."""
     world, rank, buffer, counters = ctx.world_size, ctx.rank, call.buffer, call.counters
     device = buffer.device
     space = SparseSpace.of(call.plan)
@@ -183,12 +175,10 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         padded = torch.cat([sel.sent, sel.sent.new_zeros(1)])  # the padding writes zeros to the spare
         sel.sent = padded.index_put_((table.view(-1),), arriving.view(-1))[:picks]
     incoming = torch.empty_like(outgoing)
-    # waited for on this thread, and stage 2 issued right after: every collective of every bucket
-    # is issued by one thread in the same order on every rank (see SketchPattern); the other
-    # buckets' first rounds are issued meanwhile (yield)
+    # waited for on this thread, stage 2 issued right after: one thread, one order on every rank
+    # (see SketchPattern)
     first_round = ctx.comm.all_to_all(incoming, outgoing, counters)
-    # the selection, counted without reading how much of it the chunks held: all of it at 2 ranks
-    # (a chunk holds every pick there); at more, picks past a crowded owner's chunk count too
+    # counted without a host read: picks past a crowded owner's chunk count too
     counters.sent_numel += picks
     yield
     wait(first_round)
@@ -201,8 +191,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     chosen = chosen[0]
     rounding = None
     if ctx.error_feedback and (chosen.dtype != torch.float32 or bits is not None):
-        # the sum's rounding to the value dtype stays with its owner, in its residual; the padding
-        # adds -0.0 at coordinate 0, which leaves every value as it is
+        # the sum's rounding stays in its owner's residual; the padding adds -0.0, which changes nothing
         diff = torch.where(mine, (chosen_sums - chosen.float()).nan_to_num(0.0, 0.0, 0.0), -0.0)
         rounding = (torch.where(mine, regions.to_space(chosen_local, rank), 0), diff, mine)
     gathered = torch.empty(world, second.size, dtype=torch.uint8, device=device)
@@ -211,9 +200,8 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     received: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
 
     def receive() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Every owner's choice, decoded once (for the residuals and for the average): positions in
-        its region (row ``j``: owner ``j``'s, ascending, ``largest`` past its count), sparse-space
-        coordinates (0 past the count), values (0 there) and which are real."""
+        """Every owner's choice, decoded once: positions in its region (``largest`` past the count),
+        sparse-space coordinates (0 there), values (0 there) and which are real."""
         if not received:
             loc, vals, counts = second.unpack_counted_rows(gathered)
             real = torch.arange(second.capacity, device=device) < counts.unsqueeze(1)
@@ -223,7 +211,6 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         return received[0]
 
     def settle_residuals() -> None:
-        # this rank's residuals: what reached the global selection was sent, the rest stays
         if not (ctx.error_feedback or ctx.momentum_correction):
             return
         loc = receive()[0]
@@ -234,18 +221,17 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         taken = taken.index_put_((table.view(-1),), accepted.view(-1))[:picks]
         if sel.flat is not None and sel.at is not None:
             _settle_flat(sel, taken, coded=bits is not None)
-        else:  # one tensor at a time (not the steady state): read which
+        else:
             settle(ctx, call, space, sel, taken.nonzero().squeeze(1))
         if rounding is not None:
             coords, diff, real = rounding
-            if sel.flat is not None:  # selected at once: the bucket's residuals are one tensor
+            if sel.flat is not None:
                 sel.flat.index_add_(0, space.to_bucket(coords), diff)
                 return
             coords, diff = coords[real], diff[real]
             for i, part, idx in space.by_member(coords):
                 if sel.residual[i] is not None:  # None: a non-finite input, whose residual stays as it was
-                    # the residual as it is now: the small tensors' coded send may have moved the
-                    # bucket's residuals into one flat tensor since the selection
+                    # looked up again: the small tensors' coded send may have made the residuals flat since
                     e = ctx.memory.get(call.plan.sparse_members[space.members[i]].name)
                     if e is not None:
                         e.index_add_(0, idx, diff[part])
@@ -253,8 +239,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     def apply(out: Tensor, scale: float = 1.0) -> None:
         _, coords, vals, real = receive()
         alpha = scale / world
-        # every owner's choice at once (owners' coordinates are disjoint, so each lands on its own);
-        # the padding adds a zero that leaves any value as it is (-0.0, or 0.0 with alpha < 0)
+        # owners' coordinates are disjoint; the padding adds a zero that changes nothing (-0.0, or 0.0 if alpha < 0)
         vals = torch.where(real, vals.to(out.dtype), -0.0 if alpha >= 0 else 0.0)
         out.index_add_(0, space.to_bucket(coords.view(-1)), vals.view(-1), alpha=alpha)
 
@@ -262,9 +247,8 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
 
 
 def _settle_flat(sel: Selection, taken: Tensor, coded: bool) -> None:
-    """:func:`~lightning_sparse.wire.select.settle` of the picks where ``taken``, on a selection made
-    at once (its residuals one flat tensor), in a fixed number of operators: where taken the
-    residual keeps what was not sent (``sent + e_new == p``), elsewhere all it had."""
+    """:func:`~lightning_sparse.wire.select.settle` of the picks where ``taken``, on a selection made at
+    once: where taken the residual keeps what was not sent, elsewhere all it had."""
     assert sel.flat is not None and sel.at is not None
     exact, sent = sel.exact, sel.sent
     if coded:
