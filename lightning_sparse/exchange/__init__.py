@@ -12,6 +12,5 @@
 - :mod:`~lightning_sparse.exchange.amp` - steps the fp16 gradient scaler skips;
 - :mod:`~lightning_sparse.exchange.memory` - the error-feedback residuals.
 
-Nothing is imported here: the settings and the wire import modules of this package, and the step's
-exchange imports them.
+Nothing is imported here: the settings and the wire import modules of this package (an import cycle otherwise).
 """

@@ -1,20 +1,9 @@
-"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state.
+"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state, on every rank alike.
 
-Under plain DDP the gradients are all-reduced before the scaler looks at them, so an overflow on
-one rank makes every rank skip the step, alike. :class:`SkippedSteps` keeps that in both modes:
-
-- **gradient mode**: the exchange runs in DDP's hook, before the scaler can know whether the step
-  will be skipped (a rank that overflowed sends NaN, so every rank does skip). The residuals (and
-  local momenta) of the step's buckets are copied before the exchange takes from them; when the
-  scaler skipped the step (its scale went down), they are put back, so that the step's gradient is
-  dropped as a whole, as plain DDP drops it, and no rank loses what it sent in the skipped step.
-  The cost: one copy of the residuals per step, only while a gradient scaler is active.
-- **update mode**: each rank keeps its own gradient, so one rank's overflow would reach no other
-  rank. The processes agree on it instead after the backward (``Replicas.gradients_ready``): one
-  all-reduce of one number per step, after the step's last gradient; on an overflow anywhere every
-  rank's gradient is made NaN, so every scaler skips the step and backs off alike (the scales stay
-  identical on every rank), and the exchange after the step does nothing: nothing is sent, the
-  residuals, the global model, the outer optimizer and the local-step cycle are left as they were.
+- gradient mode: the residuals (and local momenta) are copied before the exchange takes from them, and put
+  back when the scaler skipped the step (a rank that overflowed sent NaN, so every rank skips).
+- update mode: each rank keeps its own gradient, so the ranks agree on an overflow after the backward (one
+  all-reduce of one number); on one anywhere every gradient is made NaN, so every scaler skips and backs off.
 """
 
 from __future__ import annotations
@@ -64,8 +53,7 @@ class SkippedSteps:
         self.skipped = 0
         self._scale: float | None = None
         self._saved: dict[str, tuple[Tensor | None, Tensor | None]] = {}
-        # update mode: this step's bucket buffers, whether one of them overflowed here, and the
-        # agreed outcome (every rank's gradient overflowed somewhere)
+        # update mode: this step's buffers, a local overflow, the agreed outcome
         self._buffers: list[Tensor] = []
         self._local_overflow = False
         self._agreed_overflow = False
@@ -75,11 +63,10 @@ class SkippedSteps:
         return float(self.scaler.get_scale())
 
     def begin(self) -> None:
-        """At the start of an optimizer step (before its first bucket): note the scale."""
+        """At the start of an optimizer step: note the scale."""
         self._scale = self.scale()
         self._saved.clear()
 
-    # ------------------------------------------------------------------ gradient mode
     def keep(self, memory: ErrorFeedback, velocity: LocalMomentum, names: list[str]) -> None:
         """Copy the residuals (and local momenta) of ``names`` before the exchange takes from them."""
         for name in names:
@@ -89,23 +76,20 @@ class SkippedSteps:
             self._saved[name] = (memory.copy(name), None if v is None else v.clone())
 
     def after_step(self, memory: ErrorFeedback, velocity: LocalMomentum) -> bool:
-        """After the optimizer step: if the scaler skipped it (its scale went down), put the copied
-        residuals and local momenta back. Returns whether it did."""
+        """After the optimizer step: whether the scaler skipped it (its scale went down); then put the copies back."""
         saved, self._saved = self._saved, {}
         if self._scale is None or not self.scale() < self._scale:
             return False
-        self._scale = None  # once per step (a second optimizer's step finds nothing more to do)
+        self._scale = None  # once per step (a second optimizer finds nothing to do)
         self.skipped += 1
         for name, (e, v) in saved.items():
             memory.put(name, e)
             velocity.put(name, v)
         return True
 
-    # ------------------------------------------------------------------ update mode
     @property
     def overflowed(self) -> bool:
-        """Update mode: whether a gradient overflowed on some rank in this step (agreed by every
-        rank after the backward), so that every rank's scaler skipped it."""
+        """Update mode: whether a gradient overflowed on some rank in this step (agreed by every rank)."""
         return self._agreed_overflow
 
     def agree(
@@ -116,11 +100,8 @@ class SkippedSteps:
         counters: Counters,
         error: Callable[[str, str], Exception],
     ) -> Future[Tensor]:
-        """Update mode under a gradient scaler: keep this rank's gradient ``buffer``; after
-        the step's last one, agree with every rank on whether a gradient overflowed anywhere
-        (one all-reduce of one number, counted into ``counters``) and if so, make every bucket's
-        gradient NaN so that every rank's scaler skips the step. ``error(what, cause)``: the
-        exception raised if that all-reduce fails."""
+        """Keep ``buffer``; after the step's last, agree on an overflow anywhere and then make every buffer NaN.
+        ``error(what, cause)``: the exception raised if that all-reduce fails."""
         if not self._buffers:  # the step's first bucket
             self._agreed_overflow = False
         self._buffers.append(buffer)

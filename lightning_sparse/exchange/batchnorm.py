@@ -1,30 +1,10 @@
 """BatchNorm statistics for the global model, recomputed where one model is needed (update mode).
 
-In update mode every process trains its own view of the model, the global model plus what it has
-not sent yet, and BatchNorm's running statistics are gathered in the forward passes of that view.
-When little of each step's progress reaches the global model (local steps, low densities) the view
-and the global model drift apart, and the statistics fit the view, not the global parameters that
-validation, checkpoints and the end of fit see. Measured on a ResNet-18-shaped CNN with BatchNorm
-(SGD momentum, ``sync_every=4``): the global model validated at 0.19 with the statistics as
-training left them and at 0.99 with statistics recomputed under its own parameters.
-
-:class:`GlobalBatchNorm` keeps the inputs of the last training forward passes and, when the
-strategy puts the global model in the module for such a use, recomputes the BatchNorm layers'
-statistics under the global parameters from them (as ``torch.optim.swa_utils.update_bn`` does for
-an averaged model), then averages them over the processes so that every process holds the same
-model. Training itself is untouched: BatchNorm normalises a training batch with that batch's own
-statistics, and the random number generators are restored afterwards.
-
-What is kept is what training called, wherever it called it: every module whose subtree holds a
-BatchNorm layer is watched, and each outermost call of one of them in a training forward (the
-LightningModule itself, ``self.net``, a backbone then a head, a network inside a helper method, with
-positional or keyword arguments) is recorded with its inputs. Calls nested inside a recorded one are
-not recorded (the replay of the outer call runs them). An input that is the very tensor an earlier
-call of the same pass returned is recorded as a link to that call, so that the replay feeds it the
-earlier call's replayed output: ``self.head(self.backbone(x))`` recomputes the head's statistics
-from the global backbone's features. A BatchNorm layer that no recorded call reaches (a network
-entered through ``module.forward(...)``, a functional call) keeps the statistics training gathered,
-averaged over the processes.
+Each process trains its own view (global + unsent), so the running statistics fit the view, not the global
+parameters that validation and checkpoints see. :class:`GlobalBatchNorm` records the outermost calls of the
+modules holding BatchNorm layers in the last training forwards (an input an earlier call returned becomes a
+link to it) and replays them under the global parameters, as ``torch.optim.swa_utils.update_bn`` does, then
+averages the statistics over the processes. Layers no recorded call reaches keep training's, averaged.
 """
 
 from __future__ import annotations
@@ -61,9 +41,7 @@ class _Link:
 
 @dataclass
 class _Entry:
-    """One recorded call: the module, its inputs (detached, or links to earlier calls' outputs),
-    and weak references to the tensors it returned with their version counters (for the links of
-    later calls)."""
+    """One recorded call: the module, its inputs (detached, or links), and weak references to its outputs."""
 
     module: nn.Module
     args: tuple[Any, ...]
@@ -71,8 +49,7 @@ class _Entry:
     outputs: list[tuple[Path, weakref.ref[Tensor], int]] = field(default_factory=list)
 
 
-#: a frame of the call stack: Lightning's redirected call (not a call of the model), a recorded
-#: outermost call, or any other call of a watched module
+#: a frame of the call stack: Lightning's redirected call, or a call nested in a recorded one
 _REDIRECTED, _NESTED = "redirected", "nested"
 
 
@@ -80,8 +57,7 @@ class GlobalBatchNorm:
     """Recomputes the BatchNorm statistics of a module's global model from its last training inputs.
 
     Args:
-        batches: how many of the latest training forward passes are kept (references to the tensors
-            the watched modules were called with) and replayed; 0 turns it off.
+        batches: how many of the latest training forward passes are kept and replayed; 0 turns it off.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
@@ -119,15 +95,14 @@ class GlobalBatchNorm:
         self._handles: list[RemovableHandle] = []
         self._passes: deque[list[_Entry]] = deque(maxlen=max(self.batches, 1))
         self._stack: list[tuple[nn.Module, _Entry | str]] = []
-        self._active = 0  # frames of the stack that are calls of the model (not redirected ones)
+        self._active = 0  # frames that are calls of the model
         self._replaying = False
-        self._ended = False  # a redirected call (Lightning's training_step) ended: a pass ends with it
+        self._ended = False  # a redirected call (training_step) ended: so did the pass
         self._reached: set[_BatchNorm] = set()
         self._fallback_step: int | None = None
         #: training forward passes recorded since the statistics were last recomputed
         self.stale = False
-        #: names of the BatchNorm layers whose statistics the last call could not recompute (no
-        #: recorded call reaches them) and averaged over the processes as training left them
+        #: names of the BatchNorm layers the last call could not recompute (averaged as training left them)
         self.fallback: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -139,13 +114,12 @@ class GlobalBatchNorm:
         return state
 
     def attach(self, module: nn.Module, step: int = 0) -> bool:
-        """Watch the calls of ``module`` and of every submodule that holds a BatchNorm layer tracking
-        running statistics, if there is one and ``batches`` is not 0. ``step``: the optimizer step
-        the processes are at (a fallback average is due once it moves). Returns whether it attached."""
+        """Watch the calls of ``module`` and of its submodules holding a BatchNorm layer; whether it attached.
+        ``step``: the optimizer step the processes are at."""
         named = [(n, m) for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
         if self.batches == 0 or not named:
             return False
-        if self._module is module:  # a second fit with the same module keeps its hooks
+        if self._module is module:
             return True
         for handle in self._handles:
             handle.remove()
@@ -187,8 +161,7 @@ class GlobalBatchNorm:
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         patched = module.__dict__.get("forward")
         if patched is not None and getattr(patched, "__func__", None) is not type(module).forward:
-            # not a call of the model: Lightning routes training_step's arguments through DDP with
-            # the module's forward patched on the instance; the real calls come inside it
+            # Lightning's training_step, routed through a forward patched on the instance: the real calls come inside
             self._stack.append((module, _REDIRECTED))
             return
         self._active += 1
@@ -197,7 +170,7 @@ class GlobalBatchNorm:
             return
         current = self._passes[-1] if self._passes else None
         if current is None or self._ended or any(e.module is module for e in current):
-            current = []  # a module entered again, or a new training_step: the next training forward
+            current = []  # a module entered again, or a new training_step: the next pass
             self._passes.append(current)
             self._ended = False
         entry = _Entry(module, *_record(current, args, kwargs))
@@ -232,14 +205,8 @@ class GlobalBatchNorm:
         telemetry: Telemetry | None = None,
         step: int | None = None,
     ) -> int:
-        """Recompute the running statistics of every BatchNorm layer the kept calls reach, under the
-        parameters the module holds now (the global model), and average every layer's statistics
-        over the ``world_size`` processes of ``group`` (every process must call it at the same
-        point; ``world_size`` 1: this process's own). Layers no kept call reaches keep the
-        statistics training gathered, averaged (listed in :attr:`fallback`). Runs when a training
-        forward was recorded since the last time, or, where some layer is not reached, when
-        ``step`` (the optimizer step the processes are at) moved. Returns the bytes handed to the
-        all-reduce."""
+        """Recompute the statistics under the parameters the module holds and average them over ``group``
+        (every process at the same point); returns the bytes handed to the all-reduce."""
         module = self._module
         if module is None or self._replaying:
             return 0
@@ -264,9 +231,7 @@ class GlobalBatchNorm:
         return nbytes
 
     def _replay(self, module: nn.Module) -> None:
-        """Reset the layers under the kept calls' modules and run the kept passes again, each call
-        fed the replayed outputs of the calls it is linked to. A layer under them that the replay
-        did not run gets its statistics back."""
+        """Reset the layers under the kept calls and run the kept passes again; a layer not run gets its own back."""
         targets = {id(e.module): e.module for p in self._passes for e in p}.values()
         below = {id(m) for t in targets for m in t.modules()}
         under = [m for m in self._norms if id(m) in below]
@@ -305,7 +270,7 @@ class GlobalBatchNorm:
 
 
 def _tracked(norms: list[_BatchNorm]) -> list[int]:
-    """Each layer's ``num_batches_tracked`` (one read from the device for all of them)."""
+    """Each layer's ``num_batches_tracked`` (one read from the device)."""
     counts = [m.num_batches_tracked for m in norms if m.num_batches_tracked is not None]
     return torch.stack(counts).tolist() if len(counts) == len(norms) and counts else [1] * len(norms)
 
@@ -321,8 +286,7 @@ def _restore(m: _BatchNorm, saved: list[Tensor | None]) -> None:
 
 
 def _map(value: Any, fn: Callable[[Any, Path], Any], path: Path = ()) -> Any:
-    """``value`` with ``fn(leaf, path)`` in place of every tensor and link, through tuples (named
-    ones too), lists and dicts."""
+    """``value`` with ``fn(leaf, path)`` in place of every tensor and link."""
     if isinstance(value, (Tensor, _Link)):
         return fn(value, path)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -353,13 +317,12 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 
 def _record(entries: list[_Entry], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``args`` and ``kwargs`` as kept: a tensor an earlier call of the pass returned becomes a
-    link to it, any other tensor is detached (a reference, no copy)."""
+    """``args`` and ``kwargs`` as kept: a tensor an earlier call returned becomes a link, others are detached."""
     returned: dict[int, tuple[Tensor, _Link]] = {}
     for i, e in enumerate(entries):
         for path, ref, version in e.outputs:
             t = ref()
-            # alive, so its id is its own while we hold it; changed in place since: not what the call returned
+            # alive, so its id is its own; changed in place since: not what the call returned
             if t is not None and t._version == version:
                 returned[id(t)] = (t, _Link(i, path))
 

@@ -1,9 +1,6 @@
 """Time-based dense fallback: time both ways of sending on this link and keep the faster one.
 
-The byte rule (``fallback_to_dense=True``) sends a bucket dense when the sparse exchange would
-move at least as many bytes; it cannot see that on a fast link the hook's own passes over the
-gradient (selection, error feedback) may cost more than the all-reduce they save. A
-:class:`TimedFallback` measures that instead, in the run itself.
+The byte rule cannot see that on a fast link compression may cost more than the all-reduce it saves.
 """
 
 from __future__ import annotations
@@ -32,17 +29,9 @@ TRIAL_SPARSE, TRIAL_DENSE = "trial sparse", "trial dense"
 class TimedFallback:
     """Send every bucket dense when, on this link, dense steps finish their exchange sooner.
 
-    After the warm-up steps a short trial runs: ``trial_steps`` steps sent dense, then as many
-    sent sparse. For each step the hook times its exchange window: from the start of the first
-    bucket's hook to the completion of the step's last collective. That window holds what
-    differs between the two ways of sending (the compression, which runs on the backward thread,
-    and the communication that backward does not hide) and none of what does not (the forward
-    pass, the optimizer, data loading). The first step of each half is not counted: it carries
-    the switch (the first sparse step starts from empty residuals; a dense step after sparse ones
-    flushes them). The ranks all-reduce the maximum of their median windows, so every rank holds
-    the same two numbers and makes the same choice; it holds for the rest of the run, or until
-    the next trial when ``recheck_every > 0`` (links that others share change speed). While
-    sparse is chosen, the byte rule still applies per bucket.
+    After the warm-up a trial times ``trial_steps`` dense steps, then as many sparse ones, each from its first
+    bucket's hook to its last collective (the first of each half carries the switch and is not counted). The
+    ranks take the maximum of their medians, so every rank makes the same choice.
 
     Args:
         trial_steps: steps of each kind in a trial (>= 2; the first of each is not counted).
@@ -60,13 +49,11 @@ class TimedFallback:
     def __init__(self, trial_steps: int = 5, recheck_every: int = 0) -> None:
         self.trial_steps = check_int("trial_steps", trial_steps, minimum=2)
         self.recheck_every = check_int("recheck_every", recheck_every, minimum=0)
-        # state (saved)
         self.choice: Literal["sparse", "dense"] | None = None
         self.trial_start: int | None = None
         self.samples: dict[str, list[float]] = {SPARSE: [], DENSE: []}
         self.decisions: list[dict[str, Any]] = []
         self.world_size: int | None = None
-        # per run (not saved)
         self._group: dist.ProcessGroup | None = None
         self._device = torch.device("cpu")
         self._open: tuple[str, Any, list[Any]] | None = None
@@ -89,12 +76,10 @@ class TimedFallback:
     def config(self) -> dict[str, int]:
         return {"trial_steps": self.trial_steps, "recheck_every": self.recheck_every}
 
-    # ------------------------------------------------------------------ set-up
     def setup(
         self, process_group: dist.ProcessGroup | None, world_size: int, warmup_steps: int, device: torch.device
     ) -> None:
-        """Bind to the process group (a restored choice is kept if the world size is the same);
-        trials start after ``warmup_steps``."""
+        """Bind to the process group (a restored choice is kept for the same world size)."""
         self._group = process_group
         self._device = device
         self._world = world_size
@@ -106,17 +91,14 @@ class TimedFallback:
         if self._world is None:
             return
         if self.world_size is not None and self.world_size != self._world:
-            # timed with another number of processes: no longer this link's answer
             self.choice, self.trial_start = None, None
             self.samples = {SPARSE: [], DENSE: []}
         self.world_size = self._world
 
-    # ------------------------------------------------------------------ per step
     def kind(self, step: int) -> str:
-        """How step ``step`` sends its sparse buckets: ``"sparse"``, ``"dense"``, or
-        ``"trial sparse"`` / ``"trial dense"`` during a trial."""
+        """How step ``step`` sends its sparse buckets (``"sparse"``, ``"dense"``, ``"trial sparse"``, ...)."""
         if self._world is None or self._world <= 1:
-            return SPARSE  # one process: nothing to time (the byte rule sends dense, which is free)
+            return SPARSE  # one process: nothing to time
         trial = self._trial_offset(step)
         if trial is not None:
             return TRIAL_DENSE if trial < self.trial_steps else TRIAL_SPARSE
@@ -128,12 +110,11 @@ class TimedFallback:
         return step - start if start is not None and start <= step < start + self.trial_length else None
 
     def begin_step(self, step: int) -> int:
-        """At the first bucket of a step: close the last step's window, choose at the end of a
-        trial, open this step's window during one. Returns bytes handed to collectives."""
+        """At the first bucket of a step: close the last window, choose after a trial; returns bytes sent."""
         self._close_window()
         if self._world is None or self._world <= 1:
             return 0
-        if self.choice is None and self.trial_start is None:  # first run, or after a world-size change
+        if self.choice is None and self.trial_start is None:
             self.trial_start = max(step, self._warmup)
         sent = 0
         start = self.trial_start
@@ -162,7 +143,6 @@ class TimedFallback:
         if self._open is not None:
             self._open[2].append(self._now())
 
-    # ------------------------------------------------------------------ timing
     def _now(self) -> Any:
         if self._device.type == "cuda":
             # callbacks of CUDA futures run when the work is enqueued: mark the stream instead
@@ -221,7 +201,6 @@ class TimedFallback:
             f"dense {1e3 * d['dense_s']:.1f} ms (trial median, slowest rank) -> {d['choice']}"
         )
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {
             "choice": self.choice,

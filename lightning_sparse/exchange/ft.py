@@ -1,19 +1,9 @@
 """Update-mode exchanges among replica groups on torchft: a quorum per exchange, rollback and healing.
 
-A replica group is one job (its own launcher and processes). With ``fault_tolerant=True`` the
-groups meet through torchft's Lighthouse: before each optimizer step at which an exchange is due
-(and before a process's first step), :class:`FaultTolerantUpdate` asks its ``torchft.Manager`` for
-a quorum of the live groups. A group behind the quorum heals there: the Manager fetches a healthy
-group's state (global model, outer step, counters, inner optimizer states; the residual starts at
-zero) through torchft's checkpoint transport and loads it. The exchange then runs among the
-quorum through torchft's reconfigurable process group (process ``r`` of each group with process
-``r`` of the others), and ``should_commit`` says whether it succeeded everywhere: if not, the
-exchange is rolled back (residuals, global model, outer step, counters as before it; the process
-keeps its own view) and the group carries on with local steps and exchanges at the next step with
-the new quorum. With ``sync_delay`` the exchange is committed where it arrives, so that its
-collectives overlap the steps between; a failed one is rolled back there: nothing of it is applied
-and the residuals take back what the process sent. Each process of a group exchanges what it
-holds (the whole model; its shards under ``sparse_fsdp``) with its counterpart in every other group.
+A replica group is one job. Before each exchange :class:`FaultTolerantUpdate` asks torchft's Lighthouse for a
+quorum of the live groups (a group behind it heals there from a healthy one, its residual zero); process ``r``
+of each group exchanges with process ``r`` of the others, and an exchange that does not commit everywhere
+(``should_commit``) is rolled back.
 """
 
 from __future__ import annotations
@@ -76,25 +66,25 @@ class FaultTolerantUpdate(UpdateExchange):
         super().__init__(state, bucket_bytes, outer_step)
         self.min_replicas = int(min_replicas)
         self.quorum_timeout = float(quorum_timeout)
-        #: the front end's part of the healing state (optimizer states, step counters), given to :meth:`start`
+        #: the front end's part of the healing state (optimizer states, step counters)
         self.front_end: FrontEndState | None = None
         #: exchanges committed, rolled back; recoveries from a peer; groups in the last quorum
         self.commits = 0
         self.rollbacks = 0
         self.heals = 0
         self.participants = 0
-        #: seconds spent waiting for quorums (and for enough groups)
+        #: seconds spent waiting for quorums
         self.quorum_seconds = 0.0
         self.manager: Any = None
-        self._join: tuple[int, int, str, int] | None = None  # where the Manager is built (start)
+        self._join: tuple[int, int, str, int] | None = None  # how the Manager is built
         self.env: ReplicaGroupEnv | None = None
         self._pg: Any = None
         self._store: Any = None
-        self._steps = 0  # optimizer steps this process took part in (the quorum guard)
+        self._steps = 0
         self._quorum_at: int | None = None
         self._open = False  # a quorum waits for its should_commit
         self._awaiting: InFlight | None = None  # sync_delay: the quorum's exchange, committed on arrival
-        self._met = False  # this process had a quorum
+        self._met = False
         self._guard: Guard | None = None
         self._where = (0, 1)  # this process's rank and size in its group
 
@@ -105,8 +95,8 @@ class FaultTolerantUpdate(UpdateExchange):
 
     @property
     def steps(self) -> int:
-        """Optimizer steps this group has taken (a healing group takes them over from a healthy one:
-        a Fabric loop that runs ``while update.steps < max_steps`` ends with the others)."""
+        """Optimizer steps this group has taken; a healing group takes a healthy one's, so a Fabric loop
+        ``while update.steps < max_steps`` ends with the others."""
         return self._steps
 
     @property
@@ -114,14 +104,11 @@ class FaultTolerantUpdate(UpdateExchange):
         """Always: the group exchanges with the other groups, whatever its own size."""
         return True
 
-    # ------------------------------------------------------------------ start and end
     def start(
         self, group: dist.ProcessGroup | None, group_rank: int, group_world: int, front_end: FrontEndState | None = None
     ) -> None:
-        """Prepare to join the replica groups: host (group rank 0) or reach this group's store, and
-        build the reconfigurable gloo process group (the ``Manager`` follows at the first quorum).
-        ``group``: the job's own process group (the store's port is broadcast over it); ``front_end``:
-        what a healing group takes from a peer besides the exchange's state (optimizers, counters)."""
+        """Prepare to join the replica groups: this group's store and torchft's process group (the ``Manager``
+        follows at the first quorum). ``front_end``: what a healing group takes besides the exchange's state."""
         self.front_end = front_end
         if self._join is not None:
             return
@@ -132,7 +119,7 @@ class FaultTolerantUpdate(UpdateExchange):
         self.env = ReplicaGroupEnv.read()
         self._where = (group_rank, group_world)
         self._guard = Guard(self._describe)
-        self._guard.install()  # from here SIGTERM and SIGINT end the process wherever it waits
+        self._guard.install()
         os.environ.setdefault("RUST_LOG", "warn")
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = [0]
@@ -146,9 +133,8 @@ class FaultTolerantUpdate(UpdateExchange):
         self._join = (group_rank, group_world, host, port[0])
 
     def _join_groups(self) -> None:
-        """Build torchft's ``Manager``, whose heartbeats make the Lighthouse count this group: at the
-        first quorum, not at setup, so that a group still setting up (a restarted one) does not hold
-        the others' quorums waiting for it."""
+        """Build torchft's ``Manager`` at the first quorum, not at setup: its heartbeats count this group, and a
+        group still setting up would hold the others' quorums."""
         from torchft.manager import Manager
 
         assert self._join is not None and self.env is not None
@@ -164,7 +150,6 @@ class FaultTolerantUpdate(UpdateExchange):
             ) from error
 
     def _manager(self, manager: Any, group_rank: int, group_world: int, host: str, port: int) -> Any:
-        """torchft's Manager of this process; every one of its timeouts is ``quorum_timeout``."""
         assert self.env is not None
         timeout = timedelta(seconds=self.quorum_timeout)
         return manager(
@@ -196,46 +181,35 @@ class FaultTolerantUpdate(UpdateExchange):
             self._guard = None
 
     def _waiting(self, what: str, bound: float) -> contextlib.AbstractContextManager[None]:
-        """The process waits for ``what`` at most ``bound`` seconds (torchft's timeouts); the guard
-        ends it a margin later if torchft does not."""
         return self._guard.waiting(what, bound) if self._guard is not None else contextlib.nullcontext()
 
     def _describe(self) -> str:
         rank, world = self._where
         return f"replica group {self._group_id()} (process {rank} of {world}) at its step {self._steps}"
 
-    # ------------------------------------------------------------------ the step
     def _due(self) -> bool:
-        """Whether an exchange is due at the coming optimizer step (some fragment ends its cycle)."""
         h = self.state.config.sync_every
         return not self.state.cycle or any(v + 1 >= h for v in self.state.cycle.values())
 
     @torch.no_grad()
     def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
-        """Before an optimizer step at which an exchange is due (and before the first): the quorum,
-        healing where the group is behind it; then this process's view, as in update mode."""
+        """Before an optimizer step at which an exchange is due (and the first): the quorum, then the view."""
         if self.manager is None and self._join is not None:
             self._join_groups()
         if self.manager is not None and self._quorum_at != self._steps and (self._quorum_at is None or self._due()):
             self._quorum_at = self._steps
             self._quorum()
             if not self._due():
-                # The process's first step, not an exchange's: nothing to commit. A group behind took
-                # a healthy one's state here; groups that all start afresh meet at step 0, and torchft
-                # (init_sync) has them take the first group's state at their first exchange's quorum,
-                # where the exchange's collectives keep the state served until it has arrived.
+                # the first step, not an exchange's: nothing to commit (the state is served until fetched)
                 self._open = False
         super().hold_local(params)
 
     def _quorum(self) -> None:
-        """A quorum of at least ``min_replicas`` live groups (waiting for them, at most
-        ``quorum_timeout``; a process's first quorum at least :data:`STARTUP_FLOOR_S`), then the
-        exchange's collectives go through torchft's process group among them. A recovery from a
-        healthy group follows within torchft's timeouts of the checkpoint's metadata and transfer
-        (``quorum_timeout`` each)."""
+        """A quorum of at least ``min_replicas`` live groups within ``quorum_timeout``; then the collectives
+        go through torchft's process group among them."""
         manager = self.manager
         began = time.perf_counter()
-        self._complete()  # exchanges in flight arrive before the process group reconfigures
+        self._complete()  # before the process group reconfigures
         patience = self.quorum_timeout if self._met else max(self.quorum_timeout, STARTUP_FLOOR_S)
         deadline = time.monotonic() + patience
         with self._waiting("a quorum", patience + 2 * self.quorum_timeout):
@@ -251,7 +225,7 @@ class FaultTolerantUpdate(UpdateExchange):
                     raise self._no_quorum(patience, error) from error
                 if manager.num_participants() >= self.min_replicas:
                     break
-                self._commit()  # too few groups: this quorum commits nothing; wait and ask again
+                self._commit()  # too few groups: commit nothing, ask again
                 time.sleep(0.1)
         self.quorum_seconds += time.perf_counter() - began
         self._met = True
@@ -261,7 +235,6 @@ class FaultTolerantUpdate(UpdateExchange):
         self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
 
     def _no_quorum(self, patience: float, error: Exception) -> ReplicaGroupError:
-        """The error of a quorum that did not form: which case it is, from the Lighthouse's status."""
         env = self.env
         view = LighthouseView.fetch(env.lighthouse) if env is not None else None
         cause, advice = explain(view, self._group_id(), env.num_groups if env else 1, patience)
@@ -271,7 +244,6 @@ class FaultTolerantUpdate(UpdateExchange):
         )  # fmt: skip
 
     def _commit(self) -> bool:
-        """torchft's vote of this group's processes on the exchange (``should_commit``)."""
         self._open = False
         with self._waiting("its exchange's commit vote", self.quorum_timeout):
             try:
@@ -287,8 +259,7 @@ class FaultTolerantUpdate(UpdateExchange):
 
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:
-        """After the optimizer step: the exchange among the quorum when due (committed everywhere, or
-        rolled back), else a local step."""
+        """After the optimizer step: the exchange among the quorum (committed everywhere, or rolled back)."""
         self._steps += 1
         if not self._open:
             super().exchange(params)
@@ -302,9 +273,7 @@ class FaultTolerantUpdate(UpdateExchange):
         except Exception as e:  # a collective failed: a group died or stalled
             error = e
             self.manager.report_error(e)
-        if error is None and len(self._in_flight) > flights:
-            # sync_delay: the exchange is committed (or rolled back) where it arrives, steps later,
-            # so that its collectives overlap them
+        if error is None and len(self._in_flight) > flights:  # sync_delay: committed where it arrives
             self._awaiting, self._open = self._in_flight[-1], False
             return
         if error is None and self.manager.current_step() == 0:
@@ -317,11 +286,8 @@ class FaultTolerantUpdate(UpdateExchange):
         self._warn_rollback(error, "residuals, global model and outer step as before it")
 
     def _barrier(self) -> None:
-        """Before the run's first commit (torchft's step 0 on every group of the quorum), a collective
-        among the quorum: torchft's init_sync has the groups take the first group's state at their
-        first quorum, and that group serves it only until its first ``should_commit``. An exchange
-        that sends nothing (a process's first step is no cycle's end) would let it commit before the
-        others had fetched it; the barrier holds it until they have (their quorum returns then)."""
+        """Before the first commit: the first group serves its state (init_sync) only until then, so the
+        barrier holds it until the others have fetched it."""
         try:
             with self._waiting("the quorum's first barrier", self.quorum_timeout):
                 self._pg.allreduce([torch.zeros(1)], dist.ReduceOp.SUM).wait()
@@ -329,10 +295,7 @@ class FaultTolerantUpdate(UpdateExchange):
             self.manager.report_error(e)
 
     def _land(self, flight: InFlight) -> None:
-        """An exchange in flight arrives: where it is the quorum's, ``should_commit`` says whether it
-        succeeded everywhere; if not, nothing of it is applied and the residuals take back what this
-        process sent (``e = u``: the global model, the outer step and the view stay as they are, and
-        what the exchange would have moved goes with the next one)."""
+        """An exchange in flight arrives: committed, or nothing of it applied and ``e = u`` (conserved)."""
         if flight is not self._awaiting:
             super()._land(flight)
             return
@@ -341,7 +304,7 @@ class FaultTolerantUpdate(UpdateExchange):
         try:
             with self._waiting("its exchange's collectives", self.quorum_timeout):
                 for future in flight.futures:
-                    future.wait().ready()  # a failed collective is an error of the average
+                    future.wait().ready()
         except Exception as e:
             error = e
             self.manager.report_error(e)
@@ -366,17 +329,13 @@ class FaultTolerantUpdate(UpdateExchange):
 
     @torch.no_grad()
     def flush_residuals(self, rounds: int | None = None) -> None:
-        """The exact hand-over among the live groups: a quorum (a group behind it heals there, its
-        residual zero), then the mean of the quorum's residuals joins the global model, committed
-        everywhere or rolled back. Without a quorum within ``quorum_timeout``, or where it does not
-        commit, the residuals are kept (a warning) and the module holds the global model as the last
-        exchange left it. ``rounds`` is refused: the rounds are exchanges of their own."""
+        """The exact hand-over among the live groups, committed or rolled back (the residuals then kept)."""
         if rounds is not None:
             raise ValueError(
                 f"flush_residuals(rounds={rounds!r}) is not allowed with fault_tolerant=True: expected rounds=None "
                 "(the exact hand-over, one quorum); the residuals otherwise go with the next exchanges"
             )
-        if self.manager is None:  # not started: nothing joined, nothing to hand over
+        if self.manager is None:
             return
         try:
             self._quorum()
@@ -392,7 +351,7 @@ class FaultTolerantUpdate(UpdateExchange):
         error: Exception | None = None
         try:
             super().flush_residuals()
-        except Exception as e:  # a collective failed: a group died or stalled
+        except Exception as e:
             error = e
             self.manager.report_error(e)
         if self._commit():
@@ -403,7 +362,6 @@ class FaultTolerantUpdate(UpdateExchange):
         self.hold_global()
         self._warn_rollback(error, "the residuals kept, the global model as the last exchange left it")
 
-    # ------------------------------------------------------------------ rollback
     def _global_of(self, name: str) -> Tensor:
         return self._global[name] if name in self._local else self._params[name]
 
@@ -433,10 +391,8 @@ class FaultTolerantUpdate(UpdateExchange):
                 self._synced[name] = p._version
                 self._local.discard(name)
 
-    # ------------------------------------------------------------------ healing
     def _state_dict(self) -> dict[str, Any]:
-        """What a group that heals from this one receives (copies: the transport serves them while
-        this group goes on)."""
+        """What a group that heals from this one receives (copies: served while this group goes on)."""
         sparse = self.state.state_dict(copy=True)
         sparse["residuals"], sparse["velocity"] = {}, {}
         return {
@@ -449,11 +405,10 @@ class FaultTolerantUpdate(UpdateExchange):
 
     @torch.no_grad()
     def _load_state_dict(self, received: dict[str, Any]) -> None:
-        """Heal: take a healthy group's global model, outer step, counters and inner optimizer
-        states; the residual starts at zero and the module holds the global model."""
+        """Heal from a healthy group's state; the residual starts at zero."""
         self._in_flight, self._awaiting = [], None
         behind = self._steps
-        if behind:  # not this process's start: it was left out meanwhile
+        if behind:
             warnings.warn(
                 f"lightning_sparse: replica group {self._group_id()} was behind the quorum at its step {behind} "
                 f"(the others at step {received['steps']}): the other groups dropped it (it stalled longer than "
@@ -478,7 +433,6 @@ class FaultTolerantUpdate(UpdateExchange):
             self.front_end[1](received["front_end"])
         self.heals += 1
 
-    # ------------------------------------------------------------------ telemetry
     def replica_figures(self) -> dict[str, float]:
         """``sparse/replica_groups`` (groups in the last quorum), ``sparse/rollbacks``, ``sparse/heals``."""
         return {

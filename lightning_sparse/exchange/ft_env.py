@@ -40,8 +40,7 @@ class ReplicaGroupEnv:
     Args:
         lighthouse: ``TORCHFT_LIGHTHOUSE``, the Lighthouse's address (``http://host:port``).
         group_id: ``REPLICA_GROUP_ID``, this group's number, ``0 <= group_id < num_groups``.
-        num_groups: ``NUM_REPLICA_GROUPS``, the most replica groups there will be (the data is
-            sharded over this many).
+        num_groups: ``NUM_REPLICA_GROUPS``, the most replica groups there will be (the data's shards).
 
     Example:
         >>> env = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3"}
@@ -103,8 +102,7 @@ def _int_var(env: Any, name: str, what: str) -> int:
 def check_fault_tolerance(
     fault_tolerant: Any, min_replicas: Any, quorum_timeout: Any, compress: str, timed_fallback: bool
 ) -> None:
-    """Validate the fault-tolerance settings; with ``fault_tolerant=True`` also that torchft is
-    installed and the replica group's environment is set (ValueError / ImportError naming what to set).
+    """Validate the fault-tolerance settings (with ``fault_tolerant=True``: torchft and the environment too).
 
     Example:
         >>> check_fault_tolerance(False, 1, 60.0, "update", False)
@@ -141,9 +139,7 @@ def check_fault_tolerance(
 
 
 def shard_across_groups(kwargs: dict[str, Any], fault_tolerant: bool) -> dict[str, Any]:
-    """A DistributedSampler's ``num_replicas``/``rank`` over every replica group's processes
-    (``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, then the rank inside the group), as torchft's
-    ``DistributedSampler`` shards; unchanged without ``fault_tolerant``.
+    """A DistributedSampler's ``num_replicas``/``rank`` over every replica group's processes, as torchft's.
 
     Example:
         >>> shard_across_groups({"num_replicas": 2, "rank": 1}, fault_tolerant=False)

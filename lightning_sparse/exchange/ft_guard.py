@@ -1,14 +1,8 @@
 """A replica group's process under watch: SIGTERM and SIGINT obeyed anywhere, and no wait past its bound.
 
-torchft's calls block the process's main thread (a quorum, a recovery, a collective of its process
-group), where Python runs no signal handler until they return, and a non-daemon thread of torchft's
-keeps the interpreter from exiting while one is still blocked. :class:`Guard` therefore acts from
-threads of its own: the C-level signal handler writes the signal's number into a pipe
-(:func:`signal.set_wakeup_fd`) that a thread reads, and a watchdog thread compares the wait in
-progress with its deadline. Either ends the process at once: one line on stderr saying why, the
-process's children (a launcher's other ranks, data-loader workers) sent the same signal and killed
-if they have not gone within :data:`CHILD_GRACE_S`, then ``os._exit``. The other groups lose nothing
-they need: a group's state lives in every group, and a group started again heals from them.
+torchft's calls block the main thread, where Python runs no signal handler until they return, so
+:class:`Guard` acts from threads of its own (a pipe from :func:`signal.set_wakeup_fd`, a watchdog) and
+ends the process with ``os._exit``, its children signalled first.
 """
 
 from __future__ import annotations
@@ -70,7 +64,7 @@ def end_children(signum: int, grace: float = CHILD_GRACE_S) -> None:
 def _running(pid: int) -> bool:
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:  # reaped by its Popen already, or not ours
+    except ChildProcessError:
         return False
     return done == 0
 
@@ -79,8 +73,7 @@ class Guard:
     """Ends this process on SIGTERM or SIGINT wherever it is, and when a wait outlives its deadline.
 
     Args:
-        where: the process's place and step in words (``replica group 2 (process 0 of 1) at its step 37``),
-            called when a line is written.
+        where: the process's place and step in words, called when a line is written.
 
     Example:
         >>> guard = Guard(lambda: "replica group 0 at its step 0")
@@ -137,9 +130,8 @@ class Guard:
 
     @contextlib.contextmanager
     def waiting(self, what: str, bound: float, cause: str = "") -> Iterator[None]:
-        """The process waits for ``what`` (``a quorum``), at most ``bound`` seconds by torchft's own
-        timeouts; the watchdog ends the process :data:`WATCHDOG_GRACE_S` later. ``cause``: what the
-        line then says the user can do."""
+        """The process waits for ``what`` at most ``bound`` seconds (torchft's timeouts), then
+        :data:`WATCHDOG_GRACE_S` more; ``cause``: what the user can do."""
         outer = (self._what, self._deadline, self._cause)
         self._what, self._deadline, self._cause = what, time.monotonic() + bound + WATCHDOG_GRACE_S, cause
         try:
@@ -173,8 +165,7 @@ class Guard:
                 )
 
     def leave(self, signum: int, why: str = "") -> None:
-        """End the process now: one line on stderr, the children signalled (then killed), exit status
-        ``128 + signum`` for a signal, 1 for a wait past its deadline (``signum`` 0)."""
+        """End the process now: one line on stderr, the children ended, status ``128 + signum`` (1 for 0)."""
         with self._lock:
             if self._leaving:
                 if threading.current_thread() is threading.main_thread():

@@ -1,11 +1,4 @@
-"""What a replica group that found no quorum learns from the torchft Lighthouse, and the error it raises.
-
-The Lighthouse serves a status page (``GET /status``, the dashboard's) with its previous quorum (its
-members and their steps) and the last heartbeat of every replica group it has heard of. A group
-whose quorum did not form reads it to say which case it is in: no other group has started, the
-others are alive but no quorum forms with them, or the run is over (a quorum formed before and no
-other group is alive any more: they reached ``max_steps`` or left).
-"""
+"""What a replica group that found no quorum learns from the torchft Lighthouse's status page, and its error."""
 
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ _UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, 
 
 
 class ReplicaGroupError(ExchangeError):
-    """A replica group's wait at the Lighthouse or among the groups did not end in time: the message
-    names what was awaited, the group's step, the group, the Lighthouse and what to do.
+    """A replica group's wait at the Lighthouse or among the groups did not end in time (and what to do).
 
     Example:
         >>> error = ReplicaGroupError("a quorum", 12, 2, "http://h:29510", "none formed within 30 s", "start them.")

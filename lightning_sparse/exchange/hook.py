@@ -1,26 +1,10 @@
 """DDP's communication hook: a thin adapter from DDP's buckets onto the step's exchange.
 
-DDP calls a communication hook once per gradient bucket per optimizer step, on the autograd
-thread, as soon as the bucket's gradients are ready, and waits for the returned future before the
-optimizer step. The hook hands the bucket to the state's
-:class:`~lightning_sparse.exchange.step.StepExchange`, which owns the step:
-
-- :func:`sparse_comm_hook` (gradient mode): compress, exchange, and write the average of what the
-  ranks sent back into the bucket as the averaged dense gradient;
-- :func:`communicate`, its body on plain tensors: update mode, which builds no DDP
-  (:mod:`lightning_sparse.exchange.replicas`), averages a timed fallback's plain DDP steps with it.
-
-The buckets of one backward pass leave together (:class:`BackwardBatch`): each bucket is compressed
-as DDP hands it over (its selection overlaps the rest of the backward pass), its collectives are
-queued, and the last bucket issues every bucket's collectives as one collective per kind. A step
-then costs one or two collectives whatever the number of buckets (three for the split exchange's
-two rounds): across data centres each costs a round trip. The futures of the earlier buckets
-complete with the last one's collectives, so nothing may wait for a bucket's future before the
-step's last bucket was handed over (DDP waits for them all after the backward pass).
+The buckets of one backward pass leave together (:class:`BackwardBatch`), so nothing may wait for a
+bucket's future before the step's last bucket was handed over (DDP waits after the backward pass).
 """
 
-# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
-# (``bucket`` must be annotated with the class dist.GradBucket itself, not a string).
+# No `from __future__ import annotations`: DDP checks the hook's annotations (dist.GradBucket) at runtime.
 
 import functools
 
@@ -42,11 +26,9 @@ def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True) -> Future[Tensor]:
-    """Exchange one bucket: the body of :func:`sparse_comm_hook`, callable on plain tensors.
+    """Exchange one bucket (the body of :func:`sparse_comm_hook`): a future of ``buffer`` holding the average.
 
-    ``buffer`` is the flat sum-ready local gradient of ``params`` (in their order); the returned
-    future holds ``buffer`` overwritten with the average over ranks of what each rank sent. The
-    step's buckets leave together after its last one (``is_last``): wait for the futures only then.
+    Wait for the futures only after the step's last bucket (``is_last``).
     """
     steps = state.step_exchange
     if steps.backward is None:
@@ -56,15 +38,8 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
 
 
 class BackwardBatch:
-    """The buckets of one backward pass, exchanged together (held by the rank's
-    :class:`~lightning_sparse.exchange.step.StepExchange` between DDP's hook calls).
-
-    Each bucket runs its exchange up to its first collective as it arrives; the collectives wait in
-    the queue of :meth:`Collectives.coalescing <lightning_sparse.wire.comm.Collectives.coalescing>`,
-    and the last bucket drives every bucket's remaining rounds together
-    (:func:`~lightning_sparse.wire.comm.run_together`), so that each round of all the buckets
-    leaves as one collective. Every rank hands DDP's buckets over in the same order, so the queued
-    collectives match across ranks.
+    """The buckets of one backward pass, exchanged together: each is compressed as it arrives, and the last one
+    issues every bucket's rounds as one collective per kind (every rank queues them in the same order).
 
     Example:
         >>> import torch
@@ -80,7 +55,7 @@ class BackwardBatch:
     """
 
     def __init__(self) -> None:
-        #: per bucket: its rounds (None once they ran out), its average once they did, the future handed out
+        # per bucket: its rounds (None once they ran out), its average once they did, the future handed out
         self._buckets: list[tuple[Rounds[Future[Average]] | None, Future[Average] | None, Future[Average]]] = []
 
     @property
@@ -89,8 +64,7 @@ class BackwardBatch:
         return len(self._buckets)
 
     def add(self, steps: StepExchange, buffer: Tensor, plan: BucketPlan, last: bool) -> Future[Average]:
-        """Take one bucket (``last``: the step's last); a future of the :class:`Average` of what the
-        ranks sent (complete after the last bucket's collectives)."""
+        """Take one bucket (``last``: the step's last); a future of its :class:`Average`."""
         if not self._buckets:
             steps.wire.comm.hold()
         try:
@@ -98,7 +72,7 @@ class BackwardBatch:
             average: Future[Average] | None = None
             try:
                 next(rounds)  # type: ignore[arg-type]  # up to its first round, queued
-            except StopIteration as stop:  # a single round: its collectives are queued
+            except StopIteration as stop:  # a single round
                 rounds, average = None, stop.value
             out: Future[Average] = Future()
             self._buckets.append((rounds, average, out))
@@ -112,14 +86,13 @@ class BackwardBatch:
     def _issue(self, steps: StepExchange) -> None:
         buckets, self._buckets = self._buckets, []
         averages = run_together([_rest(rounds, average) for rounds, average, _ in buckets])
-        steps.wire.comm.release()  # what is still queued leaves here: one collective per kind
+        steps.wire.comm.release()
         steps.close()
         for average, (_, _, out) in zip(averages, buckets, strict=True):
             average.add_done_callback(functools.partial(_deliver, out=out))
 
     def _abandon(self, steps: StepExchange) -> None:
-        """A bucket failed: drop what is queued (issuing it could pair with other collectives on the
-        other ranks) and close the step; the error goes on to the backward pass."""
+        """A bucket failed: drop the queue (it could pair with other collectives elsewhere), close the step."""
         if steps.wire.comm.queue.depth:
             steps.wire.comm.release(issue=False)
         self._buckets = []
@@ -127,7 +100,6 @@ class BackwardBatch:
 
 
 def _rest(rounds: Rounds[Future[Average]] | None, average: Future[Average] | None) -> Rounds[Future[Average]]:
-    """The remaining rounds of a bucket (none if it ran out at its first)."""
     if rounds is None:
         assert average is not None
         return average
@@ -135,8 +107,7 @@ def _rest(rounds: Rounds[Future[Average]] | None, average: Future[Average] | Non
 
 
 def _deliver(average: Future[Average], out: Future[Average]) -> None:
-    """Complete ``out`` as the bucket's own future completed (an :class:`Average` carries a failed
-    collective's error to whoever uses it)."""
+    """Complete ``out`` as the bucket's own future completed."""
     try:
         out.set_result(average.value())
     except Exception as error:

@@ -1,8 +1,4 @@
-"""Error-feedback residuals, one flat fp32 tensor per parameter name.
-
-Keyed by parameter name, not by bucket: DDP rebuilds its buckets after the first step and
-resumed runs start from the initial layout again, while names stay put.
-"""
+"""Error-feedback residuals, one flat fp32 tensor per parameter name (DDP's buckets change; names stay put)."""
 
 from __future__ import annotations
 
@@ -13,10 +9,7 @@ from torch import Tensor
 
 
 class ErrorFeedback:
-    """What each parameter has not sent yet: ``e <- (g + e) - sent``, exactly.
-
-    Residuals are kept in float32 whatever the gradient dtype, so that bf16/fp16 gradients and
-    quantized values lose nothing to rounding in the residual itself.
+    """What each parameter has not sent yet: ``e <- (g + e) - sent``, exactly (float32 whatever the gradients).
 
     Example:
         >>> import torch
@@ -29,14 +22,11 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residuals: dict[str, Tensor] = {}
-        # Names whose buffer is known to hold zeros without having been zeroed (saves a pass).
+        # names whose buffer is known to hold zeros without having been zeroed (saves a pass)
         self._zero: set[str] = set()
-        #: where the residuals live between exchanges when offloaded (``offload_residual``); None: with
-        #: their parameters. An exchange works on a copy on the device (:meth:`accumulate` makes it,
-        #: :meth:`unstage` writes it back).
+        #: where offloaded residuals live between exchanges (None: with their parameters)
         self.home: torch.device | None = None
         self._staged: dict[str, Tensor] = {}
-        # layout -> (flat buffer, its named views): see :meth:`flat`
         self._flats: dict[tuple[tuple[str | None, int], ...], tuple[Tensor, list[tuple[str, Tensor]]]] = {}
 
     def _buffer(self, name: str) -> Tensor | None:
@@ -49,8 +39,7 @@ class ErrorFeedback:
         return name in self._residuals and name not in self._zero
 
     def held(self, names: Iterable[str]) -> dict[str, Tensor]:
-        """The residuals of those of ``names`` that may be non-zero (``get`` of each ``name in
-        self``), by name, in one call.
+        """The residuals of those of ``names`` that may be non-zero, by name, in one call.
 
         Example:
             >>> ef = ErrorFeedback()
@@ -77,12 +66,8 @@ class ErrorFeedback:
         return e
 
     def flat(self, layout: tuple[tuple[str | None, int], ...], device: torch.device) -> Tensor | None:
-        """One flat float32 tensor laid out as ``layout`` (``(name, numel)`` in order; a ``None`` name:
-        a region that belongs to no residual and stays zero), whose named regions *are* those names'
-        residuals: each name's residual becomes a view into it, so an exchange can work on a whole
-        bucket's residuals with one operator where it would take one per tensor. Made once per layout
-        (the residuals so far copied in) and kept while the views stay the residuals; None when the
-        residuals are offloaded (they live elsewhere between exchanges).
+        """One flat float32 tensor laid out as ``layout`` (``(name, numel)``; a ``None`` name stays zero) whose
+        regions *are* the residuals (views), made once per layout; None when offloaded.
 
         Example:
             >>> ef = ErrorFeedback()
@@ -103,7 +88,7 @@ class ErrorFeedback:
             else:
                 if zero:
                     for name, view in views:
-                        if name in zero:  # flushed whole by a dense send
+                        if name in zero:
                             view.zero_()
                             zero.discard(name)
                 return buf
@@ -127,8 +112,7 @@ class ErrorFeedback:
         return buf
 
     def accumulate(self, name: str, grad: Tensor) -> Tensor:
-        """Add the flat gradient into the residual in place and return it: ``p = g + e`` (fp32).
-        Offloaded, the residual is first copied to ``grad``'s device (staged until :meth:`unstage`)."""
+        """Add the flat gradient into the residual in place and return it: ``p = g + e`` (fp32; offloaded: staged)."""
         if self.home is not None and name not in self._staged:
             master = self._residuals.get(name)
             if master is not None and master.numel() == grad.numel():
@@ -146,12 +130,7 @@ class ErrorFeedback:
         return e
 
     def keep_unsent(self, name: str, indices: Tensor, remainder: Tensor | None = None) -> None:
-        """After :meth:`accumulate` and a send of ``p[indices]``: what stays at those coordinates.
-
-        ``remainder=None`` means the values were sent exactly (the residual becomes 0 there); with
-        quantized values pass ``p[indices] - sent``, the rounding error, so that
-        ``sent + e_new == p`` holds exactly.
-        """
+        """After a send of ``p[indices]``: ``remainder`` stays there (None: 0), so ``sent + e_new == p`` exactly."""
         e = self._buffer(name)
         assert e is not None
         if remainder is None:
@@ -160,12 +139,9 @@ class ErrorFeedback:
             e.index_copy_(0, indices, remainder.to(torch.float32))
 
     def flush(self, name: str, sent_as: torch.dtype) -> Tensor | None:
-        """Hand the whole residual (``p = g + e``, already accumulated) over for a dense send.
+        """Hand the whole residual over for a dense send, cast to ``sent_as``; only the rounding error stays.
 
-        Returns it cast to ``sent_as`` (None if ``name`` has no residual). In float32 the residual
-        is sent whole and becomes zero: the returned tensor is the residual's own buffer, valid
-        until the next :meth:`accumulate` of ``name``. In a lower precision only the rounding
-        error stays behind.
+        In float32 it is the residual's own buffer, valid until the next :meth:`accumulate` of ``name``.
         """
         e = self._buffer(name)
         if e is None or name in self._zero:
@@ -221,14 +197,12 @@ class ErrorFeedback:
         self._zero.clear()
 
     def norm_sq(self) -> float:
-        """Sum of squared residual entries over all parameters (one read of every residual, one host
-        read in all)."""
+        """Sum of squared residual entries over all parameters (one host read)."""
         self.unstage()
         return sum_of_squares([e for name, e in self._residuals.items() if name not in self._zero])
 
     def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
-        """The residuals by name, on the CPU; ``copy=False`` hands out the CPU ones themselves (to
-        write them at once)."""
+        """The residuals by name, on the CPU; ``copy=False`` hands out the CPU ones themselves."""
         self.unstage()
         zero = self._zero
         return {n: torch.zeros(e.numel()) if n in zero else _on_cpu(e, copy) for n, e in self._residuals.items()}
@@ -244,9 +218,8 @@ class ErrorFeedback:
 
 
 class LocalMomentum:
-    """DGC momentum correction: each rank keeps the momentum of its own gradient, ``u <- m*u + g``
-    (float32, by parameter name), error feedback works on ``u``, and the coordinates sent are
-    zeroed in ``u`` too (momentum factor masking). The optimizer then runs without momentum.
+    """DGC momentum correction (Lin et al., 2018): local momenta ``u <- m*u + g`` (float32, by name), error
+    feedback on ``u``, sent coordinates zeroed in ``u`` too (momentum factor masking).
 
     Example:
         >>> import torch
@@ -304,9 +277,7 @@ class LocalMomentum:
 
 
 def sum_of_squares(tensors: list[Tensor]) -> float:
-    """The sum of the squares of every entry of ``tensors``, in float32 and higher, read once: one
-    ``_foreach_norm`` per dtype and device, not a read per tensor (on a GPU each read waits for the
-    queue).
+    """The sum of the squares of every entry of ``tensors``, in float32 or wider, with one host read.
 
     Example:
         >>> sum_of_squares([torch.tensor([3.0]), torch.tensor([4.0], dtype=torch.bfloat16)])

@@ -1,11 +1,6 @@
-"""Outer steps: what the global parameters do with the average of what the ranks sent.
+"""Outer steps: what the global parameters do with the average of what the ranks sent (update mode).
 
-In update mode every exchange ends in one place: :meth:`OuterStep.apply` receives the
-:class:`~lightning_sparse.wire.Average` of what the ranks sent for one group of parameters and the
-flat global values of those parameters. :class:`AddAverage` (the default) adds the average in, the
-coordinates each party chose on its own scaled by half the number of parties where there are more than 2
-(:func:`parties_scale`); an outer optimizer (a momentum step on the average, a scaled or decayed step) is another
-:class:`OuterStep`, and needs nothing changed in the wire code.
+:class:`AddAverage` (the default) adds it in; :class:`OptimizerStep` steps an outer optimizer (DiLoCo's).
 """
 
 from __future__ import annotations
@@ -24,11 +19,7 @@ from lightning_sparse.wire import Average
 
 
 class OuterStep:
-    """How an exchange's average is applied to the global parameters (update mode).
-
-    Subclasses implement :meth:`apply`; one with state (a momentum buffer) also implements
-    :meth:`state_dict` / :meth:`load_state_dict`, which checkpoints carry. The same step runs on
-    every rank with the same average, so the global parameters stay identical on every rank.
+    """How an exchange's average is applied to the global parameters; every rank runs it on the same average.
 
     Example:
         >>> import torch
@@ -41,8 +32,7 @@ class OuterStep:
     """
 
     def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
-        """Apply ``average`` (laid out like ``target``) to ``target``, the flat global values of
-        the parameters ``names`` (in that order), in place."""
+        """Apply ``average`` in place to ``target``, the flat global values of the parameters ``names``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -54,9 +44,7 @@ class OuterStep:
 
 
 def parties_scale(parties: int) -> float:
-    """``chosen_scale="parties"``: half the number of parties, at least 1 (1 for 2 parties, 2 for
-    4, 4 for 8): the average then adds half the sum of what the parties sent at the coordinates
-    each chose on its own.
+    """``chosen_scale="parties"``: half the number of parties, at least 1.
 
     Example:
         >>> [parties_scale(n) for n in (1, 2, 4, 8)]
@@ -85,20 +73,12 @@ def check_chosen_scale(value: object) -> float | str:
 
 
 class AddAverage(OuterStep):
-    """Add the average into the global parameters, touching only the coordinates that were sent:
-    update mode's default outer step.
+    """Add the average into the global parameters, at the coordinates sent: update mode's default outer step.
 
     Args:
-        chosen_scale: the factor of the coordinates each party chose on its own (top-k and the
-            other gather compressors): ``"parties"`` (the default, :func:`parties_scale`: 1 up to
-            2 parties, half their number from there) or a number > 0 (1: the plain average).
-            Tensors sent whole and coordinates every party sends (random-k, count-sketch) are
-            added as they are.
-
-    Each party's optimizer normalises its own, noisier progress, and a coordinate only one party
-    chose arrives divided by the number of parties: with more parties the global model moves less
-    per exchange than dense DDP's (``docs/results.md``, "More than two processes"), which the
-    default factor makes up for.
+        chosen_scale: the factor of the coordinates each party chose on its own (gather compressors):
+            ``"parties"`` (:func:`parties_scale`) or a number > 0 (1: the plain average). A coordinate one
+            party chose arrives divided by the number of parties; this makes up for it.
 
     Example:
         >>> AddAverage().chosen_scale, AddAverage(chosen_scale=1.0).state_dict()
@@ -113,18 +93,12 @@ class AddAverage(OuterStep):
 
 
 class OptimizerStep(OuterStep):
-    """An optimizer stepped on the global parameters with the negated average as their gradient
-    (DiLoCo's outer step: ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``).
-
-    One optimizer per group of parameters exchanged together, made by ``factory`` on the group's
-    flat global values the first time it is applied; every rank applies the same averages, so the
-    optimizer states (momentum buffers) are the same on every rank. With plain SGD of learning rate
-    1 and no momentum this is adding the average.
+    """An optimizer stepped on the global parameters with the negated average as their gradient (DiLoCo's outer
+    step, Douillard et al., 2023); one per group exchanged together, the same on every rank.
 
     Args:
         factory: makes an optimizer from a list of parameters (an optimizer class, a partial).
-        chosen_scale: as :class:`AddAverage`'s, applied to the average the optimizer takes as its
-            gradient.
+        chosen_scale: as :class:`AddAverage`'s, applied to the optimizer's gradient.
 
     Example:
         >>> import functools, torch
@@ -142,7 +116,7 @@ class OptimizerStep(OuterStep):
     def apply(self, average: Average, target: Tensor, names: tuple[str, ...]) -> None:
         entry = self._groups.get(names)
         if entry is None:
-            param = torch.nn.Parameter(target, requires_grad=True)  # shares target's storage
+            param = torch.nn.Parameter(target, requires_grad=True)
             optimizer = self.factory([param])
             saved = self._pending.pop(_key(names), None)
             if saved is not None:
@@ -150,15 +124,14 @@ class OptimizerStep(OuterStep):
             entry = self._groups[names] = (param, optimizer)
         param, optimizer = entry
         if param.data.data_ptr() != target.data_ptr() or param.shape != target.shape:
-            param.data = target  # the group's global values moved to a new buffer: follow them
+            param.data = target
         scale = chosen_scale_of(self.chosen_scale, average.parties)
         param.grad = average.add_to(torch.zeros_like(target), scale).neg_()
         optimizer.step()
         param.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state of every group, by the group's parameter names (and any not yet
-        applied since a restore)."""
+        """The optimizer state of every group, by the group's parameter names."""
         return {**self._pending, **{_key(names): opt.state_dict() for names, (_, opt) in self._groups.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -172,9 +145,7 @@ def _key(names: tuple[str, ...]) -> str:
 
 
 def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None) -> OuterStep:
-    """The outer step of a resolved ``outer_optimizer`` setting: an :class:`OuterStep` as it is, a
-    factory of optimizers as an :class:`OptimizerStep` (the plain average its gradient), None as the
-    default :class:`AddAverage`.
+    """The outer step of a resolved ``outer_optimizer`` setting (None: :class:`AddAverage`).
 
     Example:
         >>> type(outer_step_for(None)).__name__, type(outer_step_for(torch.optim.SGD)).__name__
@@ -190,11 +161,8 @@ NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
-    """``outer_optimizer`` as a factory of optimizers or an outer step (None: add the average), else
-    ValueError.
-
-    A class or factory is tried once on a one-element parameter list, so that something that does
-    not make a ``torch.optim.Optimizer`` is refused here rather than at the first exchange.
+    """``outer_optimizer`` as a factory of optimizers or an outer step, else ValueError (a factory is tried
+    once here, rather than failing at the first exchange).
 
     Example:
         >>> resolve_outer_optimizer("nesterov")([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]

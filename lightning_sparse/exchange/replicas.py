@@ -1,18 +1,7 @@
-"""Update mode's data parallelism without DDP's reducer.
+"""Update mode's data parallelism without DDP's reducer (no gradient is all-reduced in update mode).
 
-In update mode every process steps its own optimizer on its own gradient and the exchange runs
-after the step (:mod:`lightning_sparse.exchange.update`): no gradient is all-reduced, so the model
-is not wrapped in ``DistributedDataParallel``, whose reducer would copy every gradient into its
-buckets for nothing (and would have to be switched off from outside). :class:`Replicas` wraps it
-instead and does what DDP did there that update mode still needs, as torchft's ``LocalSGD`` and
-``DiLoCo`` do without DDP:
-
-- the replicas start from rank 0's parameters and buffers (DDP's ``init_sync``);
-- every forward starts from rank 0's buffers (DDP's ``broadcast_buffers`` / ``forward_sync_buffers``);
-- the steps that need the gradients themselves get them, after the backward and before the
-  optimizer step (:meth:`Replicas.gradients_ready`): a timed fallback's plain DDP steps average
-  them (in buckets, through the state's exchange, counted like every other exchange), and under
-  fp16 AMP the processes agree on a step a gradient scaler skips.
+:class:`Replicas` does what DDP did that update mode still needs: rank 0's parameters and buffers at the
+start, its buffers at every forward, and the steps that need gradients (:meth:`Replicas.gradients_ready`).
 """
 
 from __future__ import annotations
@@ -31,20 +20,18 @@ from lightning_sparse.exchange.state import SparseState
 
 __all__ = ["REPLICA_ARGS", "Replicas", "broadcast_from_first"]
 
-#: the ``DistributedDataParallel`` arguments update mode takes: those :class:`Replicas` honours, and
-#: DDP's reducer's own, which mean nothing without one (each process keeps its own gradient)
+#: the ``DistributedDataParallel`` arguments update mode takes (the reducer's own are accepted and ignored)
 REPLICA_ARGS = frozenset(
     {"process_group", "broadcast_buffers", "forward_sync_buffers", "init_sync", "bucket_cap_mb"}
     | {"find_unused_parameters", "static_graph", "gradient_as_bucket_view"}
 )
-_DEFAULT_BUCKET_MB = 25.0  # DDP's default, for the plain DDP steps' gradient buckets
+_DEFAULT_BUCKET_MB = 25.0  # DDP's default
 
 
 def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None) -> None:
     """Overwrite ``tensors`` with the group's first process's, one broadcast per dtype and device.
 
-    The copy goes through ``.data``, so the tensors' version counters stay as they were (a buffer
-    saved for a backward is not "modified in place"), as DDP's buffer broadcast leaves them.
+    Through ``.data``, as DDP does: a buffer saved for a backward is not "modified in place".
     """
     kinds: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
@@ -58,8 +45,7 @@ def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None)
 
 
 class Replicas(torch.nn.Module):
-    """A module replicated over a process group for update mode: no reducer, rank 0's state at the
-    start and its buffers at every forward (see the module's docstring).
+    """A module replicated over a process group for update mode: no reducer, rank 0's state at the start.
 
     Args:
         module: the model.
@@ -69,10 +55,9 @@ class Replicas(torch.nn.Module):
             the start too).
         init_sync: as in DDP: start every replica from rank 0's parameters (and buffers).
         bucket_cap_mb: the plain DDP steps' gradient buckets, as in DDP (None: 25).
-        find_unused_parameters: accepted for DDP's sake: without a reducer nothing waits for a
-            gradient, and a parameter without one takes no part in a plain DDP step's average there.
-        static_graph: accepted for DDP's sake: nothing to record without a reducer.
-        gradient_as_bucket_view: accepted for DDP's sake: each gradient is its own tensor.
+        find_unused_parameters: accepted for DDP's sake (no reducer waits for a gradient).
+        static_graph: accepted for DDP's sake.
+        gradient_as_bucket_view: accepted for DDP's sake.
 
     Example:
         >>> import torch.distributed as dist
@@ -99,7 +84,6 @@ class Replicas(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        #: the group of replicas
         group = dist.group.WORLD if process_group is None else process_group
         self.process_group = typing.cast(dist.ProcessGroup, group)
         if forward_sync_buffers is not None:
@@ -115,15 +99,13 @@ class Replicas(torch.nn.Module):
             broadcast_from_first(start, self.process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sync_each_forward:  # a module without buffers: not a Python call per submodule a step
+        if self._sync_each_forward:
             broadcast_from_first(list(self.module.buffers()), self.process_group)  # read each time, as DDP
         return self.module(*args, **kwargs)
 
-    # ------------------------------------------------------------------ the steps that need gradients
     def gradients_ready(self, state: SparseState) -> None:
-        """After the backward, before the optimizer step, on every process: a timed fallback's plain
-        DDP step averages the gradients; under fp16 AMP the processes agree on an overflow (then every
-        gradient is NaN, and every scaler skips the step). Otherwise nothing: each keeps its own."""
+        """After the backward, on every process: a plain DDP step averages the gradients; under fp16 AMP the
+        processes agree on an overflow. Otherwise each keeps its own."""
         steps = state.step_exchange
         if steps.plain_ddp:
             self._average(state)
@@ -131,15 +113,13 @@ class Replicas(torch.nn.Module):
             params = [p for p in self.module.parameters() if p.grad is not None]
             grads: list[Tensor] = [p.grad for p in params if p.grad is not None] or [torch.empty(0)]
             last: Future[Tensor] | None = None
-            for i, grad in enumerate(grads):  # the agreement's one all-reduce leaves with the last
+            for i, grad in enumerate(grads):
                 last = steps.keep_gradient(grad, i == len(grads) - 1)
             assert last is not None
             last.wait()
 
     def _average(self, state: SparseState) -> None:
-        """The gradients averaged as plain DDP averages them, in buckets of ``bucket_cap_mb`` (in reverse
-        order of the parameters, as DDP's), through the state's exchange (dense on these steps); a
-        parameter without a gradient here counts as zeros in the average."""
+        """The gradients averaged as DDP does, in its buckets (a missing gradient counts as zeros)."""
         buckets = self._buckets_of(state)
         futures: list[Future[Tensor]] = []
         for i, bucket in enumerate(buckets):

@@ -28,18 +28,12 @@ HOOK_DEFAULTS: dict[str, Any] = {"compress": "gradient"}
 
 
 class SparseState:
-    """The state of the sparse communication hook on one rank.
+    """The state of the sparse exchange on one rank: settings, residuals, telemetry and the step's exchange.
 
-    Holds the :class:`~lightning_sparse.config.SparseConfig` (every setting is read there), the
-    error-feedback residuals (by parameter name), the telemetry and the
-    :class:`~lightning_sparse.exchange.step.StepExchange` that runs each optimizer step's exchange. It
-    contains no process group, so it pickles (``ddp_spawn``); :meth:`bind` attaches it to a DDP
-    model's parameters and process group.
+    It holds no process group until :meth:`bind`, so it pickles (``ddp_spawn``).
 
     Args:
-        config: the settings; or give them as keyword arguments (those of
-            :class:`~lightning_sparse.config.SparseConfig`). Used with the hook alone
-            (``register_comm_hook(state, sparse_comm_hook)``), ``compress`` defaults to
+        config: the settings (a :class:`~lightning_sparse.config.SparseConfig`); ``compress`` defaults to
             ``"gradient"`` here.
         **settings: the settings, when ``config`` is None.
 
@@ -57,11 +51,10 @@ class SparseState:
         self.config = config
         self.compressor: Compressor = config.compressor  # type: ignore[assignment]
         self.memory = ErrorFeedback()
-        if config.offload_residual:  # update mode: the residuals live in CPU memory between exchanges
+        if config.offload_residual:
             self.memory.home = torch.device("cpu")
         self.velocity = LocalMomentum()
         self.telemetry = Telemetry()
-        #: one optimizer step of the exchange: the step counter, the step's bookkeeping, the buckets
         self.step_exchange = StepExchange(config, self.memory, self.velocity, self.telemetry)
         self.process_group: dist.ProcessGroup | None = None
         #: update mode: optimizer steps since the last exchange, per group of parameters
@@ -77,8 +70,7 @@ class SparseState:
 
     @property
     def timed_fallback(self) -> TimedFallback | None:
-        """This rank's timed fallback, its trials and choices (:attr:`StepExchange.timed_fallback`: a copy of
-        the config's), or None where ``fallback_to_dense`` is not ``"time"``."""
+        """This rank's timed fallback (:attr:`StepExchange.timed_fallback`), or None."""
         return self.step_exchange.timed_fallback
 
     @property
@@ -106,7 +98,6 @@ class SparseState:
         """What the wire code works with on this rank (settings, stores, counted collectives)."""
         return self.step_exchange.wire
 
-    # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["process_group"] = None
@@ -115,7 +106,6 @@ class SparseState:
         state["_plans"] = {}
         return state
 
-    # ------------------------------------------------------------------ binding
     def bind(
         self,
         named_parameters: Iterable[tuple[str, Tensor]],
@@ -123,15 +113,10 @@ class SparseState:
         check_consistency: bool = True,
         trainable_only: bool = True,
     ) -> None:
-        """Attach to the parameters (names for residuals) and the process group used to exchange.
+        """Attach to the parameters (names for residuals) and the process group; every rank at the same point.
 
-        ``trainable_only``: skip parameters that do not require gradients (False: the caller chose
-        them, e.g. detached shards of trainable FSDP2 parameters).
-
-        With ``check_consistency`` every rank's configuration is compared (one small collective)
-        and a mismatch raises ValueError naming the ranks, instead of hanging in a collective later.
-        Then the density schedule is set up (on every rank; it may run collectives, e.g. to
-        measure the network for an adaptive density).
+        ``check_consistency``: compare every rank's settings (a mismatch raises, rather than hang later).
+        ``trainable_only``: skip parameters that do not require gradients.
         """
         trainable = [(name, p) for name, p in named_parameters if p.requires_grad or not trainable_only]
         self._names = {id(p): name for name, p in trainable}
@@ -199,10 +184,7 @@ class SparseState:
         return plan
 
     def measure_residual_norm(self) -> float:
-        """The L2 norm of this rank's residuals after the last finished step (one read of each).
-
-        Records it in ``telemetry.residual_norm`` / ``residual_norm_step`` and returns it.
-        """
+        """The L2 norm of this rank's residuals, recorded in ``telemetry.residual_norm``."""
         norm = self.memory.norm_sq() ** 0.5
         self.telemetry.residual_norm = norm
         self.telemetry.residual_norm_step = self.step - 1
@@ -210,13 +192,8 @@ class SparseState:
 
     @torch.no_grad()
     def measure_unsent_ratio(self) -> float | None:
-        """Update mode: the norm of this rank's unsent part over the norm of the parameters the
-        module holds (the global model between steps), how far the global model lags this rank's
-        own view; None in gradient mode (its residuals are gradients) or before :meth:`bind`.
-
-        Records it in ``telemetry.unsent_ratio`` and returns it (one read of the residuals and of
-        the parameters).
-        """
+        """Update mode: the norm of the unsent part over the parameters' (None in gradient mode or unbound),
+        recorded in ``telemetry.unsent_ratio``."""
         if self.config.compress != "update" or not self._params:
             return None
         params_sq = sum_of_squares(list(self._params))
@@ -224,12 +201,8 @@ class SparseState:
         self.telemetry.unsent_ratio = ratio
         return ratio
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
-        """This rank's state: residuals by parameter name, step, schedule and telemetry totals.
-
-        ``copy=False`` hands out the residuals themselves where they are on the CPU (for writing
-        them at once, without a second copy in memory)."""
+        """This rank's state (``copy=False``: the residuals on the CPU themselves, not copies)."""
         timed = self.timed_fallback
         return {
             "version": STATE_VERSION,

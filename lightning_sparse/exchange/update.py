@@ -1,24 +1,7 @@
-"""Update compression: exchange part of each rank's optimizer progress after the step.
+"""Update compression: after the optimizer step each rank sends part of ``u = e + delta`` (its unsent progress).
 
-With ``compress="update"`` DDP's communication hook sends nothing: every rank's optimizer steps
-on its own gradient. After the step, :class:`UpdateExchange` sends, per parameter, the
-coordinates the compressor selects of ``u = e + delta`` (``delta``: what this rank's optimizer
-just did to the parameter; ``e``: what the rank has not sent yet), through the gradient hook's
-:class:`~lightning_sparse.exchange.step.StepExchange` (its wire, schedules and telemetry). The
-average of what the ranks sent goes to the outer step (:mod:`lightning_sparse.exchange.outer`; by default
-it is added to the *global* parameters), and every rank keeps the unsent part as its residual ``e``.
-
-For its forward, backward and optimizer steps each rank holds its own view of the model in the
-module, ``global + e`` (:meth:`UpdateExchange.hold_local`): gradients are taken there (the unsent
-progress is delayed for the others, not lost from the rank's view). With ``sync_every = H`` the view
-stays in the module for the whole cycle of H steps, as DiLoCo keeps its local model. After an
-exchange the module holds the new global parameters, identical on every rank. Where something needs
-the global model in the middle of a cycle (validation, checkpoints, the end of fit),
-:meth:`UpdateExchange.hold_global` folds the cycle's progress into the residual first.
-
-Conservation, per parameter and rank, exactly: ``sent + e_new == e_old + delta``, with
-``delta = p - (global + e_old)`` computed in float32 from the parameter at the exchange (or the
-fold) and the view the cycle started from.
+The average goes to the outer step; each rank keeps the rest as ``e`` and trains its own view ``global + e``.
+Conservation, exactly, per parameter and rank: ``sent + e_new == e_old + delta``, ``delta = p - (global + e_old)``.
 """
 
 from __future__ import annotations
@@ -57,8 +40,7 @@ from lightning_sparse.wire.comm import Rounds, run_together
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
-#: float32 bytes per exchanged bucket at most: large, as a bucket costs a fixed number of operations
-DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES = 1024 * 1024 * 1024, 25 * 1024 * 1024  # the second: offloaded
+DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES = 1024 * 1024 * 1024, 25 * 1024 * 1024  # float32 bytes a bucket; offloaded
 _CPU = torch.device("cpu")  # where offloaded global copies live
 
 
@@ -66,12 +48,9 @@ class UpdateExchange:
     """Exchanges each rank's unsent optimizer progress after its optimizer steps.
 
     Args:
-        state: the shared :class:`~lightning_sparse.exchange.state.SparseState` (compressor, density,
-            residuals, telemetry); bound to the model's parameters by :meth:`bind`.
-        bucket_bytes: an optimizer's parameters go in messages of at most this many bytes of
-            float32 updates (a larger parameter gets one of its own).
-        outer_step: what the global parameters do with each exchange's average (default:
-            :class:`~lightning_sparse.exchange.outer.AddAverage`).
+        state: the shared :class:`~lightning_sparse.exchange.state.SparseState`, bound by :meth:`bind`.
+        bucket_bytes: the most float32 bytes per exchanged bucket (a larger parameter gets its own).
+        outer_step: what the global parameters do with the average (default: ``AddAverage``).
 
     Example:
         >>> import torch
@@ -88,31 +67,22 @@ class UpdateExchange:
         self.state = state
         self.bucket_bytes = int(bucket_bytes)
         self.outer_step = AddAverage() if outer_step is None else outer_step
-        #: called when a timed fallback takes the ranks to plain DDP steps (with a ``sync_every`` of
-        #: 1): the strategy averages its optimizers' states there (see :func:`average_optimizer_states`)
+        #: called on entering a timed fallback's plain DDP steps (the strategy averages optimizer states)
         self.on_dense: Callable[[], None] | None = None
-        #: the updates this rank dropped as non-finite, and their healing
         self.nonfinite = NonfiniteUpdates()
-        #: called with the names of the parameters whose update was dropped, after the exchange: the
-        #: strategy resets its optimizers' state for them there (:meth:`_heal`)
+        #: called with the names of dropped non-finite updates (the strategy resets their optimizer state)
         self.on_nonfinite: Callable[[list[str]], None] | None = None
-        #: name -> parameter (trainable, bound)
         self._params: dict[str, Tensor] = {}
         self._names: dict[int, str] = {}
-        #: name -> the global value of a parameter (a view into its bucket's flat storage once exchanged)
         self._global: dict[str, Tensor] = {}
-        #: name -> the parameter's version counter when it was last set to its global value
         self._synced: dict[str, int] = {}
         self._local: set[str] = set()
-        #: per group of parameters (an optimizer's), its buckets
         self._buckets: dict[tuple[int, ...], list[Bucket]] = {}
-        #: per group of parameters (an optimizer's), its fragments
         self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
         self._in_flight: list[InFlight] = []  # exchanges launched and not applied yet (sync_delay)
-        self._shaped_residuals = ShapedResiduals()  # for :meth:`hold_local`
+        self._shaped_residuals = ShapedResiduals()
         self.due_now = False  # every fragment is due at the next exchange (flush_in_rounds)
 
-    # ------------------------------------------------------------------ binding
     def bind(
         self,
         named_parameters: Iterable[tuple[str, Tensor]],
@@ -121,10 +91,7 @@ class UpdateExchange:
         check_consistency: bool = True,
         aliases: Iterable[tuple[str, Tensor]] = (),
     ) -> None:
-        """Attach to the model's parameters and process group (binds the state too; see
-        :meth:`SparseState.bind <lightning_sparse.exchange.state.SparseState.bind>`). ``aliases``: other
-        tensors, by the name of the parameter they stand for, that callers may pass as ``params``
-        (under FSDP2 the optimizer holds DTensors; the exchange works on their local shards)."""
+        """Attach to the parameters and process group; ``aliases``: other tensors (FSDP2's DTensors) of a name."""
         aliases = list(aliases)
         trainable = {n for n, a in aliases if a.requires_grad}  # an alias says whether its tensor trains
         named = [(n, p) for n, p in named_parameters if p.requires_grad or n in trainable]
@@ -132,7 +99,7 @@ class UpdateExchange:
         self.state.bind(named, process_group=process_group, check_consistency=check_consistency, trainable_only=False)
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
-        for n, p in aliases:  # e.g. FSDP2's DTensors, which the optimizer holds, for their local shards
+        for n, p in aliases:
             if n in self._params:
                 self._names[id(p)] = n
         self._global = {}
@@ -164,14 +131,9 @@ class UpdateExchange:
             return list(self._params)
         return [n for n in map(self._names.get, map(id, params)) if n is not None]
 
-    # ------------------------------------------------------------------ the rank's own view
     @torch.no_grad()
     def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
-        """Let the module hold this rank's view ``global + e`` of ``params`` (default: all).
-
-        Called before the rank's forward/backward/optimizer step; parameters that already hold
-        the rank's view are left as they are.
-        """
+        """Put this rank's view ``global + e`` of ``params`` (default: all) in the module, before its forward."""
         self.nonfinite.check()  # max_nonfinite_steps consecutive non-finite exchanges: the error, here
         if not self.active:
             return
@@ -191,9 +153,7 @@ class UpdateExchange:
                 home, pin = self._place(p)  # (the device above is its home, inline: no call a tensor)
                 self._global[name] = g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=pin)
                 self._synced.pop(name, None)
-            # The module holds the global value unless something wrote to the parameter since
-            # (a checkpoint restore, a callback): then what it holds is the global value now.
-            if self._synced.get(name) != p._version:
+            if self._synced.get(name) != p._version:  # written since (a checkpoint restore): the global value now
                 g.copy_(p)
             e = held.get(name)
             if e is not None and e.device == p.device:
@@ -208,15 +168,7 @@ class UpdateExchange:
 
     @torch.no_grad()
     def hold_global(self, params: Iterable[Tensor] | None = None) -> None:
-        """Put the global values of ``params`` (default: all) back in the module; parameters that
-        already hold them are left as they are.
-
-        For validation, checkpoints and the end of fit in the middle of a cycle of local steps: the
-        progress the view made since the cycle's start joins the residual first (``e += p - (global
-        + e)``, float32, exactly as an exchange would count it), so nothing is lost and the next
-        :meth:`hold_local` puts the view back up to one float rounding of each value. After an
-        exchange the module already holds them.
-        """
+        """Put the global values of ``params`` back in the module, the view's progress folded into ``e`` first."""
         if self._in_flight:
             self._complete()  # the exchanges in flight arrive first (every rank is here together)
         names = [n for n in self._names_of(params) if n in self._local]
@@ -232,10 +184,7 @@ class UpdateExchange:
             self._heal()
 
     def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None, check: bool = True) -> Tensor:
-        """``p - (global + e)`` of one parameter in float32 (into ``out``, a flat float32 tensor, or
-        a new one): what the rank's optimizer did to it since its view was put in the module. Not
-        finite: dropped (zeros), with a warning (``check=False``: the caller checks, see
-        :meth:`_drop_nonfinite`)."""
+        """``p - (global + e)`` in float32 (into ``out``); not finite: zeros and a warning, unless ``check=False``."""
         p = self._params[name]
         g = self._global[name].reshape(-1)
         seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
@@ -250,21 +199,16 @@ class UpdateExchange:
             seg.add_(e)
         torch.sub(p.reshape(-1), seg, out=seg)
         if check and not all_finite(seg):
-            # This rank's optimizer produced a non-finite parameter: drop its progress here (like a
-            # gradient scaler's skip, on this rank only); its residual is kept.
             seg.zero_()
             self._warn_nonfinite(name)
         return seg
 
-    # ------------------------------------------------------------------ where the global copy lives
     @property
     def offload(self) -> bool:
         """Whether the global copy lives in CPU memory (``offload_global``)."""
         return bool(self.state.config.offload_global)
 
     def _place(self, p: Tensor) -> tuple[torch.device, bool]:
-        """Where the global copy of ``p`` lives (the CPU when offloaded, else ``p``'s device), and
-        whether it is pinned (an offloaded copy of a CUDA parameter: faster copies to and from it)."""
         if self.offload:
             return _CPU, p.is_cuda
         return p.device, False
@@ -276,10 +220,7 @@ class UpdateExchange:
             self._synced[name] = p._version
             self._local.discard(name)
 
-    # ------------------------------------------------------------------ the exchange
     def _buckets_for(self, names: list[str]) -> list[Bucket]:
-        """The buckets of a group of parameters; their global values live in one flat tensor per
-        bucket, so that the exchange adds the average of what was sent straight into it."""
         key = tuple(map(id, map(self._params.__getitem__, names)))
         buckets = self._buckets.get(key)
         if buckets is not None and all([b.owns(self._global) for b in buckets]):
@@ -302,13 +243,7 @@ class UpdateExchange:
 
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:
-        """After an optimizer step on ``params`` (default: all): send, average, keep the rest.
-
-        Every rank must call it at the same point with the same parameters (the collectives are
-        issued here, in one order, from this thread). Afterwards the module holds the new global
-        values of ``params``. With ``sync_every = H`` only every H-th call exchanges, the cycle's
-        progress with the residual; the others leave the rank's view in the module.
-        """
+        """After an optimizer step on ``params``: send, average, keep the rest (every rank at the same point)."""
         if not self.active:
             return
         state = self.state
@@ -317,9 +252,7 @@ class UpdateExchange:
         if steps.plain_ddp or not names:
             steps.mark_end()
             return
-        if steps.skips is not None and steps.skips.overflowed:
-            # fp16 AMP: every rank's scaler skipped this step (agreed in the hook): nothing moved,
-            # nothing is sent; the residuals, the global model and the cycle stay as they were
+        if steps.skips is not None and steps.skips.overflowed:  # every rank's fp16 scaler skipped it: nothing moves
             if state.config.sync_every == 1:
                 self._hold_global(names)
             steps.end_unexchanged()
@@ -332,7 +265,7 @@ class UpdateExchange:
         fragments = fragments_of(self._fragments, names, self._params, self.state.config)
         launch: list[Bucket] = []
         for f, fragment in enumerate(fragments):
-            cycle = "|".join(sorted(fragment))  # optimizer steps since this fragment's last exchange
+            cycle = "|".join(sorted(fragment))
             start = (len(fragments) - 1 - f) * h // len(fragments)  # fragments' exchanges staggered over the cycle
             position = state.cycle.get(cycle, start) + 1
             sync = self.due_now or position >= h
@@ -341,50 +274,41 @@ class UpdateExchange:
                 if sync:
                     launch.append(bucket)
                 else:
-                    # between this fragment's exchanges the view stays in the module, the global values aside;
-                    # telemetry counts what dense DDP would have moved for it
                     self._count_local(bucket)
         if not launch:
             steps.end_unexchanged()
             return
         delay = state.config.sync_delay
         launches: list[Rounds[Future[Average]]] = []
-        # every bucket's collectives leave as one per kind and round (buckets bound the exchange's
-        # buffers, not the number of round trips)
-        with steps.wire.comm.coalescing():
-            # a non-finite update is dropped before anything is sent: one host read for the exchange
-            # (offloaded, one a bucket: a bucket's residuals are staged on the device one at a time)
-            for together in [[b] for b in launch] if self.offload else [launch]:
+        with steps.wire.comm.coalescing():  # one collective per kind and round: buckets bound buffers only
+            for together in [[b] for b in launch] if self.offload else [launch]:  # offloaded: staged one at a time
                 plans = [state.plan(bucket.delta, bucket.params) for bucket in together]
                 prepared = [
                     bucket_parts(b, p, memory, steps.wire, self._progress) for b, p in zip(together, plans, strict=True)
                 ]
                 drop_nonfinite([part for parts, _ in prepared for part in parts], self._warn_nonfinite)
                 for bucket, plan, (parts, flat) in zip(together, plans, prepared, strict=True):
-                    # u = e + delta, what this rank hands over: the view keeps its sent part meanwhile
-                    if delay and flat is not None:  # (the residual's regions of the small tensors hold zeros)
+                    if delay and flat is not None:  # u = e + delta, handed over (the view keeps it meanwhile)
                         torch.add(bucket.delta, flat, out=bucket.pending_buffer())
                     elif delay:
                         for _, seg, e, pos in parts:
                             u = bucket.pending_buffer()[pos : pos + seg.numel()]
                             torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
-                    # every update is finite now (a non-finite one was dropped above): the patterns skip their check
                     launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
             futures = run_together(launches)
             steps.close()
         if delay:
             self._in_flight.append(InFlight(group, launch, futures, delay))
             self._heal()
-            return  # the collectives progress in the background; the view stays in the module
+            return
         for bucket, future in zip(launch, futures, strict=True):
-            self._apply_average(bucket, self._wait(future))  # through the outer step
+            self._apply_average(bucket, self._wait(future))
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
             self._hold_bucket(bucket)
         self._heal()
         steps.mark_end()
 
     def _hold_bucket(self, bucket: Bucket) -> None:
-        """:meth:`_hold_global` of a bucket's parameters in one operator."""
         torch._foreach_copy_(bucket.params, bucket.views)
         for name, p in zip(bucket.names, bucket.params, strict=True):
             self._synced[name] = p._version
@@ -402,13 +326,7 @@ class UpdateExchange:
         self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
 
     @torch.no_grad()
-    def _complete(self, group: tuple[str, ...] | None = None) -> None:
-        """Exchanges in flight (``sync_delay``): count down those of ``group`` (an optimizer's
-        parameters; an optimizer step passed) and apply those due; ``None``: apply every one now
-        (something needs the global model). The module keeps the view: at each parameter
-        ``p += (global_new - global_old) - sent``, the view becomes the new global values plus all
-        it has not had averaged yet (its residual and its progress since the launch), computed as
-        ``p += global_new - (global_old + sent)``."""
+    def _complete(self, group: tuple[str, ...] | None = None) -> None:  # sync_delay: those due land (None: all)
         keep: list[InFlight] = []
         for flight in self._in_flight:
             if group is not None:
@@ -423,33 +341,22 @@ class UpdateExchange:
         self._in_flight = keep
 
     def _land(self, flight: InFlight) -> None:
-        """Apply an exchange in flight (its averages through the outer step; the view follows)."""
+        """Apply an exchange in flight; the view keeps its unaveraged part: ``p += new - (old + sent)``."""
         memory = self.state.memory
         for bucket, future in zip(flight.buckets, flight.futures, strict=True):
             average = self._wait(future)
             average.settle()  # the residuals hold what this rank did not send (split: only now)
-            # In place in the float32 buffer, no allocation (a fresh buffer of the model's size
-            # costs page faults worth several passes): u - e_new is what this rank sent, and
-            # global_old + sent where the global values would be with its own part alone.
-            target = bucket.pending_buffer()
+            target = bucket.pending_buffer()  # in place: u - e_new (what this rank sent), then + global_old
             plan = self.state.plan(bucket.delta, bucket.params)
             bucket.subtract_residuals(target, memory, plan, residual_layout(self.state.wire, plan, target))
             target.add_(bucket.glob.to(target.device))
             self._apply_average(bucket, average)
-            # the view's change: global_new - (global_old + sent), exactly 0 where nothing was
-            # sent or arrived, so those coordinates of the view keep their bits
-            change = torch.sub(bucket.glob.to(target.device), target, out=target)
+            change = torch.sub(bucket.glob.to(target.device), target, out=target)  # 0 where nothing moved: bits kept
             bucket.add_change(change)
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
 
-    # ------------------------------------------------------------------ timed fallback to plain DDP
     def _timed_dense(self) -> bool:
-        """With a timed fallback and a ``sync_every`` of 1, the step's way of sending is settled
-        before its forward: its trial's dense steps and a dense choice are plain DDP steps
-        (gradients all-reduced in DDP's hook, as plain DDP does). Entering them, every rank's
-        unsent part is added to the global model (its mean, one dense all-reduce) and the optimizer
-        states are averaged, so that the replicas stay identical. Returns whether this step is a
-        plain DDP step."""
+        """Whether this is a timed fallback's plain DDP step; entering them flushes the residuals."""
         steps = self.state.step_exchange
         if not steps.times_whole_steps:
             return False
@@ -462,36 +369,30 @@ class UpdateExchange:
 
     @torch.no_grad()
     def flush_residuals(self, rounds: int | None = None) -> None:
-        """Add the mean over processes of their residuals (with the progress since the last exchange)
-        to the global model, which the module then holds, and empty the residuals: one float32
-        all-reduce of the exchanged parameters, every process at the same point (``rounds``: see
-        :func:`~lightning_sparse.exchange.update_parts.flush_in_rounds`)."""
+        """Add the mean of the processes' residuals to the global model, and empty them (``rounds``: in rounds)."""
         if not self.active:
             return
         if rounds is not None:
             return flush_in_rounds(self, rounds)
         self.hold_global()
         flush_exactly(self.state, self._params)
-        self._synced.clear()  # the module holds the new global values: the next view starts from them
+        self._synced.clear()
 
     def _count_local(self, bucket: Bucket) -> None:
-        """Telemetry of a step between exchanges: what dense DDP would have moved for it."""
         state, counters = self.state, Counters(numel=bucket.delta.numel())
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
         state.telemetry.record(state.plan(bucket.delta, bucket.params).label, counters, "local step")
 
     @property
     def nonfinite_updates(self) -> int:
-        """Parameter updates this rank dropped because they were not finite (one per tensor and exchange)."""
+        """Tensor updates this rank dropped as non-finite."""
         return self.nonfinite.updates
 
     def _warn_nonfinite(self, name: str) -> None:
         self.nonfinite.found(name)
 
     def _heal(self) -> None:
-        """After an exchange that dropped updates of this rank: those parameters go back to their
-        global values (the view keeps its sent part meanwhile under ``sync_delay``), and the
-        strategy resets its optimizers' state for them (``on_nonfinite``); see :class:`NonfiniteUpdates`."""
+        """Parameters whose update was dropped go back to their global values; ``on_nonfinite`` resets them."""
         names = self.nonfinite.settle(self.state.rank, self.state.step, self.state.config.max_nonfinite_steps)
         if names:
             self._hold_global([n for n in names if n in self._local])

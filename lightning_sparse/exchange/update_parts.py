@@ -26,8 +26,7 @@ __all__ = [
 
 
 class Bucket:
-    """Parameters exchanged in one message: their update buffer (float32) and global values (one
-    flat tensor in the parameters' dtype; ``globals_[name]`` becomes a view into it)."""
+    """Parameters exchanged in one message: a float32 update buffer and their global values, flat."""
 
     def __init__(
         self, names: list[str], params: list[Tensor], globals_: dict[str, Tensor], home: torch.device, pin: bool
@@ -50,18 +49,15 @@ class Bucket:
             view = self.glob[pos : pos + p.numel()].view(p.shape)
             old = globals_.get(name)
             if old is not None:
-                view.copy_(old)  # the rank's view is held in the module: keep the global value
+                view.copy_(old)
             globals_[name] = view
             self.views.append(view)
             self._regions += ((pos, p.numel()),)
             pos += p.numel()
 
     def progress(self, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> Tensor | None:
-        """Into :attr:`delta`: what the rank's optimizer did to the bucket's parameters since its view
-        was put in the module, ``p - (global + e)``, for the whole bucket at once, with its
-        residuals as one flat tensor laid out as ``layout`` (returned). The same float32 operations
-        as one tensor at a time, so the same bits. None (nothing done) where that cannot be:
-        offloaded residuals, a parameter that is not contiguous, a residual ``layout`` leaves out."""
+        """``delta = p - (global + e)`` for the whole bucket, bit-identical to one tensor at a time; returns
+        the flat residual, or None (nothing done) where they are not flat or a parameter is not contiguous."""
         params = self.flat_params()
         if params is None:
             return None
@@ -79,14 +75,12 @@ class Bucket:
         return e
 
     def delta_views(self) -> list[Tensor]:
-        """Each parameter's region of :attr:`delta` (made once)."""
         if self._delta_views is None:
             self._delta_views = RegionViews(self._regions).of(self.delta)
         return self._delta_views
 
     def flat_params(self) -> list[Tensor] | None:
-        """The parameters as flat views (kept while each still holds the same memory), None where
-        one is not contiguous (the exchange then takes it one tensor at a time)."""
+        """The parameters as flat views (kept while their memory stays), None where one is not contiguous."""
         views = self._flat_params
         if views is not None:
             for v, p in zip(views, self.params, strict=True):
@@ -100,8 +94,7 @@ class Bucket:
         return views
 
     def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> None:
-        """``target -= e`` (``target`` laid out like :attr:`delta`): in one operator where the bucket's
-        residuals are one flat tensor (zeros where a tensor has none: the same bits)."""
+        """``target -= e`` (laid out like :attr:`delta`), in one operator where the residuals are flat."""
         flat = _flat_residual(memory, plan, layout, target.device)
         if flat is not None:
             target.sub_(flat)
@@ -112,16 +105,14 @@ class Bucket:
                 target[pos : pos + numel].sub_(e.to(target.device))
 
     def put_residuals(self, source: Tensor, memory: ErrorFeedback) -> None:
-        """``e = source`` (laid out like :attr:`delta`) for each tensor that has a residual; a tensor
-        without one (sent whole) keeps what is not averaged in its view."""
+        """``e = source`` (laid out like :attr:`delta`) for each tensor that has a residual."""
         for (pos, numel), name in zip(self._regions, self.names, strict=True):
             e = memory.get(name)
             if e is not None:
                 e.view(-1).copy_(source[pos : pos + numel])
 
     def add_change(self, change: Tensor) -> None:
-        """Add ``change`` (float32, laid out like :attr:`delta`), cast to their dtype, to the
-        parameters: one ``_foreach_add_`` where they live on its device."""
+        """Add ``change`` (float32, laid out like :attr:`delta`) to the parameters, in their dtype."""
         if self.params[0].device == change.device:
             torch._foreach_add_(self.params, self._change_views_of(change))
             return
@@ -138,14 +129,12 @@ class Bucket:
         return self._change_views.of(change)
 
     def pending_buffer(self) -> Tensor:
-        """A float32 buffer like :attr:`delta` for what this rank hands over while an exchange is in
-        flight (``sync_delay``; made on first use)."""
+        """A buffer like :attr:`delta` for what this rank hands over while an exchange is in flight."""
         if self._pending is None:
             self._pending = torch.empty_like(self.delta)
         return self._pending
 
     def owns(self, globals_: dict[str, Tensor]) -> bool:
-        """Whether the global values of its parameters still live in this bucket."""
         for n, v in zip(self.names, self.views, strict=True):
             if globals_.get(n) is not v:
                 return False
@@ -153,8 +142,7 @@ class Bucket:
 
 
 class ShapedResiduals:
-    """Each parameter's residual in the parameter's shape, made once per residual (a view costs an
-    operator; the local view is put up with one ``_foreach_add_`` of them).
+    """Each parameter's residual in the parameter's shape, made once per residual (a view costs an operator).
 
     Example:
         >>> shaped, e = ShapedResiduals(), torch.zeros(6)
@@ -168,7 +156,6 @@ class ShapedResiduals:
         self._held: dict[str, tuple[Tensor, Tensor]] = {}
 
     def of(self, names: list[str], residuals: list[Tensor], params: list[Tensor]) -> list[Tensor]:
-        """The residuals of ``names`` shaped as their ``params``, all at once (no call a tensor)."""
         shaped, held = [], self._held
         for name, e, p in zip(names, residuals, params, strict=True):
             found = held.get(name)
@@ -181,8 +168,7 @@ class ShapedResiduals:
 def fragments_of(
     cache: dict[tuple[str, ...], list[list[str]]], names: list[str], params: dict[str, Tensor], config: Any
 ) -> list[list[str]]:
-    """The fragments of a group of parameters (``config.fragments`` of about equal size; one: all),
-    kept in ``cache``.
+    """The ``config.fragments`` fragments of a group of parameters, kept in ``cache``.
 
     Example:
         >>> from lightning_sparse.config import SparseConfig
@@ -202,21 +188,17 @@ def fragments_of(
     return found
 
 
-#: how a bucket's residuals lie in one flat tensor (``lightning_sparse.wire.batched.residual_layout``)
 Layout = tuple[tuple[str | None, int], ...]
 
 
 def _flat_residual(memory: ErrorFeedback, plan: BucketPlan, layout: Layout, device: torch.device) -> Tensor | None:
-    """The bucket's residuals as one flat tensor laid out as ``layout``; None where they cannot be:
-    offloaded (``ErrorFeedback.flat`` says so), or a member has a residual ``layout`` leaves out."""
     if memory.held([m.name for (name, _), m in zip(layout, plan.members, strict=True) if name is None]):
         return None
     return memory.flat(layout, device)
 
 
 class InFlight:
-    """An exchange launched and not applied yet: its optimizer group, buckets, futures and the
-    optimizer steps left before it is applied."""
+    """An exchange launched and not applied yet (``left``: optimizer steps before it is)."""
 
     def __init__(self, group: tuple[str, ...], buckets: list[Bucket], futures: list[Future[Average]], left: int):
         self.group = group
@@ -239,12 +221,8 @@ def check_fragments(count: int, tensors: int, holder: str) -> None:
 
 
 def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "strided") -> list[list[str]]:
-    """Split parameter tensors (name, number of elements), in module order, into ``count`` fragments
-    of about equal size, each in module order.
-
-    ``"strided"``: each tensor joins the fragment with the fewest elements so far (the first such),
-    so equal blocks go round robin; ``"contiguous"``: runs of consecutive tensors, each cut where the
-    elements so far pass the next equal share (every fragment keeps at least one tensor).
+    """Split (name, numel) pairs into ``count`` fragments of about equal size: ``"strided"`` (each to the
+    smallest so far) or ``"contiguous"`` (runs cut at equal shares), each in module order.
 
     Example:
         >>> sizes = [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
@@ -260,13 +238,13 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
             totals[f] += numel
         return parts
     parts = [[]]
-    closed = 0  # elements of the fragments already closed
-    current = 0  # elements of the open one
+    closed = 0
+    current = 0
     total = sum(n for _, n in sizes)
     for i, (name, numel) in enumerate(sizes):
-        left = len(sizes) - i  # tensors not placed yet, this one included
+        left = len(sizes) - i
         unopened = count - len(parts)
-        target = (total - closed) / (unopened + 1)  # an equal share of what the open and later ones hold
+        target = (total - closed) / (unopened + 1)
         if parts[-1] and unopened and (current + numel / 2 > target or left == unopened):
             parts.append([])
             closed += current
@@ -277,10 +255,7 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
 
 
 class StagedAverage:
-    """An exchange's average for global values that live off the device (``offload_global``): each
-    :meth:`add_to` adds it into a copy of ``out`` on the device, with the same operations as into
-    ``out`` itself, and copies the result back, so the bits are those of an exchange without
-    offloading; an outer optimizer steps where its parameters are, on the CPU."""
+    """An average for offloaded global values: added on the device and copied back, for the same bits."""
 
     def __init__(self, average: Average, device: torch.device) -> None:
         self.average = average
@@ -288,7 +263,7 @@ class StagedAverage:
         self.parties = average.parties
 
     def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
-        staged = out.to(self.device, copy=True)  # one bucket at a time: bounded on the device
+        staged = out.to(self.device, copy=True)
         self.average.add_to(staged, chosen_scale)
         out.copy_(staged)
         return out
@@ -297,10 +272,8 @@ class StagedAverage:
 def bucket_parts(
     bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: Any, progress: Callable[..., Any]
 ) -> tuple[list[tuple[str, Tensor, Tensor | None, int]], Tensor | None]:
-    """Each parameter's progress into the bucket's buffer, ``delta = p - (global + e)``: the whole
-    bucket in a few operators where its residuals lie flat (that flat residual returned too), else
-    parameter by parameter with ``progress(name, e, out=..., check=False)``. Returns (name,
-    progress, residual, offset) per parameter, as :func:`drop_nonfinite` takes them."""
+    """``delta = p - (global + e)`` into the bucket's buffer: (name, progress, residual, offset) per
+    parameter, as :func:`drop_nonfinite` takes them, and the flat residual where there is one."""
     flat = bucket.progress(memory, plan, residual_layout(wire, plan, bucket.delta))
     if flat is not None:
         return [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)], flat
@@ -309,17 +282,14 @@ def bucket_parts(
         seg = bucket.delta[pos : pos + numel]
         e = memory.get(name) if name in memory else None
         if e is not None and e.device != seg.device:
-            e = e.to(seg.device)  # an offloaded residual
-        progress(name, e, out=seg, check=False)  # delta = p - (global + e): from the view the cycle started from
+            e = e.to(seg.device)
+        progress(name, e, out=seg, check=False)
         parts.append((name, seg, e, pos))
     return parts, None
 
 
 def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Callable[[str], None]) -> None:
-    """Zero the progress of every parameter of a bucket that is not finite (``parts``: name, its
-    progress, residual, offset), with ``warn(name)``: their largest magnitudes in one operator
-    (``_foreach_norm`` of order inf: NaN or inf where a value is), then one host read for the
-    bucket, not one per parameter.
+    """Zero each non-finite progress of ``parts`` and ``warn(name)``, with one host read per bucket.
 
     Example:
         >>> seg = torch.tensor([1.0, float("nan")])
@@ -336,7 +306,7 @@ def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Ca
     finite = torch.isfinite(largest)
     if bool(finite.all()):
         return
-    for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):  # rare: per parameter
+    for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):
         if not ok:
             seg.zero_()
             warn(name)
@@ -344,8 +314,7 @@ def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Ca
 
 @torch.no_grad()
 def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup | None = None) -> None:
-    """Replace every floating tensor of the optimizers' states by its mean over the ranks (one
-    all-reduce per optimizer, in parameter order, the same on every rank).
+    """Replace every floating tensor of the optimizers' states by its mean over the ranks (same order on all).
 
     Example:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
@@ -367,12 +336,8 @@ def average_optimizer_states(optimizers: Iterable[Any], group: dist.ProcessGroup
 
 
 class NonfiniteUpdates:
-    """The updates one rank dropped because its optimizer made them non-finite, exchange by exchange.
-
-    :meth:`found` counts one (a tensor's), :meth:`settle` closes an exchange: the names to heal,
-    a rate-limited warning (the 1st, 2nd, 4th, 8th ... exchange with one), and, after ``limit``
-    consecutive such exchanges, the error :meth:`check` raises before the next step (outside any
-    exchange, so that a fault-tolerant exchange does not take it for a failed collective).
+    """The updates one rank dropped as non-finite; after ``limit`` exchanges in a row :meth:`check` raises,
+    before the next step (outside an exchange: a fault-tolerant one would take it for a failed collective).
 
     Example:
         >>> n = NonfiniteUpdates()
@@ -383,12 +348,10 @@ class NonfiniteUpdates:
     """
 
     def __init__(self) -> None:
-        #: tensor updates dropped, in all
         self.updates = 0
-        #: consecutive exchanges with a dropped update; exchanges with one, in all
         self.streak = 0
         self.exchanges = 0
-        self.pending: list[str] = []  # dropped in the exchange in progress
+        self.pending: list[str] = []
         self._stop: FloatingPointError | None = None
 
     def found(self, name: str) -> None:
@@ -427,9 +390,7 @@ class NonfiniteUpdates:
 
 
 def reset_optimizer_states(optimizers: Iterable[Any], names: Iterable[str], name_of: Callable[[Any], Any]) -> None:
-    """Forget the optimizers' state of the parameters named ``names`` (``name_of``: a parameter's
-    name), as if they had never stepped: AdamW's moments and step count, SGD's momentum start
-    again at their next step.
+    """Forget the optimizers' state of the parameters named ``names`` (``name_of``: a parameter's name).
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(2))
@@ -449,15 +410,11 @@ def reset_optimizer_states(optimizers: Iterable[Any], names: Iterable[str], name
 
 @torch.no_grad()
 def flush_exactly(state: Any, params: dict[str, Tensor]) -> None:
-    """Add the mean over processes of their residuals to ``params`` (by name; the module holds the
-    global model) and empty the residuals: one float32 all-reduce of all of them (none where all are
-    zero everywhere: a one-value all-reduce finds out first), counted as
-    :data:`~lightning_sparse.telemetry.stats.FLUSH_METHOD` (``state``: the
-    :class:`~lightning_sparse.exchange.state.SparseState`)."""
+    """Add the mean over processes of their residuals to ``params`` and empty them (one float32 all-reduce)."""
     parts = [(state.memory.get(n) if n in state.memory else None, p) for n, p in params.items()]
     flat = torch.cat([e.to(p.device) if e is not None else torch.zeros(p.numel(), device=p.device) for e, p in parts])
     counters = Counters(numel=flat.numel(), buckets=1, dense_buckets=1)
-    unsent = torch.count_nonzero(flat).to(torch.float32).reshape(1)  # none anywhere: no all-reduce of zeros
+    unsent = torch.count_nonzero(flat).to(torch.float32).reshape(1)  # zero everywhere: no all-reduce
     wait(state.wire.comm.all_reduce(unsent, counters))
     if unsent.item():
         counters.sent_numel = flat.numel()
@@ -471,11 +428,7 @@ def flush_exactly(state: Any, params: dict[str, Tensor]) -> None:
 
 @torch.no_grad()
 def flush_in_rounds(exchange: Any, rounds: int) -> None:
-    """``rounds`` more exchanges of what the processes have not sent, each due at once: the module
-    takes every process's view (``global + e``, its progress since the last exchange folded in),
-    then exchanges it as configured (compressor, density, ``value_bits``, outer step), so each
-    round sends the largest part of what is left and costs one exchange's bytes. What the last
-    round leaves stays in the residuals. Afterwards the module holds the global model.
+    """``rounds`` more exchanges of what the processes have not sent, as configured; what is left stays.
 
     Example:
         >>> flush_in_rounds(None, 0)
@@ -485,8 +438,8 @@ def flush_in_rounds(exchange: Any, rounds: int) -> None:
     """
     check_int("rounds", rounds, minimum=1)
     telemetry = exchange.state.telemetry
-    exchange.hold_global()  # the progress since the last exchange joins the residuals
-    exchange.due_now, telemetry.label = True, HAND_OVER  # rows of their own in the summary, no steps
+    exchange.hold_global()
+    exchange.due_now, telemetry.label = True, HAND_OVER  # rows of their own in the summary
     try:
         for _ in range(rounds):
             exchange.hold_local()
