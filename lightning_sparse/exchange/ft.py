@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, require_torchft
+from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, group_store, require_torchft, torchft_manager
 from lightning_sparse.exchange.ft_guard import Guard
 from lightning_sparse.exchange.ft_status import LighthouseView, ReplicaGroupError, explain
 from lightning_sparse.exchange.outer import OuterStep
@@ -113,7 +113,6 @@ class FaultTolerantUpdate(UpdateExchange):
         if self._join is not None:
             return
         require_torchft()
-        from torch.distributed import TCPStore
         from torchft.process_group import ProcessGroupGloo
 
         self.env = ReplicaGroupEnv.read()
@@ -121,55 +120,27 @@ class FaultTolerantUpdate(UpdateExchange):
         self._guard = Guard(self._describe)
         self._guard.install()
         os.environ.setdefault("RUST_LOG", "warn")
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = [0]
-        if group_rank == 0:
-            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            port = [self._store.port]
-        if group_world > 1:
-            source = dist.get_global_rank(group, 0) if group is not None else 0
-            dist.broadcast_object_list(port, src=source, group=group)
+        self._store, host, port = group_store(group, group_rank, group_world)
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=self.quorum_timeout))
-        self._join = (group_rank, group_world, host, port[0])
+        self._join = (group_rank, group_world, host, port)
 
     def _join_groups(self) -> None:
         """Build torchft's ``Manager`` at the first quorum, not at setup: its heartbeats count this group, and a
         group still setting up would hold the others' quorums."""
-        from torchft.manager import Manager
-
         assert self._join is not None and self.env is not None
         env, reach = self.env, "the Lighthouse and this group's torchft store"
         try:
             with self._waiting(reach, max(self.quorum_timeout, STARTUP_FLOOR_S)):
-                self.manager = self._manager(Manager, *self._join)
+                healing = (self._state_dict, self._load_state_dict)
+                self.manager = torchft_manager(
+                    env, self._pg, healing, self.min_replicas, self.quorum_timeout, self._join
+                )
         except Exception as error:
             raise RuntimeError(
                 f"lightning_sparse: replica group {env.group_id} could not reach the torchft Lighthouse at "
                 f"TORCHFT_LIGHTHOUSE={env.lighthouse!r} ({_gist(error)}); start it with `torchft_lighthouse "
                 "--min_replicas 1 --bind [::]:PORT` and set TORCHFT_LIGHTHOUSE=http://HOST:PORT."
             ) from error
-
-    def _manager(self, manager: Any, group_rank: int, group_world: int, host: str, port: int) -> Any:
-        assert self.env is not None
-        timeout = timedelta(seconds=self.quorum_timeout)
-        return manager(
-            pg=self._pg,
-            load_state_dict=self._load_state_dict,
-            state_dict=self._state_dict,
-            min_replica_size=self.min_replicas,
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=group_rank,
-            world_size=group_world,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=self.env.lighthouse,
-            replica_id=f"lightning_sparse_{self.env.group_id}",
-            hostname=host,
-            init_sync=True,
-        )
 
     def close(self) -> None:
         """Leave the groups (the Manager's servers end)."""

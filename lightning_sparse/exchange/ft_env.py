@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FT_EXTRA", "ReplicaGroupEnv", "check_fault_tolerance", "require_torchft"]
+import torch.distributed as dist
+
+__all__ = ["FT_EXTRA", "ReplicaGroupEnv", "check_fault_tolerance", "group_store", "require_torchft", "torchft_manager"]
 
 #: how to install what ``fault_tolerant=True`` needs
 FT_EXTRA = "pip install 'lightning_sparse[ft]'"
@@ -150,3 +154,52 @@ def shard_across_groups(kwargs: dict[str, Any], fault_tolerant: bool) -> dict[st
     env = ReplicaGroupEnv.read()
     inside = int(kwargs["num_replicas"])
     return {**kwargs, "num_replicas": inside * env.num_groups, "rank": int(kwargs["rank"]) + inside * env.group_id}
+
+
+def group_store(group: dist.ProcessGroup | None, group_rank: int, group_world: int) -> tuple[Any, str, int]:
+    """This replica group's torchft store: its process 0 starts it, the others learn its port (one broadcast).
+    Returns the store (None on the other processes), its host and its port."""
+    from torch.distributed import TCPStore
+
+    host, store, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), None, [0]
+    if group_rank == 0:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        port = [store.port]
+    if group_world > 1:
+        source = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(port, src=source, group=group)
+    return store, host, port[0]
+
+
+def torchft_manager(
+    env: ReplicaGroupEnv,
+    pg: Any,
+    healing: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
+    min_replicas: int,
+    timeout_s: float,
+    join: tuple[int, int, str, int],
+) -> Any:
+    """torchft's ``Manager`` of this process of a replica group (``healing``: the state a healing group
+    receives, and how it loads it; ``join``: the process's rank and size in its group, the store's host and port)."""
+    from torchft.manager import Manager
+
+    group_rank, group_world, host, port = join
+    timeout = timedelta(seconds=timeout_s)
+    return Manager(
+        pg=pg,
+        load_state_dict=healing[1],
+        state_dict=healing[0],
+        min_replica_size=min_replicas,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=group_rank,
+        world_size=group_world,
+        store_addr=host,
+        store_port=port,
+        lighthouse_addr=env.lighthouse,
+        replica_id=f"lightning_sparse_{env.group_id}",
+        hostname=host,
+        init_sync=True,
+    )

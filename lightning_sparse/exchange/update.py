@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
+from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
 from lightning_sparse.exchange.outer import AddAverage, OuterStep
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update_parts import (
@@ -24,12 +25,9 @@ from lightning_sparse.exchange.update_parts import (
     NonfiniteUpdates,
     ShapedResiduals,
     StagedAverage,
-    average_optimizer_states,
     bucket_parts,
     check_fragments,
     drop_nonfinite,
-    flush_exactly,
-    flush_in_rounds,
     fragments_of,
     split_fragments,
 )

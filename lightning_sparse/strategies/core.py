@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
 from lightning_sparse.exchange.ft import FaultTolerantUpdate, FrontEndState
+from lightning_sparse.exchange.handover import reset_optimizer_states
 from lightning_sparse.exchange.hook import sparse_comm_hook
 from lightning_sparse.exchange.outer import outer_step_for
 from lightning_sparse.exchange.replicas import REPLICA_ARGS, Replicas
@@ -33,7 +34,6 @@ from lightning_sparse.exchange.update import (
     UpdateExchange,
     average_optimizer_states,
 )
-from lightning_sparse.exchange.update_parts import reset_optimizer_states
 from lightning_sparse.strategies.advice import check_no_optimizer_momentum, training_advice
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
