@@ -1,18 +1,13 @@
 """The compressor interface and the name registry.
 
-A compressor decides *which* coordinates of a flat tensor ``p`` (gradient plus error-feedback
-residual of one parameter) are sent. What crosses the wire is fixed by its ``pattern``:
+A compressor decides *which* coordinates of a flat tensor ``p`` (gradient plus residual) are sent; its
+``pattern`` fixes what crosses the wire:
 
-- ``"gather"``: each rank picks its own ``k`` coordinates; values and int32 indices are
-  all-gathered (the same ``k`` on every rank) and summed into the dense result.
-- ``"shared"``: every rank picks the *same* coordinates (drawn only from ``ctx.shared_generator``)
-  so only the values are all-reduced; no indices cross the wire.
-- ``"sketch"``: a linear sketch of each rank's tensor is all-reduced, every rank derives the same
-  candidates from the sum, and their exact values are all-reduced in a second round
-  (:class:`~lightning_sparse.compressors.CountSketch`; ``select`` is then the one-process case).
-
-The hook (:mod:`lightning_sparse.exchange.hook`) does the rest: error feedback, value quantization,
-packing a whole bucket into one message, and writing the averaged gradient back.
+- ``"gather"``: each rank picks its own ``k`` coordinates; values and indices are all-gathered.
+- ``"shared"``: every rank picks the same coordinates (from ``ctx.shared_generator`` only); only values
+  are all-reduced.
+- ``"sketch"``: linear sketches are all-reduced, then the exact values at the candidates every rank
+  derives from their sum (:class:`~lightning_sparse.compressors.CountSketch`).
 """
 
 from __future__ import annotations
@@ -32,14 +27,13 @@ Pattern = str
 
 #: name -> compressor class; a compressor joins with ``@register_compressor``.
 COMPRESSORS: dict[str, type[Compressor]] = {}
-#: answers :meth:`Compressor.ks_for` keeps per compressor before it starts again (a density that changes at
-#: every step, as a warm-up's does, would otherwise add one set of answers a step)
+#: answers :meth:`Compressor.ks_for` keeps before it starts again (a warm-up's density changes every step)
 _KS_MEMO_SIZE = 1024
 
 
 def k_for(numel: int, density: float) -> int:
-    """Number of coordinates sent for a tensor of ``numel`` elements at ``density`` (>= 1): the rule of
-    every compressor that does not declare its own (:meth:`Compressor.k_for`).
+    """Coordinates sent of a tensor of ``numel`` elements at ``density``: ``round(density * numel)`` in
+    ``[1, numel]``, the rule of every compressor that does not declare its own (:meth:`Compressor.k_for`).
 
     Example:
         >>> k_for(1000, 0.01), k_for(10, 0.01), k_for(10, 1.0)
@@ -86,10 +80,9 @@ class CompressContext:
 class Compressor(ABC):
     """Base class of all compressors.
 
-    Subclasses implement :meth:`select` and set ``pattern``; one that sends another number of
-    coordinates than ``round(density * numel)`` declares it in :meth:`k_for`. They hold
-    configuration only: every per-step random choice comes from the generators of the
-    :class:`CompressContext`, so a compressor is stateless, picklable and resumes exactly.
+    Subclasses implement :meth:`select` and set ``pattern``. They hold configuration only: every random
+    choice comes from the :class:`CompressContext`'s generators, so a compressor is stateless and resumes
+    exactly.
 
     Example:
         >>> import torch
@@ -100,9 +93,8 @@ class Compressor(ABC):
 
     name: ClassVar[str] = ""
     pattern: ClassVar[Pattern] = "gather"
-    #: the wire's rule that selects a whole bucket's tensors at once and picks exactly what this class's
-    #: :meth:`select` picks (``"topk"``, ``"randomk"``, ``"countsketch"``), or None: one tensor at a time
-    #: through :meth:`select`. A subclass that overrides :meth:`select` starts again from None.
+    #: the wire's bucket-at-once rule that picks exactly what :meth:`select` picks (``"topk"``, ``"randomk"``,
+    #: ``"countsketch"``), or None: one tensor at a time. A subclass overriding :meth:`select` gets None.
     at_once: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -126,21 +118,15 @@ class Compressor(ABC):
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
         """Return the int64 indices of the coordinates of the 1-D tensor ``p`` to send.
 
-        ``"gather"`` compressors return exactly ``k`` unique indices in ``[0, p.numel())``.
-        ``"shared"`` compressors must return the same indices on every rank (use only
-        ``ctx.shared_generator`` and the sizes, never the values of ``p``).
+        ``"gather"``: exactly ``k`` unique indices. ``"shared"``: the same indices on every rank (from
+        ``ctx.shared_generator`` and the sizes only, never the values of ``p``).
         """
 
     def k_for(self, numel: int, density: float) -> int:
         """How many coordinates this compressor sends of a tensor of ``numel`` elements at ``density``.
 
-        The wire sizes everything by it: the ``k`` each tensor's :meth:`select` is asked for, the
-        messages (the all-gather's equal sizes), the byte rule that sends a bucket dense where that
-        moves fewer bytes, the telemetry's cost model and an adaptive density's candidates. The
-        default is :func:`k_for`, ``round(density * numel)`` within ``[1, numel]``; a compressor that
-        picks in fixed groups (:class:`~lightning_sparse.compressors.ChunkTopK`: so many per chunk)
-        declares its own count here. It must depend on the sizes and the settings only (every rank
-        must send the same number) and never exceed ``numel``.
+        The wire sizes everything by it (messages, the byte rule, telemetry, adaptive densities). It must
+        depend on the sizes and settings only (every rank sends the same number) and never exceed ``numel``.
 
         Example:
             >>> from lightning_sparse.compressors import TopK
@@ -150,9 +136,7 @@ class Compressor(ABC):
         return k_for(numel, density)
 
     def ks_for(self, numels: tuple[int, ...], density: float) -> list[int]:
-        """:meth:`k_for` of each of ``numels`` (a bucket's sparse tensors). An exchange asks at every
-        step: for a float ``density`` the answers are kept (they depend on the sizes and settings
-        only), so a subclass declares :meth:`k_for` alone.
+        """:meth:`k_for` of each of ``numels`` (a bucket's sparse tensors), kept per float ``density``.
 
         Example:
             >>> from lightning_sparse.compressors import TopK
@@ -202,8 +186,7 @@ def register_compressor(cls: type[Compressor]) -> type[Compressor]:
 
 
 def compressors_of_pattern(pattern: str) -> list[str]:
-    """The registered compressors' names whose ``pattern`` is ``pattern``, sorted: ``"gather"`` names
-    those that pick their own coordinates on each rank (by magnitude: top-k and its kind).
+    """The registered compressors' names whose ``pattern`` is ``pattern``, sorted.
 
     Example:
         >>> compressors_of_pattern("shared")

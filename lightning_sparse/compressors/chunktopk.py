@@ -16,8 +16,8 @@ _PAD = -1.0
 
 
 def tail_count(per_row: int, tail: int, chunk: int) -> int:
-    """Picks of a last row of ``tail`` values when every full row of ``chunk`` gives ``per_row``: its
-    share, ``round(per_row * tail / chunk)`` within ``[1, tail]`` (0 when ``per_row`` is 0).
+    """Picks of a last row of ``tail`` values when a full row of ``chunk`` gives ``per_row``: its share,
+    ``round(per_row * tail / chunk)`` within ``[1, tail]`` (0 when ``per_row`` is 0).
 
     Example:
         >>> tail_count(41, 1000, 4096), tail_count(41, 1, 4096), tail_count(0, 1000, 4096)
@@ -30,11 +30,9 @@ def tail_count(per_row: int, tail: int, chunk: int) -> int:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How :class:`ChunkTopK` picks ``k`` of ``numel`` values in rows of ``chunk``: ``rows`` rows (the
-    last one padded), ``per_row`` picks a row from the one ``torch.topk`` (sorted by magnitude where
-    not every row keeps all of them), ``counts`` the picks each row keeps, ``offsets`` each row's
-    first index (``(rows, 1)``) and ``keep`` the positions of the kept picks among the ``rows x
-    per_row`` (None: all of them). Made once per sizes and device.
+    """How :class:`ChunkTopK` picks ``k`` of ``numel`` values in ``rows`` rows of ``chunk`` (the last padded):
+    ``per_row`` picks a row from one ``torch.topk``, ``counts`` the picks each row keeps, ``offsets`` each
+    row's first index, ``keep`` the kept picks' positions (None: all). Made once per sizes and device.
 
     Example:
         >>> layout = RowLayout.of(10, 5, 4, torch.device("cpu"))
@@ -57,8 +55,7 @@ class RowLayout:
         def sent(per_row: int) -> int:  # what ChunkTopK.k_for gives for so many a full row
             return (rows - 1) * per_row + tail_count(per_row, tail, chunk)
 
-        # the most per full row that sends at most k (sent() grows with it), then one more in the
-        # first rows for a k that k_for does not give: fewer than one more a full row
+        # the most per full row that sends at most k, then one more in the first rows for the rest
         low, high = 0, chunk
         while low < high:
             mid = (low + high + 1) // 2
@@ -79,24 +76,14 @@ class RowLayout:
 class ChunkTopK(Compressor):
     """Chunked top-k (the selection of SparseLoCo, Sarfi et al. 2025, and of DeMo, Peng et al. 2024,
     without DeMo's DCT): the tensor is viewed as rows of ``chunk`` values and each row sends its
-    ``round(density * chunk)`` largest ``|p|``, all rows in one ``torch.topk`` along the rows.
+    ``round(density * chunk)`` largest ``|p|``, all rows in one ``torch.topk``.
 
-    The last row of a tensor whose size is not a multiple of ``chunk`` is padded (in a scratch
-    buffer, below every magnitude, so padding is never picked) and sends its share,
-    ``round(per_row * tail / chunk)``, at least one; a tensor of at most ``chunk`` values is one row
-    and sends ``round(density * numel)``, as :class:`~lightning_sparse.compressors.TopK` does. The
-    count is the compressor's own (:meth:`k_for`; the wire sizes its messages by it), about
-    ``density * numel``. Fixed shapes: no threshold estimate, no shortlist, no fallback and nothing
-    read back to the host. A ``k`` that :meth:`k_for` does not give (a direct call) is spread over
-    the rows, the first rows taking one more.
-
-    Values and indices are all-gathered (or split) as for top-k; ``value_bits`` and
-    ``compact_indices`` apply as to the other gather compressors, and the Rice-coded indices gain
-    from the picks' spacing of about one every ``1 / density`` values.
+    The last, partial row is padded below every magnitude and sends its share (at least one); a tensor
+    of at most ``chunk`` values sends ``round(density * numel)`` as top-k does. The count is the
+    compressor's own (:meth:`k_for`). Fixed shapes: no threshold, no fallback, no host read.
 
     Args:
-        chunk: values per row, an integer >= 2 (SparseLoCo's 4096 by default; DeMo's chunks of 64
-            with 32 picks each are ``chunk=64, density=0.5``).
+        chunk: values per row, >= 2 (SparseLoCo's 4096; DeMo's 32 of every 64 is ``chunk=64, density=0.5``).
 
     Example:
         >>> import torch

@@ -1,32 +1,10 @@
 """Count-sketch (Sketched SGD, Ivkin et al.): heavy hitters of the summed gradient from summed sketches.
 
-The hashes
-----------
-Row ``r`` of a ``rows x cols`` table maps coordinate ``j`` of a tensor to bucket
-``h_r(j) = (o + shift[r, b]) mod cols`` with sign ``s_r(j) = sign[r, b]``, where ``b = j // cols``
-is the block of ``j`` and ``o = j % cols`` its offset in it; ``shift`` and ``sign`` are drawn
-per (row, block) from the generator all ranks share (seed, step, parameter). Two coordinates of
-one block never share a bucket; two of different blocks share one with probability
-``1 / cols``, and their signs are independent. That is what the count-sketch estimate needs
-(pairwise-uniform collisions, unbiased signs): the estimate ``s_r(j) * table[r, h_r(j)]`` of
-``x_j`` is unbiased with variance ``||x||^2 / cols`` per row, as for fully random hashes.
-
-What it buys: nothing of size ``rows x numel`` is ever stored (the hash parameters are
-``rows x numel / cols`` numbers), and sketching a whole tensor is ``rows`` shifted slice-adds
-per block, a few memory passes, instead of computing, storing and scatter-adding ``rows``
-hashes per coordinate. (Short blocks go by runs of blocks: the buckets of a run are a
-broadcast ``offset + shift`` grid, and one scatter-add per run fills a doubled table.)
-
-Finding the candidates without an estimate per coordinate in memory: ``|median| >= tau`` needs
-``|table| >= tau`` in a majority of rows, so counting, per coordinate, the rows where its bucket
-is heavy (byte adds of shifted 0/1 rows) shortlists a superset; only the shortlist gets exact
-median estimates. ``tau`` comes from a sample of estimates, a little below the
-``p2 * k``-th largest.
-
-The exchange (pattern ``"sketch"``) sketches a bucket's tensors all at once
-(:mod:`lightning_sparse.wire.sketch`): hashes of this kind, drawn once per bucket rather than per
-tensor, so its tables and picks are not this class's for the same seed; the methods here are the
-one-tensor path (and the exchange's on a CPU for a tensor with ``rows * numel`` above ``2**20``).
+Row ``r`` sends coordinate ``j = b * cols + o`` (block ``b``) to bucket ``(o + shift[r, b]) mod cols`` with
+sign ``sign[r, b]``, drawn per (row, block) from the generator all ranks share: collisions across blocks have
+probability ``1 / cols`` and independent signs, so estimates are unbiased (variance ``||x||^2 / cols`` per
+row) while sketching is a few shifted slice-adds per block. The exchange (:mod:`lightning_sparse.wire.sketch`)
+draws its hashes per bucket, so its picks are not this class's one-tensor picks for the same seed.
 """
 
 from __future__ import annotations
@@ -45,14 +23,10 @@ from lightning_sparse.compressors.topk import largest, sample_rank, sample_thres
 
 #: local pre-truncation used by ``p1="auto"`` on CPU (sketch only the top ``p1 * k`` of p)
 AUTO_P1_CPU = 10.0
-# On CPU the per-block work goes in chunks that stay in cache.
-_CHUNK = 1 << 17
-# Up to rows * numel = _DIRECT, candidates come from all the estimates at once (few operations).
-_DIRECT = 1 << 20
-# Coordinates per segment of short blocks handled at once (rows x segment index tensors).
-_SEGMENT = 1 << 17
-# Blocks at least this long are handled one by one with slice operations; shorter ones by segments.
-_LONG_BLOCK = 1 << 14
+_CHUNK = 1 << 17  # on CPU, per-block work goes in chunks that stay in cache
+_DIRECT = 1 << 20  # up to rows * numel = _DIRECT, candidates come from all the estimates at once
+_SEGMENT = 1 << 17  # coordinates per segment of short blocks handled at once
+_LONG_BLOCK = 1 << 14  # blocks at least this long go one by one with slice-adds, shorter ones by segments
 
 
 @dataclass(frozen=True)
@@ -89,27 +63,20 @@ def _number(name: str, value: object, minimum: float, allowed: str) -> float:
 
 @register_compressor
 class CountSketch(Compressor):
-    """Count-sketch compression (Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora,
-    "Communication-efficient Distributed SGD with Sketching").
+    """Count-sketch compression (Ivkin et al., "Communication-efficient Distributed SGD with Sketching").
 
-    Each rank adds its ``p`` (gradient + residual) into a ``rows x cols`` count-sketch whose
-    hashes every rank shares; the tables are all-reduced (sketches are linear, so the sum is
-    the sketch of the summed ``p``). Every rank then estimates each coordinate of the sum as the
-    median over rows of ``sign * table[bucket]`` and takes the ``p2 * k`` coordinates of
-    largest estimate as candidates; a second all-reduce sums the exact ``p`` values at the
-    candidates, and the ``k`` largest sums are applied. Every rank zeroes its residual at those
-    ``k`` coordinates (their exact mass was sent); the rest stays in the residual.
-
-    Local pre-truncation (the authors' ``p1``): each rank sketches only about the ``p1 * k``
-    largest entries of its ``p`` (those above a sampled estimate of the ``p1 * k``-th
-    magnitude). On CPU that is the default (``p1="auto"`` means 10 on CPU, 0 elsewhere);
-    ``p1=0`` sketches everything. The second round always sums the exact, untruncated ``p``.
+    Each rank sketches its ``p`` (gradient + residual) with the shared hashes; the tables are all-reduced
+    (a sketch is linear), every rank takes the ``p2 * k`` coordinates of largest median estimate as
+    candidates, a second all-reduce sums the exact ``p`` there and the ``k`` largest sums are applied.
+    Each rank zeroes its residual at those ``k`` only (their exact mass was sent). With pre-truncation
+    (the authors' ``p1``) a rank sketches only about its top ``p1 * k`` entries; the second round
+    always sums the exact, untruncated ``p``.
 
     Args:
         rows: rows of the sketch, an odd integer (the median is then a single row's value).
         width: columns per selected coordinate: ``cols = ceil(width * k)`` (at most numel).
         p2: candidates per selected coordinate in the second round (``ceil(p2 * k)``), >= 1.
-        p1: local pre-truncation: ``"auto"``, 0 (off) or a number >= 1.
+        p1: local pre-truncation: ``"auto"`` (10 on CPU, 0 elsewhere), 0 (off) or a number >= 1.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy
@@ -142,7 +109,6 @@ class CountSketch(Compressor):
             p1 = value
         self.p1 = p1
 
-    # ------------------------------------------------------------------ sizes
     def table_shape(self, numel: int, k: int) -> tuple[int, int]:
         """``(rows, cols)`` of the table for a tensor of ``numel`` elements sending ``k``."""
         return self.rows, max(1, min(numel, math.ceil(self.width * k)))
@@ -173,7 +139,6 @@ class CountSketch(Compressor):
             generator=gen,
         )
 
-    # ------------------------------------------------------------------ round 1: sketch
     def sketch(self, p: Tensor, k: int, ctx: CompressContext, table: Tensor) -> None:
         """Add this rank's ``p`` (or its top ``p1 * k``) into ``table`` (``rows x cols``, float32)."""
         d = p.numel()
@@ -193,7 +158,6 @@ class CountSketch(Compressor):
         else:  # many short blocks: a few scatter-adds over segments of many blocks each
             _sketch_segments(table, h, p, threshold)
 
-    # ------------------------------------------------------------------ decoding
     def estimates(self, table: Tensor, h: SketchHashes, idx: Tensor) -> Tensor:
         """Median-over-rows estimates of the sketched vector at the coordinates ``idx``."""
         bucket, signs = _buckets(h, idx)
@@ -201,12 +165,7 @@ class CountSketch(Compressor):
         return median_of_rows(list(values.unbind(0)))
 
     def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
-        """Sorted indices of the ``num_candidates`` coordinates of largest estimated ``|x|``.
-
-        ``table`` is the summed sketch; the result depends only on it and on the shared hashes,
-        so every rank finds the same candidates. Memory is O(rows * cols + candidates): no
-        estimate of all ``numel`` coordinates is held at once.
-        """
+        """Sorted indices of the ``num_candidates`` largest estimates; the same on every rank (summed table)."""
         rows, cols = table.shape
         c = self.num_candidates(numel, k)
         if c >= numel:
@@ -233,8 +192,7 @@ class CountSketch(Compressor):
         return self._scan_all(table, h, c)
 
     def _sample_tau(self, table: Tensor, h: SketchHashes, c: int) -> float:
-        """A threshold a little below the ``c``-th largest ``|estimate|``, from a uniform sample of
-        estimates (shared generator: the same on every rank), taken in chunks of bounded memory."""
+        """A threshold a little below the ``c``-th largest ``|estimate|``, sampled alike on every rank."""
         d = h.numel
         n = min(d, max(4096, math.ceil(256 * d / c)), 1 << 16)  # ~256 expected above: +-6% on tau
         j = sample_rank(n, c, d, margin=4.0)
@@ -247,7 +205,7 @@ class CountSketch(Compressor):
         return float(best.min())
 
     def _scan_all(self, table: Tensor, h: SketchHashes, c: int) -> Tensor:
-        """Exact top-``c`` estimates by a scan of every coordinate (a fallback; O(chunk + c) memory)."""
+        """Exact top-``c`` estimates by a scan of every coordinate (the fallback)."""
         chunk = max(c, 1 << 16)
         best_idx = torch.empty(0, dtype=torch.long, device=table.device)
         best_val = torch.empty(0, dtype=torch.float32, device=table.device)
@@ -279,8 +237,7 @@ class CountSketch(Compressor):
 
 
 def _segments(h: SketchHashes) -> list[tuple[int, int, int, int]]:
-    """``(first block, end block, first coordinate, length)`` of runs of whole blocks holding
-    about ``_SEGMENT`` coordinates each (at least one block)."""
+    """``(first block, end block, first coordinate, length)`` of runs of about ``_SEGMENT`` coordinates."""
     per = max(1, _SEGMENT // h.cols)
     out = []
     for b0 in range(0, h.blocks, per):
@@ -291,11 +248,7 @@ def _segments(h: SketchHashes) -> list[tuple[int, int, int, int]]:
 
 
 def _grid(h: SketchHashes, b0: int, b1: int, n: int) -> tuple[Tensor, Tensor]:
-    """Buckets and signs, ``(rows, n)`` each, of the ``n`` coordinates from block ``b0`` on.
-
-    The buckets are ``offset + shift`` in ``[0, 2 * cols)``: they index a table laid twice side
-    by side (or a doubled table folded afterwards) instead of being taken modulo ``cols``.
-    """
+    """Buckets (``offset + shift``, into a doubled table) and signs of the ``n`` coordinates from block ``b0``."""
     rows = h.shifts_t.shape[0]
     offsets = torch.arange(h.cols, device=h.shifts_t.device)
     bucket = (h.shifts_t[:, b0:b1].unsqueeze(-1) + offsets).view(rows, -1)[:, :n]
@@ -317,8 +270,7 @@ def _buckets(h: SketchHashes, idx: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _sketch_segments(table: Tensor, h: SketchHashes, p: Tensor, threshold: float | None) -> None:
-    """Add ``p`` into ``table`` when blocks are short: one scatter-add per segment of blocks,
-    into a doubled table that is folded at the end (buckets need no modulo)."""
+    """Add ``p`` into ``table`` when blocks are short: a scatter-add per segment into a doubled table."""
     rows, cols = table.shape
     wide = torch.zeros(rows, 2 * cols, dtype=table.dtype, device=table.device)
     for b0, b1, start, n in _segments(h):
@@ -332,12 +284,7 @@ def _sketch_segments(table: Tensor, h: SketchHashes, p: Tensor, threshold: float
 
 
 def _sketch_slices(table: Tensor, h: SketchHashes, p: Tensor, threshold: float | None) -> None:
-    """Add ``p`` into ``table`` by shifted slice-adds, per block of ``cols`` coordinates.
-
-    With ``threshold``, only the entries with ``|p| > threshold`` are added (the others are
-    masked to zero on the way). On CPU each block is taken in cache-sized chunks, so ``p`` is
-    read from memory once for all rows; no per-coordinate index is ever built.
-    """
+    """Add ``p`` (only ``|p| > threshold`` with a threshold) into ``table`` by shifted slice-adds per block."""
     rows, cols = table.shape
     d = p.numel()
     chunk = min(cols, _CHUNK if p.device.type == "cpu" else cols)
@@ -350,10 +297,9 @@ def _sketch_slices(table: Tensor, h: SketchHashes, p: Tensor, threshold: float |
             part = p[start + offset : start + min(length, offset + chunk)]
             n = part.numel()
             if threshold is not None:
-                # hardshrink zeroes |p| <= threshold in one fused pass (a compare and mask is 5x slower)
+                # hardshrink zeroes |p| <= threshold in one fused pass
                 part = torch.ops.aten.hardshrink.out(part, threshold, out=kept[:n])
             for r in range(rows):
-                # offset o of the block goes to bucket (o + shift) mod cols
                 pos = offset + h.shifts[r][b]
                 if pos >= cols:
                     pos -= cols
@@ -379,10 +325,7 @@ def _median3(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
 
 
 def median_of_rows(values: list[Tensor]) -> Tensor:
-    """Element-wise median of an odd number of equal-size tensors.
-
-    Three and five rows use min/max networks (the median of five is the median of the fifth
-    and the two middle values of the other four), several times faster than ``torch.median``.
+    """Element-wise median of an odd number of equal-size tensors (min/max networks for 3 and 5).
 
     Example:
         >>> import torch
@@ -402,17 +345,11 @@ def median_of_rows(values: list[Tensor]) -> Tensor:
 
 
 def _estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> tuple[Tensor, Tensor]:
-    """Every coordinate whose median estimate has ``|estimate| >= tau``, with that magnitude.
-
-    ``|median| >= tau`` needs ``|table| >= tau`` in at least ``(rows - 1) // 2 + 1`` rows, so the
-    rows' 0/1 masks of heavy buckets, added per block with shifted slice-adds (bytes), shortlist a
-    superset of them without computing any per-coordinate hash; estimates are then computed for
-    the shortlist only. Memory is O(rows * cols) besides the result.
-    """
+    """Every coordinate with ``|median estimate| >= tau``, with that magnitude: that needs ``|table| >= tau``
+    in a majority of rows, so counting heavy buckets shortlists a superset; only it gets estimates."""
     rows, cols = magnitude.shape
     need = (rows - 1) // 2 + 1
-    # Counting from base = 2^bits - need, "count >= need" is the top bit: a shift, not a compare
-    # (a uint8 -> bool comparison costs several times more than the byte adds themselves).
+    # counting from base = 2**bits - need, "count >= need" is the top bit: a shift, not a compare
     bits = rows.bit_length()
     base = (1 << bits) - need
     heavy = scratch("countsketch.heavy", magnitude.numel(), torch.bool, magnitude.device).view(rows, cols)
@@ -436,8 +373,7 @@ def _estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: 
             continue
         values = []
         for r in range(rows):
-            # offset o sits in bucket o + s, or o + s - cols past the end: the sorted offsets split at
-            # cols - s, and each part is gathered from a shifted view of the row (no bucket tensor)
+            # offset o sits in bucket o + s, or o + s - cols past the end: the sorted offsets split at cols - s
             s = h.shifts[r][b]
             wrap = int(torch.searchsorted(offsets, cols - s))
             v = torch.empty(offsets.numel(), dtype=table.dtype, device=table.device)
@@ -461,8 +397,7 @@ def _joined(found: list[Tensor], magnitude: list[Tensor], device: torch.device) 
 
 
 def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Tensor]:
-    """The ``offsets`` whose ``est >= tau``, with those estimates (on CPU through NumPy, whose
-    compress runs several times faster than torch's boolean-mask indexing)."""
+    """The ``offsets`` whose ``est >= tau``, with those estimates (on CPU through NumPy)."""
     if est.device.type == "cpu":
         e = est.numpy()
         kept = np.flatnonzero(e >= tau)
@@ -474,8 +409,7 @@ def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Te
 def _estimates_at_least_segments(
     table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float
 ) -> tuple[Tensor, Tensor]:
-    """:func:`_estimates_at_least` for short blocks: the heavy-bucket count of a whole segment
-    of blocks in one gather from the doubled 0/1 table, instead of a slice-add per block."""
+    """:func:`_estimates_at_least` for short blocks: a segment's heavy-bucket counts in one gather."""
     rows, cols = magnitude.shape
     need = (rows - 1) // 2 + 1
     bits = rows.bit_length()

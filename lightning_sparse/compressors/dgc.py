@@ -14,23 +14,14 @@ from lightning_sparse.compressors.topk import finish_exactly_k, indices_at_least
 
 @register_compressor
 class DGC(Compressor):
-    """DGC's sampled-threshold selection (Lin et al., "Deep Gradient Compression"): draw
-    ``sample_fraction`` of the entries of ``|p|`` at random (per-rank generator), take the
-    threshold at the top ``k/d`` of the sample (moved two standard deviations of the sampled
-    count lower, so that at least ``k`` entries pass almost always), shortlist the entries at or above it in one
-    pass, and adjust toward ``k``.
-
-    The all-gather needs exactly ``k`` values from every rank. Too many selected entries are
-    trimmed by magnitude (DGC's own remedy for an overfull selection: the top-``k`` of those
-    selected); too few are padded with the next-largest entries by lowering the threshold
-    (``threshold *= lower``, another pass) up to ``rounds`` times. The result is therefore the
-    top-``k`` of ``|p|`` (ties aside); falls back to ``torch.topk`` after ``rounds`` lowerings
-    (a tensor with fewer than ``k`` non-zeros). DGC's momentum correction and gradient clipping
-    belong to the optimizer and are not part of this selection.
+    """DGC's sampled-threshold selection (Lin et al., "Deep Gradient Compression"): a threshold at the top
+    ``k/d`` of a random sample of ``|p|`` (per-rank generator), one shortlisting pass, then exactly ``k``:
+    too many are trimmed by magnitude (DGC's own remedy), too few padded by lowering the threshold
+    (``*= lower``) up to ``rounds`` times, then ``torch.topk``. The result is the top-``k`` of ``|p|``
+    (ties aside). DGC's momentum correction and clipping belong to the optimizer, not here.
 
     Args:
-        sample_fraction: share of the entries sampled for the threshold, in (0, 1]
-            (at least 1,024 entries, or all of a smaller tensor, are sampled).
+        sample_fraction: share of the entries sampled, in (0, 1] (at least 1,024, or all of a smaller tensor).
         lower: factor applied to the threshold when fewer than ``k`` entries pass, in (0, 1).
         rounds: most threshold lowerings before falling back to ``torch.topk``.
 
@@ -58,11 +49,8 @@ class DGC(Compressor):
         if k >= d:
             return torch.arange(d, device=p.device)
         n = min(d, max(1024, math.ceil(self.sample_fraction * d)))
-        # Two standard deviations of the sample's count below DGC's own quantile: the shortlist
-        # then holds k or more entries almost always and is trimmed in place, while the quantile
-        # itself falls short half of the time and each lowering is another pass over p (under
-        # error feedback p piles up just below the threshold, so a lowering also shortlists a
-        # large slice of it). The selection is the exact top-k either way.
+        # Two standard deviations below DGC's own quantile, which falls short half of the time: each
+        # lowering is another pass over p, and under error feedback p piles up just below the threshold.
         threshold = sample_threshold(p, k, n, ctx.local_generator(p.device), margin=2.0)
         if not (math.isfinite(threshold) and threshold > 0):
             return torch.topk(p.abs(), k, sorted=False).indices

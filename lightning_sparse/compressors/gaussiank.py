@@ -14,8 +14,7 @@ from lightning_sparse.compressors.topk import finish_exactly_k, indices_at_least
 
 
 def gaussian_threshold(p: Tensor, k: int) -> float:
-    """``|mu| + sigma * Phi^-1(1 - density / 2)``: the magnitude above which ``k`` of the
-    ``p.numel()`` entries would lie if ``p`` were normally distributed (one pass over ``p``)."""
+    """``|mu| + sigma * Phi^-1(1 - k / 2d)``: where ``k`` entries would lie above if ``p`` were Gaussian."""
     d = p.numel()
     x = p if p.dtype == torch.float32 else p.float()
     mean = float(x.sum()) / d
@@ -25,10 +24,9 @@ def gaussian_threshold(p: Tensor, k: int) -> float:
 
 
 def refit_threshold(threshold: float, count: int, target: float, d: int) -> float | None:
-    """The threshold at which about ``target`` of ``d`` magnitudes would pass, given that
-    ``count`` pass ``threshold``: the scale of a zero-mean normal tail refitted to that count,
-    ``threshold * z(target) / z(count)`` with ``z(c) = Phi^-1(1 - c / 2d)``. None when the count
-    says nothing about the scale (0, or half of ``d`` or more)."""
+    """The threshold at which about ``target`` of ``d`` magnitudes would pass, ``count`` passing
+    ``threshold``: a zero-mean normal tail refitted to that count, ``threshold * z(target) / z(count)``
+    with ``z(c) = Phi^-1(1 - c / 2d)``. None when the count says nothing (0, or ``d / 2`` or more)."""
     if count <= 0 or 2 * count >= d or not 0 < target < d:
         return None
     inv = NormalDist().inv_cdf
@@ -36,39 +34,28 @@ def refit_threshold(threshold: float, count: int, target: float, d: int) -> floa
 
 
 def _step(threshold: float, count: int, k: int, d: int, factor: float) -> float:
-    """The next threshold: refitted to the observed ``count`` (aiming at ``_AIM * k``) when that
-    moves it the way ``factor`` would, else the authors' fixed step ``threshold * factor``."""
+    """The next threshold: refitted to ``count`` (aiming at ``_AIM * k``) when that moves it the way
+    ``factor`` would, else the authors' fixed step ``threshold * factor``."""
     refit = refit_threshold(threshold, count, _AIM * k, d)
     if refit is not None and (refit < threshold if factor < 1 else refit > threshold):
         return refit
     return threshold * factor
 
 
-#: the refitted threshold aims this far above k: a few extra entries are trimmed from the
-#: shortlist at no cost, while a count short of k costs another pass over p
+#: the refit aims this far above k: extra entries are trimmed at no cost, too few cost a pass over p
 _AIM = 1.25
 
 
 @register_compressor
 class GaussianK(Compressor):
-    """Gaussian-k sparsification (Shi et al., "Understanding Top-k Sparsification in Distributed
-    Deep Learning"): estimate the top-k threshold of ``|p|`` as if ``p`` were Gaussian,
-    ``t = |mu| + sigma * Phi^-1(1 - k / 2d)``, count the entries above it and refine up to
+    """Gaussian-k sparsification (Shi et al., "Understanding Top-k Sparsification in Distributed Deep
+    Learning"): a threshold ``|mu| + sigma * Phi^-1(1 - k / 2d)`` as if ``p`` were Gaussian, refined up to
     ``rounds`` times while the count is outside the authors' band ``[2k/3, 4k/3]``.
 
-    The authors refine by fixed steps (``t *= 0.5`` below the band, ``t *= 1.5`` above). Here
-    each step instead refits the scale of a normal tail to the count just observed and aims at
-    ``1.25 k`` (the fixed step is kept when the count carries no scale, e.g. 0). The difference
-    matters under error feedback: ``p = g + e`` then piles up just below the threshold and is far
-    from Gaussian, the first estimate passes a tenth of ``k`` and halving shortlists a fifth of
-    the tensor, while the refit lands near ``k``.
-
-    The all-gather needs exactly ``k`` values from every rank, so the selection is then made
-    exactly ``k``: too many are trimmed by magnitude (the ``k`` largest of those selected), too
-    few are padded with the next-largest entries (the threshold is lowered until at least ``k``
-    pass, then trimmed). The result is therefore the top-``k`` of ``|p|`` (ties aside); the
-    Gaussian estimate decides how cheaply it is found: one pass for the moments, one per counting
-    round that lowers the threshold (raising it only filters the shortlist already in hand).
+    Each refinement refits a normal tail to the observed count (aiming at ``1.25 k``) instead of the
+    authors' fixed ``*0.5`` / ``*1.5`` steps: under error feedback ``p`` piles up just below the
+    threshold and is far from Gaussian. The all-gather needs exactly ``k``, so the result is then
+    trimmed or padded to the top-``k`` of ``|p|`` (ties aside).
 
     Args:
         rounds: refinement rounds of the threshold (0: the Gaussian estimate only).
@@ -99,9 +86,7 @@ class GaussianK(Compressor):
                 threshold = _step(threshold, count, k, d, 0.5)
                 candidates, magnitudes = indices_at_least(p, threshold), None
             elif count > 4 * k / 3:
-                # A higher threshold selects a subset of the shortlist: filter it, no pass over p.
-                # If the subset would fall short of k, the shortlist in hand already holds the
-                # top-k: trim that instead of going back to p.
+                # a higher threshold filters the shortlist (no pass over p); short of k, trim the shortlist
                 higher = _step(threshold, count, k, d, 1.5)
                 if magnitudes is None:
                     magnitudes = p[candidates].abs()
@@ -114,8 +99,7 @@ class GaussianK(Compressor):
         count = candidates.numel()
         if count >= k:
             return top_by_magnitude(p, candidates, k, magnitudes)
-        # Padding: lower the threshold to where the refitted tail puts 1.25 k (a count just short
-        # by noise needs only a few percent); the fixed steps when the count carries no scale.
+        # padding: lower to where the refitted tail puts 1.25 k; the fixed steps when the count has no scale
         refit = refit_threshold(threshold, count, _AIM * k, d)
         if refit is not None and refit < threshold:
             lower, tries = max(refit / threshold, 0.5), 16

@@ -23,15 +23,11 @@ def block_indices(d: int, k: int, start: int, device: torch.device) -> Tensor:
 
 @register_compressor
 class RandomBlock(Compressor):
-    """Random-block sparsification (Eghlidi & Jaggi, "Sparse Communication for Training Deep
-    Networks"): every rank sends the same contiguous block of ``k`` coordinates, starting at an
-    offset drawn from a generator seeded by (seed, step, parameter), so the values are
-    all-reduced and no indices cross the wire.
-
-    The block wraps around the end of the tensor (``[s, s + k)`` modulo ``numel``, ``s``
-    uniform): every coordinate is then sent with the same probability ``k / numel`` per step,
-    whereas a block kept inside the tensor would reach its first and last coordinates almost
-    never, and their error-feedback residual would grow without bound.
+    """Random-block sparsification (Eghlidi & Jaggi, "Sparse Communication for Training Deep Networks"):
+    every rank sends the same block of ``k`` coordinates at an offset drawn from (seed, step, parameter),
+    so only values are all-reduced. The block wraps around the end of the tensor: every coordinate is
+    then sent with probability ``k / numel``, where a block kept inside would almost never reach the
+    ends, whose residual would grow without bound.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy
@@ -45,6 +41,6 @@ class RandomBlock(Compressor):
         d = p.numel()
         if k >= d:
             return torch.arange(d, device=p.device)
-        # The offset is drawn on the CPU whatever the device: one number, no device sync.
+        # drawn on the CPU whatever the device: one number, no device sync
         start = int(torch.randint(0, d, (1,), generator=ctx.shared_generator(torch.device("cpu"))))
         return block_indices(d, k, start, p.device)

@@ -1,20 +1,12 @@
 """Random-k: k coordinates drawn uniformly with a seed shared by all ranks; values all-reduced.
 
-The coordinates are a function of (seed, step, parameter key, numel, k) alone, computed with a
-counter-based hash on the tensor's device (:func:`draw_subsets`): any number of tensors is drawn
-with one fixed set of operators and no host read, and a tensor gets the same coordinates whether it
-is drawn by itself (:meth:`RandomK.select`) or with the other tensors of its bucket (the exchange:
-:mod:`lightning_sparse.wire.shared`), whatever the bucket's layout (DDP lays its buckets out anew
-after its first step, resumed runs included).
-
-How a tensor of ``d`` numbers gets ``k`` distinct coordinates (:class:`SubsetLayout`): ``m``
-independent uniform draws from ``[0, d)``, ``m`` large enough that fewer than ``k`` of them are
-distinct with probability below ``2**-40`` (:func:`draws_needed`), each with a random priority; the
-distinct values with the ``k`` smallest priorities are a uniform ``k``-subset (the distinct values of
-independent draws are exchangeable, and the priorities independent of them). Should fewer than ``k``
-be distinct after all, the tensor's coordinates are its ``k`` lowest instead: the only departure from
-uniform, at that probability. Where ``m`` would reach ``d``, every coordinate is a candidate once, with
-a random priority: exactly uniform.
+A tensor's coordinates are a function of (seed, step, key, numel, k) alone, from a counter-based hash on
+its device (:func:`draw_subsets`): the same whether drawn alone or with its bucket, whatever the bucket's
+layout (DDP re-lays its buckets after the first step). ``m`` uniform draws (:func:`draws_needed`: fewer
+than ``k`` distinct with probability below ``2**-40``) with random priorities; the distinct values of the
+``k`` smallest priorities are a uniform ``k``-subset. Should fewer be distinct, the ``k`` lowest
+coordinates are taken (the only departure from uniform); where ``m`` would reach ``d``, every coordinate
+is a candidate once (exactly uniform).
 """
 
 from __future__ import annotations
@@ -31,10 +23,8 @@ from lightning_sparse._utils import mix_seed
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 
 _M32 = 0xFFFFFFFF
-#: a 32-bit hash in the two-round form of hash-prospector's lowbias32 (``x ^= x >> 16; x *= a;
-#: x ^= x >> 15; x *= b; x ^= x >> 15``, mod 2**32; its avalanche bias measured at the noise floor of
-#: 200k samples) with multipliers below 2**31: a product with a 32-bit value fits an int64, so the
-#: same bits come out on every device, with no integer overflow
+#: a 32-bit hash of hash-prospector's lowbias32 form with multipliers below 2**31: a product with a 32-bit
+#: value fits an int64, so every device gives the same bits, with no overflow
 _SHIFTS = (16, 15, 15)
 _MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
 #: the hash's three lanes per candidate: two for its value (63 bits), one for its priority
@@ -51,10 +41,7 @@ _REPEAT = 1 << 43
 def random_subset(d: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
     """A uniformly random set of ``k`` distinct indices in ``[0, d)``, in O(k) work when k << d.
 
-    Draws slightly more than ``k`` indices with replacement, drops repeats, and keeps a random
-    ``k`` of the distinct ones (a uniform subset of a uniform subset is uniform). Deterministic
-    given the generator's state, so every rank with the same seed gets the same set. (Random-k
-    itself draws with :func:`draw_subsets`, which reads nothing back to the host.)
+    Deterministic given the generator's state: every rank with the same seed gets the same set.
 
     Example:
         >>> import torch
@@ -77,8 +64,8 @@ def random_subset(d: int, k: int, generator: torch.Generator, device: torch.devi
 
 
 def mix32_(x: Tensor) -> Tensor:
-    """Hash every entry of the int64 tensor ``x`` (entries in ``[0, 2**32)``) in place: a bijection of
-    ``[0, 2**32)``, the same bits on every device. Returns ``x``.
+    """Hash in place every entry of the int64 tensor ``x`` (in ``[0, 2**32)``): a bijection, the same
+    bits on every device. Returns ``x``.
 
     Example:
         >>> mix32_(torch.tensor([0, 1, 2])).tolist()
@@ -93,9 +80,8 @@ def mix32_(x: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def draws_needed(d: int, k: int) -> int | None:
-    """How many independent uniform draws from ``[0, d)`` hold ``k`` distinct values but with probability
-    below ``2**-40`` (a bound: the smaller of a union bound on the repeats and McDiarmid's inequality);
-    None where that many would reach ``d`` (then every coordinate is a candidate, once).
+    """How many uniform draws from ``[0, d)`` hold ``k`` distinct values but with probability below
+    ``2**-40`` (a union bound or McDiarmid's); None where that many would reach ``d``.
 
     Example:
         >>> draws_needed(100_000, 1000) - 1000, draws_needed(100, 60)
@@ -133,9 +119,7 @@ def _log_failure(d: int, k: int, m: int) -> float:
 
 @dataclass(frozen=True)
 class SubsetLayout:
-    """The candidates of :func:`draw_subsets` for some tensors laid end to end, made once per
-    (tensors, device): each tensor's draws (or all its coordinates), what their values and priority
-    keys are made of, and where each tensor's ``k`` picks lie once ranked.
+    """The candidates of :func:`draw_subsets` for tensors laid end to end, made once per (tensors, device).
 
     Example:
         >>> layout = SubsetLayout.of(((7, 0, 1000, 10), (8, 1000, 50, 40)), torch.device("cpu"))
@@ -156,9 +140,8 @@ class SubsetLayout:
 
     @staticmethod
     def of(members: tuple[tuple[int, int, int, int], ...], device: torch.device) -> SubsetLayout:
-        """``members``: ``(key, offset, numel, k)`` of each tensor, by ascending offset, not overlapping
-        (the picks come out as offsets: the tensors may lie in one flat buffer), ``1 <= k``. Made anew
-        at each call: the caller keeps it (about 50 bytes per candidate)."""
+        """``members``: ``(key, offset, numel, k)`` of each tensor, by ascending offset, not overlapping,
+        ``1 <= k`` (the picks come out as offsets). Made anew at each call: the caller keeps it."""
         if len(members) >= 1 << (63 - _MEMBER_SHIFT):
             raise ValueError(f"{len(members)} tensors are too many for one draw")
         parts: list[tuple[np.ndarray, ...]] = []
@@ -203,9 +186,8 @@ class SubsetLayout:
 
 
 def draw_subsets(layout: SubsetLayout, seed: int, step: int) -> Tensor:
-    """Every tensor's ``k`` distinct coordinates (as offsets, ascending: tensor after tensor), drawn at
-    once in a fixed number of operators and no host read; each tensor's are a function of
-    ``(seed, step, its key, numel, k)`` only (see the module's docstring).
+    """Every tensor's ``k`` distinct coordinates (as offsets, ascending), drawn at once with no host read;
+    a function of ``(seed, step, key, numel, k)`` only.
 
     Example:
         >>> layout = SubsetLayout.of(((7, 0, 1000, 3), (8, 1000, 50, 2)), torch.device("cpu"))
@@ -235,9 +217,8 @@ def draw_subsets(layout: SubsetLayout, seed: int, step: int) -> Tensor:
 
 @register_compressor
 class RandomK(Compressor):
-    """Random-k sparsification: every rank sends the same ``k`` uniformly drawn coordinates (a
-    function of seed, step and parameter, never the global RNG: :func:`draw_subsets`), so only the
-    values are all-reduced and no indices cross the wire. Unscaled: error feedback keeps the rest.
+    """Random-k sparsification: every rank sends the same ``k`` uniformly drawn coordinates
+    (:func:`draw_subsets`), so only values are all-reduced. Unscaled: error feedback keeps the rest.
 
     Example:
         >>> import torch

@@ -1,9 +1,7 @@
 """Top-k: send the k coordinates of largest magnitude, with a fast exact selection.
 
-Also home of the threshold machinery the other magnitude selectors share (Gaussian-k, DGC,
-rTop-k, count-sketch's local pre-truncation): :func:`indices_at_least` shortlists the entries at
-or above a magnitude threshold in one cache-friendly pass, and :func:`top_by_magnitude` picks the
-``k`` largest of a shortlist.
+Also the threshold machinery the other magnitude selectors share: :func:`indices_at_least` shortlists the
+entries at or above a threshold in one pass, :func:`top_by_magnitude` picks the ``k`` largest of a shortlist.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ from lightning_sparse.compressors.base import CompressContext, Compressor, regis
 # Below this size (or above this density) torch.topk is as fast as anything else.
 _SMALL = 1 << 16
 _DENSE_FRACTION = 0.125
-# On CPU, shortlisting works through the tensor in chunks that stay in cache: |p|, the mask and
-# its nonzero() then cost one read of p from memory instead of three passes over it.
-_CHUNK = 1 << 17
+_CHUNK = 1 << 17  # on CPU, shortlisting goes in cache-sized chunks: one read of p instead of three passes
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
@@ -57,8 +53,7 @@ def indices_at_least(p: Tensor, threshold: float) -> Tensor:
 
 
 def _indices_at_least_numpy(p: Tensor, threshold: float) -> Tensor:
-    """:func:`indices_at_least` for CPU tensors through NumPy, whose compare and nonzero run about
-    three times faster than torch's single-threaded CPU kernels (same result, same order)."""
+    """:func:`indices_at_least` for CPU tensors through NumPy (same result, same order)."""
     x = p.detach().numpy()
     d = x.size
     chunk = min(_CHUNK, d)
@@ -79,9 +74,7 @@ def _indices_at_least_numpy(p: Tensor, threshold: float) -> Tensor:
 
 
 def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor | None = None) -> Tensor:
-    """The ``k`` entries of ``candidates`` (indices into ``p``) with the largest ``|p|``.
-
-    ``magnitudes`` may pass ``p[candidates].abs()`` when it is already at hand.
+    """The ``k`` entries of ``candidates`` (indices into ``p``) with the largest ``|p|`` (or ``magnitudes``).
 
     Example:
         >>> import torch
@@ -96,9 +89,8 @@ def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor |
 
 
 def largest(values: Tensor, k: int, smallest: bool = False) -> Tensor:
-    """Positions of the ``k`` largest (``smallest=True``: smallest) entries of a 1-D tensor, in no
-    particular order (as ``torch.topk(values, k, largest=not smallest, sorted=False).indices``; on
-    CPU through NumPy's introselect, about 4x faster).
+    """Positions of the ``k`` largest (``smallest=True``: smallest) entries of a 1-D tensor, in no order
+    (as ``torch.topk(..., sorted=False).indices``; on CPU through NumPy's introselect).
 
     Example:
         >>> import torch
@@ -118,8 +110,7 @@ def largest(values: Tensor, k: int, smallest: bool = False) -> Tensor:
 def threshold_from_sample(sample: Tensor, k: int, d: int, margin: float) -> float:
     """Estimate the ``k``-th largest of ``d`` magnitudes from ``sample``, uniform draws of them.
 
-    ``margin`` (in standard deviations of the count of sampled entries above the true threshold)
-    moves the estimate lower, so that at least ``k`` entries pass it with high probability.
+    ``margin`` (standard deviations of the sampled count) moves it lower, so that ``k`` pass almost always.
     """
     j = sample_rank(sample.numel(), k, d, margin)
     return float(torch.topk(sample, j, sorted=False).values.min())
@@ -141,11 +132,9 @@ def sample_threshold(p: Tensor, k: int, n: int, generator: torch.Generator | Non
 def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
     """Indices of the ``k`` entries of largest ``|p|``: the same set ``torch.topk`` finds (up to ties).
 
-    On large tensors it first estimates the magnitude threshold of the k-th entry from a random
-    sample, shortlists the entries at or above it with one pass, and runs ``torch.topk`` on the
-    shortlist only. The sample threshold is chosen a few standard deviations low, so the shortlist
-    holds at least ``k`` entries almost always; when it does not, it falls back to ``torch.topk``
-    over everything. Either way the result is exact. ``generator`` drives the sample only.
+    On large tensors: a threshold from a random sample (a few standard deviations low), one shortlisting
+    pass, ``torch.topk`` on the shortlist; ``torch.topk`` over everything when the shortlist falls short.
+    Exact either way; ``generator`` drives the sample only.
 
     Example:
         >>> import torch
@@ -159,8 +148,7 @@ def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = No
         return torch.empty(0, dtype=torch.long, device=p.device)
     if d < _SMALL or k > _DENSE_FRACTION * d:
         return torch.topk(p.abs(), k, sorted=False).indices
-    # Aim for ~64 sample entries above the true threshold: the estimate's relative error is then
-    # ~1/8, and a threshold 4 standard deviations low shortlists ~1.5k entries.
+    # ~64 sample entries above the true threshold: ~1/8 relative error; 4 deviations low shortlists ~1.5k
     n = min(d, max(4096, math.ceil(64 * d / k)))
     threshold = sample_threshold(p, k, n, generator, margin=4.0)
     if threshold > 0:
@@ -171,12 +159,10 @@ def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = No
 
 
 def finish_exactly_k(p: Tensor, k: int, threshold: float, candidates: Tensor, lower: float, tries: int = 8) -> Tensor:
-    """Turn a threshold shortlist into exactly ``k`` indices: the top-``k`` of ``|p|``.
+    """Turn a threshold shortlist into exactly the top-``k`` of ``|p|`` (ties aside).
 
-    Too many candidates are trimmed by magnitude (the ``k`` largest of them); too few are padded
-    with the next-largest entries, by lowering the threshold (``threshold *= lower``) and
-    shortlisting again. Either way the result is the exact top-``k`` (ties aside); after ``tries``
-    lowerings (a tensor with fewer than ``k`` non-zeros) it falls back to ``torch.topk``.
+    Too many candidates are trimmed by magnitude; too few, the threshold is lowered (``*= lower``) and the
+    shortlisting repeated, up to ``tries`` times, then ``torch.topk``.
     """
     while candidates.numel() < k and tries > 0 and threshold > 0:
         threshold *= lower
@@ -189,12 +175,10 @@ def finish_exactly_k(p: Tensor, k: int, threshold: float, candidates: Tensor, lo
 
 @register_compressor
 class TopK(Compressor):
-    """Top-k sparsification: each rank sends its ``k`` largest-magnitude coordinates of
-    gradient + residual (values and int32 indices, all-gathered).
+    """Top-k sparsification: each rank sends its ``k`` largest-magnitude coordinates of gradient + residual.
 
     Args:
-        fast: use the sample-threshold shortlist selection (exact, several times faster than
-            ``torch.topk`` on large tensors); ``False`` always calls ``torch.topk``.
+        fast: the sample-threshold shortlist selection (exact); ``False`` always calls ``torch.topk``.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy

@@ -1,17 +1,10 @@
 """Small, download-free training tasks used by the examples, the CLI configs and the benchmarks.
 
-The digits task (``lightning_sparse.demos.digits``) uses the 8x8 handwritten digits that
-scikit-learn ships inside its wheel (``pip install "lightning_sparse[examples]"``), so nothing is
-fetched at run time.
-
-The text task (``lightning_sparse.demos.text``) predicts the next character of Python source code,
-read from the ``.py`` files of the Python standard library that runs it
-(``sysconfig.get_paths()["stdlib"]``): no extra package, no download. Its data depend on the Python
-version (the standard library changes between versions) and, given that and the seed, on nothing
-else. ``lightning_sparse.demos.gpt`` trains a small GPT on the same source.
-
-The vision task (``lightning_sparse.demos.vision``) trains a ResNet-18-shaped CNN with BatchNorm,
-SGD momentum and weight decay on the same digits, upsampled to 32x32.
+- digits (:mod:`~lightning_sparse.demos.digits`): an MLP on scikit-learn's 8x8 digits
+  (``pip install "lightning_sparse[examples]"``);
+- text (:mod:`~lightning_sparse.demos.text`) and GPT (:mod:`~lightning_sparse.demos.gpt`): next-character
+  prediction on the running Python's standard-library source;
+- vision (:mod:`~lightning_sparse.demos.vision`): a ResNet-18-shaped CNN with BatchNorm on the digits at 32x32.
 
 Example:
     >>> from lightning_sparse.demos import DigitsClassifier, DigitsDataModule

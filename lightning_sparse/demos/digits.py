@@ -1,7 +1,4 @@
-"""The digits task: an MLP on the 8x8 handwritten digits that scikit-learn ships.
-
-The data lie inside scikit-learn's wheel (``pip install "lightning_sparse[examples]"``), so nothing
-is fetched at run time."""
+"""The digits task: an MLP on the 8x8 handwritten digits that scikit-learn ships (nothing is downloaded)."""
 
 from __future__ import annotations
 

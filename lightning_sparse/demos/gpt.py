@@ -26,12 +26,9 @@ def load_gpt_tensors(
 ) -> tuple[TensorDataset, TensorDataset]:
     """Language-modelling windows of standard-library source as (train, val) TensorDatasets.
 
-    A window is ``context + 1`` consecutive characters (``encode_text`` classes); the input is its
-    first ``context`` characters and the target its last ``context`` (the input shifted by one), so
-    every position of a window is a next-character prediction. Training windows start at ``n_train``
-    distinct positions of the ``TEXT_TRAIN_FILES`` source drawn with ``seed``; validation windows
-    at ``n_val`` evenly spaced positions of the ``TEXT_VAL_FILES`` source (modules never trained on).
-    Inputs and targets are int64 ``(n, context)``.
+    A window is ``context + 1`` characters: the input its first ``context``, the target its last ``context``.
+    ``n_train`` distinct positions of ``TEXT_TRAIN_FILES`` drawn with ``seed``; ``n_val`` evenly spaced ones
+    of ``TEXT_VAL_FILES`` (never trained on). Inputs and targets are int64 ``(n, context)``.
 
     Example:
         >>> train, val = load_gpt_tensors(context=32, n_train=1000, n_val=200)
@@ -60,9 +57,8 @@ def load_gpt_tensors(
 class GPTDataModule(_WindowDataModule):
     """Next-character language modelling on Python standard-library source, for ``TinyGPT``.
 
-    Batches are ``(x, y)`` int64 ``(batch, context)``: ``y`` is ``x`` shifted by one character.
-    With several processes Lightning's distributed sampler splits the windows between them; keep
-    ``n_val`` a multiple of the number of processes so that no validation window is counted twice.
+    Batches are ``(x, y)`` int64 ``(batch, context)``, ``y`` being ``x`` shifted by one. Keep ``n_val`` a
+    multiple of the number of processes, so that the distributed sampler counts no window twice.
 
     Args:
         batch_size: per-process batch size (windows).
@@ -80,20 +76,17 @@ class GPTDataModule(_WindowDataModule):
     """
 
     val_batch_size = 128
+    loader = staticmethod(load_gpt_tensors)
 
     def __init__(
         self, batch_size: int = 16, context: int = 64, n_train: int = 32768, n_val: int = 1024, seed: int = 0
     ) -> None:
         super().__init__(batch_size, context, n_train, n_val, seed)
 
-    loader = staticmethod(load_gpt_tensors)
-
 
 def warmup_cosine(step: int, total: int, warmup_fraction: float = 0.1, final_fraction: float = 0.1) -> float:
-    """Learning-rate factor at optimizer step ``step`` (0-based) of ``total``: linear warm-up, then cosine.
-
-    The factor rises linearly to 1 over the first ``warmup_fraction`` of the steps (at least one
-    step), then follows a half cosine down to ``final_fraction`` at step ``total``.
+    """Learning-rate factor at optimizer step ``step`` (0-based) of ``total``: a linear warm-up to 1 over
+    ``warmup_fraction`` of the steps (at least one), then a half cosine down to ``final_fraction``.
 
     Example:
         >>> [round(warmup_cosine(s, 100), 3) for s in (0, 9, 10, 55, 100)]
@@ -130,15 +123,10 @@ class _Block(nn.Module):
 class TinyGPT(_NormClipping, L.LightningModule):
     """A small GPT (pre-LayerNorm, causal self-attention, GELU MLP) for next-character prediction; AdamW.
 
-    Token and learned position embeddings, ``layers`` blocks, a final LayerNorm and an output layer
-    tied to the token embedding (one shared ``vocab x width`` matrix). AdamW with weight decay on the
-    matrices only (not on biases and LayerNorm gains); the learning rate warms up linearly over the
-    first ``warmup_fraction`` of the optimizer steps, then follows a cosine down to ``final_lr_fraction``
-    of ``lr`` at the end of the fit (``warmup_cosine``, stepped every optimizer step, total from
-    ``trainer.estimated_stepping_batches``). Logs ``train_loss``, ``val_loss`` (mean cross-entropy in
-    nats over every validation token) and ``val_acc`` (next-character accuracy over them).
-
-    With the defaults: 3,200,768 parameters (4 blocks of 789,760; embeddings 97x256 and 64x256).
+    The output layer is tied to the token embedding; weight decay applies to the matrices only; the
+    learning rate follows :func:`warmup_cosine` per optimizer step. Logs ``train_loss``, ``val_loss``
+    (mean cross-entropy in nats over every validation token) and ``val_acc``. 3.2M parameters with the
+    defaults.
 
     Args:
         vocab: number of character classes.
@@ -213,8 +201,7 @@ class TinyGPT(_NormClipping, L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         logits = self(x).flatten(0, 1)
-        # every window has the same number of tokens, so the batch-size-weighted mean over batches
-        # (and the mean over processes) is the mean over all validation tokens
+        # windows have equal token counts: the batch-weighted mean is the mean over all validation tokens
         self.log("val_loss", nn.functional.cross_entropy(logits, y.flatten()), sync_dist=True)
         self.log("val_acc", (logits.argmax(1) == y.flatten()).float().mean(), sync_dist=True, prog_bar=True)
 

@@ -1,9 +1,7 @@
 """The text task: next-character prediction on Python source code.
 
-The text is read from the ``.py`` files of the Python standard library that runs it
-(``sysconfig.get_paths()["stdlib"]``): no extra package, no download. Its data depend on the Python
-version (the standard library changes between versions) and, given that and the seed, on nothing
-else."""
+The text is the running Python's standard-library source (no extra package, no download): the data
+depend on the Python version and the seed only."""
 
 from __future__ import annotations
 
@@ -86,9 +84,8 @@ def load_text_tensors(
 ) -> tuple[TensorDataset, TensorDataset]:
     """Next-character windows of standard-library source as (train, val) TensorDatasets.
 
-    Training windows are ``n_train`` distinct positions of the ``TEXT_TRAIN_FILES`` source drawn with
-    ``seed``; validation windows are ``n_val`` evenly spaced positions of the ``TEXT_VAL_FILES`` source.
-    Inputs are int64 ``(n, context)`` character classes, targets int64 ``(n,)``.
+    ``n_train`` distinct positions of the ``TEXT_TRAIN_FILES`` source drawn with ``seed``; ``n_val`` evenly
+    spaced ones of ``TEXT_VAL_FILES``. Inputs int64 ``(n, context)``, targets int64 ``(n,)``.
 
     Example:
         >>> train, val = load_text_tensors(context=16, n_train=1000, n_val=200)
@@ -174,15 +171,13 @@ class TextDataModule(_WindowDataModule):
 class NextCharClassifier(_NormClipping, _Classifier):
     """Embedding + GRU over a window of characters, predicting the next one; SGD + momentum.
 
-    With the defaults every weight tensor (embedding 97x64, GRU 384x64 and 384x128, head 97x128; 93,376
-    weights) has more than 1,024 elements, so ``SparseDDPStrategy`` sends all of them sparse and only the
-    biases (865 elements) dense.
+    With the defaults every weight tensor has more than 1,024 elements, so ``SparseDDPStrategy`` sends
+    all of them sparse and only the biases dense.
 
     Args:
         embed_dim: width of the character embedding.
         hidden: GRU hidden size.
-        lr: learning rate (0.2: the best of 0.1, 0.2 and 0.5 for dense DDP over 5 epochs on 2 processes
-            with batch 64, validation accuracy 0.516 / 0.535 / 0.522).
+        lr: learning rate.
         momentum: SGD momentum.
         clip: gradient-norm clipping threshold (``None``: no clipping); the Trainer's
             ``gradient_clip_val`` overrides it.

@@ -1,11 +1,8 @@
-"""The vision task: a ResNet-18-shaped CNN with BatchNorm on the scikit-learn digits at 32x32.
+"""The vision task: a ResNet-18-shaped CNN with BatchNorm on the scikit-learn digits upsampled to 32x32.
 
-The 8x8 digits that scikit-learn ships (``pip install "lightning_sparse[examples]"``) are upsampled
-bilinearly to 32x32, one channel, so nothing is fetched at run time. The model is the CIFAR-style
-ResNet-18 (a 3x3 stem, four stages of two basic blocks, BatchNorm after every convolution), trained
-with SGD, momentum 0.9 and weight decay 5e-4: the recipe most vision models are trained with, and
-the one whose BatchNorm statistics show how far a model that validation sees lags the model that
-trains.
+The CIFAR-style ResNet-18 (3x3 stem, four stages of two basic blocks) with SGD, momentum 0.9 and weight
+decay 5e-4: the common recipe, whose BatchNorm statistics show how far the model validation sees lags the
+model that trains.
 """
 
 from __future__ import annotations
@@ -77,8 +74,7 @@ class _BasicBlock(nn.Module):
 
 
 class ResNetClassifier(_Classifier):
-    """A CIFAR-style ResNet-18 with BatchNorm for 1-channel images, trained with SGD + momentum and
-    weight decay.
+    """A CIFAR-style ResNet-18 with BatchNorm for 1-channel images; SGD + momentum and weight decay.
 
     Args:
         width: channels of the first stage (64: ResNet-18, 11.2M parameters; the stages double it).

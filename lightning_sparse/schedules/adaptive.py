@@ -1,9 +1,6 @@
-"""The decision rule: AdaptiveDensity, each step's density with the most objective improvement per bit.
+"""AdaptiveDensity: each step's density with the most objective improvement per communicated bit.
 
-Every step, the density that maximises the objective improvement per communicated bit (Khirirat,
-Magnusson, Aytekin and Johansson), the same on every rank. The energy it weighs comes from
-:func:`~lightning_sparse.schedules.energy.topk_energy`, the link it prices from
-:func:`~lightning_sparse.schedules.link.measure_link`.
+The rule of Khirirat, Magnusson, Aytekin and Johansson: ``k* = argmax_k ||Top_k(p)||^2 / C(k)``.
 """
 
 from __future__ import annotations
@@ -32,38 +29,19 @@ _W1_ALPHA, _W1_BETA = 1e-5, 1e-9  # placeholders on one process, where nothing c
 class AdaptiveDensity(DensitySchedule):
     """Every step, the density whose top-k improves the objective most per communicated bit.
 
-    The rule of Khirirat, Magnusson, Aytekin and Johansson (communication-aware adaptive
-    tuning): with ``p`` the gradient plus residual, the step's objective improvement grows with
-    ``||Top_k(p)||^2`` and its cost is ``C(k)``, so send ``k* = argmax_k ||Top_k(p)||^2 / C(k)``.
+    The rule of Khirirat, Magnusson, Aytekin and Johansson: with ``p`` the gradient plus residual, send
+    ``k* = argmax_k ||Top_k(p)||^2 / C(k)``, with ``C`` per message (one per bucket):
 
-    Cost models, per message (one message per bucket):
+    - ``"bits"``: ``C = c0 + c1 * k``; ``c0 > 0`` is required (else the ratio peaks at ``k = 1``).
+    - ``"latency_bandwidth"``: ``C = alpha + beta * bytes`` (ring model, seconds); ``alpha`` / ``beta``
+      left None are measured at start-up (:func:`~lightning_sparse.schedules.link.measure_link`) and saved
+      with the state.
 
-    - ``"bits"``: ``C = c0 + c1 * k``. ``c0`` is the per-message overhead in bits and must be
-      > 0: without it the ratio is largest at ``k = 1`` (the first coordinate always carries the
-      most energy per bit). ``c1`` is the bits per sent coordinate; None takes the bits this rank
-      actually hands to the collectives for the message: value bits plus 32 index bits per
-      coordinate for all-gather compressors (top-k), value bits for shared-coordinate ones
-      (random-k), the tables and candidate values for count-sketch.
-    - ``"latency_bandwidth"``: ``C = alpha + beta * bytes`` with ``bytes`` what the collective
-      moves through each rank (ring model), in seconds. ``alpha`` / ``beta`` left None are
-      measured at start-up by timing the process group's own collectives (the compressor's
-      all-gather or all-reduce at a few sizes, the slowest rank's median per size, fitted by least
-      squares), so every rank holds the same numbers; they are saved with the schedule's state.
-
-    A bucket that the strategy would send dense at a candidate density (``fallback_to_dense``:
-    the sparse exchange would move at least the bytes of a dense all-reduce) is costed as dense,
-    with all of its energy. The rule is made for top-k-like compressors; with random-k (shared
-    coordinates) the expected energy sent is ``k/d * ||p||^2``, whose ratio to any cost with
-    ``c0 > 0`` only grows with k, so it settles at ``max_density`` (or dense).
-
-    Every rank chooses the same density: each estimates its energy curve
-    ``||Top_k(p)||^2`` at the candidate densities (exact for tensors up to 65,536 elements, from a
-    log-scale histogram of ``p^2`` for larger ones; see :func:`topk_energy`), the ranks
-    all-gather those few numbers once per step (one small collective, launched at the end of the
-    step) and each sums them in rank order - identical inputs, identical choice. The choice from
-    step ``t``'s statistics is used at step ``t + 1``: every bucket of a step must use the density
-    fixed before its first bucket is compressed, while the statistics are only complete after its
-    last. Before the first statistics arrive, ``initial_density`` is used.
+    A bucket the strategy would send dense (``fallback_to_dense``) is costed dense, with all its energy.
+    With random-k the expected energy is ``k/d * ||p||^2``, so the rule settles at ``max_density``.
+    Every rank chooses the same density: the energy curves (:func:`topk_energy`) are all-gathered once a
+    step and summed in rank order. Step ``t``'s choice applies from step ``t + 1``: every bucket of a step
+    needs the density before the first is compressed, and the statistics are complete only after the last.
 
     Args:
         cost_model: ``"bits"`` or ``"latency_bandwidth"``.
@@ -75,8 +53,7 @@ class AdaptiveDensity(DensitySchedule):
         alpha: latency-bandwidth model: seconds per message (> 0), or None to measure it.
         beta: latency-bandwidth model: seconds per byte (> 0), or None to measure it.
         initial_density: density before the first statistics (in (0, 1]).
-        interval: gather statistics every ``interval`` steps (>= 1) and keep the density in between;
-            each statistics step costs a few passes over every sparse tensor and one small collective.
+        interval: gather statistics every ``interval`` steps (>= 1), keeping the density in between.
 
     Example:
         >>> s = AdaptiveDensity(cost_model="bits", c0=100_000, min_density=0.001, max_density=0.1)
@@ -146,9 +123,7 @@ class AdaptiveDensity(DensitySchedule):
         self._density = self.initial_density
         self._decided_step: int | None = None
         self._measured: dict[str, float] | None = None
-        # set up by setup(): what a message costs is asked of the wire under these settings, and the
-        # statistics are gathered over its process group (before setup: one process, an int32
-        # all-gather of float32 gradients); a pickled copy keeps the settings, not the group
+        # replaced by setup() (the wire's settings and process group); a pickled copy keeps no group
         self._ctx = WireContext(
             compressor=TopK(),
             error_feedback=True,
@@ -178,7 +153,6 @@ class AdaptiveDensity(DensitySchedule):
         """The process group the statistics are gathered over (None until set up, and once pickled)."""
         return self._ctx.comm.group
 
-    # ------------------------------------------------------------------ public API
     def density(self, step: int) -> float:
         self._resolve()
         return self._density
@@ -222,7 +196,6 @@ class AdaptiveDensity(DensitySchedule):
         alpha, beta = self._alpha_beta()
         return {"alpha": alpha, "beta": beta}
 
-    # ------------------------------------------------------------------ hook API
     def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:
         self._ctx = ctx
         self._grad_dtype = grad_dtype
@@ -270,7 +243,6 @@ class AdaptiveDensity(DensitySchedule):
         self._pending = (step, layout, gathered, future)
         return local.numel() * local.element_size() if future is not None else 0
 
-    # ------------------------------------------------------------------ decision
     def _resolve(self) -> None:
         """Fold the last step's gathered statistics into the decision (waits, never launches)."""
         if self._pending is None:
@@ -293,8 +265,8 @@ class AdaptiveDensity(DensitySchedule):
     def choose(self, layout: Sequence[tuple[str, Sequence[int]]], energy: Sequence[Sequence[float]]) -> float:
         """The candidate density with the largest energy per cost (ties: the smallest density).
 
-        ``layout`` lists the buckets (label, sparse tensor sizes); ``energy[b]`` holds bucket b's
-        ``||Top_k(p)||^2`` at each candidate density and its ``||p||^2`` last, summed over ranks.
+        ``layout``: the buckets (label, sparse sizes); ``energy[b]``: bucket b's ``||Top_k(p)||^2`` at each
+        candidate and ``||p||^2`` last, summed over ranks.
         """
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient

@@ -13,10 +13,12 @@ from lightning_sparse.wire import WireContext
 
 
 class DensitySchedule(ABC):
-    """Base class of density schedules.
+    """Base class of density schedules: deterministic given their state, picklable, and resumed through
+    :meth:`state_dict` / :meth:`load_state_dict`.
 
-    A schedule is deterministic given its state, picklable, and round-trips through
-    :meth:`state_dict` / :meth:`load_state_dict` so a resumed run continues where it stopped.
+    The hook calls :meth:`density` for every bucket it sends sparse; with ``observes = True`` also
+    :meth:`observe` for every sparse tensor and :meth:`end_step` once a step, on the hook's thread and in
+    the same order on every rank (so ``end_step`` may launch a collective; a future's callback never may).
 
     Example:
         >>> ConstantDensity(0.01).density(step=123)
@@ -33,26 +35,23 @@ class DensitySchedule(ABC):
     def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:  # noqa: B027
         """Called on every rank when the hook is bound to its process group (collectives allowed).
 
-        ``ctx`` holds the settings that decide what a message costs and the process group;
-        ``device`` and ``grad_dtype`` are those of the model's gradients.
+        ``ctx`` holds the message-cost settings and the group; ``device`` and ``grad_dtype`` the gradients'.
         """
 
     def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:  # noqa: B027
         """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
 
-        Called only if :attr:`observes` is true, for every sparse parameter of every bucket, before
-        ``p`` is compressed: by :func:`~lightning_sparse.wire.select.select_sorted` and by the dense
-        path (warm-up and fallback steps); a non-finite gradient is passed as it is. A wire
-        pattern that forms ``p`` without ``select_sorted`` must call it too, so that every rank
-        observes the same parameters. Must not communicate.
+        Called (if :attr:`observes`) for every sparse parameter before it is compressed, by
+        :func:`~lightning_sparse.wire.select.select_sorted` and the dense path, non-finite or not; a wire
+        pattern that forms ``p`` otherwise must call it too, so that every rank observes the same
+        parameters. Must not communicate.
         """
 
     def end_step(self, step: int) -> int:
-        """Called at the end of optimizer step ``step`` on every rank, after the step's collectives
-        were launched, on the hook's thread; may launch one small collective.
+        """Called at the end of optimizer step ``step`` on every rank, after the step's collectives were
+        launched, on the hook's thread; may launch one small all-gather.
 
-        Returns the bytes this rank handed to that collective, an all-gather (the hook counts
-        them in telemetry, with the all-gather's ring traffic).
+        Returns the bytes this rank handed to that all-gather (for telemetry).
         """
         return 0
 
@@ -96,14 +95,10 @@ class ConstantDensity(DensitySchedule):
 class WarmupDensity(DensitySchedule):
     """From ``start`` to ``end`` over the first ``steps`` optimizer steps, then ``end``.
 
-    ``exponential`` interpolates geometrically, ``start * (end / start) ** (step / steps)``, as
-    Deep Gradient Compression's warm-up does (0.25, 0.0625, 0.0156, 0.004, 0.001 over four
-    epochs); ``linear`` interpolates arithmetically. Steps count optimizer steps from 0, the
-    strategy's dense ``warmup_steps`` included. Stateless: a resumed run gets the density of its step.
-
-    With an all-gather compressor (top-k) a high starting density can move more bytes than a dense
-    all-reduce, at more processes sooner (about ``density >= 1 / world_size`` with float32 values
-    and int32 indices); the strategy then sends those buckets dense (``fallback_to_dense``).
+    ``exponential``: ``start * (end / start) ** (step / steps)``, as Deep Gradient Compression's warm-up;
+    ``linear``: arithmetic. Steps count from 0, the strategy's dense ``warmup_steps`` included. A high
+    density with an all-gather compressor can cost more bytes than a dense all-reduce (about ``density >=
+    1 / world_size``); the strategy then sends those buckets dense (``fallback_to_dense``).
 
     Args:
         start: density at step 0, in (0, 1].
@@ -145,9 +140,6 @@ class WarmupDensity(DensitySchedule):
 
     def config(self) -> dict[str, Any]:
         return {"start": self.start, "end": self.end, "steps": self.steps, "mode": self.mode}
-
-
-# --------------------------------------------------------------------------- density= parsing
 
 
 def as_schedule(density: float | DensitySchedule) -> DensitySchedule:

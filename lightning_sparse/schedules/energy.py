@@ -1,8 +1,6 @@
 """The top-k energy estimate: ``||Top_k(p)||^2`` of one tensor at many ``k`` at once.
 
-:class:`~lightning_sparse.schedules.AdaptiveDensity` weighs each candidate density by the energy
-its top-k would send; :func:`topk_energy` gives that curve at the candidates' ``k`` in a few passes
-over the tensor (exact up to 65,536 elements, from a log-scale histogram above).
+:class:`~lightning_sparse.schedules.AdaptiveDensity` weighs its candidate densities by it.
 """
 
 from __future__ import annotations
@@ -23,14 +21,10 @@ _SHORTLIST = 4096  # and the exact curve of (about) the largest 4096 entries
 def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     """``||Top_k(p)||^2`` for each ``k`` in ``ks``, and ``||p||^2`` last (float64, on p's device).
 
-    Tensors of up to 65,536 elements get exact values (one sort). Larger ones get a histogram of
-    ``p^2`` on a log scale (16 bins per factor 2, a few passes, no sort): the entries at or above
-    a bin edge are exactly the top-c entries (c their count), so every bin edge is an exact point
-    (c, top-c energy) of the curve, and the value at each requested ``k`` is interpolated
-    linearly between the two points around it. Inside one bin the values differ by less than
-    4.4%, so the interpolation errs by less than that (low: the curve is concave), in practice
-    by far less; the largest few thousand entries (whole bins) are sorted, so the curve is exact
-    for k up to there. Deterministic. Non-finite entries give non-finite values.
+    Exact up to 65,536 elements (one sort). Above, a log-scale histogram of ``p^2`` (16 bins per factor
+    2): the entries at or above a bin edge are exactly the top-c, so each edge is an exact point of the
+    curve, interpolated linearly in between (error below a bin's 4.4% width, low: the curve is concave);
+    the largest few thousand entries are sorted, exact. Deterministic; non-finite in, non-finite out.
 
     Example:
         >>> import torch
@@ -49,7 +43,7 @@ def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     # reused buffers: fresh multi-MB allocations every step cost page faults
     a2 = scratch("energy.sq", d, torch.float32, dev)
     torch.mul(x, x, out=a2) if x.dtype == torch.float32 else a2.copy_(x).square_()
-    total = a2.sum().double().reshape(1)  # float32 (pairwise) sum: a float64 sum costs 10x more
+    total = a2.sum().double().reshape(1)  # a float32 (pairwise) sum
     nb = _BINS_PER_OCTAVE * _OCTAVES
     # bin = floor(S * (log2(a2) - log2(max a2)) + nb), clamped to [0, nb - 1]: monotone in a2
     v = torch.log2(a2, out=scratch("energy.bin", d, torch.float32, dev))
@@ -65,8 +59,7 @@ def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     xs = torch.cat([zero, above_c])
     ys = torch.cat([zero, above_e])
     curve = _interp(kt.to(torch.float64), xs, ys)
-    # The top bins hold few entries each, so interpolation is coarsest at small k: sort the
-    # largest few thousand entries (whole bins) and take their exact curve wherever it reaches.
+    # interpolation is coarsest at small k: the exact curve of the largest few thousand (whole bins)
     top_bins = min(nb - 1, int(torch.searchsorted(above_c, torch.tensor([float(_SHORTLIST)], device=dev).double())))
     if float(above_c[top_bins]) <= 16 * _SHORTLIST:  # (unless a top bin is crowded: then interpolate)
         shortlist = a2[bins >= nb - 1 - top_bins]

@@ -1,8 +1,6 @@
 """The link measurement: ``seconds = alpha + beta * bytes`` fitted to a process group's own collectives.
 
-:class:`~lightning_sparse.schedules.AdaptiveDensity`'s ``"latency_bandwidth"`` cost model prices a
-message at ``alpha + beta * bytes``; :func:`measure_link` finds the ``alpha`` and ``beta`` it was
-not given, the same numbers on every rank.
+For :class:`~lightning_sparse.schedules.AdaptiveDensity`'s ``"latency_bandwidth"`` cost model.
 """
 
 from __future__ import annotations
@@ -25,10 +23,9 @@ _MEASURE_REPEATS = 7
 def measure_link(comm: Collectives, pattern: str, device: torch.device) -> dict[str, float]:
     """Fit ``seconds = alpha + beta * wire bytes`` to the collectives of ``comm``'s process group.
 
-    Times the collective a compressor of ``pattern`` sends with (``"gather"``: an all-gather, else
-    an all-reduce) at a few message sizes, each the median of a few repeats after a warm-up; the
-    slowest rank's median per size (an exact max over ranks) is fitted by least squares, so every
-    rank gets the same numbers. Launches collectives: call it on every rank, in the same order.
+    Times the collective of ``pattern`` (``"gather"``: an all-gather, else an all-reduce) at a few sizes
+    (median of repeats) and fits the slowest rank's medians, so every rank gets the same numbers.
+    Launches collectives: call it on every rank, in the same order.
 
     Returns ``{"alpha": seconds per message, "beta": seconds per byte, "world_size": ranks}``.
     """

@@ -48,26 +48,20 @@ def compression_figures(
 ) -> dict[str, float]:
     """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval``.
 
-    - ``sparse/compression_ratio``: dense wire bytes / wire bytes over those steps (the traffic a
-      dense all-reduce would move through this rank over the traffic the strategy's collectives
-      moved, ring model);
+    - ``sparse/compression_ratio``: dense wire bytes / wire bytes over those steps (ring model);
     - ``sparse/compression_ratio_cumulative``: the same over the whole run (``total``);
-    - ``sparse/message_ratio``: dense bytes / bytes sent over those steps (message sizes; equal to
-      the compression ratio at 2 ranks, above it at more when messages are all-gathered);
+    - ``sparse/message_ratio``: dense bytes / bytes sent (message sizes);
     - ``sparse/density``: fraction of gradient coordinates sent (dense parts count in full);
     - ``sparse/bytes_sent``: bytes this rank put into collectives, per step;
-    - ``sparse/bytes_sent_total``: the same over the whole run, a running total (the x axis of a
-      loss-against-bytes plot: :func:`~lightning_sparse.telemetry.metrics.loss_against_bytes`);
-    - ``sparse/wire_bytes``: bytes those collectives moved through this rank (ring model), per step;
-    - ``sparse/wire_bytes_total``: the same over the whole run, a running total;
+    - ``sparse/bytes_sent_total``: the same, a running total (the x axis of
+      :func:`~lightning_sparse.telemetry.curves.loss_against_bytes`);
+    - ``sparse/wire_bytes``, ``sparse/wire_bytes_total``: bytes those collectives moved through this rank;
     - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
-    - ``sparse/unsent_ratio`` (update mode): that norm over the norm of the global parameters, how
-      far the model that validation and checkpoints see lags this rank's own view;
-    - ``sparse/compress_ms``: milliseconds per step spent in the hook (selection, packing, launch);
-    - ``sparse/collectives``: collectives this rank issued per step (an update exchange's buckets
-      leave as one all-gather and one all-reduce; every collective costs a round trip);
-    - ``sparse/group_bytes`` (``sparse_fsdp``): bytes FSDP2's collectives inside this process's group
-      moved through it per step over those steps (ring model; ``group_bytes`` is their total).
+    - ``sparse/unsent_ratio`` (update mode): that norm over the global parameters' norm;
+    - ``sparse/compress_ms``: milliseconds per step spent in the hook;
+    - ``sparse/collectives``: collectives this rank issued per step;
+    - ``sparse/group_bytes`` (``sparse_fsdp``): bytes of FSDP2's collectives inside this process's group,
+      per step.
 
     Example:
         >>> c = Counters(dense_bytes=800, sent_bytes=20, numel=200, sent_numel=4, compress_seconds=0.002)
@@ -103,28 +97,17 @@ def find_sparse_state(trainer: pl.Trainer) -> SparseState | None:
 class CompressionMonitor(Callback):
     """Log the sparse hook's compression figures through ``pl_module.log`` and print a summary.
 
-    Every logged point covers the optimizer steps since the previous one (with
-    ``Trainer(log_every_n_steps=1)`` that is exactly one step): ``sparse/compression_ratio``
-    (dense bytes / bytes actually sent) and ``sparse/compression_ratio_cumulative`` (over the whole
-    run, resumed runs included), ``sparse/density``, ``sparse/bytes_sent`` (per step),
-    ``sparse/residual_norm`` and ``sparse/compress_ms`` (per step). Bytes are those this rank put
-    into its collectives (values, indices, dense parts, padding), counted from the tensors handed to
-    ``torch.distributed``. Because it logs through ``pl_module.log``, every Lightning logger
-    (CSV, TensorBoard, W&B, ...) receives the figures, and ``trainer.callback_metrics`` holds the
-    latest ones (which is how they reach the main process under ``sparse_ddp_spawn``).
-
-    ``SparseDDPStrategy`` adds one by itself unless one is given or ``compression_monitor=False``.
+    Each logged point covers the optimizer steps since the previous one (:func:`compression_figures`);
+    every Lightning logger receives them, and ``trainer.callback_metrics`` holds the latest (which is how
+    they reach the main process under ``sparse_ddp_spawn``). ``SparseDDPStrategy`` adds one by itself
+    unless one is given or ``compression_monitor=False``.
 
     Args:
-        logging_interval: ``"step"`` logs at the Trainer's ``log_every_n_steps`` cadence;
-            ``"epoch"`` logs once per training epoch.
-        summary: print a table of the figures of the fit (per compressor and per bucket group) on
-            rank 0 when training ends; a rich table on a terminal, plain text otherwise.
-        sync_dist: average the figures over ranks before logging (one small all-reduce per figure
-            per logged point). ``None`` (default): ``True`` with ``logging_interval="epoch"`` (once
-            per epoch, as Lightning recommends for epoch-level figures), ``False`` with ``"step"``
-            (no collective in the training loop: each rank logs its own figures and the loggers
-            write rank 0's; every rank sends the same number of bytes).
+        logging_interval: ``"step"`` (at the Trainer's ``log_every_n_steps``) or ``"epoch"``.
+        summary: print a table of the fit's figures on rank 0 when training ends.
+        sync_dist: average the figures over ranks before logging (a small all-reduce per figure).
+            ``None``: ``True`` with ``"epoch"``, ``False`` with ``"step"`` (no collective in the
+            training loop; the loggers write rank 0's figures).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -160,7 +143,6 @@ class CompressionMonitor(Callback):
         self._saved_interval: int | None = None
         self.last_summary: CompressionSummary | None = None
 
-    # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -187,7 +169,6 @@ class CompressionMonitor(Callback):
         self._saved_interval = state.step_exchange.residual_norm_interval
         state.step_exchange.residual_norm_interval = 0
 
-    # ------------------------------------------------------------------ steps
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -252,7 +233,6 @@ class CompressionMonitor(Callback):
                 batch_size=1,
             )
 
-    # ------------------------------------------------------------------ the end
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state = self._state
         if state is None:

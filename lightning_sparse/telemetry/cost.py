@@ -1,17 +1,9 @@
 """What one exchange of one bucket costs on the wire, and how it is sent, from its sizes alone.
 
-:func:`exchange_cost` answers, without a process group or any tensor, the two questions the
-exchange answers for a bucket at run time: does it go dense or sparse (warm-up, ``min_numel``, the
-byte rule), and, sparse, how (the gather pattern's all-gather or split, or the compressor's own
-pattern), with the ring-model bytes that moves through each rank. It is built from the same pieces
-as the exchange (:mod:`lightning_sparse.wire`, :meth:`~lightning_sparse.compressors.Compressor.k_for`), so its
-answer is the exchange's; the telemetry's ``wire_bytes`` of that bucket is the same figure.
-
-:func:`exchange_time` adds the link: every collective costs a round trip whatever its size, so an
-exchange takes ``collectives x round trip + bytes / bandwidth``. Across data centres (tens of
-milliseconds a round trip) the number of collectives (:func:`exchange_collectives`) weighs as
-much as the bytes: an exchange issues one collective per kind and round for all its buckets
-together.
+Built from the exchange's own pieces (:mod:`lightning_sparse.wire`,
+:meth:`~lightning_sparse.compressors.Compressor.k_for`), so :func:`exchange_cost` gives the same bytes as
+the telemetry's ``wire_bytes``. :func:`exchange_time` adds the link: every collective costs a round trip,
+so across data centres the number of collectives (:func:`exchange_collectives`) weighs as much as the bytes.
 """
 
 from __future__ import annotations
@@ -46,30 +38,23 @@ def exchange_cost(
 ) -> tuple[float, str]:
     """Ring-model wire bytes through each rank of one exchange of one bucket, and how it is sent.
 
-    The bucket holds tensors of ``numels`` elements of ``dtype`` (the gradient's, or in update mode
-    the parameters'), exchanged among ``world_size`` ranks under ``config`` at optimizer step
-    ``step`` (None: the first step after warm-up). The exchange's own decisions apply: tensors
-    below ``min_numel`` go dense; before ``warmup_steps``, or with no tensor large enough, the
-    whole bucket is all-reduced; each sparse tensor sends ``compressor.k_for(numel, density)``
-    coordinates at the schedule's density for ``step``; with the byte rule on (``fallback_to_dense``) the bucket
-    goes dense where the sparse exchange would move no fewer bytes than a dense all-reduce of its
-    sparse tensors (always at world size 1, where nothing moves). A timed fallback's decisions
-    depend on measured times and are not modelled.
+    The exchange's decisions apply: tensors below ``min_numel`` go dense; before ``warmup_steps``, or with
+    no tensor large enough, the whole bucket is all-reduced; each sparse tensor sends
+    ``compressor.k_for(numel, density)``; with the byte rule (``fallback_to_dense``) the bucket goes dense
+    where sparse would move no fewer bytes (always at world size 1). A timed fallback is not modelled.
 
     Args:
         config: the settings (compressor, density schedule, ``min_numel``, ``warmup_steps``,
             ``fallback_to_dense``, ``value_dtype``, ``value_bits``, ``exchange``, ``compact_indices``).
         numels: the number of elements of each tensor of the bucket.
         world_size: the number of ranks (>= 1).
-        dtype: the bucket's dtype (what a dense all-reduce sends; the values of a sparse exchange
-            go in ``value_dtype`` or as ``value_bits`` codes).
+        dtype: the bucket's dtype (the gradient's, or in update mode the parameters').
         step: the optimizer step of the exchange (None: ``config.warmup_steps``, the first sparse one).
 
     Returns:
-        ``(bytes, how)``: bytes through each rank under the ring model of each collective, the
-        small tensors sent beside a sparse exchange included; ``how`` is ``"dense"``, ``"allgather"``
-        or ``"split"`` (compressors of the gather pattern: topk, rtopk, gaussiank, dgc), or the
-        compressor's pattern (``"shared"``: randomk, randomblock; ``"sketch"``: countsketch).
+        ``(bytes, how)``: bytes through each rank, the small tensors sent beside included; ``how`` is
+        ``"dense"``, ``"allgather"`` or ``"split"`` (gather pattern), or the compressor's pattern
+        (``"shared"``, ``"sketch"``).
 
     Example:
         >>> from lightning_sparse import SparseConfig, exchange_cost
@@ -108,8 +93,8 @@ def exchange_cost(
 
 
 def _small_tensors_bytes(ctx: WireContext, numel: int, itemsize: int) -> float:
-    """The tensors below ``min_numel`` of a bucket sent sparse: all-reduced as they are, or, with
-    ``value_bits``, all-gathered as codes where that moves fewer bytes (``DensePattern.launch_members``)."""
+    """Bytes of a sparse bucket's tensors below ``min_numel``: all-reduced, or with ``value_bits`` all-gathered
+    as codes where that moves fewer bytes (``DensePattern.launch_members``)."""
     world, bits = ctx.world_size, ctx.value_bits
     if numel and bits is not None and coded_members_pay(world, numel, bits, itemsize):
         return ring_all_gather_bytes(world, quant.message_bytes(numel, bits))
@@ -123,14 +108,8 @@ def exchange_collectives(
     dtype: torch.dtype = torch.float32,
     step: int | None = None,
 ) -> int:
-    """How many collectives one exchange of a bucket of ``numels`` issues (arguments as
-    :func:`exchange_cost`); the same holds for all of an exchange's buckets together, which leave
-    as one collective per kind and round (in both modes).
-
-    A dense bucket: one all-reduce. Sparse: the pattern's rounds (an all-gather; the split
-    exchange's all-to-all, then its all-gather; random-k's all-reduce; the count-sketch's two
-    all-reduces), and the small tensors beside them in one all-reduce, or, as ``value_bits`` codes,
-    in the same all-gather; calls of one kind, dtype and round travel together. 0 at world size 1.
+    """How many collectives one exchange of a bucket of ``numels`` issues (arguments as :func:`exchange_cost`);
+    the same for all of an exchange's buckets together: calls of one kind, dtype and round travel together.
 
     Example:
         >>> from lightning_sparse import SparseConfig
@@ -184,10 +163,8 @@ def exchange_time(
     step: int | None = None,
 ) -> float:
     """Seconds one exchange of a bucket takes on a link of ``bandwidth`` bytes per second and
-    ``round_trip`` seconds: ``collectives x round_trip + wire bytes / bandwidth`` (the ring-model
-    bytes of :func:`exchange_cost`, the collectives of :func:`exchange_collectives`; other
-    arguments as there). A model: a ring's steps each wait for the link too, and a collective
-    library may pipeline them; it counts one round trip per collective.
+    ``round_trip`` seconds: ``collectives x round_trip + wire bytes / bandwidth`` (other arguments as
+    :func:`exchange_cost`). A model: one round trip per collective, no pipelining.
 
     Example:
         >>> from lightning_sparse import SparseConfig

@@ -25,13 +25,10 @@ def loss_against_bytes(
 ) -> list[tuple[float, float]]:
     """``(bytes sent so far, loss)`` at every logged value of ``loss``, in step order.
 
-    ``rows``: the path of a ``CSVLogger``'s ``metrics.csv``, or rows of any logger's output as
-    mappings with a ``"step"`` key (for example ``pandas.DataFrame.to_dict("records")`` of a
-    TensorBoard export). The bytes are the running total that
-    :class:`~lightning_sparse.telemetry.callbacks.CompressionMonitor` logs
-    (``sparse/bytes_sent_total``, this rank's bytes since the start of the run; or
-    ``"sparse/wire_bytes_total"``) at the latest step at or before the loss's; a loss logged
-    before any bytes is left out.
+    ``rows``: a ``CSVLogger``'s ``metrics.csv``, or any logger's rows as mappings with a ``"step"`` key.
+    The bytes are :class:`~lightning_sparse.telemetry.callbacks.CompressionMonitor`'s running total
+    (``sparse/bytes_sent_total``, or ``"sparse/wire_bytes_total"``) at the latest step at or before the
+    loss's; a loss logged before any bytes is left out.
 
     Example:
         >>> rows = [
@@ -42,8 +39,6 @@ def loss_against_bytes(
         ... ]
         >>> loss_against_bytes(rows)
         [(1000.0, 0.9), (2100.0, 0.5)]
-
-    Plotted: ``plt.plot(*zip(*loss_against_bytes("lightning_logs/version_0/metrics.csv")))``.
     """
     if isinstance(rows, (str, os.PathLike)):
         with open(rows, newline="") as f:

@@ -1,21 +1,7 @@
 """torchmetrics Metrics for the compression figures, synchronised across ranks the torchmetrics way.
 
-Each metric keeps additive states (bytes, element counts, seconds, steps) whose ``dist_reduce_fx``
-is ``"sum"``, so ``compute()`` on any rank gives the figure of all ranks together: the traffic
-ratio (dense all-reduce wire bytes / wire bytes, ring model), the mean bytes sent and moved per
-rank and step, and so on. Feed them the
-hook's counters (``strategy.sparse_state.telemetry.last`` after each optimizer step)::
-
-    from lightning_sparse.telemetry.metrics import CompressionRatio
-
-    class Model(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.ratio = CompressionRatio()
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.ratio.update(self.trainer.strategy.sparse_state.telemetry.last)
-            self.log("ratio_all_ranks", self.ratio, on_step=False, on_epoch=True)
+Their states are additive (``dist_reduce_fx="sum"``), so ``compute()`` gives the figure of all ranks
+together. Feed them the hook's counters, e.g. ``strategy.sparse_state.telemetry.last`` after each step.
 """
 
 from __future__ import annotations
@@ -63,8 +49,7 @@ class _CounterMetric(Metric):
 
 
 class _RatioMetric(_CounterMetric):
-    """``numerator / denominator`` of two counters, each summed over updates and ranks (1.0 while
-    the denominator is 0)."""
+    """``numerator / denominator`` of two counters summed over updates and ranks (1.0 while the denominator is 0)."""
 
     _ratio: tuple[str, str] = ("", "")
 
@@ -80,9 +65,8 @@ class _RatioMetric(_CounterMetric):
 
 
 class CompressionRatio(_RatioMetric):
-    """Dense wire bytes / wire bytes (``Counters.compression_ratio``): the traffic a dense
-    all-reduce would move through the ranks over the traffic of what was sent (ring model), over
-    all updates and (when synchronised) all ranks; 1.0 when nothing crossed the wire.
+    """Dense wire bytes / wire bytes (``Counters.compression_ratio``, ring model), over all updates and
+    (when synchronised) all ranks; 1.0 when nothing crossed the wire.
 
     Example:
         >>> from lightning_sparse.telemetry.stats import Counters
@@ -97,14 +81,10 @@ class CompressionRatio(_RatioMetric):
 
 
 class MessageRatio(_RatioMetric):
-    """Dense bytes / bytes sent (``Counters.message_ratio``): message sizes, whatever the
-    collectives move; over all updates and (when synchronised) all ranks.
+    """Dense bytes / bytes sent (``Counters.message_ratio``): message sizes, whatever the collectives move.
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
-        >>> m = MessageRatio()
-        >>> m.update(Counters(dense_bytes=4000, sent_bytes=100))
-        >>> float(m.compute())
+        >>> float(MessageRatio()(Counters(dense_bytes=4000, sent_bytes=100)))  # forward: this update's figure
         40.0
     """
 
@@ -116,94 +96,84 @@ class Density(_RatioMetric):
     """Fraction of gradient coordinates sent (dense parts count in full).
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = Density()
-        >>> m.update(Counters(numel=1000, sent_numel=10))
+        >>> for sent in (10, 30):
+        ...     m.update(Counters(numel=1000, sent_numel=sent))
         >>> float(m.compute())
-        0.01
+        0.02
     """
 
     higher_is_better = False
     _int_states = _ratio = ("sent_numel", "numel")
 
 
-class BytesSent(_CounterMetric):
+class _PerStepMetric(_CounterMetric):
+    """``_scale`` times the mean per optimizer step of the counter ``_counter``, kept in the state ``_total``."""
+
+    higher_is_better = False
+    _counter = ""
+    _total = "total"
+    _scale = 1.0
+
+    def update(self, counters: Counters, steps: int = 1) -> None:
+        """Add the counters of ``steps`` optimizer steps."""
+        self._add(**{self._total: getattr(counters, self._counter)}, steps=_check_steps(steps))
+
+    def compute(self) -> Tensor:
+        return self._scale * self._state(self._total).double() / self._state("steps").clamp(min=1).double()
+
+
+class BytesSent(_PerStepMetric):
     """Bytes put into collectives per rank and step (mean over updates and ranks).
 
     ``total`` (a state) holds the bytes of all updates and, after ``compute()``, of all ranks.
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = BytesSent()
         >>> m.update(Counters(sent_bytes=300), steps=3)
         >>> float(m.compute())
         100.0
     """
 
-    higher_is_better = False
     _int_states = ("total", "steps")
-
-    def update(self, counters: Counters, steps: int = 1) -> None:
-        """Add the counters of ``steps`` optimizer steps."""
-        self._add(total=counters.sent_bytes, steps=_check_steps(steps))
-
-    def compute(self) -> Tensor:
-        return self._state("total").double() / self._state("steps").clamp(min=1).double()
+    _counter = "sent_bytes"
 
 
-class WireBytes(_CounterMetric):
-    """Bytes moved through a rank per step by the collectives it issued, ring model (mean over
-    updates and ranks): an all-gather of ``m`` bytes per rank ``(W-1)*m``, an all-reduce of ``n``
-    bytes ``2*(W-1)/W*n``.
+class WireBytes(_PerStepMetric):
+    """Bytes moved through a rank per step by its collectives, ring model (mean over updates and ranks).
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
-        >>> m = WireBytes()
-        >>> m.update(Counters(sent_bytes=100, wire_bytes=300.0), steps=3)
-        >>> float(m.compute())
+        >>> float(WireBytes()(Counters(sent_bytes=100, wire_bytes=300.0), steps=3))
         100.0
     """
 
-    higher_is_better = False
     _int_states = ("steps",)
     _float_states = ("total",)
-
-    def update(self, counters: Counters, steps: int = 1) -> None:
-        """Add the counters of ``steps`` optimizer steps."""
-        self._add(total=counters.wire_bytes, steps=_check_steps(steps))
-
-    def compute(self) -> Tensor:
-        return self._state("total") / self._state("steps").clamp(min=1).double()
+    _counter = "wire_bytes"
 
 
-class CompressTime(_CounterMetric):
+class CompressTime(_PerStepMetric):
     """Milliseconds per step spent in the communication hook (mean over updates and ranks).
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
         >>> m = CompressTime()
         >>> m.update(Counters(compress_seconds=0.004), steps=2)
         >>> round(float(m.compute()), 6)
         2.0
     """
 
-    higher_is_better = False
     _int_states = ("steps",)
     _float_states = ("seconds",)
-
-    def update(self, counters: Counters, steps: int = 1) -> None:
-        """Add the counters of ``steps`` optimizer steps."""
-        self._add(seconds=counters.compress_seconds, steps=_check_steps(steps))
-
-    def compute(self) -> Tensor:
-        return 1000.0 * self._state("seconds") / self._state("steps").clamp(min=1).double()
+    _counter = "compress_seconds"
+    _total = "seconds"
+    _scale = 1000.0
 
 
 class ResidualNorm(Metric):
     """L2 norm of the error-feedback residuals of all ranks together (the gradient not sent yet).
 
-    Each rank passes the norm of its own residuals; the latest update counts (a residual is a
-    state, not a sum over steps). ``compute()`` returns ``sqrt(sum over ranks of norm**2)``.
+    Each rank passes its own residuals' norm; the latest update counts (a residual is a state, not a sum
+    over steps), and ``compute()`` returns ``sqrt(sum over ranks of norm**2)``.
 
     Example:
         >>> m = ResidualNorm()

@@ -15,19 +15,13 @@ HAND_OVER = "hand-over"
 class Counters:
     """Additive compression figures of one rank (one step, one bucket, or a whole run).
 
-    ``dense_bytes`` is what plain DDP would put into its all-reduce for the same gradients;
-    ``sent_bytes`` is what the strategy put into its collectives (values, indices, dense parts,
-    padding), counted from the tensors handed to ``torch.distributed``, not estimated.
-    ``wire_bytes`` is what those collectives move through this rank on a ring (an all-gather of
-    ``m`` bytes per rank moves ``(W-1)*m``, an all-reduce of ``n`` bytes ``2*(W-1)/W*n``; see
-    :func:`~lightning_sparse.wire.cost.ring_all_gather_bytes`), and ``dense_wire_bytes`` what a
-    dense all-reduce of the same gradients would move (``2*(W-1)/W*dense_bytes``); both are 0 at
-    world size 1, where nothing crosses the wire.
-    ``dense_buckets`` counts buckets sent dense (warm-up, fallback, all tensors small),
-    ``fallback_buckets`` those sent dense because sparse would have moved more bytes, and
-    ``nonfinite_buckets`` those in which this rank found a non-finite gradient. ``collectives``
-    counts the collectives this rank issued (one that several buckets' calls were coalesced into
-    counts once, with the first of them).
+    ``sent_bytes``: what the strategy put into its collectives (values, indices, dense parts, padding),
+    counted from the tensors handed to ``torch.distributed``; ``dense_bytes``: what plain DDP would put
+    into its all-reduce. ``wire_bytes`` and ``dense_wire_bytes``: what those collectives, or a dense
+    all-reduce, move through this rank on a ring (:func:`~lightning_sparse.wire.cost.ring_all_gather_bytes`;
+    0 at world size 1). ``dense_buckets``: buckets sent dense, ``fallback_buckets`` of them because sparse
+    would have moved more bytes; ``nonfinite_buckets``: those with a non-finite gradient on this rank;
+    ``collectives``: collectives issued (coalesced calls count once).
 
     Example:
         >>> c = Counters(dense_bytes=4000, sent_bytes=80, numel=1000, sent_numel=10)
@@ -62,15 +56,13 @@ class Counters:
 
     @property
     def compression_ratio(self) -> float:
-        """Traffic ratio: dense wire bytes / wire bytes (1.0 when nothing crossed the wire, as at
-        world size 1). Equal to :attr:`message_ratio` at 2 ranks; below it at more ranks when the
-        sparse messages are all-gathered."""
+        """Traffic ratio: dense wire bytes / wire bytes (1.0 when nothing crossed the wire); equal to
+        :attr:`message_ratio` at 2 ranks, below it at more when the messages are all-gathered."""
         return self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
     @property
     def message_ratio(self) -> float:
-        """dense bytes / bytes sent: the size of the messages, whatever the collective moves (1.0
-        when nothing was sent)."""
+        """Dense bytes / bytes sent: the size of the messages (1.0 when nothing was sent)."""
         return self.dense_bytes / self.sent_bytes if self.sent_bytes else 1.0
 
     @property
@@ -90,11 +82,9 @@ _COUNTER_NAMES = tuple(f.name for f in fields(Counters))
 class Telemetry:
     """The hook's running figures: the step in progress, the last finished step, and totals.
 
-    ``groups`` holds per-group totals, a group being the set of parameter names of a bucket;
-    ``methods`` holds totals per way a bucket was sent: the compressor's name for sparse buckets,
-    ``"dense (warm-up)"``, ``"dense (fallback)"`` or ``"dense (small tensors)"`` for dense ones.
-    ``residual_norm`` is the L2 norm of all residuals, measured every ``residual_norm_interval``
-    steps (it costs one read of every residual).
+    ``groups``: totals per bucket group (a bucket's parameter names); ``methods``: totals per way a bucket
+    was sent (the compressor's name, ``"dense (warm-up)"``, ``"dense (fallback)"``, ...);
+    ``residual_norm``: the L2 norm of all residuals, measured every ``residual_norm_interval`` steps.
 
     Example:
         >>> t = Telemetry()
@@ -114,16 +104,15 @@ class Telemetry:
     residual_norm_step: int | None = None
     #: update mode: the unsent part's norm over the parameters' norm, when last measured
     unsent_ratio: float | None = None
-    #: ``sparse_fsdp``: bytes FSDP2's all-gathers and reduce-scatters inside this process's group moved
-    #: through it (ring model, counted at each collective; apart from the exchange's figures); None: not
-    #: counted (not sharded, or a torch without FSDP2's custom collectives)
+    #: ``sparse_fsdp``: bytes FSDP2's collectives inside this process's group moved through it (ring model);
+    #: None: not counted (not sharded, or a torch without FSDP2's custom collectives)
     group_bytes: float | None = None
     #: the most wire bytes one optimizer step's exchange moved through this rank (``fragments`` lower it)
     peak_step_wire_bytes: float = 0.0
     #: seconds this rank spent waiting for exchanges to complete (update mode)
     wait_seconds: float = 0.0
-    #: while set (the hand-over's exchanges, :data:`HAND_OVER`): appended to every method's name, the
-    #: dense counterpart is 0 (dense DDP has nothing to hand over) and no step is counted
+    #: while set (the hand-over's exchanges, :data:`HAND_OVER`): appended to every method's name, with no
+    #: dense counterpart (dense DDP has nothing to hand over) and no step counted
     label: str | None = None
 
     def record_group(self, nbytes: float) -> None:
@@ -140,8 +129,7 @@ class Telemetry:
         self.methods.setdefault(method, Counters()).add(counters)
 
     def fold_current(self) -> None:
-        """Add what was recorded outside any optimizer step (an end-of-fit flush) to the totals,
-        without counting a step."""
+        """Add what was recorded outside any optimizer step (an end-of-fit flush) to the totals."""
         self.total.add(self.current)
         self.current = Counters()
 
@@ -166,8 +154,7 @@ class Telemetry:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s totals. Counters missing from an older state (``wire_bytes``,
-        ``dense_wire_bytes``, ``methods``) start at 0: the ratios then cover the steps counted since."""
+        """Restore :meth:`state_dict`'s totals; counters missing from an older state start at 0."""
         self.total = Counters(**state["total"])
         self.groups = {k: Counters(**v) for k, v in state["groups"].items()}
         self.methods = {k: Counters(**v) for k, v in state.get("methods", {}).items()}

@@ -1,10 +1,4 @@
-"""The end-of-fit compression summary: a table per way of sending and per bucket group.
-
-:class:`CompressionSummary` holds the rows (plain :class:`~lightning_sparse.telemetry.stats.Counters`) and
-renders them as a rich table on a terminal, or as plain text otherwise (logs, CI, pipes).
-:func:`fit_title` is its header: the mode, the compressor, the density and every other setting
-that differs from its default.
-"""
+"""The end-of-fit compression summary: a table per way of sending and per bucket group, with its title."""
 
 from __future__ import annotations
 
@@ -68,17 +62,15 @@ def format_bytes(n: float) -> str:
 
 
 def _describe_value(value: Any) -> str:
-    """A setting's value as the title shows it: ``repr`` of plain values and objects, the import
-    path of classes and factories (``torch.optim.sgd.SGD(lr=0.7)``)."""
+    """A setting's value as the title shows it: ``repr``, or the import path of classes and factories."""
     if callable(value):
         return str(describe_callable(value))
     return repr(value)
 
 
 def changed_settings(config: SparseConfig) -> dict[str, str]:
-    """The settings of ``config`` that differ from their defaults, with their values as text, in
-    declaration order; the mode, the compressor and the density, which the title always names,
-    are left out.
+    """The settings of ``config`` that differ from their defaults, as text, in declaration order (not the
+    mode, compressor and density, which the title always names).
 
     Example:
         >>> changed_settings(SparseConfig(sync_every=4, value_bits=2, outer_optimizer="nesterov"))
@@ -117,14 +109,13 @@ def fit_title(config: SparseConfig, steps: int, rank: int, world_size: int) -> s
 
 
 def _ratio(ratio: float, dense: float, sent: float) -> str:
-    """A ratio cell; ``-`` where one side is 0 and the other not (steps between exchanges send
-    nothing; a small collective of its own has no dense counterpart)."""
+    """A ratio cell; ``-`` where one side is 0 and the other not (steps between exchanges, small collectives)."""
     return "-" if (dense == 0) != (sent == 0) else f"{ratio:.1f}x"
 
 
 def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[str, Counters]:
-    """The counters accumulated since ``start``; rows with nothing in them are left out (rows
-    without buckets are kept: steps between exchanges, small collectives, so that the rows add up)."""
+    """The counters accumulated since ``start``, rows with nothing in them left out (rows without buckets
+    are kept, so that the rows add up)."""
     start = start or {}
     out = {}
     for name, c in now.items():
@@ -138,23 +129,17 @@ def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[s
 class CompressionSummary:
     """Compression figures of one rank over a span of steps, ready to print.
 
-    Each section (per way of sending, per bucket group) holds every row with something in it, so
-    its rows add up to the total: ``not sent (local steps)`` (``sync_every`` > 1) counts what dense
-    DDP would have moved in the steps between exchanges, with nothing on the wire.
-
-    Columns: buckets; dense wire (what a dense all-reduce of the same gradients would move through
-    this rank) and wire bytes (what the collectives this rank issued moved through it), both under
-    the ring model (``Counters.dense_wire_bytes``, ``Counters.wire_bytes``); ratio (dense wire /
-    wire bytes); msg ratio (dense bytes / bytes sent, the sizes of the messages); mean density;
-    compress s (time in the hook) and % of step.
+    Each section (per way of sending, per bucket group) adds up to the total; ``not sent (local steps)``
+    counts what dense DDP would have moved between exchanges. Columns: buckets; dense wire and wire bytes
+    (``Counters.dense_wire_bytes``, ``Counters.wire_bytes``); ratio (their quotient); msg ratio (dense
+    bytes / bytes sent); mean density; compress s (time in the hook) and % of step.
 
     Args:
         title: the table's title.
         methods: totals per way buckets were sent (compressor name, ``"dense (warm-up)"``, ...).
         groups: totals per bucket group (the parameters of a bucket, first .. last).
         total: totals over everything.
-        step_seconds: wall time of the training steps of the span (None: unknown), for the share
-            of the step spent compressing.
+        step_seconds: wall time of the span's training steps (None: unknown), for % of step.
 
     Example:
         >>> from lightning_sparse.telemetry.stats import Counters
@@ -180,8 +165,7 @@ class CompressionSummary:
         step_seconds: float | None = None,
         title: str = "Sparse communication",
     ) -> CompressionSummary:
-        """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them),
-        with a note (:data:`ADDS_UP`) that each section adds up to the total."""
+        """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them)."""
         total = telemetry.total - start.total if start is not None else telemetry.total.copy()
         notes = []
         if telemetry.wait_seconds or telemetry.peak_step_wire_bytes:
@@ -222,7 +206,6 @@ class CompressionSummary:
             notes=notes,
         )
 
-    # ------------------------------------------------------------------ rows
     def _cells(self, c: Counters) -> list[str]:
         if self.step_seconds:
             share = f"{100.0 * c.compress_seconds / self.step_seconds:.1f}%"
@@ -250,7 +233,6 @@ class CompressionSummary:
             ("total", [("all buckets", self._cells(self.total))]),
         ]
 
-    # ------------------------------------------------------------------ rendering
     def to_text(self) -> str:
         """The table as aligned plain text (no colours, ASCII only)."""
         sections = self.sections()
@@ -306,10 +288,8 @@ class CompressionSummary:
         return table
 
     def print(self, file: IO[str] | None = None, force_terminal: bool | None = None, width: int | None = None) -> None:
-        """Print to ``file`` (default stdout): a rich table on a terminal, plain text otherwise.
-
-        ``force_terminal`` and ``width`` are passed to ``rich.console.Console``.
-        """
+        """Print to ``file`` (default stdout): a rich table on a terminal, plain text otherwise (``force_terminal``
+        and ``width`` go to ``rich.console.Console``)."""
         from rich.console import Console
 
         file = file if file is not None else sys.stdout
