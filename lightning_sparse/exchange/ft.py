@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, group_store, require_torchft, torchft_manager
 from lightning_sparse.exchange.ft_guard import Guard
-from lightning_sparse.exchange.ft_status import LighthouseView, ReplicaGroupError, explain
+from lightning_sparse.exchange.ft_status import gist, no_commit, no_quorum
 from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import DEFAULT_BUCKET_BYTES, UpdateExchange
@@ -138,7 +138,7 @@ class FaultTolerantUpdate(UpdateExchange):
         except Exception as error:
             raise RuntimeError(
                 f"lightning_sparse: replica group {env.group_id} could not reach the torchft Lighthouse at "
-                f"TORCHFT_LIGHTHOUSE={env.lighthouse!r} ({_gist(error)}); start it with `torchft_lighthouse "
+                f"TORCHFT_LIGHTHOUSE={env.lighthouse!r} ({gist(error)}); start it with `torchft_lighthouse "
                 "--min_replicas 1 --bind [::]:PORT` and set TORCHFT_LIGHTHOUSE=http://HOST:PORT."
             ) from error
 
@@ -193,7 +193,7 @@ class FaultTolerantUpdate(UpdateExchange):
                         )
                     manager.start_quorum(timeout=timedelta(seconds=left))
                 except Exception as error:
-                    raise self._no_quorum(patience, error) from error
+                    raise no_quorum(self.env, self._group_id(), self._steps, patience, error) from error
                 if manager.num_participants() >= self.min_replicas:
                     break
                 self._commit()  # too few groups: commit nothing, ask again
@@ -205,28 +205,13 @@ class FaultTolerantUpdate(UpdateExchange):
         rank = manager.participating_rank()
         self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
 
-    def _no_quorum(self, patience: float, error: Exception) -> ReplicaGroupError:
-        env = self.env
-        view = LighthouseView.fetch(env.lighthouse) if env is not None else None
-        cause, advice = explain(view, self._group_id(), env.num_groups if env else 1, patience)
-        return ReplicaGroupError(
-            "a quorum", self._steps, self._group_id(), env.lighthouse if env else None,
-            f"{cause} (torchft: {_gist(error)})", advice,
-        )  # fmt: skip
-
     def _commit(self) -> bool:
         self._open = False
         with self._waiting("its exchange's commit vote", self.quorum_timeout):
             try:
                 return bool(self.manager.should_commit())
             except Exception as error:
-                env = self.env
-                raise ReplicaGroupError(
-                    "its exchange's commit vote (torchft's should_commit)", self._steps, self._group_id(),
-                    env.lighthouse if env else None,
-                    f"it failed ({_gist(error)}): a process of this group did not vote in time (it died or stalled)",
-                    "Look at the logs of the group's other processes; start the group again: it heals from the others.",
-                ) from error  # fmt: skip
+                raise no_commit(self.env, self._group_id(), self._steps, error) from error
 
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:
@@ -236,34 +221,39 @@ class FaultTolerantUpdate(UpdateExchange):
             super().exchange(params)
             return
         saved = self._snapshot()
-        error: Exception | None = None
         flights = len(self._in_flight)
-        try:
-            with self._waiting("its exchange's collectives", self.quorum_timeout):
-                super().exchange(params)
-        except Exception as e:  # a collective failed: a group died or stalled
-            error = e
-            self.manager.report_error(e)
+        error = self._attempt("its exchange's collectives", lambda: super(FaultTolerantUpdate, self).exchange(params))
         if error is None and len(self._in_flight) > flights:  # sync_delay: committed where it arrives
             self._awaiting, self._open = self._in_flight[-1], False
             return
         if error is None and self.manager.current_step() == 0:
-            self._barrier()
+            # before the first commit: the first group serves its state (init_sync) only until then, so this
+            # barrier holds it until the others have fetched it
+            self._attempt(
+                "the quorum's first barrier", lambda: self._pg.allreduce([torch.zeros(1)], dist.ReduceOp.SUM).wait()
+            )
+        self._settle(error, lambda: self._restore(saved), "residuals, global model and outer step as before it")
+
+    def _attempt(self, what: str, action: Callable[[], Any]) -> Exception | None:
+        """Run ``action``, its wait bounded by ``quorum_timeout``; a failure (a group died or stalled) is
+        reported to torchft and returned."""
+        try:
+            with self._waiting(what, self.quorum_timeout):
+                action()
+        except Exception as error:
+            self.manager.report_error(error)
+            return error
+        return None
+
+    def _settle(self, error: Exception | None, rollback: Callable[[], None], what: str) -> bool:
+        """Commit the exchange everywhere, or ``rollback`` and say so; returns whether it committed."""
         if self._commit():
             self.commits += 1
-            return
+            return True
         self.rollbacks += 1
-        self._restore(saved)
-        self._warn_rollback(error, "residuals, global model and outer step as before it")
-
-    def _barrier(self) -> None:
-        """Before the first commit: the first group serves its state (init_sync) only until then, so the
-        barrier holds it until the others have fetched it."""
-        try:
-            with self._waiting("the quorum's first barrier", self.quorum_timeout):
-                self._pg.allreduce([torch.zeros(1)], dist.ReduceOp.SUM).wait()
-        except Exception as e:
-            self.manager.report_error(e)
+        rollback()
+        self._warn_rollback(error, what)
+        return False
 
     def _land(self, flight: InFlight) -> None:
         """An exchange in flight arrives: committed, or nothing of it applied and ``e = u`` (conserved)."""
@@ -271,26 +261,18 @@ class FaultTolerantUpdate(UpdateExchange):
             super()._land(flight)
             return
         self._awaiting = None
-        error: Exception | None = None
-        try:
-            with self._waiting("its exchange's collectives", self.quorum_timeout):
-                for future in flight.futures:
-                    future.wait().ready()
-        except Exception as e:
-            error = e
-            self.manager.report_error(e)
-        if self._commit():
-            self.commits += 1
+        error = self._attempt("its exchange's collectives", lambda: _arrive(flight))
+
+        def rollback() -> None:
+            for bucket in flight.buckets:
+                bucket.put_residuals(bucket.pending_buffer(), self.state.memory)
+                self.state.memory.unstage(bucket.names)
+
+        if self._settle(error, rollback, "its sent part back in the residuals, global model and outer step unchanged"):
             super()._land(flight)
-            return
-        self.rollbacks += 1
-        for bucket in flight.buckets:
-            bucket.put_residuals(bucket.pending_buffer(), self.state.memory)
-            self.state.memory.unstage(bucket.names)
-        self._warn_rollback(error, "its sent part back in the residuals, global model and outer step unchanged")
 
     def _warn_rollback(self, error: Exception | None, what: str) -> None:
-        cause = _gist(error) if error is not None else "another group's collective failed"
+        cause = gist(error) if error is not None else "another group's collective failed"
         warnings.warn(
             f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
             f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
@@ -314,24 +296,18 @@ class FaultTolerantUpdate(UpdateExchange):
             self.hold_global()
             warnings.warn(
                 f"lightning_sparse: replica group {self._group_id()} kept its residuals at the hand-over: "
-                f"{_gist(missed)}. The global model is as the last exchange left it.",
+                f"{gist(missed)}. The global model is as the last exchange left it.",
                 stacklevel=3,
             )
             return
         saved = self._snapshot()
-        error: Exception | None = None
-        try:
-            super().flush_residuals()
-        except Exception as e:
-            error = e
-            self.manager.report_error(e)
-        if self._commit():
-            self.commits += 1
-            return
-        self.rollbacks += 1
-        self._restore(saved)
-        self.hold_global()
-        self._warn_rollback(error, "the residuals kept, the global model as the last exchange left it")
+        error = self._attempt("the hand-over's collectives", lambda: super(FaultTolerantUpdate, self).flush_residuals())
+
+        def rollback() -> None:
+            self._restore(saved)
+            self.hold_global()
+
+        self._settle(error, rollback, "the residuals kept, the global model as the last exchange left it")
 
     def _global_of(self, name: str) -> Tensor:
         return self._global[name] if name in self._local else self._params[name]
@@ -416,6 +392,6 @@ class FaultTolerantUpdate(UpdateExchange):
         return None if self.env is None else self.env.group_id
 
 
-def _gist(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:300]
+def _arrive(flight: InFlight) -> None:
+    for future in flight.futures:
+        future.wait().ready()

@@ -6,9 +6,10 @@ import re
 import urllib.request
 from dataclasses import dataclass, field
 
+from lightning_sparse.exchange.ft_env import ReplicaGroupEnv
 from lightning_sparse.exchange.step import ExchangeError
 
-__all__ = ["HEARTBEAT_GONE_S", "LighthouseView", "ReplicaGroupError"]
+__all__ = ["HEARTBEAT_GONE_S", "LighthouseView", "ReplicaGroupError", "gist", "no_commit", "no_quorum"]
 
 #: a group whose last heartbeat at the Lighthouse is older than this many seconds counts as gone
 HEARTBEAT_GONE_S = 5.0
@@ -143,3 +144,34 @@ def explain(view: LighthouseView | None, group: int | None, num_groups: int, pat
         f"Start the other groups ({others}, the same TORCHFT_LIGHTHOUSE) within quorum_timeout of this one, "
         "or raise quorum_timeout.",
     )
+
+
+def gist(error: BaseException) -> str:
+    """The first line of an error's message (at most 300 characters), else its type's name.
+
+    Example:
+        >>> gist(TimeoutError("timed out after 3 s")), gist(KeyError())
+        ('timed out after 3 s', 'KeyError')
+    """
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]
+
+
+def no_quorum(
+    env: ReplicaGroupEnv | None, group: int | None, step: int, patience: float, error: Exception
+) -> ReplicaGroupError:
+    """The error of a group that found no quorum within ``patience`` seconds, with what the Lighthouse's
+    status page says of the other groups."""
+    view = LighthouseView.fetch(env.lighthouse) if env is not None else None
+    cause, advice = explain(view, group, env.num_groups if env else 1, patience)
+    lighthouse = env.lighthouse if env else None
+    return ReplicaGroupError("a quorum", step, group, lighthouse, f"{cause} (torchft: {gist(error)})", advice)
+
+
+def no_commit(env: ReplicaGroupEnv | None, group: int | None, step: int, error: Exception) -> ReplicaGroupError:
+    """The error of a group whose commit vote (torchft's ``should_commit``) failed."""
+    return ReplicaGroupError(
+        "its exchange's commit vote (torchft's should_commit)", step, group, env.lighthouse if env else None,
+        f"it failed ({gist(error)}): a process of this group did not vote in time (it died or stalled)",
+        "Look at the logs of the group's other processes; start the group again: it heals from the others.",
+    )  # fmt: skip
