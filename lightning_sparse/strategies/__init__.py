@@ -7,8 +7,8 @@
 - :mod:`~lightning_sparse.strategies.shell` - the properties and optimizer step every front end shares;
 - :mod:`~lightning_sparse.strategies.core` - the wiring from the settings to the state and the exchange;
 - :mod:`~lightning_sparse.strategies.checkpoint` - each process's sparse state in checkpoints;
-- :mod:`~lightning_sparse.strategies.advice`, :mod:`~lightning_sparse.strategies.ddp_args` - warnings about
-  combinations measured to train far from dense, the DDP keyword arguments a strategy takes;
+- :mod:`~lightning_sparse.strategies.advice`, :mod:`~lightning_sparse.strategies.ddp_args` - training advice, the DDP
+  keyword arguments a strategy takes;
 - :mod:`~lightning_sparse.strategies.ft_front` - what each front end adds to a healing replica group's state.
 
 The Fabric strategies are in :mod:`lightning_sparse.fabric`.
