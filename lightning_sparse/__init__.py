@@ -1,8 +1,6 @@
 """lightning_sparse: sparse gradient communication for PyTorch Lightning.
 
-Importing the package registers the strategy names ``sparse_ddp``, ``sparse_ddp_spawn``,
-``sparse_ddp_find_unused_parameters_true`` (and fork/notebook variants) and ``sparse_fsdp`` with
-the Lightning Trainer and with Lightning Fabric::
+Importing the package registers ``sparse_ddp`` (and its variants) and ``sparse_fsdp`` with the Trainer and Fabric::
 
     import lightning_sparse
     trainer = Trainer(accelerator="cpu", devices=2, strategy="sparse_ddp")

@@ -1,6 +1,4 @@
-"""Small helpers shared by the package.
-
-Argument checks, deterministic seeding, scratch buffers and a finiteness check."""
+"""Small helpers shared by the package: argument checks, seeding, scratch buffers, process-group ends."""
 
 from __future__ import annotations
 
@@ -94,10 +92,8 @@ def resolve_value_dtype(value: Any) -> torch.dtype | None:
     raise bad_argument("value_dtype", value, f"expected None or one of {sorted(_DTYPES)}")
 
 
-# Reused scratch buffers. Fresh multi-MB allocations cost page faults on every step (on CPU a
-# new 100 MB tensor costs more than the pass that fills it), so hot paths borrow these instead.
-# Keyed by thread too: DDP runs the hook on the autograd thread while completion callbacks run on
-# the process group's threads.
+# Reused scratch buffers: fresh multi-MB allocations cost page faults on every step. Keyed by thread too: DDP runs
+# the hook on the autograd thread while completion callbacks run on the process group's threads.
 _SCRATCH: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
@@ -112,9 +108,8 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> t
 
 
 class RegionViews:
-    """Views of a flat tensor at fixed ``(offset, numel)`` regions (``shapes``: each view's shape),
-    made once per tensor and kept: making them costs one operator each, as many as there are
-    regions, where the operators that use them (``torch._foreach_*``) cost one.
+    """Views of a flat tensor at fixed ``(offset, numel)`` regions (``shapes``: each view's shape), made once per
+    tensor and kept: making them costs one operator per region, the ``torch._foreach_*`` using them one in all.
 
     Example:
         >>> views = RegionViews(((0, 2), (2, 3)))
@@ -132,9 +127,8 @@ class RegionViews:
     def of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The views of ``flat`` (the same list while ``flat`` is the same memory of the same storage).
 
-        The storage is part of the key, not the address alone: a storage moved elsewhere (a tensor
-        sent through a ``torch.multiprocessing`` queue moves to shared memory) frees its old address,
-        and a new tensor made there must not get the views of the old one."""
+        The storage is part of the key: a storage moved elsewhere (to shared memory, through a
+        ``torch.multiprocessing`` queue) frees its address, and a new tensor made there must not get the old views."""
         key = (flat.untyped_storage()._cdata, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
         if key != self._key:
             views = [flat[a : a + n] for a, n in self.regions]
@@ -155,9 +149,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, dtype: torch.dtype) -> int:
-    """Replace each of ``tensors`` by its mean over the ``world_size`` processes of ``group``: one
-    all-reduce of them flattened in ``dtype``, in their order (the same on every process). Returns the
-    bytes handed to it (0 when there is nothing to average).
+    """Replace each of ``tensors`` by its mean over the ``world_size`` processes of ``group`` (one all-reduce,
+    flattened in ``dtype``, in their order: the same on every process). Returns the bytes all-reduced.
 
     Example:
         >>> t = torch.ones(3)
@@ -179,25 +172,14 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, d
 
 
 def end_process_group(exit_code: int | None = None) -> None:
-    """End the default process group on every rank together (a barrier, then destroy), if one
-    exists; with ``exit_code``, then flush stdout and stderr and leave the process at once.
+    """End the default process group on every rank together (a barrier, then destroy), if one exists; with
+    ``exit_code``, then flush stdout and stderr and leave at once (``os._exit``: no ``atexit`` handlers or
+    finalizers, so call it last).
 
-    Why: left to interpreter exit, a rank could abort after its training had finished
-    (``terminate called without an active exception``, exit code -6; dense DDP and any gloo
-    script included). The core dump of such an abort (the race forced; docs/guarantees.md,
-    "Exit code") shows the thread that aborts: one of gloo's worker threads
-    (``ProcessGroupGloo::runLoop``), destroying the work object of a collective that had just
-    completed (``~AsyncAllreduceWork``). That work holds tensors Python also holds; dropping a
-    C++ reference to such a tensor decrements its Python object (``TensorImpl::decref_pyobject``),
-    which takes the interpreter lock. If the main thread has begun the interpreter's shutdown
-    meanwhile, taking the lock ends the thread (``pthread_exit``) inside that ``noexcept``
-    destructor, and the C++ runtime calls ``std::terminate``. The barrier waits for every
-    collective issued before it, with the lock released, so the worker threads finish their last
-    works first, and its own work holds no tensor; after ``destroy_process_group`` nothing can
-    issue another collective on the group. The strategies do this at exit for the group they ran
-    on (:func:`end_process_group_at_exit`). ``exit_code`` (``os._exit``) also skips the
-    interpreter's shutdown, and with it ``atexit`` handlers and the finalizers of live objects:
-    call it last, after everything was written.
+    Why: left to interpreter exit, a gloo worker thread destroying a finished collective's work drops a tensor
+    reference, which takes the interpreter lock; if shutdown has begun, that ends the thread inside a ``noexcept``
+    destructor and the process aborts (``std::terminate``, exit code -6; docs/guarantees.md, "Exit code"). The
+    barrier lets every earlier collective finish first, with the lock released.
 
     Example:
         >>> end_process_group()  # no process group: nothing to do
@@ -229,15 +211,12 @@ _EXIT = _ExitPlan()
 
 
 def end_process_group_at_exit(created: bool) -> None:
-    """Have the default process group a strategy runs on ended at interpreter exit, before
-    Python's shutdown begins: a barrier of every rank, then (if ``created``: the strategy's setup
-    created it) ``destroy_process_group``. Registers one ``atexit`` handler per process; called
-    by the strategies once the group is set up.
+    """Have the default process group a strategy runs on ended at interpreter exit, before Python's shutdown (see
+    :func:`end_process_group` for why): a barrier of every rank, then, if ``created`` (by the strategy's setup),
+    ``destroy_process_group``. One ``atexit`` handler per process.
 
-    The handler does nothing if by then the group was destroyed or replaced, or the process is
-    leaving on an error (an uncaught exception, or a Trainer run that ended with one, see
-    :func:`note_run_end`): the other ranks may never reach their barrier. If the barrier fails (a
-    rank is gone), the group is left as it is. See :func:`end_process_group` for why.
+    The handler does nothing if the group was destroyed or replaced, or the process leaves on an error
+    (:func:`note_run_end`): the other ranks may never reach their barrier. A failed barrier leaves the group.
 
     Example:
         >>> end_process_group_at_exit(created=False)  # no process group: remembers nothing
@@ -259,8 +238,7 @@ def end_process_group_at_exit(created: bool) -> None:
 
 
 def note_run_end(failed: bool) -> None:
-    """Record whether the run that is being torn down ended with an exception (then the exit
-    handler of :func:`end_process_group_at_exit` leaves the process group alone)."""
+    """Record whether the run being torn down ended with an exception (then the exit handler leaves the group)."""
     _EXIT.failed = failed
 
 
@@ -285,8 +263,8 @@ def _end_at_exit() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no socket holds right now (the system picks it), e.g. for
-    ``MASTER_PORT``; another process may take it before it is used.
+    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT`` (another process may take it
+    before it is used).
 
     Example:
         >>> 0 < free_port() < 65536

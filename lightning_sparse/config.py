@@ -1,10 +1,8 @@
 """SparseConfig: every setting of the sparse exchange, declared once.
 
-Each setting's type, default, validation and documentation live here; the Trainer and Fabric
-strategies take them as flat keyword arguments, their signatures and argument docs written from this
-class (``lightning_sparse.strategies.settings.with_settings``; the Lightning CLI reads them). The
-state of the hook (:class:`~lightning_sparse.exchange.state.SparseState`) is built from a config; what
-must agree on every rank is :meth:`SparseConfig.fingerprint`.
+Each setting's type, default, validation and doc live here; the strategies' signatures and ``Args:`` are written from
+it (:func:`~lightning_sparse.strategies.settings.with_settings`). What must agree on every rank:
+:meth:`SparseConfig.fingerprint`.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ COMPRESS_MODES = ("update", "gradient")
 #: the launchers DDP supports
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
-
 _WHERE_DDP = "as in DDP, where one is built (update mode builds none but under ``fault_tolerant``)."
 
 
@@ -53,9 +50,7 @@ class SparseConfig:
     """The settings of the sparse exchange, validated at construction.
 
     ``compressor``, ``density`` and ``value_dtype`` are normalised (a Compressor, a
-    :class:`~lightning_sparse.schedules.DensitySchedule`, a torch dtype or None); a bad value raises
-    ValueError naming the argument, the value and what is allowed. The field docs are the argument
-    docs of both strategies.
+    :class:`~lightning_sparse.schedules.DensitySchedule`, a dtype or None); bad values are named in one ValueError.
 
     Example:
         >>> config = SparseConfig(compressor="randomk", density=0.001)
@@ -69,17 +64,11 @@ class SparseConfig:
 
     compress: Literal["update", "gradient"] = field(
         default="update",
-        metadata=_doc(
-            """``"update"``: compress each rank's optimizer update (trains close to dense with AdamW
-            and with SGD + momentum; the exchange runs after the optimizer step); ``"gradient"``:
-            compress the gradient before the step, in DDP's communication hook, bucket by bucket as
-            backward hands them over (every bucket's collectives leave together after the last; suits
-            plain SGD)."""
-        ),
+        metadata=_doc("""``"update"``: compress each rank's optimizer update, after its step (close to dense with
+            AdamW); ``"gradient"``: the gradient, before the step, in DDP's communication hook (suits plain SGD)."""),
     )
     compressor: str | Compressor = field(
-        default="topk",
-        metadata=_doc("a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor."),
+        default="topk", metadata=_doc("a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.")
     )
     density: float | DensitySchedule = field(
         default=0.01, metadata=_doc("fraction of each tensor sent per step, in (0, 1], or a density schedule.")
@@ -87,202 +76,115 @@ class SparseConfig:
     error_feedback: bool = field(default=True, metadata=_doc("keep what was not sent and send it later."))
     min_numel: int = field(default=1024, metadata=_doc("tensors with fewer elements (biases, norms) are sent dense."))
     warmup_steps: int = field(
-        default=1,
-        metadata=_doc(
-            """the first exchanges sent dense (gradient mode: >= 1, DDP learns its bucket order in the
-            first step; update mode, whose messages are its own: >= 0)."""
-        ),
+        default=1, metadata=_doc("exchanges sent dense first (gradient mode: >= 1, DDP's bucket order; update: >= 0).")
     )
     value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = field(
         default=None,
-        metadata=_doc(
-            """dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None sends the
-            gradient's dtype. Rounding errors go into the residual."""
-        ),
+        metadata=_doc("""dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None: the gradient's
+            dtype. Rounding errors go into the residual."""),
     )
     seed: int = field(default=0, metadata=_doc("seed of every random choice (shared coordinates, samples)."))
     fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = field(
         default=True,
-        metadata=_doc(
-            """``True`` (or ``"bytes"``): send a bucket dense when the sparse exchange would move at
-            least as many bytes as a dense all-reduce (all-gather traffic grows with world size).
-            ``"time"`` (or a ``TimedFallback``): that, and after warm-up time a few dense and sparse
-            steps on this link and send everything dense if dense was faster (fast links, where the
-            hook's own passes cost more than the bytes they save). ``False``: always sparse after
-            warm-up."""
-        ),
+        metadata=_doc("""``True`` (or ``"bytes"``): send a bucket dense when sparse would move at least as many bytes as
+            a dense all-reduce; ``"time"`` (or a ``TimedFallback``): that, then time a few dense and sparse steps after
+            warm-up and go dense if dense was faster; ``False``: always sparse after warm-up."""),
     )
     momentum_correction: float = field(
         default=0.0,
-        metadata=_doc(
-            """DGC's momentum correction (e.g. 0.9; gradient mode): the hook keeps each rank's
-            momentum ``u <- m*u + g``, runs error feedback on it and zeroes what was sent in ``u``
-            too (momentum factor masking), so coordinates that wait long do not hit an optimizer
-            momentum all at once. Use it with an optimizer without momentum (``SGD(momentum=0)``;
-            checked at setup). 0 (default) turns it off."""
-        ),
+        metadata=_doc("""DGC's momentum correction (gradient mode, e.g. 0.9), masked where sent; the optimizer must have
+            none (``SGD(momentum=0)``, checked at setup). 0 (default): off."""),
     )
     exchange: Literal["auto", "allgather", "split"] = field(
         default="auto",
-        metadata=_doc(
-            """how the selections of compressors that pick their own coordinates (pattern ``"gather"``) are combined:
-            ``"allgather"`` (every rank gets every rank's pairs; traffic per rank grows with the
-            number of ranks), ``"split"`` (a sparse all-reduce after Ok-Topk: traffic per rank about
-            flat in the number of ranks; the global selection keeps about ``k`` coordinates per
-            bucket tensor), ``"auto"`` (default): per bucket, the split where it moves at most a
-            quarter of the all-gather's bytes (from about 16 ranks), else the all-gather."""
-        ),
+        metadata=_doc("""how compressors of pattern ``"gather"`` combine selections: ``"allgather"`` (per-rank traffic
+            grows with the ranks), ``"split"`` (Ok-Topk's sparse all-reduce, flat per-rank traffic), ``"auto"``
+            (default): per bucket, the split where it moves at most 1/4 of the all-gather's bytes, else all-gather."""),
     )
     compact_indices: bool = field(
         default=True,
-        metadata=_doc(
-            """send indices in an exact Rice code of their gaps (about 1.1 bytes each at density
-            0.01 instead of 4) wherever that is smaller; ``False``: int32."""
-        ),
+        metadata=_doc("send indices as an exact Rice code of their gaps wherever that is smaller; ``False``: int32."),
     )
     sync_every: int = field(
         default=1,
-        metadata=_doc(
-            """update mode: each rank takes this many optimizer steps on its own, then exchanges the
-            compressed sum of its progress since the last exchange plus what it has not sent yet
-            (local SGD, DiLoCo's ``H``); 1 (default): every step. Between exchanges the module keeps
-            the rank's own view, the global model aside; validation, checkpoints and the end of fit
-            get the global model."""
-        ),
+        metadata=_doc("""update mode: each rank takes this many optimizer steps on its own, then exchanges its progress
+            since the last exchange plus its residual (local SGD, DiLoCo's ``H``); 1 (default): every step."""),
     )
     outer_optimizer: Literal["nesterov"] | Callable[[Iterable[Any]], Optimizer] | OuterStep | None = field(
         default=None,
-        metadata=_doc(
-            """update mode: what the global parameters do with each exchange's average. None
-            (default): add it in, with the coordinates each party chose on its own scaled by half
-            the number of parties where there are more than 2
-            (:class:`~lightning_sparse.exchange.outer.AddAverage`; ``AddAverage(chosen_scale=1.0)``
-            adds the plain average); ``"nesterov"``: DiLoCo's outer step, SGD with lr 0.7, momentum 0.9,
-            Nesterov, stepped with the negated average as the gradient; or any optimizer class or
-            factory (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``;
-            ``class_path``/``init_args`` in a CLI config); or an
-            :class:`~lightning_sparse.exchange.outer.OuterStep` of your own. Its state is in every
-            checkpoint."""
-        ),
+        metadata=_doc("""update mode: what the global parameters do with each exchange's average: None (default): add it
+            (:class:`~lightning_sparse.exchange.outer.AddAverage`); ``"nesterov"``: DiLoCo's outer step (SGD, lr 0.7,
+            momentum 0.9, Nesterov); an optimizer class or factory; or an
+            :class:`~lightning_sparse.exchange.outer.OuterStep`."""),
     )
     value_bits: Literal[2, 4, 8] | None = field(
         default=None,
-        metadata=_doc(
-            """send the values of a sparse exchange (the selected ones and those of the small
-            tensors sent whole beside them) as codes of 2, 4 or 8 bits with a bfloat16 scale per 64
-            values (2 bits: ternary, ``{-m, 0, m}``); the quantization error stays in the residual.
-            None (default): values in ``value_dtype``. Compressors that pick their own coordinates
-            (pattern ``"gather"``) only."""
-        ),
+        metadata=_doc("""values of a sparse exchange as 2-, 4- or 8-bit codes, a bfloat16 scale per 64 (2 bits:
+            ternary), the error kept in the residual; None (default): ``value_dtype``. Pattern ``"gather"`` only."""),
     )
     batchnorm_batches: int = field(
         default=16,
-        metadata=_doc(
-            """update mode: where the module is given the global model for something other than
-            training (validation, testing, prediction, checkpoints, the end of fit), the running
-            statistics of its BatchNorm layers are recomputed under the global parameters from the
-            inputs of this many of the latest training forward passes (kept by reference), and
-            averaged over the processes: gathered in the forward passes of each process's own
-            view, they fit the view, not the global model. 0 turns it off; a module without
-            BatchNorm is not touched."""
-        ),
+        metadata=_doc("""update mode: wherever the module gets the global model, its BatchNorm statistics are recomputed
+            under the global parameters from this many latest training inputs and averaged over the processes (those
+            gathered under each process's view do not fit the global model). 0: off."""),
     )
     flush_at_end: bool | int = field(
         default=True,
-        metadata=_doc(
-            """update mode: at the end of a Trainer fit (a Fabric loop: ``strategy.end_fit()``), add the
-            mean of every process's residual, what it has not sent yet, to the global model, exactly
-            (one dense float32 all-reduce of the exchanged parameters, counted apart in the summary),
-            so that what is validated, tested, saved and returned holds every process's progress.
-            An int R >= 1: R more exchanges as configured instead (R exchanges' bytes, each the largest
-            part of what is left; for fits that send far less than one dense all-reduce). False: the
-            global model as the last exchange left it."""
-        ),
+        metadata=_doc("""update mode: at the end of a Trainer fit (Fabric: ``strategy.end_fit()``), add the mean of
+            every process's residual to the global model exactly (one dense float32 all-reduce); an int R >= 1: R more
+            exchanges as configured instead; False: the global model as the last exchange left it."""),
     )
     max_nonfinite_steps: int = field(
         default=8,
-        metadata=_doc(
-            """update mode: a process whose optimizer update of a parameter is not finite drops it,
-            puts that parameter back to its global value and resets its optimizer state for it (its
-            next finite gradient counts again), with a warning, counted as
-            ``sparse/nonfinite_updates``; after this many consecutive optimizer steps with a
-            non-finite update the fit stops with an error naming the process and the step. 0: never
-            stop."""
-        ),
+        metadata=_doc("""update mode: a non-finite update of a parameter is dropped (parameter back to global, optimizer
+            state reset, a warning); this many consecutive steps with one stop the fit. 0: never."""),
     )
     sync_delay: int = field(
         default=0,
-        metadata=_doc(
-            """update mode with ``sync_every > 1``: launch each exchange without waiting and apply its
-            average this many optimizer steps later (at most ``sync_every``), the local steps going on
-            while it travels (Streaming DiLoCo's overlap); meanwhile the process's view keeps its own
-            sent part. Validation, checkpoints and the end of fit apply exchanges in flight first.
-            0 (default): wait for each exchange."""
-        ),
+        metadata=_doc("""update mode with ``sync_every > 1``: apply each exchange's average this many optimizer steps
+            after launching it (at most ``sync_every``; Streaming DiLoCo's overlap). 0 (default): wait for it."""),
     )
     fragments: int = field(
         default=1,
-        metadata=_doc("""update mode with ``sync_every > 1``: split the parameters into this many fragments of
-            about equal size, each exchanged once per cycle at its own step (staggered evenly over
-            the cycle, as Streaming DiLoCo syncs its fragments), so one exchange carries about
-            ``1 / fragments`` of the model; 1 (default): the whole model at once."""),
+        metadata=_doc("""update mode with ``sync_every > 1``: this many fragments of about equal size, each exchanged
+            once per cycle at its own step (Streaming DiLoCo); 1 (default): the whole model at once."""),
     )
     fragment_split: Literal["strided", "contiguous"] = field(
         default="strided",
-        metadata=_doc(
-            """how ``fragments`` are made: ``"strided"`` (default): each parameter tensor, in module
-            order, joins the fragment with the fewest elements so far (equal blocks go round robin,
-            block i to fragment i mod F, as Streaming DiLoCo's strided pattern); ``"contiguous"``:
-            runs of consecutive tensors cut at equal shares of the elements."""
-        ),
+        metadata=_doc("""how ``fragments`` are made: ``"strided"`` (default): each tensor, in module order, joins the
+            smallest fragment so far; ``"contiguous"``: runs of consecutive tensors, cut at equal shares."""),
     )
     offload_global: bool = field(
         default=False,
-        metadata=_doc(
-            """update mode: keep the global copy of the parameters (and an outer optimizer's state) in CPU
-            memory, pinned where CUDA is available, as INTELLECT-1 kept DiLoCo's outer state; an
-            exchange stages one bucket at a time on the device. The residual stays on the device."""
-        ),
+        metadata=_doc("""update mode: keep the global parameters (and an outer optimizer's state) in CPU memory, pinned
+            where CUDA is; an exchange stages one bucket at a time on the device."""),
     )
     offload_residual: bool = field(
-        default=False,
-        metadata=_doc(
-            """update mode: keep the residual (what each process has not sent yet) in CPU memory; an
-            exchange copies each bucket's residuals to the device and back. With ``offload_global``
-            the device holds only the model (under ``sparse_fsdp``, its shards), gradients and
-            optimizer state between exchanges."""
-        ),
+        default=False, metadata=_doc("update mode: keep the residual in CPU memory (staged on the device by bucket).")
     )
     fault_tolerant: bool = field(
         default=False,
-        metadata=_doc("""update mode: this job is one replica group of several that meet on torchft at each
-            exchange (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that
-            dies does not stop the others and heals when it comes back (docs/fault-tolerance.md). Under
-            ``sparse_fsdp`` the job is one shard group (``shard_size`` None)."""),
+        metadata=_doc("""update mode: this job is one replica group of several that meet on torchft at each exchange
+            (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``); a group that dies does not stop the
+            others and heals when back. Under ``sparse_fsdp``: ``shard_size`` None."""),
     )
     min_replicas: int = field(
         default=1, metadata=_doc("``fault_tolerant``: the fewest replica groups an exchange runs with; fewer wait.")
     )
     quorum_timeout: float = field(
-        default=60.0,
-        metadata=_doc("``fault_tolerant``: seconds a quorum, an exchange's collective or a recovery may take."),
+        default=60.0, metadata=_doc("``fault_tolerant``: seconds a quorum, a collective or a recovery may take.")
     )
     find_unused_parameters: bool = field(default=False, metadata=_doc(_WHERE_DDP))
     static_graph: bool = field(default=False, metadata=_doc(_WHERE_DDP))
     gradient_as_bucket_view: bool | None = field(
         default=None,
-        metadata=_doc(
-            """as in DDP, where one is built; ``None`` (default): ``True`` with ``compress="update"`` (a
-            fault-tolerant group's DDP, which averages inside the group: two copies of every gradient
-            saved per step), ``False`` with ``compress="gradient"`` (DDP's default)."""
-        ),
+        metadata=_doc("""as in DDP, where one is built; ``None`` (default): ``True`` with ``compress="update"``,
+            ``False`` with ``compress="gradient"`` (DDP's default)."""),
     )
     bucket_cap_mb: float | None = field(
         default=None,
-        metadata=_doc(
-            """as in DDP (None: DDP's default, 25); in update mode also the exchange's buckets (None: 1024,
-            so that a model of up to 256M float32 parameters is exchanged as one; 25 when offloading)."""
-        ),
+        metadata=_doc("""as in DDP (None: DDP's default, 25); in update mode also the exchange's buckets (None: 1024,
+            one bucket for up to 256M float32 parameters; 25 when offloading)."""),
     )
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = field(
         default="popen",
@@ -297,8 +199,7 @@ class SparseConfig:
     timed_fallback: TimedFallback | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Every argument is checked on its own first and all that are wrong are named in one error (a
-        # YAML config with two mistakes says so at once); then the rules between arguments.
+        # each argument on its own first, every wrong one named in one error; then the rules between arguments
         errors: list[ValueError] = []
 
         def each(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -438,7 +339,6 @@ class SparseConfig:
                     self.fault_tolerant, self.min_replicas, self.quorum_timeout, self.compress, timed is not None
                 )
 
-    # ------------------------------------------------------------------ derived
     @property
     def schedule(self) -> DensitySchedule:
         """The density schedule (``density`` normalised)."""

@@ -1,8 +1,6 @@
 """SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``.
 
-The same sparse communication as the Trainer's :class:`lightning_sparse.SparseDDPStrategy` (one
-:class:`~lightning_sparse.strategies.core.SparseCore` underneath: the same arguments, compressors, schedules,
-fallbacks, both modes, the same checkpoint payload), for a loop the user writes::
+For a loop the user writes::
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
     fabric.launch()
@@ -13,16 +11,7 @@ fallbacks, both modes, the same checkpoint payload), for a loop the user writes:
         fabric.backward(loss)
         optimizer.step()
 
-Update mode (``compress="update"``, the default) in such a loop: a *training* forward (module in
-training mode, gradients enabled) lets the module hold this rank's own view of the model (the
-global parameters plus what this rank has not sent yet); ``optimizer.step()`` steps on it, and an
-exchange leaves the new *global* parameters, identical on every rank, in the module. With
-``sync_every > 1`` the view stays in the module between exchanges. An evaluation forward
-(``model.eval()`` or ``torch.no_grad()``) outside a pending backward, ``strategy.global_model()``,
-:meth:`SparseDDPStrategy.save_checkpoint` (``fabric.save``) and
-:meth:`SparseDDPStrategy.load_checkpoint` (``fabric.load``) put the global model in the module (in
-the middle of a cycle, the progress so far joins the residual first); the next training forward
-puts the rank's view back.
+Which model the module holds in such a loop: :class:`~lightning_sparse.fabric.hooks.FabricHooks`.
 """
 
 from __future__ import annotations
@@ -42,11 +31,10 @@ from typing_extensions import override
 
 from lightning_sparse.exchange.replicas import Replicas
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy
-from lightning_sparse.fabric.hooks import FabricHooks
+from lightning_sparse.fabric.hooks import FabricHooks, _Filter, _State
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore
 from lightning_sparse.strategies.ft_front import fabric_recovery
-from lightning_sparse.strategies.settings import take_settings, with_settings
+from lightning_sparse.strategies.settings import with_settings
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
 
@@ -67,36 +55,22 @@ FABRIC_ARGS = (
 class SparseDDPStrategy(FabricHooks, DDPStrategy):
     """Fabric's DDP whose communication is a sparse exchange with error feedback.
 
-    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same
-    arguments and behaviour (see there and :mod:`lightning_sparse.fabric.ddp` for the loop): with
-    ``compress="update"`` (the default) each rank's optimizer steps on its own gradient and part of
-    each rank's progress is exchanged after ``optimizer.step()``; with ``compress="gradient"``
-    DDP's communication hook sends part of each gradient plus residual during ``fabric.backward``.
-    The hook is registered on every device (CPU/gloo included). At ``fabric.save`` every rank writes
-    its own residuals (and in update mode its optimizer state) to a file of its own beside the
-    checkpoint (``<path>.sparse/``), nothing gathered; ``fabric.load`` gives each rank its own
-    back, so a resumed run continues exactly.
-    ``fabric.strategy.sparse_state.telemetry`` holds the compression figures (there are no
-    Trainer callbacks in Fabric: log them with ``fabric.log_dict`` if wanted).
+    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same arguments and
+    behaviour; the compression figures are in ``fabric.strategy.sparse_state.telemetry`` (no callbacks in Fabric).
 
     Args:
         {settings}
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
-        >>> import lightning_sparse
         >>> from lightning.fabric import Fabric
-        >>> fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")  # doctest: +SKIP
         >>> strategy = SparseDDPStrategy(compressor="gaussiank", density=0.001)
         >>> fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
     """
 
-    strategy_name = "sparse_ddp"
-
     def __init__(self, **settings: Any) -> None:
-        config, fabric_args, ddp_kwargs = take_settings(SparseDDPStrategy, settings)  # the rest: DDP's own
-        self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
-        super().__init__(**fabric_args, start_method=config.start_method, **self._core.ddp_kwargs)
+        fabric_args = self._take_settings(SparseDDPStrategy, settings)
+        super().__init__(**fabric_args, start_method=self._core.config.start_method, **self._core.ddp_kwargs)
         self._ddp_model: Module | None = None
         self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
         self._backward_sync_control = _BackwardSyncOf()
@@ -104,16 +78,14 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        """Fabric's setup (``fabric.launch()``); the process group is then ended at interpreter exit."""
+        """Fabric's setup (``fabric.launch()``); the process group is ended at interpreter exit."""
         self._start_processes(super().setup_environment)
 
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # Replicas too
-        """Make the module data parallel (update mode: :class:`~lightning_sparse.exchange.replicas.Replicas`,
-        no reducer; gradient mode: DDP, not on Lightning's side stream) and bind the sparse communication
-        to it (any device)."""
+        """Make the module data parallel (``SparseCore.wrap``) and bind the sparse communication to it (any device)."""
         model = self._core.wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
         scaler = getattr(self.precision, "scaler", None)
-        recovery = fabric_recovery(lambda: self._optimizers)  # a healing group takes the optimizers' states too
+        recovery = fabric_recovery(lambda: self._optimizers)
         self._core.register_hook(
             model, self.global_rank, self.world_size, self.root_device, scaler, lambda: self._optimizers, recovery
         )
@@ -139,23 +111,8 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         super().load_module_state_dict(module, state_dict, strict=strict)
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Save ``state`` (rank 0 writes it) and every rank's sparse state beside it.
-
-        Runs on every rank (``fabric.save`` calls it on all): each rank writes its residuals, step,
-        schedule and telemetry, and in update mode its optimizer states (each rank's optimizer
-        followed its own gradients), to its own file in ``<path>.sparse/``; the checkpoint holds a
-        small entry under ``"lightning_sparse"`` that names that folder.
-        """
-        self._check_state_keys(state)
-        self._core.global_model()  # the checkpoint holds the global model (every rank saves together)
+    def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
+        self._core.global_model()  # every rank saves together
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in converted]
         optimizer_states = {k: converted[k] for k in optimizers}
@@ -164,27 +121,12 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             converted[CHECKPOINT_KEY] = entry
             self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load a checkpoint like Fabric's ``DDPStrategy`` and restore this rank's sparse state.
-
-        In update mode every optimizer in the checkpoint is restored to the state *this rank*
-        saved (also in the returned checkpoint when ``state`` is empty); on another number of
-        processes, to the mean of the saved ranks' states. The ``"lightning_sparse"`` entry is
-        consumed, not returned.
-        """
-        self._core.hold_global()  # what the module held is replaced: it becomes the global model
+    def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         io = self.checkpoint_io
-        # Lightning's own loading code runs; the checkpoint it reads passes through _restore first
+        # Lightning's loading code runs; what it reads passes through _restore first
         self.checkpoint_io = _RestoringIO(io, self._restore)
         try:
-            return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+            return DDPStrategy.load_checkpoint(self, path, state=state, strict=strict, weights_only=weights_only)
         finally:
             self.checkpoint_io = io
 
@@ -202,9 +144,8 @@ def register_fabric_strategies() -> None:
 
 
 class _BackwardSyncOf(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` for a DDP model; nothing for update mode's
-    :class:`~lightning_sparse.exchange.replicas.Replicas`, whose backward syncs nothing (a plain DDP step
-    of the timed fallback averages the gradients at ``optimizer.step()``, after the last one)."""
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync``; nothing for update mode's ``Replicas``, whose
+    backward syncs nothing (a timed fallback's plain DDP step averages at ``optimizer.step()``)."""
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:

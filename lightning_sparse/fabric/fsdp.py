@@ -1,9 +1,6 @@
-"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``.
+"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``, for a loop the user writes.
 
-The same sparse HSDP as the Trainer's :class:`lightning_sparse.SparseFSDPStrategy` (FSDP2 inside
-each group of ``shard_size`` processes, update mode's exchange across groups on each process's
-shards), for a loop the user writes. FSDP2 replaces the module's parameters when it shards them, so
-the module is set up first and the optimizer made from the sharded parameters::
+FSDP2 replaces the module's parameters when it shards them: set the module up first, then the optimizer::
 
     fabric = Fabric(accelerator="cpu", devices=4, strategy=SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"]))
     fabric.launch()
@@ -13,10 +10,6 @@ the module is set up first and the optimizer made from the sharded parameters::
         optimizer.zero_grad()
         fabric.backward(loss_fn(model(x), y))
         optimizer.step()
-
-As with Fabric's ``sparse_ddp``, a training forward lets the module hold this process's own view,
-``optimizer.step()`` exchanges and leaves the global model in the module, and an evaluation forward
-sees the global model.
 """
 
 from __future__ import annotations
@@ -35,15 +28,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse.fabric.hooks import FabricHooks
+from lightning_sparse.fabric.hooks import FabricHooks, _Filter, _State
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
 from lightning_sparse.strategies.ft_front import fabric_recovery
-from lightning_sparse.strategies.settings import DDP_ONLY, take_settings, with_settings
+from lightning_sparse.strategies.settings import DDP_ONLY, with_settings
 from lightning_sparse.strategies.sharding import (
+    ShardedFront,
     bind_shards,
     check_mesh,
-    check_sharding_arguments,
     load_local_optimizer_states,
     local_tree,
     mesh_shape,
@@ -60,22 +52,14 @@ __all__ = ["SparseFSDPStrategy"]
     docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
     inherit=(ModelParallelStrategy, ("process_group_backend", "timeout")),
 )
-class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
+class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
     """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
 
-    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy``, with the same
-    settings (see there for each) and the same mesh ``("replicate", "shard")``. The module is sharded
-    by ``parallelize_fn(module, device_mesh)``, which calls
-    ``fully_shard(..., mesh=device_mesh["shard"])`` itself, or by the strategy: every module whose
-    class is named in ``sharded_modules``, then every direct child around them holding parameters they
-    do not, then the module itself (tied parameters stay with the unit around every module using them). The
-    loop may call the module or a submodule (``model.model(input_ids=x, labels=x)``). Set the module up first
-    (``fabric.setup_module``), then make the optimizer from its parameters (``fabric.setup_optimizers``):
-    FSDP2 replaces the parameters it shards. ``fabric.save(path, {"model": model, "optimizer":
-    optimizer, ...})`` writes the global model as a ``torch.distributed.checkpoint`` folder and each
-    process's residuals and optimizer state to a file of its own in ``<path>.sparse/``;
-    ``fabric.load`` with the same keys resumes exactly, on the same number of processes and
-    ``shard_size``. ``fabric.load(path, model)`` (a module alone) loads the global model only.
+    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy`` (see there), the module sharded
+    by ``parallelize_fn(module, device_mesh)`` (``fully_shard(..., mesh=device_mesh["shard"])``) or by the strategy
+    (``sharded_modules``). ``fabric.save`` writes the global model as a ``torch.distributed.checkpoint`` folder and
+    each process's own state in ``<path>.sparse/``; ``fabric.load`` with the same keys resumes exactly, on the same
+    processes and ``shard_size`` (a module alone: the global model only).
 
     Args:
         shard_size: processes per group; None (default): the processes of one node.
@@ -85,12 +69,9 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
 
     Example:
         >>> from lightning.fabric import Fabric
-        >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
+        >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4)
         >>> fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
     """
-
-    strategy_name = "sparse_fsdp"
-    _names = FSDP_NAMES
 
     def __init__(
         self,
@@ -99,7 +80,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         parallelize_fn: Callable[[Module, Any], Module] | None = None,
         **settings: Any,
     ) -> None:
-        check_sharding_arguments(settings, shard_size, sharded_modules)
+        self._take_sharding(settings, shard_size, sharded_modules)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise ValueError(f"parallelize_fn={parallelize_fn!r} is not allowed: expected a callable or None")
         if parallelize_fn is not None and sharded_modules is not None:
@@ -107,22 +88,13 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
                 f"sharded_modules={sharded_modules!r} is not allowed with a parallelize_fn: expected None (the "
                 "parallelize_fn shards the module)"
             )
-        config, fabric_args, _ = take_settings(SparseFSDPStrategy, settings)
-        self._core = SparseCore(config)
-        super().__init__(parallelize_fn=self._parallelize, **fabric_args)
-        self._shard_size = shard_size
-        self.sharded_modules = None if sharded_modules is None else list(sharded_modules)
+        super().__init__(parallelize_fn=self._parallelize, **self._take_settings(SparseFSDPStrategy, settings))
         self._user_parallelize = parallelize_fn
         self._io = TorchCheckpointIO()  # for the processes' own files (the folder is DCP's)
         self._optimizers: list[Optimizer] = []
         self._module: Module | None = None
 
     # ------------------------------------------------------------------ mesh
-    @property
-    def shard_size(self) -> int:
-        """Processes per group (the mesh's ``"shard"`` dimension)."""
-        return int(self.device_mesh["shard"].size())
-
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
@@ -136,8 +108,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")``
-        mesh; the group is ended at interpreter exit (as with Fabric's ``sparse_ddp``)."""
+        """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")`` mesh."""
         self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
 
     # ------------------------------------------------------------------ setup
@@ -159,11 +130,10 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        """Shard the module (``parallelize_fn`` or ``sharded_modules``), materialize it, and bind the
-        exchange to this process's shards across the ``"replicate"`` dimension."""
+        """Shard the module, materialize it, and bind the exchange to this process's shards."""
         module = super().setup_module(module)  # parallelize, then materialize what is on the meta device
         scaler = getattr(self.precision, "scaler", None)
-        recovery = fabric_recovery(lambda: self._optimizers, sharded=True)  # a healing group takes its shards' too
+        recovery = fabric_recovery(lambda: self._optimizers, sharded=True)
         bind_shards(self._core, module, self.device_mesh, self.root_device, scaler, lambda: self._optimizers, recovery)
         self._watch_forward(module)
         self._module = module
@@ -172,9 +142,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
     @override
     def _watch_forward(self, module: Module) -> None:
         """Watch the forward of every FSDP2 unit, not only the module's: a loop may call a submodule
-        (``model.model(input_ids=x, labels=x)``), whose forward then starts the unit's forward and
-        backward. The watch is the same at every unit (a unit inside a watched forward finds the
-        module holding what it should)."""
+        (``model.model(input_ids=x, labels=x)``)."""
         from torch.distributed.fsdp import FSDPModule
 
         units: list[Module] = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -184,9 +152,7 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
 
     @staticmethod
     def _after_forward(module: Module, args: Any, output: Any) -> None:
-        # FSDP2's root unit keeps its gathered parameters after a forward, for the backward; after an
-        # evaluation forward no backward frees them, and the next forward would reuse them although
-        # the shards have changed since (the process's own view, an exchange): shard them again
+        # an evaluation forward leaves the parameters gathered (see sharding.reshard)
         if not (module.training and torch.is_grad_enabled()):
             reshard(module)
 
@@ -198,19 +164,8 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         return super().setup_optimizer(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """The global model (and the rest of ``state`` but the optimizers) as Fabric's
-        ``ModelParallelStrategy`` saves it, a ``torch.distributed.checkpoint`` folder; each process's
-        residuals and optimizer states in its own file in ``<path>.sparse/`` (every process's
-        optimizer followed its own gradients: the shared folder keeps one copy of each shard)."""
-        self._check_state_keys(state)
+    def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
+        # the optimizer states go to each process's own file: DCP's folder keeps one copy of each shard
         if storage_options is not None:
             raise TypeError(
                 f"storage_options={storage_options!r} is not allowed with SparseFSDPStrategy: expected None"
@@ -227,21 +182,13 @@ class SparseFSDPStrategy(FabricHooks, ModelParallelStrategy):
         )
         entry["mesh"] = mesh_shape(self.device_mesh)
         rest = {k: v for k, v in state.items() if k not in optimizers}
-        super().save_checkpoint(path, {**rest, CHECKPOINT_KEY: entry}, filter=filter)
+        ModelParallelStrategy.save_checkpoint(self, path, {**rest, CHECKPOINT_KEY: entry}, filter=filter)
 
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load the global model and the rest of ``state``, and give this process its own residuals
-        and optimizer states back (a module alone: the global model only)."""
-        self._core.hold_global()  # what the module held is replaced: it becomes the global model
-        if not isinstance(state, dict) or not state:
-            return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+    def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        if not isinstance(state, dict) or not state:  # a module alone: the global model only
+            return ModelParallelStrategy.load_checkpoint(
+                self, path, state=state, strict=strict, weights_only=weights_only
+            )
         path = Path(self.broadcast(path))
         module = self._checkpoint_module(state)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import Optimizable
+from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_sparse._utils import note_run_end
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
@@ -16,16 +18,19 @@ from lightning_sparse.strategies.shell import SparseShell
 
 __all__ = ["FabricHooks"]
 
+#: what ``fabric.save`` passes: the state to save, and a filter of its entries
+_State = dict[str, Module | Optimizer | Any]
+_Filter = dict[str, Callable[[str, Any], bool]] | None
+
 
 class FabricHooks(SparseShell):
-    """The hooks Fabric's ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Fabric
-    strategy (the next class in the method resolution order).
+    """The hooks Fabric's ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Fabric strategy.
 
-    In update mode a *training* forward (module in training mode, gradients enabled) lets the module
-    hold this process's own view of the model; ``optimizer.step()`` steps on it, exchanges, and leaves
-    the global model in the module. An evaluation forward outside a pending backward and
-    ``get_module_state_dict`` put the global model back (BatchNorm statistics recomputed on this
-    process alone: a user may evaluate on one rank only, where a collective would hang).
+    In update mode a *training* forward (training mode, gradients enabled) lets the module hold this process's own
+    view; ``optimizer.step()`` steps on it, exchanges, and leaves the global model in the module. An evaluation
+    forward outside a pending backward, ``get_module_state_dict``, ``fabric.save`` and ``fabric.load`` put the
+    global model back; the first two recompute BatchNorm statistics on this process alone (a user may evaluate on
+    one rank only, where a collective would hang).
 
     Example:
         >>> from lightning_sparse import FabricSparseDDPStrategy, FabricSparseFSDPStrategy
@@ -37,8 +42,8 @@ class FabricHooks(SparseShell):
     _graph_pending: bool = False
 
     def _watch_forward(self, module: Module) -> None:
-        """Update mode: register the forward hook that chooses the model the module holds. It runs
-        before every other pre-forward hook (FSDP2 gathers the shards in one)."""
+        """Update mode: register the hook that chooses the model the module holds, before every other pre-forward
+        hook (FSDP2 gathers the shards in one)."""
         if self._core.update is not None:
             module.register_forward_pre_hook(self._before_forward, prepend=True)
 
@@ -47,7 +52,7 @@ class FabricHooks(SparseShell):
         if update is None:
             return
         if module.training and torch.is_grad_enabled():
-            update.hold_local()  # this rank's forward/backward run at global + its residual
+            update.hold_local()
             self._graph_pending = True
         elif not self._graph_pending and not self._in_optimizer_step:
             self._core.global_model(together=False)  # evaluation sees the global model
@@ -57,10 +62,9 @@ class FabricHooks(SparseShell):
         self._graph_pending = False
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """The optimizer step on this rank's view, then (update mode) the exchange: afterwards the
-        module holds the new global values of the optimizer's parameters."""
+        """The optimizer step, then (update mode) the exchange (``SparseShell._sparse_step``)."""
         strategy = super()
-        self._gradients_ready()  # after the backward: what the step needs of the gradients
+        self._gradients_ready()
 
         def step() -> Any:
             return strategy.optimizer_step(optimizer, **kwargs)  # type: ignore[attr-defined]
@@ -69,13 +73,39 @@ class FabricHooks(SparseShell):
         self._graph_pending = False
         return output
 
-    def _check_state_keys(self, state: dict[str, Any]) -> None:
-        """Refuse a user's entry under the key the strategy saves its own state under (ValueError)."""
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state`` with the global model, and each process's sparse state (update mode: and optimizer states)
+        in its own file in ``<path>.sparse/``. ``fabric.save`` calls it on every process."""
         if CHECKPOINT_KEY in state:
             raise ValueError(
                 f"state[{CHECKPOINT_KEY!r}] is not allowed with {type(self).__name__}: the strategy saves its own "
                 "state under that key; use another name."
             )
+        self._save_with_sparse(path, state, storage_options, filter)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load the global model and the rest of ``state``, and give this process its own sparse state back (update
+        mode: and the optimizer states it saved; on another number of processes, their mean)."""
+        self._core.hold_global()  # what the module held is replaced: it becomes the global model
+        return self._load_with_sparse(path, state, strict, weights_only)
+
+    def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
+        raise NotImplementedError
+
+    def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        raise NotImplementedError
 
     def get_module_state_dict(self, module: Module) -> dict[str, Any | Tensor]:
         """The module's state with the global parameters (update mode)."""
@@ -83,7 +113,7 @@ class FabricHooks(SparseShell):
         return super().get_module_state_dict(module)  # type: ignore[misc]
 
     def teardown(self) -> None:
-        """Fabric's teardown, for a caller that runs it; an exception on its way out keeps the exit
-        handler from ending the process group (the other ranks may never get there)."""
+        """Fabric's teardown; an exception on its way out keeps the exit handler from ending the process group
+        (the other ranks may never get there)."""
         note_run_end(failed=sys.exc_info()[1] is not None)
         super().teardown()  # type: ignore[misc]

@@ -1,4 +1,4 @@
-"""Training advice: the combinations of mode, compressor and optimizer measured to train far from dense."""
+"""Training advice: the combinations of mode, compressor and optimizer that train far from dense."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ __all__ = ["check_no_optimizer_momentum", "training_advice"]
 
 
 def check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
-    """Momentum correction moves the momentum into the hook: a second one in the optimizer would
-    apply it twice, so refuse optimizers that keep one."""
+    """Refuse optimizers with a momentum under momentum correction, which moves it into the hook (twice otherwise)."""
     for optimizer in optimizers:
         inner = getattr(optimizer, "_optimizer", optimizer)
         for group in inner.param_groups:
@@ -28,8 +27,7 @@ def check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
 
 
 def training_advice(state: SparseState, optimizers: list[Any], module: Any = None) -> list[str]:
-    """Combinations of mode, compressor and optimizer measured to train far from dense, each with
-    what to change (the strategies warn with these at setup).
+    """Combinations of mode, compressor and optimizer that train far from dense, each with what to change.
 
     Example:
         >>> import torch
@@ -82,6 +80,5 @@ def training_advice(state: SparseState, optimizers: list[Any], module: Any = Non
                 f"density=WarmupDensity(start=0.1, end={density:g}, steps=40) reached 0.992 with 95x fewer "
                 "bytes than dense DDP (291x without)."
             )
-    # Random coordinates in update mode were measured to train well (GPT with AdamW: random-k 1.985 and
-    # random-block 1.996 nats against 1.844 dense; digits 98%), so that combination gets no warning.
+    # random coordinates train well in update mode (docs/results.md): no warning there
     return advice

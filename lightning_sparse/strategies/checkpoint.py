@@ -1,19 +1,15 @@
 """The checkpoint payload: each process's sparse state, written by that process beside the checkpoint.
 
-At a save every process writes its own state (residuals, step, schedule, telemetry; in update mode
-its optimizer states) to a file of its own in a folder beside the checkpoint,
-``<checkpoint>.sparse/rank00001-of-00004.pt``; the checkpoint itself (written by rank 0, a plain
-``torch.save`` file loadable without this library) holds only a small entry under
-:data:`CHECKPOINT_KEY` that names the folder. Nothing is gathered: no process holds another's
-state. Rank 0's optimizer states are the ones Lightning writes into the checkpoint, so no file
-holds them twice. At a load each process reads its own file again or, on another number of
-processes, the mean of the saved ones, reading one file at a time (``docs/guarantees.md``). Both
-front ends carry it through :class:`CheckpointPayload`.
+Every process writes its state (residuals, step, schedule, telemetry; update mode: its optimizer states) to
+``<checkpoint>.sparse/rank00001-of-00004.pt``, nothing gathered; the checkpoint itself (a plain ``torch.save`` file)
+holds a small entry under :data:`CHECKPOINT_KEY` naming the folder. A load reads each process's own file or, on
+another number of processes, the mean of the saved ones, a file at a time (``docs/guarantees.md``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,9 +54,8 @@ def _folder_of(path: _PATH, entry: dict[str, Any]) -> str:
 
 
 def _write(record: dict[str, Any], file: str, io: CheckpointIO, storage_options: Any | None) -> None:
-    """Write one process's record. Lightning's own writer first serializes a whole checkpoint into
-    memory; a local file written with the default writer is streamed to disk instead (and renamed
-    into place when complete), so a save costs no second copy of the state in memory."""
+    """Write one process's record: a local file with the default writer is streamed to disk and renamed into place
+    (Lightning's writer serializes it into memory first, a second copy of the state)."""
     if type(io) is TorchCheckpointIO and storage_options is None and "://" not in file:
         os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
         partial = f"{file}.partial"
@@ -105,14 +100,11 @@ class CheckpointPayload:
         storage_options: Any | None = None,
         rank0_in_checkpoint: bool = True,
     ) -> dict[str, Any]:
-        """Write this process's file beside ``path``; return the entry for the checkpoint itself.
+        """Write this process's file beside ``path`` (every process, no collective); return the checkpoint's entry.
 
-        Runs on every process, with no collective. ``optimizer_states`` maps the checkpoint's keys
-        to this process's optimizer states (e.g. ``{"optimizer_states": [...]}`` for the Trainer);
-        in update mode every process's are kept (each optimizer followed its own gradients), rank
-        0's in the checkpoint itself and the others' in their files (every process's in its file
-        where ``rank0_in_checkpoint`` is False: a sharded checkpoint keeps no optimizer state of its
-        own). Rank 0 writes the returned entry under :data:`CHECKPOINT_KEY`.
+        ``optimizer_states``: the checkpoint's keys to this process's optimizer states, kept in update mode (each
+        optimizer followed its own gradients): rank 0's in the checkpoint itself unless ``rank0_in_checkpoint`` is
+        False (a sharded checkpoint), the others' in their files.
         """
         state = self.state
         keep_optimizers = self.update is not None and optimizer_states is not None
@@ -154,11 +146,8 @@ class CheckpointPayload:
     ) -> None:
         """Take :data:`CHECKPOINT_KEY` out of a loaded ``checkpoint`` and restore this process's state.
 
-        Reads this process's file (on another number of processes, the mean of every saved one, a
-        file at a time). The residuals, step, schedule and telemetry are applied at once if
-        ``now``, else when the model is set up (:meth:`apply_pending`). In update mode the
-        checkpoint's optimizer states are replaced, in place, by the ones this process saved (on
-        another number of processes, their mean over the saved processes).
+        Applied at once if ``now``, else by :meth:`apply_pending`. In update mode the checkpoint's optimizer states
+        are replaced, in place, by this process's (on another number of processes, the saved ones' mean).
         """
         entry = checkpoint.pop(CHECKPOINT_KEY)
         if entry.get("format") != PAYLOAD_FORMAT:
@@ -203,8 +192,8 @@ class CheckpointPayload:
             self.apply_pending(device)
 
     def _mean_of_saved(self, read: Any, saved_world: int, world_size: int) -> tuple[dict[str, Any], Any]:
-        # Every new process takes the mean of the old residuals: the total delayed gradient,
-        # sum(e_r) / world_size, is then the same as before the change.
+        # every new process takes the mean of the old residuals: the total delayed gradient, sum(e_r) / world_size,
+        # is kept
         rank_zero_warn(
             f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
             f"{world_size}; each rank starts from the mean of the saved error-feedback residuals, "
@@ -217,7 +206,7 @@ class CheckpointPayload:
             )
         )
         first: dict[str, Any] = {}
-        # local momenta are summed like residuals, in float32 (the mean they always had)
+        # local momenta are summed like residuals, in their own dtype
         sums = {key: _Mean(wide=False) for key in ("residuals", "velocity")}
         optimizers = _Mean()
         for r in range(saved_world):
@@ -264,10 +253,8 @@ class CheckpointPayload:
 def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every process's saved record of the checkpoint at ``path``, by rank (for inspection).
 
-    Each record is ``{"rank", "world_size", "state"}`` (and, in update mode on ranks other than
-    0, ``"optimizer_states"``). ``entry`` is the checkpoint's :data:`CHECKPOINT_KEY` entry (read
-    from ``path`` when not given). It reads every file at once: for a look at the state, not for
-    resuming a large model.
+    Each record is ``{"rank", "world_size", "state"}`` (update mode, ranks but 0: ``"optimizer_states"``).
+    ``entry``: the checkpoint's :data:`CHECKPOINT_KEY` entry (None: read from ``path``). Reads every file at once.
 
     Example:
         >>> read_rank_states("model.ckpt")  # doctest: +SKIP
@@ -281,15 +268,13 @@ def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[d
 
 
 class _Mean:
-    """A running element-wise mean of structurally equal states (dicts, lists, tuples of tensors and
-    other values): floating tensors are summed in float64 and divided at the end (then cast back to
-    their dtype), anything else is taken from the first. A dict key that some states lack counts as
-    zero there. Only the sums are held, so states can be read one at a time."""
+    """A running element-wise mean of structurally equal states (see :func:`mean_states`), read one at a time; a
+    dict key that some states lack counts as zero there."""
 
     def __init__(self, wide: bool = True) -> None:
         self.total: Any = None
         self.count = 0
-        #: sum in float64 (else in each tensor's own dtype, as the residuals' mean always was)
+        #: sum in float64, else in each tensor's own dtype
         self.wide = wide
 
     def add(self, state: Any) -> None:
@@ -309,15 +294,18 @@ class _Sum:
         self.value = tensor.detach().to(dtype=torch.float64 if wide else tensor.dtype, copy=True)
 
 
-def _as_total(state: Any, wide: bool) -> Any:
-    if isinstance(state, torch.Tensor) and state.is_floating_point():
-        return _Sum(state, wide)
+def _map(state: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``state`` with ``leaf`` applied to each leaf (dicts, lists and tuples walked, a tuple's type kept)."""
     if isinstance(state, dict):
-        return {key: _as_total(value, wide) for key, value in state.items()}
+        return {key: _map(value, leaf) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        items = [_as_total(value, wide) for value in state]
+        items = [_map(value, leaf) for value in state]
         return type(state)(items) if isinstance(state, tuple) else items
-    return state
+    return leaf(state)
+
+
+def _as_total(state: Any, wide: bool) -> Any:
+    return _map(state, lambda x: _Sum(x, wide) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
 
 
 def _summed(total: Any, state: Any) -> Any:
@@ -341,20 +329,12 @@ def _is_wide(total: dict[str, Any]) -> bool:
 
 
 def _divided(total: Any, n: int) -> Any:
-    if isinstance(total, _Sum):
-        return total.value.div(n).to(total.dtype)
-    if isinstance(total, dict):
-        return {key: _divided(value, n) for key, value in total.items()}
-    if isinstance(total, (list, tuple)):
-        items = [_divided(t, n) for t in total]
-        return type(total)(items) if isinstance(total, tuple) else items
-    return total
+    return _map(total, lambda x: x.value.div(n).to(x.dtype) if isinstance(x, _Sum) else x)
 
 
 def mean_states(states: list[Any]) -> Any:
-    """The element-wise mean of structurally equal states (dicts, lists, tuples of tensors and
-    other values): floating tensors are averaged (in float64, then cast back), anything else is
-    taken from the first.
+    """The element-wise mean of structurally equal states (dicts, lists, tuples of tensors and other values):
+    floating tensors are averaged (in float64, then cast back), anything else is taken from the first.
 
     Example:
         >>> import torch

@@ -1,13 +1,6 @@
-"""The wiring of a sparse strategy: from its settings to the state, the exchange and DDP's hook.
+"""The wiring of a sparse strategy, whatever its front end: settings to state, exchange and DDP hook.
 
-:class:`SparseCore` holds everything of ``SparseDDPStrategy`` that does not depend on which
-Lightning front end runs it: the :class:`~lightning_sparse.config.SparseConfig`, the
-:class:`SparseState` and the :class:`UpdateExchange` built from it, the checked DDP keyword
-arguments, the registration of DDP's hook on the wrapped model, and the
-:class:`~lightning_sparse.strategies.checkpoint.CheckpointPayload`. The registered strategy names are here
-too. ``lightning_sparse.strategies.ddp.SparseDDPStrategy`` (Trainer) and
-``lightning_sparse.fabric.SparseDDPStrategy`` (Fabric) are thin shells over it
-(:class:`~lightning_sparse.strategies.shell.SparseShell`).
+:class:`SparseCore`, and the registered strategy names.
 """
 
 from __future__ import annotations
@@ -70,13 +63,8 @@ def wrap_in_ddp(
 ) -> DistributedDataParallel:
     """``module`` in ``DistributedDataParallel``, built on the current CUDA stream.
 
-    Lightning 2.6 builds DDP inside a new side stream (for capturing the whole network in a CUDA
-    graph, which the sparse strategies do not do). DDP's reducer then holds every parameter's
-    ``AccumulateGrad`` node bound to that stream, and every backward crosses streams once per
-    parameter: an event recorded and waited for, the gradient recorded on the side stream, and
-    events recorded and queried again when it is freed. On a GPT-2 small (148 tensors) on an H200
-    that cost about 2 ms of host time a step, the difference between a step without an exchange and
-    the plain loop's. Plain PyTorch builds DDP on the current stream, as here.
+    Lightning builds DDP inside a side stream (for CUDA graphs, which the sparse strategies do not use): the
+    reducer's ``AccumulateGrad`` nodes are then bound to it and every backward crosses streams once per parameter.
 
     Example:
         >>> import torch.distributed as dist
@@ -98,8 +86,7 @@ FSDP_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 def register_names(
     cls: type, registry: Any, names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
 ) -> None:
-    """Register ``names`` (:data:`STRATEGY_NAMES`, :data:`FSDP_NAMES`) for ``cls`` in a Trainer or Fabric
-    strategy registry (idempotent)."""
+    """Register ``names`` for ``cls`` in a Trainer or Fabric strategy registry (idempotent)."""
     for name, description, params in names:
         if name in registry and registry[name].get("strategy") is cls:
             continue
@@ -107,13 +94,10 @@ def register_names(
 
 
 class SparseCore:
-    """The sparse communication of one strategy: configuration, state, hook, checkpoint payload.
-
-    Builds the :class:`SparseState`, the :class:`UpdateExchange` (update mode) and the keyword
-    arguments of ``DistributedDataParallel`` (:attr:`ddp_kwargs`) from a config.
+    """The sparse communication of one strategy: config, state, update exchange, DDP arguments, checkpoint payload.
 
     Args:
-        config: the settings (validated when it was built).
+        config: the settings.
         ddp_kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -134,7 +118,7 @@ class SparseCore:
             default = OFFLOAD_BUCKET_BYTES if offload else DEFAULT_BUCKET_BYTES
             cap = default if config.bucket_cap_mb is None else int(config.bucket_cap_mb * 1024 * 1024)
             outer = outer_step_for(config.outer_factory)
-            if config.fault_tolerant:  # one replica group among others, on torchft
+            if config.fault_tolerant:
                 self.update = FaultTolerantUpdate(self.state, cap, outer, config.min_replicas, config.quorum_timeout)
             else:
                 self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
@@ -175,15 +159,12 @@ class SparseCore:
         job: tuple[dist.ProcessGroup | None, int, int] | None = None,
         recovery: FrontEndState | None = None,
     ) -> None:
-        """Bind the exchange to the parameters it exchanges and the process group it exchanges over,
-        for any front end: apply a checkpoint payload that waited for the model, attach the gradient
-        scaler (fp16 AMP) and, in update mode, the optimizers (their states are averaged when a timed
-        fallback takes the ranks to plain DDP steps) and the ``module`` whose BatchNorm statistics
-        :meth:`global_model` recomputes. ``aliases``: the tensors the optimizers hold where they are
-        not the exchanged ones (update mode; FSDP2's DTensors), by parameter name. ``job``: the whole
-        job's group, this process's rank and size in it, where it is not ``process_group``
-        (``fault_tolerant`` under FSDP2: a replica group is the job, sharded across its processes).
-        ``recovery``: the front end's part of a fault-tolerant group's healing state."""
+        """Bind the exchange to its parameters and process group (any front end), with a pending checkpoint
+        payload, the gradient scaler (fp16 AMP) and, in update mode, the optimizers (averaged when a timed
+        fallback goes to plain DDP steps) and the ``module`` whose BatchNorm statistics :meth:`global_model`
+        recomputes. ``aliases``: by name, the tensors the optimizers hold where they are not the exchanged ones
+        (FSDP2's DTensors). ``job``: the whole job's group, rank and size where it is not ``process_group``
+        (``fault_tolerant`` under FSDP2). ``recovery``: the front end's part of a healing group's state."""
         self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
@@ -191,7 +172,6 @@ class SparseCore:
         if self.update is None:
             self.state.bind(named_parameters, process_group=process_group)
             return
-        # each rank keeps its own gradient; the exchange runs after the optimizer step
         self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
         if isinstance(self.update, FaultTolerantUpdate):
             self.update.start(*(job or (process_group, rank, world_size)), front_end=recovery)
@@ -206,8 +186,7 @@ class SparseCore:
     def wrap(
         self, module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
     ) -> torch.nn.Module:
-        """``module`` made data parallel: in update mode :class:`Replicas` (no reducer: each process
-        keeps its own gradient), else ``DistributedDataParallel`` (see :func:`wrap_in_ddp`)."""
+        """``module`` made data parallel: in update mode :class:`Replicas` (no reducer), else :func:`wrap_in_ddp`."""
         if self.replicated:
             return Replicas(module, **ddp_kwargs)
         return wrap_in_ddp(module, device_ids, ddp_kwargs)
@@ -222,10 +201,8 @@ class SparseCore:
         optimizers: Callable[[], list[Any]] | None = None,
         recovery: FrontEndState | None = None,
     ) -> None:
-        """:meth:`bind` to the parameters and process group of a model :meth:`wrap` made: in gradient
-        mode register the sparse exchange as DDP's communication hook (on any device); in update mode
-        the replicas need none (``SparseShell._gradients_ready`` gives them what a step needs of
-        the gradients), and a fault-tolerant group's DDP averages inside the group."""
+        """:meth:`bind` to a model :meth:`wrap` made; in gradient mode register the sparse exchange as DDP's
+        communication hook (any device). Update mode needs none (a fault-tolerant group's DDP averages inside it)."""
         expected = Replicas if self.replicated else DistributedDataParallel
         if not isinstance(model, expected):
             raise RuntimeError(f"expected the model wrapped in {expected.__name__}, got {type(model).__name__}")
@@ -238,8 +215,8 @@ class SparseCore:
             model.register_comm_hook(self.state, sparse_comm_hook)
 
     def check_optimizers(self, optimizers: list[Any], world_size: int, module: torch.nn.Module | None = None) -> None:
-        """Refuse an optimizer momentum under momentum correction; warn (rank 0) about combinations
-        measured to train far from dense."""
+        """Refuse an optimizer momentum under momentum correction; warn (rank 0) about combinations that train far
+        from dense."""
         momentum = self.config.momentum_correction
         if momentum:
             check_no_optimizer_momentum(optimizers, momentum)
@@ -258,8 +235,7 @@ class SparseCore:
             self.update.hold_global()
 
     def flush_residuals(self, rounds: int | None = None) -> None:
-        """Update mode: add the mean of every process's residual to the global model (see
-        :meth:`UpdateExchange.flush_residuals`), then give the module the global model."""
+        """Update mode: :meth:`UpdateExchange.flush_residuals`, then :meth:`global_model`."""
         if self.update is None:
             raise ValueError(
                 f"flush_residuals() is not allowed with compress={self.config.compress!r}: expected "
@@ -273,10 +249,8 @@ class SparseCore:
         self.global_model()
 
     def end_fit(self) -> None:
-        """The end of a fit: in update mode with ``flush_at_end`` (default) and more than one
-        process, :meth:`flush_residuals` (``True``: the exact mean of the residuals joins the global
-        model; an int: that many exchanges as configured); otherwise :meth:`global_model`. Every
-        process calls it at the same point."""
+        """The end of a fit, on every process at the same point: :meth:`flush_residuals` as ``flush_at_end`` says
+        (update mode), else :meth:`global_model`."""
         update, flush = self.update, self.config.flush_at_end
         # plain DDP steps (a timed fallback's dense choice) left nothing unsent: no all-reduce of zeros
         if update is not None and flush is not False and update.active and not self.state.step_exchange.plain_ddp:
@@ -285,11 +259,9 @@ class SparseCore:
             self.global_model()
 
     def global_model(self, together: bool = True) -> None:
-        """Update mode: give the module the global model for something other than training
-        (validation, testing, prediction, checkpoints, the end of fit): the global parameters, and
-        BatchNorm statistics recomputed under them (:class:`~lightning_sparse.exchange.batchnorm.GlobalBatchNorm`).
-        ``together``: every process calls it at this point, and the statistics are averaged over
-        them; else each process recomputes its own."""
+        """Update mode: give the module the global parameters, and BatchNorm statistics recomputed under them
+        (:class:`~lightning_sparse.exchange.batchnorm.GlobalBatchNorm`). ``together``: every process calls it here,
+        and the statistics are averaged over them; else each process recomputes its own."""
         self.hold_global()
         norms = self.batchnorm
         if norms is None or not norms.attached:

@@ -15,9 +15,8 @@ from lightning_sparse._utils import check_bool
 from lightning_sparse.exchange.replicas import Replicas
 from lightning_sparse.strategies.advice import training_advice
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import SparseCore
 from lightning_sparse.strategies.ft_front import trainer_recovery
-from lightning_sparse.strategies.settings import take_settings, with_settings
+from lightning_sparse.strategies.settings import with_settings
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
 __all__ = ["CHECKPOINT_KEY", "SparseDDPStrategy", "register_strategies", "training_advice"]
@@ -39,24 +38,17 @@ LIGHTNING_ARGS = (
 class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
 
-    Every optimizer step each parameter sends ``k = density * numel`` coordinates (chosen by
-    ``compressor``) of what it has to send; what is not sent is kept and sent later, so nothing
-    is lost, only delayed. With ``compress="update"`` (the default) every rank's optimizer steps
-    on its own gradient and the strategy exchanges part of each rank's accumulated progress
-    after the step; after an exchange the module holds the global parameters, identical on every
-    rank (with ``sync_every > 1``, each rank's own view between exchanges). With
-    ``compress="gradient"`` DDP's communication hook sends part of each gradient plus residual,
-    every bucket's together after backward's last. Tensors below ``min_numel`` and the first
-    ``warmup_steps`` steps go dense. Everything else is Lightning's ``DDPStrategy``: the
-    launchers, NCCL/gloo; update mode builds no ``DistributedDataParallel`` (no gradient is
-    all-reduced: :class:`~lightning_sparse.exchange.replicas.Replicas` starts the processes equal
-    and syncs their buffers as DDP does).
+    Each step every parameter sends ``k = density * numel`` coordinates (chosen by ``compressor``) of what it has to
+    send; the rest is kept and sent later (error feedback): delayed, never lost. ``compress="update"`` (default):
+    each rank steps on its own gradient, then part of its progress is exchanged and the module holds the global
+    parameters, identical on every rank; no ``DistributedDataParallel`` is built
+    (:class:`~lightning_sparse.exchange.replicas.Replicas` keeps the replicas equal). ``compress="gradient"``: DDP's
+    communication hook sends part of each gradient plus residual. The rest is Lightning's ``DDPStrategy``.
 
     Args:
         {settings}
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
-            fitting, unless it already has one, so the compression figures reach the Trainer's loggers and a
-            summary is printed at the end of fit. ``False`` adds nothing.
+            fitting, unless it has one (figures to the loggers, a summary at the end of fit). ``False``: none.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -67,13 +59,10 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
     """
 
-    strategy_name = "sparse_ddp"
-
     def __init__(self, *, compression_monitor: bool = True, **settings: Any) -> None:
         check_bool("compression_monitor", compression_monitor)
-        config, lightning_args, ddp_kwargs = take_settings(SparseDDPStrategy, settings)  # the rest: DDP's own
-        self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
-        super().__init__(**lightning_args, start_method=config.start_method, **self._core.ddp_kwargs)
+        lightning_args = self._take_settings(SparseDDPStrategy, settings)
+        super().__init__(**lightning_args, start_method=self._core.config.start_method, **self._core.ddp_kwargs)
         self.compression_monitor = compression_monitor
 
     # ------------------------------------------------------------------ start
@@ -89,13 +78,13 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     # ------------------------------------------------------------------ the hook
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # Replicas too
-        """Update mode: :class:`~lightning_sparse.exchange.replicas.Replicas` (no reducer); gradient
-        mode: DDP built on the current CUDA stream, not Lightning's side stream (see :func:`wrap_in_ddp`)."""
+        """Update mode: :class:`~lightning_sparse.exchange.replicas.Replicas`; gradient mode: DDP on the current CUDA
+        stream (:func:`~lightning_sparse.strategies.core.wrap_in_ddp`)."""
         return self._core.wrap(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device.
+        # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device
         scaler = getattr(self.precision_plugin, "scaler", None)
         recovery = trainer_recovery(self)
         self._core.register_hook(
@@ -105,7 +94,7 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        # Runs on every process: each writes its own sparse state beside the checkpoint, no gather.
+        # on every process: each writes its own sparse state, no gather
         optimizer_states = (
             {"optimizer_states": checkpoint["optimizer_states"]} if "optimizer_states" in checkpoint else None
         )
@@ -116,8 +105,7 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if CHECKPOINT_KEY in checkpoint:
-            # Restored before DDP wraps the model; applied when the hook is registered. In update mode
-            # checkpoint["optimizer_states"] becomes this process's own.
+            # applied now or when the hook is registered; update mode: the optimizer states become this process's
             now = isinstance(self.model, (DistributedDataParallel, Replicas))
             self._restore_sparse(checkpoint, checkpoint_path, now, weights_only)
         return checkpoint

@@ -21,9 +21,8 @@ _CONFLICTING_DDP_ARGS = {
 
 
 def check_ddp_kwargs(ddp_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The further ``DistributedDataParallel`` arguments given to a strategy, checked: one that would
-    install a second communication hook, or that DDP does not take, raises ValueError naming it;
-    one given as None (what the Lightning CLI passes for an unset one) is dropped.
+    """The further ``DistributedDataParallel`` arguments given to a strategy, checked: ValueError for one that
+    would install a second communication hook or that DDP does not take; one given as None is dropped.
 
     Example:
         >>> check_ddp_kwargs({"broadcast_buffers": False, "ddp_comm_hook": None})

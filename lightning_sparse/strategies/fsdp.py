@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,13 @@ from typing_extensions import override
 
 from lightning_sparse._utils import check_bool
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
 from lightning_sparse.strategies.ft_front import trainer_recovery
-from lightning_sparse.strategies.settings import DDP_ONLY, take_settings, with_settings
+from lightning_sparse.strategies.settings import DDP_ONLY, with_settings
 from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
+    ShardedFront,
     bind_shards,
     check_mesh,
-    check_sharding_arguments,
     load_local_optimizer_states,
     local_tree,
     mesh_shape,
@@ -37,40 +37,49 @@ from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 __all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
 
 
+def _root_step(method: str, context: str) -> Callable[..., Any]:
+    """The strategy's ``method``: the LightningModule's, in the precision context, inside the root's forward."""
+
+    def step(self: SparseFSDPStrategy, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self.precision_plugin, context)():
+            return self._in_root(method, *args, **kwargs)
+
+    step.__name__ = step.__qualname__ = method
+    return step
+
+
+def _reshard_after(hook: str) -> Callable[[SparseFSDPStrategy], None]:
+    """The strategy's ``hook``: Lightning's, then the model resharded."""
+
+    def run(self: SparseFSDPStrategy) -> None:
+        getattr(super(SparseFSDPStrategy, self), hook)()
+        if self.model is not None:
+            reshard(self.model)
+
+    run.__name__ = run.__qualname__ = hook
+    return run
+
+
 @with_settings(
     exclude=DDP_ONLY,
     docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
     inherit=(ModelParallelStrategy, ("process_group_backend", "timeout")),
 )
-class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
+class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
     """FSDP2 inside each group of ``shard_size`` processes, update mode's sparse exchange across groups.
 
-    The processes form a 2-D device mesh ``("replicate", "shard")``: ``world_size / shard_size``
-    groups of ``shard_size``. Inside a group the model is sharded with FSDP2's ``fully_shard`` on the
-    ``"shard"`` dimension and gradients are reduce-scattered as usual (the fast link). Every process
-    steps its own optimizer on its shards; after the step the compressed part of its progress is
-    exchanged across the ``"replicate"`` dimension, with the process of every other group that holds
-    the same shard (the slow link), with every setting of update mode. ``shard_size`` equal to the
-    number of processes is plain FSDP2, with nothing to exchange. Parameters, optimizer state,
-    residual and global copy are all shard-sized on every process.
+    The processes form a mesh ``("replicate", "shard")`` of ``world_size / shard_size`` groups. Inside a group
+    FSDP2 shards the model and reduce-scatters the gradients (the fast link); after each process's optimizer step
+    its compressed progress is exchanged with the processes of the other groups that hold the same shard (the slow
+    link). Parameters, optimizer state, residual and global copy are all shard-sized.
 
-    The model is sharded either by the LightningModule's ``configure_model``, which calls
-    ``fully_shard(module, mesh=self.device_mesh["shard"])`` itself (as with Lightning's
-    ``ModelParallelStrategy``), or by the strategy: every module whose class is named in
-    ``sharded_modules``, then every direct child of the LightningModule around such blocks that holds
-    parameters they do not (``self.model``), then the LightningModule itself with whatever is left. A
-    module that shares a parameter with a module outside it (tied input and output embeddings) is not a
-    unit of its own: the parameter stays with the unit around both. Where the LightningModule is a unit
-    (sharded here, or by ``configure_model``), ``training_step``, ``validation_step``, ``test_step`` and
-    ``predict_step`` run inside its forward, so FSDP2 gathers what it holds whether a step calls
-    ``self(x)`` or a submodule (``self.model(input_ids=x, labels=x)``, as with Hugging Face models). A
-    submodule's output must expose its tensors to FSDP2 (a tensor, tuple, dict, dataclass or Hugging
-    Face ``ModelOutput``). Fit, then validate, test and predict on the same Trainer, as usual.
-    Checkpoints are folders of ``torch.distributed.checkpoint`` (the global model, written once, each
-    shard by one process) with each process's residuals and optimizer state in a file of its own
-    beside them (``<path>.sparse/``); ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
-    turns the folder into one ``torch.save`` file for inference. Resuming needs the same number of
-    processes and ``shard_size``.
+    The model is sharded by the LightningModule's ``configure_model`` (``fully_shard(module,
+    mesh=self.device_mesh["shard"])``) or by the strategy (:func:`~lightning_sparse.strategies.sharding.sharding_units`
+    of ``sharded_modules``). Every step method runs inside the root unit's forward, so a step may call ``self(x)``
+    or a submodule (``self.model(input_ids=x, labels=x)``) whose output exposes its tensors to FSDP2 (a tensor,
+    tuple, dict, dataclass or ``ModelOutput``). Checkpoints are ``torch.distributed.checkpoint`` folders (the
+    global model) with each process's own state in ``<path>.sparse/``; resuming needs the same number of processes
+    and ``shard_size``.
 
     Args:
         shard_size: processes per group (FSDP2 inside, the exchange across); None (default): the
@@ -79,17 +88,13 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             LightningModule without a ``configure_model`` that shards it; None: ``configure_model`` does.
         {settings}
         compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
-            fitting, unless it already has one. ``False`` adds nothing.
+            fitting, unless it has one. ``False``: none.
 
     Example:
-        >>> import lightning_sparse
         >>> from lightning.pytorch import Trainer
         >>> strategy = SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"], sync_every=4, value_bits=2)
         >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
     """
-
-    strategy_name = "sparse_fsdp"
-    _names = FSDP_NAMES
 
     def __init__(
         self,
@@ -100,21 +105,12 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
         **settings: Any,
     ) -> None:
         check_bool("compression_monitor", compression_monitor)
-        check_sharding_arguments(settings, shard_size, sharded_modules)
-        config, lightning_args, _ = take_settings(SparseFSDPStrategy, settings)
-        self._core = SparseCore(config)
-        super().__init__(**lightning_args)
+        self._take_sharding(settings, shard_size, sharded_modules)
+        super().__init__(**self._take_settings(SparseFSDPStrategy, settings))
         self.compression_monitor = compression_monitor
-        self._shard_size = shard_size
-        self.sharded_modules = None if sharded_modules is None else list(sharded_modules)
         self._sharded_here: torch.nn.Module | None = None
 
     # ------------------------------------------------------------------ mesh
-    @property
-    def shard_size(self) -> int:
-        """Processes per group (the mesh's ``"shard"`` dimension)."""
-        return int(self.device_mesh["shard"].size())
-
     def _mesh_shape(self) -> list[int]:
         """[groups, shard_size]: what a checkpoint records and a resume must match."""
         return mesh_shape(self.device_mesh)
@@ -140,11 +136,9 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
             self._sharded_here = module
 
     # ------------------------------------------------------------------ steps through the root's forward
-    # FSDP2 all-gathers a unit's parameters in that unit's forward, and the root unit (the
-    # LightningModule, sharded last) also starts every forward and backward of all the units. A
-    # training_step that calls a submodule (self.model(...)) never runs the LightningModule's forward:
-    # every step method runs inside it instead, as Lightning's DDP runs it inside DDP's forward.
-    def _root_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    # The root unit's forward starts every unit's all-gathers, but a step that calls a submodule (self.model(...))
+    # never runs it: every step method runs inside it instead, as Lightning's DDP runs it inside DDP's forward.
+    def _in_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.fsdp import FSDPModule
 
         module = self.lightning_module
@@ -155,49 +149,22 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._core.hold_local()  # as TrainerHooks.training_step: the forward runs on this process's view
+        self._core.hold_local()
         with self.precision_plugin.train_step_context():
-            return self._root_step("training_step", *args, **kwargs)
+            return self._in_root("training_step", *args, **kwargs)
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._root_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._root_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._root_step("predict_step", *args, **kwargs)
-
-    # the root keeps its gathered parameters after an evaluation's forward (no backward frees them):
-    # shard it again, so that the next forward gathers what the shards hold by then
-    @override
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        if self.model is not None:
-            reshard(self.model)
-
-    @override
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        if self.model is not None:
-            reshard(self.model)
-
-    @override
-    def on_predict_end(self) -> None:
-        super().on_predict_end()
-        if self.model is not None:
-            reshard(self.model)
+    validation_step = _root_step("validation_step", "val_step_context")
+    test_step = _root_step("test_step", "test_step_context")
+    predict_step = _root_step("predict_step", "predict_step_context")
+    # an evaluation's forward leaves the root's parameters gathered (see sharding.reshard)
+    on_validation_end = _reshard_after("on_validation_end")
+    on_test_end = _reshard_after("on_test_end")
+    on_predict_end = _reshard_after("on_predict_end")
 
     def _bind(self) -> None:
         assert self.model is not None
         scaler = getattr(self.precision_plugin, "scaler", None)
-        recovery = trainer_recovery(self, sharded=True)  # a healing group takes its shards' states too
+        recovery = trainer_recovery(self, sharded=True)
         bind_shards(
             self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers, recovery
         )
@@ -205,10 +172,8 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """The global model through ``torch.distributed.checkpoint`` (Lightning's
-        ``ModelParallelStrategy``), and each process's residuals and optimizer state in its own
-        file beside it: each process's optimizer followed its own gradients, which the shared
-        folder (one copy of each shard) cannot hold."""
+        """The global model through ``torch.distributed.checkpoint``, and each process's residuals and optimizer
+        state (it followed its own gradients; the folder holds one copy of each shard) in its own file beside it."""
         optimizers = [local_tree(state) for state in checkpoint.pop("optimizer_states", [])]
         entry = self._core.checkpoint.save(
             filepath,
@@ -245,8 +210,7 @@ class SparseFSDPStrategy(TrainerHooks, ModelParallelStrategy):
 
 
 def finish_sharded_setup(strategy: ModelParallelStrategy, trainer: pl.Trainer) -> None:
-    """What Lightning's ``ModelParallelStrategy.setup`` does once the model is sharded: materialize
-    what was built on the meta device, precision, device, optimizers (fitting)."""
+    """What Lightning's ``ModelParallelStrategy.setup`` does once the model is sharded."""
     assert strategy.model is not None
     _materialize_distributed_module(strategy.model, strategy.root_device)
     strategy.model = strategy.precision_plugin.convert_module(strategy.model)

@@ -12,8 +12,8 @@ __all__ = ["fabric_recovery", "trainer_recovery"]
 
 
 def _optimizer_io(sharded: bool) -> tuple[Any, Any]:
-    """(save, load) of one optimizer's state: as it is, or (FSDP2) its DTensors as local shards: the
-    process of a healthy group that sends them holds the same shards as the one that loads them."""
+    """(save, load) of one optimizer's state: as it is, or (FSDP2) its DTensors as local shards (the sending and
+    the loading process hold the same shards)."""
     if not sharded:
         return (lambda o: o.state_dict()), (lambda o, saved: o.load_state_dict(saved))
     from lightning_sparse.strategies.sharding import load_local_optimizer_state, local_optimizer_state
@@ -26,9 +26,8 @@ def _inner(optimizer: Any) -> Optimizer:
 
 
 def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
-    """A Trainer strategy's part: the inner optimizers' and learning-rate schedulers' states and the
-    Trainer's step counters (so that a healed group finishes at the same ``max_steps``).
-    ``sharded``: FSDP2's optimizers, whose states are sent as this process's shards.
+    """A Trainer strategy's part: the optimizers' and schedulers' states and the step counters (a healed group
+    finishes at the same ``max_steps``). ``sharded``: FSDP2's optimizers, sent as this process's shards.
 
     Example:
         >>> save, load = trainer_recovery(object())
@@ -66,8 +65,7 @@ def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
 
 
 def fabric_recovery(optimizers: Any, sharded: bool = False) -> FrontEndState:
-    """A Fabric strategy's part: the states of the optimizers it set up (``optimizers()`` lists them;
-    ``sharded``: FSDP2's, sent as this process's shards).
+    """A Fabric strategy's part: the states of the ``optimizers()`` it set up (``sharded``: as local shards).
 
     Example:
         >>> save, load = fabric_recovery(lambda: [])

@@ -1,12 +1,8 @@
 """Named points of the compression frontier: a bandwidth budget instead of five arguments.
 
-Each preset is a set of settings measured on the GPT task of ``docs/results.md`` (600 steps, 2
-processes, AdamW): exchanges every ``sync_every`` steps of the top 1 % of each tensor in 2-bit
-values, no dense warm-up exchange, and an end-of-fit hand-over of a few exchanges as configured
-(``flush_at_end=R``) instead of one dense all-reduce, which alone would cost more than such a fit
-sends. The name is the fewer bytes than dense DDP it gives there; a fit of other length or model
-moves it little (the hand-over's share grows in short fits). ``docs/results.md`` ("Presets") has
-the loss each one reached.
+Each preset exchanges the top 1 % of each tensor in 2-bit values every ``sync_every`` steps, with no dense warm-up
+and an end-of-fit hand-over of a few exchanges (``flush_at_end=R``) instead of one dense all-reduce, which alone would
+cost more than such a fit sends. The name is its byte reduction against dense DDP (``docs/results.md``, "Presets").
 """
 
 from __future__ import annotations

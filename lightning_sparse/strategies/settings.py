@@ -1,13 +1,7 @@
-"""The settings as the front ends' flat arguments, declared once in :class:`~lightning_sparse.config.SparseConfig`.
+"""The settings as the front ends' flat keyword arguments, declared once in ``SparseConfig``.
 
-Every front end (Trainer and Fabric; DDP and FSDP2) takes the settings as flat keyword arguments,
-``SparseDDPStrategy(density=0.001, sync_every=4)``, which is what the Lightning CLI shows and reads
-(``--trainer.strategy.density``). Their names, types, defaults and docs live in the config alone:
-:func:`with_settings` writes them into a front end's signature (``__signature__``, which
-:func:`inspect.signature` and jsonargparse read) and into its docstring's ``Args:``, with the
-arguments it passes on to the Lightning strategy it extends (read from that strategy's signature),
-and :func:`take_settings` splits the keyword arguments a front end was given into the config, those
-arguments and the rest.
+``SparseDDPStrategy(density=0.001)`` is what the Lightning CLI reads: :func:`with_settings` writes the settings into a
+front end's signature and ``Args:``, :func:`take_settings` splits the arguments it was given.
 """
 
 from __future__ import annotations
@@ -48,10 +42,8 @@ def setting_default(settings: dict[str, Any], name: str) -> Any:
 
 
 def take_settings(cls: type, settings: dict[str, Any]) -> tuple[SparseConfig, dict[str, Any], dict[str, Any]]:
-    """A front end's keyword arguments (``cls`` decorated with :func:`with_settings`) split into the
-    config of its settings, the arguments it passes on to the Lightning strategy it extends, and the
-    rest, which only a front end with ``extra`` takes (for it to check: DDP's own arguments); without
-    ``extra``, a name that is none of these raises TypeError naming it.
+    """A front end's keyword arguments (``cls`` decorated with :func:`with_settings`) split into the config, the
+    arguments of the Lightning strategy it extends, and the rest (only with ``extra``, else TypeError).
 
     Example:
         >>> @with_settings(extra="kwargs")
@@ -97,16 +89,12 @@ def with_settings(
     extra: str | None = None,
     inherit: tuple[type, Iterable[str]] | None = None,
 ) -> Callable[[T], T]:
-    """Class decorator: the settings of :class:`~lightning_sparse.config.SparseConfig` (but ``exclude``)
-    join a front end's own arguments in its signature and its docs.
+    """Class decorator: the settings of :class:`~lightning_sparse.config.SparseConfig` (but ``exclude``) join a
+    front end's own arguments in its signature and its docstring's ``Args:`` (at a line ``{settings}``).
 
-    The front end's ``__init__`` takes its own arguments and ``**settings`` (it builds the config with
-    :func:`take_settings`); its docstring's ``Args:`` holds a line ``{settings}`` where the settings'
-    entries go (``docs``: a front end's own words for a setting). The signature lists its own positional
-    arguments, then every setting (keyword-only, typed, with its default), then its own keyword-only
-    arguments, then ``inherit``'s: the arguments ``(base, names)`` of the Lightning strategy it extends
-    that it passes on (their types and defaults read from ``base.__init__``, documented as "as in"
-    it), then ``**extra`` where the front end passes further arguments on (DDP's).
+    Signature: its positional arguments, every setting (keyword-only, typed, defaulted), its keyword-only
+    arguments, then ``inherit = (base, names)``'s (typed and defaulted as in ``base.__init__``), then ``**extra``.
+    ``docs``: a front end's own words for a setting.
 
     Example:
         >>> @with_settings(exclude=DDP_ONLY)
@@ -151,7 +139,7 @@ def with_settings(
         if extra is not None:
             params.append(kinds(extra, kinds.VAR_KEYWORD, annotation=Any))
         init.__signature__ = inspect.Signature(params, return_annotation=None)
-        # what jsonargparse reads besides the signature: the settings' and the inherited arguments' types
+        # jsonargparse reads the annotations too
         init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in params if p.name not in hints}}
         cls._settings = (frozenset(exclude), frozenset(inherited), extra is not None)  # type: ignore[attr-defined]
         doc = cls.__doc__ or ""

@@ -1,8 +1,4 @@
-"""What both front ends of ``sparse_fsdp`` share, from its settings to the shards' checkpoint files.
-
-Its settings, the mesh, sharding a module, binding the exchange to each process's shards, counting
-FSDP2's traffic inside a group, and the optimizer states of the per-process checkpoint files.
-"""
+"""What both front ends of ``sparse_fsdp`` share: settings, mesh, sharding, binding, traffic, optimizer states."""
 
 from __future__ import annotations
 
@@ -17,13 +13,14 @@ from torch.optim import Optimizer
 from lightning_sparse.config import setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.ft import FrontEndState
-from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
 from lightning_sparse.strategies.settings import DDP_ONLY, setting_default
 from lightning_sparse.telemetry.stats import Telemetry
 
 __all__ = [
     "FSDP_SETTINGS",
     "MESH_DIMS",
+    "ShardedFront",
     "bind_shards",
     "check_mesh",
     "check_sharding_arguments",
@@ -46,8 +43,7 @@ MESH_DIMS = ("replicate", "shard")
 
 
 def check_sharding_arguments(settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
-    """The arguments both front ends of ``sparse_fsdp`` refuse at construction (ValueError): their own
-    and, among the ``settings`` they were given, those of gradient mode."""
+    """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode."""
     compress, fallback_to_dense, momentum_correction, fault_tolerant = (
         setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
     )
@@ -84,11 +80,35 @@ def check_sharding_arguments(settings: dict[str, Any], shard_size: Any, sharded_
         )
 
 
+class ShardedFront:
+    """What both ``sparse_fsdp`` front ends share as classes: their name, sharding arguments and shard size.
+
+    Example:
+        >>> from lightning_sparse import FabricSparseFSDPStrategy, SparseFSDPStrategy
+        >>> issubclass(SparseFSDPStrategy, ShardedFront) and issubclass(FabricSparseFSDPStrategy, ShardedFront)
+        True
+    """
+
+    strategy_name = "sparse_fsdp"
+    _names = FSDP_NAMES
+    device_mesh: Any  # the Lightning strategy's
+
+    def _take_sharding(self, settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
+        """Check the sharding arguments (:func:`check_sharding_arguments`) and keep them."""
+        check_sharding_arguments(settings, shard_size, sharded_modules)
+        self._shard_size: int | None = shard_size
+        self.sharded_modules: list[str] | None = None if sharded_modules is None else list(sharded_modules)
+
+    @property
+    def shard_size(self) -> int:
+        """Processes per group (the mesh's ``"shard"`` dimension)."""
+        return int(self.device_mesh["shard"].size())
+
+
 def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None) -> Any:
-    """What a ``sparse_fsdp`` front end's ``setup_environment`` does: ``setup`` (Lightning's
-    ``ParallelStrategy``'s, not ``ModelParallelStrategy``'s, which builds a mesh of its own) and the
-    process group, ended at interpreter exit where this created it (``SparseShell._start_processes``);
-    returns the :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
+    """A ``sparse_fsdp`` front end's ``setup_environment``: ``setup`` (``ParallelStrategy``'s, not
+    ``ModelParallelStrategy``'s, which builds a mesh of its own) and the process group; returns the
+    :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
 
     def start() -> None:
         setup()
@@ -100,8 +120,8 @@ def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None)
 
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, fault_tolerant: bool = False) -> Any:
-    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups of ``shard_size``;
-    ``fault_tolerant``: one group of all the job's processes (the exchange runs across jobs, on torchft)."""
+    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups; ``fault_tolerant``: one group of
+    all the job's processes (the exchange runs across jobs)."""
     if fault_tolerant:
         shard_size = world_size
     from torch.distributed.device_mesh import init_device_mesh
@@ -131,17 +151,13 @@ def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -
 
 
 def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[torch.nn.Module]:
-    """The modules :func:`shard_module` makes FSDP2 units of, in the order it shards them: every module
-    whose class is named in ``sharded_modules`` (inner ones first), then every direct child of ``module``
-    around such blocks (``self.model``) that holds parameters none of those units holds, then ``module``
-    itself (whatever is left, and the one root every forward, backward and all-gather order starts
-    from). The LightningModule's own layers stay in its unit: its forward may use their weights
-    outside their own calls (an output layer tied to an embedding).
+    """The modules :func:`shard_module` makes FSDP2 units of, in order: every module whose class is named in
+    ``sharded_modules`` (inner ones first), then every direct child of ``module`` around such blocks that holds
+    parameters none of them holds, then ``module`` itself (the root). ``module``'s own layers stay in its unit
+    (its forward may use their weights outside their calls, as a tied output layer).
 
-    A module that shares a parameter with a module outside it (tied input and output embeddings, a
-    weight used by two children) does not become a unit of its own: FSDP2 manages each parameter in
-    exactly one unit, so the shared parameter stays with the smallest unit that holds every module
-    using it (a child, or ``module``).
+    A module that shares a parameter with a module outside it is no unit of its own: FSDP2 manages each parameter
+    in exactly one unit.
 
     Example:
         >>> from torch import nn
@@ -182,9 +198,7 @@ def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[
     for child in module.children():
         if any(child is u for u in units) or shares_outside(child):
             continue
-        # only a child around listed blocks (self.model): the LightningModule's own layers (an
-        # embedding whose weight its forward also uses as the output layer, a head) stay in its unit,
-        # which every step's forward gathers
+        # only a child around listed blocks (self.model); the root's own layers stay in its unit
         holds_blocks = any(any(m is u for u in units) for m in child.modules())
         if holds_blocks and any(id(p) not in covered for p in child.parameters()):
             units.append(child)
@@ -193,15 +207,14 @@ def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[
 
 
 def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] | None, ours: bool) -> bool:
-    """Shard ``module`` on the ``"shard"`` mesh as :func:`sharding_units` says (the modules of the classes
-    named in ``sharded_modules``, then the children holding the rest, then ``module`` itself); or check
-    that the caller sharded it (``sharded_modules`` None). ``ours``: this strategy sharded ``module`` in
-    an earlier run. Returns whether it was sharded here."""
+    """Shard ``module`` on the ``"shard"`` mesh as :func:`sharding_units` says, or check that the caller sharded
+    it (``sharded_modules`` None). ``ours``: this strategy sharded it in an earlier run. Returns whether it was
+    sharded here."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     sharded = any(isinstance(m, FSDPModule) for m in module.modules())
     if sharded and ours:
-        return False  # sharded by this strategy in an earlier run (fit, then validate)
+        return False  # fit, then validate
     if sharded and sharded_modules:
         raise ValueError(
             f"sharded_modules={sharded_modules!r} is not allowed for a module that is sharded already (by "
@@ -228,10 +241,8 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
 
 
 def reshard(module: torch.nn.Module) -> None:
-    """Put every FSDP2 unit of ``module`` back in its sharded state. The root unit keeps its
-    all-gathered parameters after a forward that has no backward (validation, testing, prediction):
-    FSDP2 would reuse them at the next forward, although the exchange has written new values into the
-    shards since."""
+    """Put every FSDP2 unit of ``module`` back in its sharded state: after a forward without backward the root
+    keeps its gathered parameters, which FSDP2 would reuse although the exchange has written the shards since."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in module.modules():
@@ -240,10 +251,9 @@ def reshard(module: torch.nn.Module) -> None:
 
 
 def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
-    """Count the bytes of every all-gather and reduce-scatter FSDP2 issues for ``module`` inside the
-    group into ``telemetry.group_bytes`` (ring model: ``(S - 1) / S`` of the gathered or scattered
-    tensor through each of the group's ``S`` processes). Each of its collectives is wrapped, not
-    changed. Returns False where this torch has no FSDP2 collectives to wrap."""
+    """Count the bytes of FSDP2's all-gathers and reduce-scatters for ``module`` into ``telemetry.group_bytes``
+    (ring model: ``(S - 1) / S`` of the tensor per process of a group of ``S``), wrapping each collective. Returns
+    False where this torch has no FSDP2 collectives to wrap."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -307,11 +317,10 @@ def bind_shards(
     recovery: FrontEndState | None = None,
 ) -> None:
     """Bind the exchange to this process's shards of ``module``'s parameters, across the ``"replicate"``
-    dimension (``recovery``: the front end's part of a fault-tolerant group's healing state)."""
+    dimension."""
     named = [(n, p) for n, p in module.named_parameters()]
-    # the exchange works on this process's shards: to_local().detach() shares the DTensor's
-    # storage (what it writes is what FSDP2 all-gathers at the next forward) and is outside
-    # autograd; the DTensors, which the optimizer holds, stand for them
+    # to_local().detach() shares the DTensor's storage (what the exchange writes, FSDP2 gathers next) outside
+    # autograd; the DTensors, which the optimizer holds, are the aliases
     local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
     count_group_traffic(module, core.state.telemetry)
     replicate, shard = mesh["replicate"], mesh["shard"]
@@ -331,8 +340,8 @@ def bind_shards(
 
 
 def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optimizer, dict[str, Any]]]) -> None:
-    """Give each optimizer the state this process saved (:func:`local_tree` of
-    ``get_optimizer_state_dict``), its tensors made DTensors again like their parameters."""
+    """Give each optimizer the state this process saved (:func:`local_tree` of ``get_optimizer_state_dict``), its
+    tensors made DTensors again like their parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     params = dict(module.named_parameters())
@@ -342,14 +351,12 @@ def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optim
 
 
 def local_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every DTensor replaced by this process's local tensor (no
-    collective: what a healing replica group receives from the same process of a healthy one)."""
+    """``optimizer.state_dict()`` with every DTensor replaced by this process's local tensor (no collective)."""
     return local_tree(optimizer.state_dict())
 
 
 def load_local_optimizer_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
-    """Load what :func:`local_optimizer_state` wrote on a process holding the same shards: each
-    tensor of a parameter's local shape becomes a DTensor like that parameter again."""
+    """Load what :func:`local_optimizer_state` wrote on a process holding the same shards."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     slots = {i: _like_param(slot, params[int(i)]) for i, slot in state["state"].items()}
     optimizer.load_state_dict({**state, "state": slots})
@@ -383,7 +390,6 @@ def local_tree(state: Any) -> Any:
 
 
 def _sharded_tree(state: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """What :func:`_local_tree` wrote of ``get_optimizer_state_dict``'s state (keyed by parameter
-    name), its tensors of a parameter's local shape made DTensors again like that parameter."""
+    """:func:`local_tree` of ``get_optimizer_state_dict``'s state (by parameter name) made DTensors again."""
     restored = {name: _like_param(slot, params[name]) for name, slot in state["state"].items()}
     return {**state, "state": restored}

@@ -1,12 +1,9 @@
-"""The shell the Trainer and the Fabric strategies share: their properties, starts and optimizer step.
-
-Besides: the samplers' shards and the checkpoint payload's save and restore.
-"""
+"""The shell the Trainer and the Fabric strategies share: their properties, starts, checkpoints and optimizer step."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -18,19 +15,15 @@ from lightning_sparse._utils import end_process_group_at_exit
 from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
-from lightning_sparse.strategies.core import STRATEGY_NAMES, register_names
+from lightning_sparse.strategies.core import STRATEGY_NAMES, SparseCore, register_names
 from lightning_sparse.strategies.presets import preset_settings
-
-if TYPE_CHECKING:
-    from lightning_sparse.strategies.core import SparseCore
+from lightning_sparse.strategies.settings import take_settings
 
 __all__ = ["SparseShell"]
 
 
 class SparseShell:
-    """What the Trainer and the Fabric strategies share on top of :class:`SparseCore`: the
-    properties they expose, the start of their processes, the samplers' shards and the update-mode
-    optimizer step.
+    """What the Trainer and the Fabric strategies share on top of :class:`~lightning_sparse.strategies.core.SparseCore`.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy
@@ -39,6 +32,7 @@ class SparseShell:
     """
 
     _core: SparseCore
+    strategy_name = "sparse_ddp"
     #: the names the strategy registers (``strategies.core.STRATEGY_NAMES`` or ``FSDP_NAMES``)
     _names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
     _in_optimizer_step: bool = False
@@ -48,29 +42,30 @@ class SparseShell:
     root_device: torch.device
     checkpoint_io: CheckpointIO
 
+    def _take_settings(self, front: type, settings: dict[str, Any]) -> dict[str, Any]:
+        """Build the core from a front end's keyword arguments; return those of the Lightning strategy it extends."""
+        config, base_args, ddp_kwargs = take_settings(front, settings)
+        self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
+        return base_args
+
     def _start_processes(self, start: Callable[[], None]) -> None:
-        """Run the front end's ``setup_environment`` (``start``: the process group), then, where it
-        created the group, end it at interpreter exit on every rank together
-        (``lightning_sparse._utils.end_process_group_at_exit``): Fabric calls no teardown when the
-        user's loop ends, and a Trainer's process group outlives its runs."""
+        """Run ``start`` (the front end's ``setup_environment``), then have the group it created ended at
+        interpreter exit on every rank together: Fabric calls no teardown when the loop ends, and a Trainer's
+        group outlives its runs."""
         created = not _distributed_is_initialized()
         start()
         end_process_group_at_exit(created=created)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process trains on batches of its own (under ``sparse_fsdp`` too, where FSDP2 averages
-        a group's gradients); fault-tolerant, over every replica group's processes, as torchft's
-        ``DistributedSampler`` shards them."""
+        """Every process trains on batches of its own (under ``sparse_fsdp`` too); fault-tolerant, sharded over
+        every replica group's processes as torchft's ``DistributedSampler`` does."""
         kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
         return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
     @classmethod
     def preset(cls, name: str, **arguments: Any) -> Self:
-        """The strategy at a named point of the compression frontier
-        (``lightning_sparse.strategies.presets.PRESETS``: ``"1000x"``, ``"2000x"``, ``"4000x"``),
-        ``arguments`` on top (any of the strategy's own). ``Trainer(strategy="sparse_ddp_1000x")`` is the
-        first as a name.
+        """The strategy at a preset of ``lightning_sparse.strategies.presets.PRESETS``, ``arguments`` on top.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -81,8 +76,7 @@ class SparseShell:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register the strategy's names (``sparse_ddp`` and its variants, or ``sparse_fsdp``) with a
-        Trainer or Fabric strategy registry (idempotent)."""
+        """Register the strategy's names with a Trainer or Fabric strategy registry (idempotent)."""
         register_names(cls, strategy_registry, cls._names)
 
     @property
@@ -101,22 +95,16 @@ class SparseShell:
         return self._core.update
 
     def global_model(self) -> None:
-        """Put the global model in the module (update mode; nothing otherwise): every process calls
-        it at the same point (BatchNorm statistics recomputed for it are averaged over them). In the
-        middle of a cycle of local steps the module holds each process's own view; validation,
-        checkpoints and the end of a Trainer fit do this themselves, a Fabric loop that reads the
-        parameters after its last step calls it."""
+        """Put the global model in the module (update mode), on every process at the same point (BatchNorm
+        statistics recomputed for it are averaged over them). Validation, checkpoints and a Trainer's end of fit
+        do it themselves; a Fabric loop that reads the parameters after its last step calls it."""
         self._core.global_model()
 
     def flush_residuals(self, rounds: int | None = None) -> None:
-        """Hand over what every process has not sent yet (update mode). ``rounds=None``: add the
-        mean over processes of their residuals (and of the progress of local steps since the last
-        exchange) to the global model, exactly, and empty the residuals, in one float32 all-reduce
-        of the exchanged parameters. ``rounds=R``: R more exchanges of the residuals as configured
-        (compressor, density, ``value_bits``, outer step), each due at once: R exchanges' bytes, the
-        largest part of what is left each time, the rest kept. A Trainer fit and :meth:`end_fit`
-        do the exact one at the end (``flush_at_end``); call it elsewhere on every process at the
-        same point; the module then holds the global model.
+        """Hand over what every process has not sent yet (update mode), on every process at the same point.
+
+        ``rounds=None``: add the mean of the residuals to the global model exactly (one float32 all-reduce) and
+        empty them; ``rounds=R``: R more exchanges as configured. The module then holds the global model.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -128,11 +116,8 @@ class SparseShell:
         self._core.flush_residuals(rounds)
 
     def end_fit(self) -> None:
-        """Call after a Fabric loop's last optimizer step, on every process: what the processes have
-        not sent yet joins the global model (:meth:`flush_residuals`, exactly; update mode with
-        ``flush_at_end``, the default), and the module holds the global model
-        (:meth:`global_model`), which is then what the loop evaluates and saves. A Trainer does it
-        at the end of every fit.
+        """Call after a Fabric loop's last optimizer step, on every process (a Trainer does it at the end of fit):
+        :meth:`flush_residuals` as ``flush_at_end`` says, then :meth:`global_model`.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -149,16 +134,14 @@ class SparseShell:
         )
 
     def _restore_sparse(self, checkpoint: dict[str, Any], path: _PATH, now: bool, weights_only: bool | None) -> None:
-        """Restore this process's sparse state from a loaded ``checkpoint`` (see ``CheckpointPayload.restore``)."""
+        """Restore this process's sparse state from a loaded ``checkpoint`` (``CheckpointPayload.restore``)."""
         self._core.checkpoint.restore(
             checkpoint, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device, now, weights_only
         )
 
     def _gradients_ready(self) -> None:
-        """After the backward, before the optimizer step, on every process: in update mode what the
-        step needs of the gradients (:meth:`Replicas.gradients_ready
-        <lightning_sparse.exchange.replicas.Replicas.gradients_ready>`: a timed fallback's plain DDP
-        step, fp16 AMP's overflow agreement); most steps need nothing."""
+        """After the backward, before the step, on every process: update mode's plain DDP step of a timed fallback
+        or fp16 AMP's overflow agreement (``Replicas.gradients_ready``), where due."""
         core = self._core
         if core.replicas is not None:
             steps = core.state.step_exchange
@@ -166,8 +149,8 @@ class SparseShell:
                 core.replicas.gradients_ready(core.state)
 
     def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
-        """Run the optimizer ``step``; in update mode on this rank's view of its parameters, then
-        the exchange: afterwards the module holds the new global values of those parameters."""
+        """Run the optimizer ``step``; in update mode on this rank's view, then the exchange, which leaves the new
+        global values in the module."""
         update = self._core.update
         if update is None:
             output = step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,9 +20,9 @@ __all__ = ["FlushResiduals", "GlobalModelFirst", "TrainerHooks"]
 
 
 class GlobalModelFirst(pl.Callback):
-    """Puts the global model in the module before any other callback sees the start of validation,
-    testing, prediction or the end of fit (Lightning runs the callbacks' hooks before the
-    strategy's). The strategies add it first among the Trainer's callbacks, in update mode.
+    """Puts the global model in the module before any other callback sees the start of validation, testing,
+    prediction or the end of fit (Lightning runs the callbacks' hooks before the strategy's); first among the
+    Trainer's callbacks, in update mode.
 
     Example:
         >>> from lightning_sparse.strategies.core import SparseCore
@@ -43,8 +44,7 @@ class GlobalModelFirst(pl.Callback):
         self.core.global_model()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the hand-over (flush_at_end), before the monitor's summary counts it; a FlushResiduals of
-        # the user's own hands over its way instead
+        # the hand-over (flush_at_end), before the monitor's summary counts it; a user's FlushResiduals does its own
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         if any(isinstance(cb, FlushResiduals) for cb in callbacks):
             self.core.global_model()
@@ -53,12 +53,9 @@ class GlobalModelFirst(pl.Callback):
 
 
 class FlushResiduals(pl.Callback):
-    """At the end of fit, hand what every process has not sent yet to the global model: the
-    strategy's ``flush_residuals(rounds)`` (update mode). ``rounds=None``: the exact mean of the
-    residuals, one dense float32 all-reduce of the exchanged parameters, which every fit does by
-    itself (``flush_at_end``, the default); ``rounds=R``: R more exchanges as configured (R
-    exchanges' bytes) in its place. It runs after the fit's last checkpoint:
-    ``trainer.save_checkpoint(...)`` after ``fit`` keeps the result.
+    """At the end of fit, the strategy's ``flush_residuals(rounds)`` in place of ``flush_at_end``'s (update mode).
+
+    It runs after the fit's last checkpoint: ``trainer.save_checkpoint(...)`` after ``fit`` keeps the result.
 
     Example:
         >>> callbacks = [FlushResiduals(rounds=8)]  # pl.Trainer(strategy="sparse_ddp", callbacks=callbacks)
@@ -79,12 +76,23 @@ class FlushResiduals(pl.Callback):
         flush(self.rounds)
 
 
+def _global_model_first(hook: str) -> Callable[[TrainerHooks], None]:
+    """``TrainerHooks``'s ``hook``: the global model in the module (BatchNorm statistics recomputed), then the
+    Lightning strategy's ``hook``."""
+
+    def run(self: TrainerHooks) -> None:
+        self._core.global_model()
+        getattr(super(TrainerHooks, self), hook)()
+
+    run.__name__ = run.__qualname__ = hook
+    return run
+
+
 class TrainerHooks(SparseShell):
-    """The hooks ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Lightning strategy
-    (the next class in the method resolution order): in update mode the module holds this process's
-    own view for its forward, backward and optimizer step, and the global model everywhere else
-    (validation, testing, prediction, checkpoints, the end of fit, with BatchNorm statistics
-    recomputed for it); the monitor joins the callbacks; checkpoints' files go with them.
+    """The hooks ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Lightning strategy.
+
+    In update mode the module holds this process's own view for its forward, backward and optimizer step, and the
+    global model everywhere else (validation, testing, prediction, checkpoints, the end of fit).
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
@@ -96,7 +104,7 @@ class TrainerHooks(SparseShell):
     is_global_zero: bool
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._core.hold_local()  # update mode: this rank's forward/backward run at global + its residual
+        self._core.hold_local()
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(
@@ -108,7 +116,7 @@ class TrainerHooks(SparseShell):
     ) -> Any:
         strategy = super()
 
-        def ready() -> Any:  # the forward and backward, then what the step needs of the gradients
+        def ready() -> Any:
             output = closure()
             self._gradients_ready()
             return output
@@ -118,23 +126,11 @@ class TrainerHooks(SparseShell):
 
         return self._sparse_step(optimizer, step)
 
-    # Validation, testing, prediction, the end of fit and checkpoints see the global model, with
-    # BatchNorm statistics recomputed for it (every rank is at these points together).
-    def on_validation_start(self) -> None:
-        self._core.global_model()
-        super().on_validation_start()  # type: ignore[misc]
-
-    def on_test_start(self) -> None:
-        self._core.global_model()
-        super().on_test_start()  # type: ignore[misc]
-
-    def on_predict_start(self) -> None:
-        self._core.global_model()
-        super().on_predict_start()  # type: ignore[misc]
-
-    def on_train_end(self) -> None:
-        self._core.global_model()
-        super().on_train_end()  # type: ignore[misc]
+    # every rank is at these points together
+    on_validation_start = _global_model_first("on_validation_start")
+    on_test_start = _global_model_first("on_test_start")
+    on_predict_start = _global_model_first("on_predict_start")
+    on_train_end = _global_model_first("on_train_end")
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._core.global_model()
@@ -142,17 +138,14 @@ class TrainerHooks(SparseShell):
 
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)  # type: ignore[misc]
-        # The Trainer connects the strategy at the start of every run, in every process (after the
-        # spawn launcher started the workers too), before the callbacks' setup hooks: a monitor
-        # added here runs all its hooks. A monitor returned by the model's configure_callbacks()
-        # replaces it (same type), as Lightning does for callbacks given to the Trainer.
+        # at the start of every run, in every process, before the callbacks' setup hooks: a monitor added here
+        # runs all its hooks; one from the model's configure_callbacks() replaces it, as Lightning does
         trainer = model._trainer
         if trainer is None:
             return
-        # Lightning's callback connector sets Trainer.callbacks without declaring it on the class
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         if self._core.update is not None and not any(isinstance(cb, GlobalModelFirst) for cb in callbacks):
-            callbacks.insert(0, GlobalModelFirst(self._core))  # before every other callback's hooks
+            callbacks.insert(0, GlobalModelFirst(self._core))
         if not self.compression_monitor:
             return
         if (
@@ -163,12 +156,9 @@ class TrainerHooks(SparseShell):
             callbacks.append(CompressionMonitor())
 
     def teardown(self) -> None:
-        """Lightning's teardown (at the end of every fit, validate, test and predict, also after an
-        error). The process group stays for the Trainer's next run and for what the script does
-        after it (``trainer.save_checkpoint`` runs on every rank); every collective the strategy
-        issued was waited for within its step. At interpreter exit the group is ended on every rank
-        together (``lightning_sparse._utils.end_process_group_at_exit``), unless this run ended with
-        an exception: then the other ranks may never get there."""
+        """Lightning's teardown. The process group stays for the Trainer's next run and the script after it; it
+        is ended at interpreter exit on every rank together, unless this run ended with an exception (then the
+        other ranks may never get there)."""
         note_run_end(failed=sys.exc_info()[1] is not None)
         super().teardown()  # type: ignore[misc]
 
