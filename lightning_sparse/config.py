@@ -187,6 +187,15 @@ class SparseConfig:
             BatchNorm is not touched."""
         ),
     )
+    batchnorm_warmup: int = field(
+        default=40,
+        metadata=_doc(
+            """update mode, a model with BatchNorm whose exchanges carry under 1 % of each step's
+            progress (a constant ``density`` over ``sync_every`` below 0.01): the density starts at 0.1
+            and falls geometrically to ``density`` over this many optimizer steps (``WarmupDensity``),
+            so that the processes' views do not drift apart early in the fit. 0 turns it off."""
+        ),
+    )
     flush_at_end: bool | int = field(
         default=True,
         metadata=_doc(
@@ -348,7 +357,7 @@ class SparseConfig:
             errors.append(bad_argument("momentum_correction", m, "expected a number in [0, 1) (0 turns it off)"))
         for name in ("sync_every", "fragments"):
             each(check_int, name, getattr(self, name), minimum=1)
-        for name in ("batchnorm_batches", "sync_delay", "max_nonfinite_steps"):
+        for name in ("batchnorm_batches", "batchnorm_warmup", "sync_delay", "max_nonfinite_steps"):
             each(check_int, name, getattr(self, name), minimum=0)
         for name in ("offload_global", "offload_residual"):
             each(check_bool, name, getattr(self, name))
@@ -479,6 +488,7 @@ class SparseConfig:
             "outer_optimizer": describe_callable(self.outer_optimizer),
             "value_bits": self.value_bits,
             "batchnorm_batches": self.batchnorm_batches,
+            "batchnorm_warmup": self.batchnorm_warmup,
             "offload_global": self.offload_global,
             "sync_delay": self.sync_delay,
             "flush_at_end": self.flush_at_end,

@@ -73,6 +73,7 @@ VARIANT_KEYS = {
     "fragments": "fragments",  # exchange the parameters in this many staggered fragments
     "split": "fragment_split",  # how: strided (the default) or contiguous (module order)
     "flush": "flush_at_end",  # the end-of-fit hand-over: 0 none, R that many exchanges (default: exact)
+    "bn_warmup": "batchnorm_warmup",  # a BatchNorm model's density warm-up in steps (0: off; default 40)
 }
 _FLOAT_KEYS = {"density", "density_start"}
 _TEXT_KEYS = {"outer", "split"}
@@ -172,6 +173,9 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"applied {run['sync_delay']} step{'s' if run['sync_delay'] > 1 else ''} later")
     if run.get("density_start"):
         extra.append(f"density from {run['density_start']:g} over {run.get('density_steps', 40)} steps")
+    if "batchnorm_warmup" in run:
+        warm = run["batchnorm_warmup"]
+        extra.append(f"BatchNorm warm-up {warm} steps" if warm else "no BatchNorm warm-up")
     if run.get("flush_at_end") is False:
         extra.append("no hand-over")
     elif run.get("flush_at_end") not in (None, True):
