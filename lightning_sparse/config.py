@@ -175,6 +175,15 @@ class SparseConfig:
             (pattern ``"gather"``) only."""
         ),
     )
+    error_feedback_decay: float = field(
+        default=1.0,
+        metadata=_doc(
+            """update mode: at each exchange the residual is multiplied by this factor before the
+            progress joins it (SparseLoCo's decayed error feedback: ``e = decay * e + delta``, then
+            ``e -= sent``); the part it takes off is dropped from the process's view. 1 (default):
+            nothing is dropped, ``sent + e_new == e_old + delta`` exactly. In (0, 1]."""
+        ),
+    )
     batchnorm_batches: int = field(
         default=16,
         metadata=_doc(
@@ -352,6 +361,9 @@ class SparseConfig:
         value_dtype = each(resolve_value_dtype, self.value_dtype)
         each(check_int, "seed", self.seed, minimum=0)
         byte_rule, timed = each(as_fallback, self.fallback_to_dense) or (True, None)
+        decay = self.error_feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            errors.append(bad_argument("error_feedback_decay", decay, "expected a number in (0, 1] (1: no decay)"))
         m = self.momentum_correction
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
             errors.append(bad_argument("momentum_correction", m, "expected a number in [0, 1) (0 turns it off)"))
@@ -407,6 +419,10 @@ class SparseConfig:
             (self.sync_delay and (not update or self.sync_delay > self.sync_every or self.sync_every == 1),
              f"sync_delay={self.sync_delay} is not allowed with {local}: expected 0, or with compress='update' and "
              "sync_every > 1 at most sync_every (an exchange is applied before the same fragment's next one)."),
+            (self.error_feedback_decay != 1 and (not update or self.sync_delay or not self.error_feedback),
+             f"error_feedback_decay={self.error_feedback_decay!r} is not allowed with {local}, sync_delay="
+             f"{self.sync_delay} and error_feedback={self.error_feedback}: the decay applies to update mode's "
+             "residuals at an exchange applied at once; use compress='update' with sync_delay=0, or 1 (no decay)."),
             (self.fragments == 1 and self.fragment_split != "strided",
              f"fragment_split={self.fragment_split!r} is not allowed with fragments=1: there is nothing to split; "
              "set fragments > 1, or leave fragment_split at 'strided'."),
@@ -489,6 +505,7 @@ class SparseConfig:
             "value_bits": self.value_bits,
             "batchnorm_batches": self.batchnorm_batches,
             "batchnorm_warmup": self.batchnorm_warmup,
+            "error_feedback_decay": self.error_feedback_decay,
             "offload_global": self.offload_global,
             "sync_delay": self.sync_delay,
             "flush_at_end": self.flush_at_end,
