@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bn-batches", type=int, default=16)
     parser.add_argument(
+        "--bn-warmup", type=int, default=40, help="batchnorm_warmup: the automatic density warm-up (0: off)"
+    )
+    parser.add_argument(
         "--hand-over",
         action="store_true",
         help="keep the end-of-fit hand-over (flush_at_end, the strategy's default); without it the probes see "
@@ -139,6 +142,7 @@ def main() -> None:
             outer_optimizer=args.outer,
             compression_monitor=False,
             batchnorm_batches=args.bn_batches,
+            batchnorm_warmup=args.bn_warmup,
             flush_at_end=args.hand_over,
         )
     curve = _Curve()

@@ -122,11 +122,29 @@ class SparseConfig:
         metadata=_doc("""values of a sparse exchange as 2-, 4- or 8-bit codes, a bfloat16 scale per 64 (2 bits:
             ternary), the error kept in the residual; None (default): ``value_dtype``. Pattern ``"gather"`` only."""),
     )
+    error_feedback_decay: float = field(
+        default=1.0,
+        metadata=_doc(
+            """update mode: at each exchange the residual is multiplied by this factor before the
+            progress joins it (SparseLoCo's decayed error feedback: ``e = decay * e + delta``, then
+            ``e -= sent``); the part it takes off is dropped from the process's view. 1 (default):
+            nothing is dropped, ``sent + e_new == e_old + delta`` exactly. In (0, 1]."""
+        ),
+    )
     batchnorm_batches: int = field(
         default=16,
         metadata=_doc("""update mode: wherever the module gets the global model, its BatchNorm statistics are recomputed
             under the global parameters from this many latest training inputs and averaged over the processes (those
             gathered under each process's view do not fit the global model). 0: off."""),
+    )
+    batchnorm_warmup: int = field(
+        default=40,
+        metadata=_doc(
+            """update mode, a model with BatchNorm whose exchanges carry under 1 % of each step's
+            progress (a constant ``density`` over ``sync_every`` below 0.01): the density starts at 0.1
+            and falls geometrically to ``density`` over this many optimizer steps (``WarmupDensity``),
+            so that the processes' views do not drift apart early in the fit. 0 turns it off."""
+        ),
     )
     flush_at_end: bool | int = field(
         default=True,
@@ -244,12 +262,15 @@ class SparseConfig:
         value_dtype = each(resolve_value_dtype, self.value_dtype)
         each(check_int, "seed", self.seed, minimum=0)
         byte_rule, timed = each(as_fallback, self.fallback_to_dense) or (True, None)
+        decay = self.error_feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            errors.append(bad_argument("error_feedback_decay", decay, "expected a number in (0, 1] (1: no decay)"))
         m = self.momentum_correction
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
             errors.append(bad_argument("momentum_correction", m, "expected a number in [0, 1) (0 turns it off)"))
         for name in ("sync_every", "fragments"):
             each(check_int, name, getattr(self, name), minimum=1)
-        for name in ("batchnorm_batches", "sync_delay", "max_nonfinite_steps"):
+        for name in ("batchnorm_batches", "batchnorm_warmup", "sync_delay", "max_nonfinite_steps"):
             each(check_int, name, getattr(self, name), minimum=0)
         for name in ("offload_global", "offload_residual"):
             each(check_bool, name, getattr(self, name))
@@ -299,6 +320,10 @@ class SparseConfig:
             (self.sync_delay and (not update or self.sync_delay > self.sync_every or self.sync_every == 1),
              f"sync_delay={self.sync_delay} is not allowed with {local}: expected 0, or with compress='update' and "
              "sync_every > 1 at most sync_every (an exchange is applied before the same fragment's next one)."),
+            (self.error_feedback_decay != 1 and (not update or self.sync_delay or not self.error_feedback),
+             f"error_feedback_decay={self.error_feedback_decay!r} is not allowed with {local}, sync_delay="
+             f"{self.sync_delay} and error_feedback={self.error_feedback}: the decay applies to update mode's "
+             "residuals at an exchange applied at once; use compress='update' with sync_delay=0, or 1 (no decay)."),
             (self.fragments == 1 and self.fragment_split != "strided",
              f"fragment_split={self.fragment_split!r} is not allowed with fragments=1: there is nothing to split; "
              "set fragments > 1, or leave fragment_split at 'strided'."),
@@ -379,6 +404,8 @@ class SparseConfig:
             "outer_optimizer": describe_callable(self.outer_optimizer),
             "value_bits": self.value_bits,
             "batchnorm_batches": self.batchnorm_batches,
+            "batchnorm_warmup": self.batchnorm_warmup,
+            "error_feedback_decay": self.error_feedback_decay,
             "offload_global": self.offload_global,
             "sync_delay": self.sync_delay,
             "flush_at_end": self.flush_at_end,

@@ -24,14 +24,18 @@ def _model() -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in SHAPES.items()]
 
 
-def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | None) -> dict[str, Any]:
+def _local_steps_worker(
+    rank: int, world: int, outer: str | None, bits: int | None, decay: float = 1.0
+) -> dict[str, Any]:
     from lightning_sparse.exchange.outer import outer_step_for
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
 
     named = _model()
     params = [p for _, p in named]
-    config = SparseConfig(density=0.05, min_numel=1000, sync_every=3, outer_optimizer=outer, value_bits=bits)
+    config = SparseConfig(
+        density=0.05, min_numel=1000, sync_every=3, outer_optimizer=outer, value_bits=bits, error_feedback_decay=decay
+    )
     state = SparseState(config)
     memory = state.memory
     exchange = UpdateExchange(state, outer_step=outer_step_for(config.outer_factory))
@@ -79,10 +83,10 @@ def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | No
         every = [torch.empty(sum(p.numel() for p in params)) for _ in range(world)]
         dist.all_gather(every, flat(after))
         kept.append(all(torch.equal(every[0], x) for x in every[1:]))  # one global model on every rank
-        # what this rank sent: the cycle's progress and the old residual, less what it keeps (exactly)
+        # what this rank sent: the cycle's progress and the old residual (decayed), less what it keeps
         e_new = residuals()
         sent = flat(
-            e_start[n] + (v.reshape(-1) - (g.reshape(-1) + e_start[n])) - e_new[n]
+            decay * e_start[n] + (v.reshape(-1) - (g.reshape(-1) + e_start[n])) - e_new[n]
             for (n, _), v, g in zip(named, view, glob, strict=True)
         )
         if outer is None:
@@ -107,9 +111,15 @@ def _local_steps_worker(rank: int, world: int, outer: str | None, bits: int | No
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("outer,bits", [(None, None), ("nesterov", None), ("nesterov", 2)])
-def test_local_steps_keep_the_view_and_conserve_progress(dist2, outer: str | None, bits: int | None) -> None:
-    results = dist2.run(_local_steps_worker, outer=outer, bits=bits)
+@pytest.mark.parametrize(
+    "outer,bits,decay", [(None, None, 1.0), ("nesterov", None, 1.0), ("nesterov", 2, 1.0), (None, None, 0.5)]
+)
+def test_local_steps_keep_the_view_and_conserve_progress(
+    dist2, outer: str | None, bits: int | None, decay: float
+) -> None:
+    """With ``error_feedback_decay`` (SparseLoCo's decayed error feedback) what is sent and kept adds up
+    to the cycle's progress and the decayed residual: ``sent + e_new == decay * e_old + delta``."""
+    results = dist2.run(_local_steps_worker, outer=outer, bits=bits, decay=decay)
     numel = sum(torch.Size(s).numel() for s in SHAPES.values())
     for r in results:
         assert r["untouched"] == [True] * 5  # steps between exchanges compute nothing

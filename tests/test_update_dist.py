@@ -267,10 +267,12 @@ def test_training_advice_for_batchnorm_models() -> None:
     bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     plain = torch.nn.Linear(4, 4)
     sgd_m = torch.optim.SGD(bn.parameters(), lr=0.1, momentum=0.9)
-    local = {"compress": "update", "sync_every": 4, "warmup_steps": 0}
+    local = {"compress": "update", "sync_every": 4, "warmup_steps": 0, "batchnorm_warmup": 0}
     (advice,) = training_advice(SparseState(**local), [sgd_m], bn)
     assert "0.0025 of each step's progress" in advice and "WarmupDensity(start=0.1, end=0.01, steps=40)" in advice
-    # a density warm-up, a share of 1 % or more, a dense first exchange, or no BatchNorm: no advice
+    # the automatic warm-up (batchnorm_warmup, on by default), a density warm-up, a share of 1 % or more, a
+    # dense first exchange, or no BatchNorm: no advice
+    assert training_advice(SparseState(**{**local, "batchnorm_warmup": 40}), [sgd_m], bn) == []
     warm = WarmupDensity(start=0.1, end=0.01, steps=40)
     assert training_advice(SparseState(**{**local, "density": warm}), [sgd_m], bn) == []
     assert training_advice(SparseState(**{**local, "density": 0.04}), [sgd_m], bn) == []
@@ -280,6 +282,41 @@ def test_training_advice_for_batchnorm_models() -> None:
     stats, drift = training_advice(SparseState(**{**local, "batchnorm_batches": 0}), [sgd_m], bn)
     assert "batchnorm_batches=0" in stats and "Leave batchnorm_batches at its default" in stats
     assert "WarmupDensity" in drift
+
+
+@pytest.mark.parametrize(
+    ("settings", "batchnorm", "warmed"),
+    [
+        ({"sync_every": 4}, True, True),  # 0.0025 of each step's progress
+        ({"density": 0.0025}, True, True),
+        ({"sync_every": 4, "value_bits": 2, "warmup_steps": 0}, True, True),
+        ({}, True, False),  # the default shares 1 %
+        ({"sync_every": 4}, False, False),  # no BatchNorm
+        ({"sync_every": 4, "batchnorm_warmup": 0}, True, False),  # turned off
+        ({"density": 0.0025, "compress": "gradient"}, True, False),  # gradient mode: no views to drift
+    ],
+)
+def test_batchnorm_models_warm_their_density_up(settings: dict[str, Any], batchnorm: bool, warmed: bool) -> None:
+    """A BatchNorm model that shares under 1 % of each step's progress at a constant density gets the
+    density warm-up (from 0.1 to its density over ``batchnorm_warmup`` steps) when the exchange binds."""
+    from lightning_sparse import WarmupDensity
+    from lightning_sparse.config import SparseConfig
+    from lightning_sparse.schedules import ConstantDensity
+    from lightning_sparse.strategies.core import SparseCore
+
+    norm = torch.nn.BatchNorm1d(4) if batchnorm else torch.nn.LayerNorm(4)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), norm)
+    core = SparseCore(SparseConfig(**{"compress": "update", **settings}))
+    core.bind(net.named_parameters(), None, 0, 1, torch.device("cpu"), module=net)
+    schedule = core.state.schedule
+    density = settings.get("density", 0.01)
+    if warmed:
+        assert isinstance(schedule, WarmupDensity), schedule
+        assert (schedule.start, schedule.end, schedule.steps) == (0.1, density, 40)
+        assert schedule.density(0) == 0.1 and schedule.density(40) == density
+    else:
+        assert isinstance(schedule, ConstantDensity) and schedule.density(0) == density
+    assert isinstance(core.config.schedule, ConstantDensity)  # the setting stays as given
 
 
 def _replicas_worker(rank: int, world: int) -> dict[str, Any]:

@@ -73,8 +73,10 @@ VARIANT_KEYS = {
     "fragments": "fragments",  # exchange the parameters in this many staggered fragments
     "split": "fragment_split",  # how: strided (the default) or contiguous (module order)
     "flush": "flush_at_end",  # the end-of-fit hand-over: 0 none, R that many exchanges (default: exact)
+    "ef_decay": "error_feedback_decay",  # SparseLoCo's decayed error feedback (default 1: none)
+    "bn_warmup": "batchnorm_warmup",  # a BatchNorm model's density warm-up in steps (0: off; default 40)
 }
-_FLOAT_KEYS = {"density", "density_start"}
+_FLOAT_KEYS = {"density", "density_start", "ef_decay"}
 _TEXT_KEYS = {"outer", "split"}
 
 
@@ -172,6 +174,11 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"applied {run['sync_delay']} step{'s' if run['sync_delay'] > 1 else ''} later")
     if run.get("density_start"):
         extra.append(f"density from {run['density_start']:g} over {run.get('density_steps', 40)} steps")
+    if run.get("error_feedback_decay", 1) != 1:
+        extra.append(f"error feedback decayed by {run['error_feedback_decay']:g}")
+    if "batchnorm_warmup" in run:
+        warm = run["batchnorm_warmup"]
+        extra.append(f"BatchNorm warm-up {warm} steps" if warm else "no BatchNorm warm-up")
     if run.get("flush_at_end") is False:
         extra.append("no hand-over")
     elif run.get("flush_at_end") not in (None, True):

@@ -111,6 +111,8 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         fragments=config.get("fragments", 1),
         fragment_split=config.get("fragment_split", "strided"),
         **({"flush_at_end": config["flush_at_end"]} if "flush_at_end" in config else {}),
+        **({"batchnorm_warmup": config["batchnorm_warmup"]} if "batchnorm_warmup" in config else {}),
+        **({"error_feedback_decay": config["error_feedback_decay"]} if "error_feedback_decay" in config else {}),
         compression_monitor=False,
     )
 

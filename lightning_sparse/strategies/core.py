@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.config import SparseConfig
@@ -27,7 +27,14 @@ from lightning_sparse.exchange.update import (
     UpdateExchange,
     average_optimizer_states,
 )
-from lightning_sparse.strategies.advice import check_no_optimizer_momentum, training_advice
+from lightning_sparse.schedules import ConstantDensity, WarmupDensity
+from lightning_sparse.strategies.advice import (
+    BATCHNORM_SHARE,
+    WARMUP_START,
+    check_no_optimizer_momentum,
+    has_batchnorm,
+    training_advice,
+)
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
 from lightning_sparse.strategies.presets import PRESETS
@@ -165,6 +172,8 @@ class SparseCore:
         recomputes. ``aliases``: by name, the tensors the optimizers hold where they are not the exchanged ones
         (FSDP2's DTensors). ``job``: the whole job's group, rank and size where it is not ``process_group``
         (``fault_tolerant`` under FSDP2). ``recovery``: the front end's part of a healing group's state."""
+        if module is not None:
+            self._warm_up_density(module)  # before a checkpoint's schedule state is applied to it
         self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
@@ -182,6 +191,25 @@ class SparseCore:
             update.on_dense = lambda: average_optimizer_states(optimizers(), process_group)
             # a non-finite update heals: the optimizers forget that parameter's state
             update.on_nonfinite = lambda names: reset_optimizer_states(optimizers(), names, update.name_of)
+
+    def _warm_up_density(self, module: torch.nn.Module) -> None:
+        """Update mode, a model with BatchNorm whose exchanges carry under 1 % of each step's progress at a
+        constant density: the density warm-up of ``batchnorm_warmup`` (without it the processes' views
+        drift apart early in the fit, when each step's progress is large)."""
+        steps, config = self.state.step_exchange, self.config
+        schedule = steps.schedule
+        if self.update is None or not config.batchnorm_warmup or not isinstance(schedule, ConstantDensity):
+            return
+        density = schedule.density(0)
+        if density / config.sync_every >= BATCHNORM_SHARE or density >= WARMUP_START or not has_batchnorm(module):
+            return
+        steps.schedule = WarmupDensity(start=WARMUP_START, end=density, steps=config.batchnorm_warmup)
+        rank_zero_info(
+            f"lightning_sparse: the model has BatchNorm and {density / config.sync_every:g} of each step's "
+            f"progress reaches the global model (density={density:g}, sync_every={config.sync_every}): the "
+            f"density warms up from {WARMUP_START:g} to {density:g} over the first {config.batchnorm_warmup} "
+            "optimizer steps (batchnorm_warmup=0 turns it off)."
+        )
 
     def wrap(
         self, module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
