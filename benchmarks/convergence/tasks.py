@@ -148,6 +148,16 @@ def _hf_gpt_own(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.Lig
     return _hf_gpt(seed, tiny, self_sharded=True)
 
 
+def _hf_resnet(seed: int, tiny: bool = False) -> tuple[L.LightningModule, L.LightningDataModule]:
+    from benchmarks.convergence.hf_resnet import HFResNet
+    from lightning_sparse.demos import DigitImagesDataModule
+
+    if tiny:
+        model = HFResNet(embedding_size=4, hidden_sizes=(4, 8), depths=(1, 1))
+        return model, DigitImagesDataModule(batch_size=32, size=16, seed=0)
+    return HFResNet(), DigitImagesDataModule(batch_size=32, seed=0)
+
+
 def _gpt_target(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return gpt_target_check(runs)
 
@@ -186,6 +196,18 @@ TASKS: dict[str, ConvergenceTask] = {
         build=_vision_submodule,
         limit_train_batches=20,
         tiny_description="--tiny: width 4, one block in each of two stages, 16x16 images",
+    ),
+    "hf-resnet": ConvergenceTask(
+        "hf-resnet",
+        "Hugging Face ResNetForImageClassification (ResNet-18 shape: embedding 64, stages 64-128-256-512 of 2 "
+        "basic blocks, BatchNorm, 1 channel; its 7x7 stride-2 stem and max-pool take 32x32 to 8x8; 11.2M "
+        "parameters) held in self.net and called as self.net(pixel_values=x).logits, on the vision task's data "
+        "and optimizer; validated and tested on the same Trainer after the fit",
+        epochs=10,
+        build=_hf_resnet,
+        limit_train_batches=20,
+        tiny_description="--tiny: embedding 4, stages 4-8 of one block each, 16x16 images",
+        evaluate_after_fit=True,
     ),
     "gpt": ConvergenceTask(
         "gpt",

@@ -241,12 +241,17 @@ def _evaluate_after_fit(trainer: L.Trainer, model: L.LightningModule, data: Any)
     tied = None
     if inner is not None and hasattr(inner, "get_input_embeddings"):
         tied = inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
-    return {
+    figures = {
         "after_fit_val_loss": float(val["val_loss"]),
         "after_fit_test_loss": float(test["test_loss"]),
         "identical_on_all_processes": len(set(digests)) == 1,
         "tied": tied,
     }
+    if "val_acc" in val:  # classification tasks
+        figures["after_fit_val_acc"] = float(val["val_acc"])
+    if "test_acc" in test:
+        figures["after_fit_test_acc"] = float(test["test_acc"])
+    return figures
 
 
 def _worker_main(argv: list[str]) -> int:

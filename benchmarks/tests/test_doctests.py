@@ -23,7 +23,7 @@ def test_found_the_modules() -> None:
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name: str) -> None:
-    if name == "benchmarks.convergence.hf_gpt":
+    if name in ("benchmarks.convergence.hf_gpt", "benchmarks.convergence.hf_resnet"):
         pytest.importorskip("transformers")  # the bench extra's; not a dependency of the library
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} docstring examples failed"
