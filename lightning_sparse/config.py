@@ -21,6 +21,7 @@ from lightning_sparse._utils import (
     check_bool,
     check_bucket_cap,
     check_choice,
+    check_density,
     check_int,
     describe_callable,
     resolve_value_dtype,
@@ -124,12 +125,8 @@ class SparseConfig:
     )
     error_feedback_decay: float = field(
         default=1.0,
-        metadata=_doc(
-            """update mode: at each exchange the residual is multiplied by this factor before the
-            progress joins it (SparseLoCo's decayed error feedback: ``e = decay * e + delta``, then
-            ``e -= sent``); the part it takes off is dropped from the process's view. 1 (default):
-            nothing is dropped, ``sent + e_new == e_old + delta`` exactly. In (0, 1]."""
-        ),
+        metadata=_doc("""update mode: at each exchange the residual is multiplied by this factor in (0, 1] before
+            the progress joins it (SparseLoCo's decayed error feedback); 1 keeps ``sent + e_new == e_old + delta``."""),
     )
     batchnorm_batches: int = field(
         default=16,
@@ -139,12 +136,8 @@ class SparseConfig:
     )
     batchnorm_warmup: int = field(
         default=40,
-        metadata=_doc(
-            """update mode, a model with BatchNorm whose exchanges carry under 1 % of each step's
-            progress (a constant ``density`` over ``sync_every`` below 0.01): the density starts at 0.1
-            and falls geometrically to ``density`` over this many optimizer steps (``WarmupDensity``),
-            so that the processes' views do not drift apart early in the fit. 0 turns it off."""
-        ),
+        metadata=_doc("""update mode, a BatchNorm model sending under 1 % of each step's progress (constant ``density``
+            / ``sync_every`` < 0.01): its density falls from 0.1 to ``density`` over this many steps; 0: off."""),
     )
     flush_at_end: bool | int = field(
         default=True,
@@ -247,24 +240,15 @@ class SparseConfig:
             "gradient, before the step)",
         )
         compressor = each(get_compressor, self.compressor)
-        each(
-            check_choice,
-            "exchange",
-            self.exchange,
-            EXCHANGES,
-            f"expected one of {list(EXCHANGES)} ('allgather': every rank gets every rank's selection; 'split': a "
-            "sparse all-reduce whose traffic does not grow with the number of ranks; 'auto': per bucket, the split "
-            "where it moves at most a quarter of the all-gather's bytes)",
-        )
+        choices = f"expected one of {list(EXCHANGES)} ('auto': per bucket, the split where it moves at most a quarter "
+        each(check_choice, "exchange", self.exchange, EXCHANGES, choices + "of the all-gather's bytes)")
         schedule = each(as_schedule, self.density)
         each(check_int, "min_numel", self.min_numel, minimum=0)
         each(check_int, "warmup_steps", self.warmup_steps, minimum=0 if self.compress == "update" else 1)
         value_dtype = each(resolve_value_dtype, self.value_dtype)
         each(check_int, "seed", self.seed, minimum=0)
         byte_rule, timed = each(as_fallback, self.fallback_to_dense) or (True, None)
-        decay = self.error_feedback_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
-            errors.append(bad_argument("error_feedback_decay", decay, "expected a number in (0, 1] (1: no decay)"))
+        each(check_density, "error_feedback_decay", self.error_feedback_decay)
         m = self.momentum_correction
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
             errors.append(bad_argument("momentum_correction", m, "expected a number in [0, 1) (0 turns it off)"))
@@ -277,13 +261,8 @@ class SparseConfig:
         flush = self.flush_at_end
         if not isinstance(flush, int) or (not isinstance(flush, bool) and flush < 1):
             errors.append(bad_argument("flush_at_end", flush, "expected True, False or an int >= 1 (exchanges)"))
-        each(
-            check_choice,
-            "fragment_split",
-            self.fragment_split,
-            ("strided", "contiguous"),
-            "expected 'strided' or 'contiguous'",
-        )
+        splits = ("strided", "contiguous")
+        each(check_choice, "fragment_split", self.fragment_split, splits, "expected 'strided' or 'contiguous'")
         outer = each(resolve_outer_optimizer, self.outer_optimizer)
         if self.value_bits is not None and (isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS):
             errors.append(bad_argument("value_bits", self.value_bits, "expected None, 2, 4 or 8"))
@@ -385,36 +364,26 @@ class SparseConfig:
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank (compared when the hook is bound)."""
         compressor = typing.cast(Compressor, self.compressor)
+        described = {"compressor", "density", "value_dtype", "fallback_to_dense", "outer_optimizer"}
         return {
+            **{name: getattr(self, name) for name in _FINGERPRINTED if name not in described},
             "compressor": type(compressor).__name__,
             "compressor_config": compressor.config(),
             "schedule": repr(self.schedule),
-            "error_feedback": self.error_feedback,
-            "min_numel": self.min_numel,
-            "warmup_steps": self.warmup_steps,
             "value_dtype": str(self.value_dtype),
-            "seed": self.seed,
             "fallback_to_dense": self.byte_rule,
             "timed_fallback": repr(self.timed_fallback),
-            "momentum_correction": self.momentum_correction,
-            "compress": self.compress,
-            "exchange": self.exchange,
-            "compact_indices": self.compact_indices,
-            "sync_every": self.sync_every,
             "outer_optimizer": describe_callable(self.outer_optimizer),
-            "value_bits": self.value_bits,
-            "batchnorm_batches": self.batchnorm_batches,
-            "batchnorm_warmup": self.batchnorm_warmup,
-            "error_feedback_decay": self.error_feedback_decay,
-            "offload_global": self.offload_global,
-            "sync_delay": self.sync_delay,
-            "flush_at_end": self.flush_at_end,
-            "max_nonfinite_steps": self.max_nonfinite_steps,
-            "fragments": self.fragments,
-            "fragment_split": self.fragment_split,
-            "offload_residual": self.offload_residual,
-            "fault_tolerant": self.fault_tolerant,
         }
+
+
+#: the settings that must agree on every rank (:meth:`SparseConfig.fingerprint`)
+_FINGERPRINTED = (
+    "compressor", "density", "error_feedback", "min_numel", "warmup_steps", "value_dtype", "seed", "fallback_to_dense",
+    "momentum_correction", "compress", "exchange", "compact_indices", "sync_every", "outer_optimizer", "value_bits",
+    "batchnorm_batches", "batchnorm_warmup", "error_feedback_decay", "offload_global", "sync_delay", "flush_at_end",
+    "max_nonfinite_steps", "fragments", "fragment_split", "offload_residual", "fault_tolerant",
+)  # fmt: skip
 
 
 def setting_names() -> tuple[str, ...]:

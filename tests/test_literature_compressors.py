@@ -29,7 +29,7 @@ from lightning_sparse.compressors import (
     exact_topk_indices,
     get_compressor,
 )
-from lightning_sparse.compressors.countsketch import median_of_rows
+from lightning_sparse.compressors.sketch_hashes import median_of_rows
 from lightning_sparse.compressors.topk import _CHUNK, indices_at_least
 
 ROOT = Path(__file__).resolve().parents[1]

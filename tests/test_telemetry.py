@@ -506,6 +506,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "seed": {"seed": 7},
     "batchnorm_batches": {"batchnorm_batches": 0},
     "batchnorm_warmup": {"batchnorm_warmup": 0},
+    "error_feedback_decay": {"error_feedback_decay": 0.95},
     "flush_at_end": {"flush_at_end": False},
     "max_nonfinite_steps": {"max_nonfinite_steps": 3},
     "offload_global": {"offload_global": True},

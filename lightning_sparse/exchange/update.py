@@ -27,6 +27,7 @@ from lightning_sparse.exchange.update_parts import (
     StagedAverage,
     bucket_parts,
     check_fragments,
+    decay_residuals,
     drop_nonfinite,
     fragments_of,
     split_fragments,
@@ -51,7 +52,6 @@ class UpdateExchange:
         outer_step: what the global parameters do with the average (default: ``AddAverage``).
 
     Example:
-        >>> import torch
         >>> from lightning_sparse import SparseState
         >>> model = torch.nn.Linear(4, 2)
         >>> exchange = UpdateExchange(SparseState(compressor="topk", density=0.5))
@@ -285,11 +285,8 @@ class UpdateExchange:
                     bucket_parts(b, p, memory, steps.wire, self._progress) for b, p in zip(together, plans, strict=True)
                 ]
                 drop_nonfinite([part for parts, _ in prepared for part in parts], self._warn_nonfinite)
-                decay = state.config.error_feedback_decay
-                if decay != 1.0 and not self.due_now:  # e = decay * e before the progress joins it; not in a hand-over
-                    decayed = [e for b in together for e in memory.held(b.names).values()]
-                    if decayed:
-                        torch._foreach_mul_(decayed, decay)
+                if state.config.error_feedback_decay != 1.0 and not self.due_now:  # not in a hand-over
+                    decay_residuals(memory, together, state.config.error_feedback_decay)
                 for bucket, plan, (parts, flat) in zip(together, plans, prepared, strict=True):
                     if delay and flat is not None:  # u = e + delta, handed over (the view keeps it meanwhile)
                         torch.add(bucket.delta, flat, out=bucket.pending_buffer())

@@ -18,7 +18,7 @@ from lightning_sparse.wire.batched import residual_layout
 
 __all__ = [
     "Bucket", "InFlight", "NonfiniteUpdates", "ShapedResiduals", "StagedAverage", "bucket_parts", "check_fragments",
-    "drop_nonfinite", "fragments_of", "split_fragments",
+    "decay_residuals", "drop_nonfinite", "fragments_of", "split_fragments",
 ]  # fmt: skip
 
 
@@ -361,3 +361,11 @@ class NonfiniteUpdates:
                 stacklevel=4,
             )
         return names
+
+
+def decay_residuals(memory: ErrorFeedback, buckets: list[Bucket], decay: float) -> None:
+    """``e = decay * e`` for the buckets' parameters, before their progress joins the residuals at an exchange
+    (SparseLoCo's decayed error feedback; what it takes off leaves the process's view)."""
+    residuals = [e for bucket in buckets for e in memory.held(bucket.names).values()]
+    if residuals:
+        torch._foreach_mul_(residuals, decay)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
 from lightning_sparse.compressors import CountSketch
-from lightning_sparse.compressors.countsketch import median_of_rows
+from lightning_sparse.compressors.sketch_hashes import median_of_rows
 from lightning_sparse.compressors.topk import sample_rank
 from lightning_sparse.wire.batched import keep_unsent, rank_shortlist, residual_layout
 from lightning_sparse.wire.comm import Rounds, futures, wait
