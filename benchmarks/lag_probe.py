@@ -40,6 +40,10 @@ from lightning_sparse.schedules import WarmupDensity
 
 
 def _model(args: argparse.Namespace) -> L.LightningModule:
+    if args.hf:
+        from benchmarks.convergence.hf_resnet import HFResNet
+
+        return HFResNet()  # the hf-resnet task's model, called as self.net(pixel_values=x).logits
     resnet = ResNetClassifier(width=args.width)
     if not args.submodule:
         return resnet
@@ -48,8 +52,21 @@ def _model(args: argparse.Namespace) -> L.LightningModule:
     return SubmoduleVision(resnet)  # the same layers and weights, called as self.net(x)
 
 
+class _Logits(nn.Module):
+    """A Hugging Face classifier called as the probes call a network: ``net(x)`` returns its logits."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(pixel_values=x).logits
+
+
 def _network(model: nn.Module) -> nn.Module:
     net = getattr(model, "net", None)
+    if isinstance(net, nn.Module) and net.__class__.__name__.endswith("ForImageClassification"):
+        return _Logits(net)
     return net if isinstance(net, nn.Module) else model
 
 
@@ -109,6 +126,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bn-batches", type=int, default=16)
+    parser.add_argument(
+        "--hf", action="store_true", help="the hf-resnet task's Hugging Face ResNet-18 in place of the demo ResNet"
+    )
     parser.add_argument(
         "--bn-warmup", type=int, default=40, help="batchnorm_warmup: the automatic density warm-up (0: off)"
     )
