@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from lightning_sparse.compressors import TopK
-from lightning_sparse.exchange.memory import ErrorFeedback
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import batched
 from lightning_sparse.wire import select as selection
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, WireContext
+from lightning_sparse.wire.memory import ErrorFeedback
+from lightning_sparse.wire.stats import Counters
 
 #: (numel, sparse): matrices, vectors, small tensors sent dense between them, one large tensor
 SIZES = [

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_sparse import exchange_collectives
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.comm import Collectives
+from lightning_sparse.wire.stats import Counters
 
 SHAPES = {f"block{i}.{kind}": shape for i in range(6) for kind, shape in (("weight", (48, 48)), ("bias", (48,)))}
 

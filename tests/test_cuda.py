@@ -136,10 +136,10 @@ def test_a_bucket_is_selected_at_once_on_cuda_with_one_host_read() -> None:
     import warnings
 
     from lightning_sparse.compressors import TopK
-    from lightning_sparse.exchange.memory import ErrorFeedback
-    from lightning_sparse.telemetry.stats import Counters
     from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, WireContext
+    from lightning_sparse.wire.memory import ErrorFeedback
     from lightning_sparse.wire.select import select_sorted
+    from lightning_sparse.wire.stats import Counters
 
     members, offset = [], 0
     for i in range(48):  # a GPT's blocks: matrices with small tensors between them

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_sparse.exchange.memory import ErrorFeedback
+from lightning_sparse.wire.memory import ErrorFeedback
 
 
 def test_accumulate_keep_unsent_conserves_exactly() -> None:
@@ -83,7 +83,7 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
 def test_offloaded_residuals_are_staged_for_an_exchange_and_written_back() -> None:
     import torch
 
-    from lightning_sparse.exchange.memory import ErrorFeedback
+    from lightning_sparse.wire.memory import ErrorFeedback
 
     plain, offloaded = ErrorFeedback(), ErrorFeedback()
     offloaded.home = torch.device("cpu")

@@ -15,11 +15,11 @@ import torch
 
 from lightning_sparse.compressors import CompressContext, RandomK
 from lightning_sparse.compressors.randomk import SubsetLayout, draw_subsets, draws_needed
-from lightning_sparse.exchange.memory import ErrorFeedback
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import shared
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, WireContext
+from lightning_sparse.wire.memory import ErrorFeedback
 from lightning_sparse.wire.message import SparseSpace
+from lightning_sparse.wire.stats import Counters
 
 #: (name, numel, sparse): sparse members between small ones, names out of buffer order
 SIZES = [("w2", 64 * 97, True), ("b2", 64, False), ("w1", 64 * 192, True), ("v", 192, True), ("a", 300, True)]

@@ -16,12 +16,12 @@ from test_batched import _plan as batched_plan
 
 from lightning_sparse._utils import make_generator, mix_seed
 from lightning_sparse.compressors import CountSketch
-from lightning_sparse.exchange.memory import ErrorFeedback
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import sketch
 from lightning_sparse.wire.comm import Collectives, run
 from lightning_sparse.wire.context import Average, BucketCall, BucketPlan, WireContext
+from lightning_sparse.wire.memory import ErrorFeedback
 from lightning_sparse.wire.patterns import PATTERNS
+from lightning_sparse.wire.stats import Counters
 
 CPU = torch.device("cpu")
 #: (numel, sparse): test_batched's bucket with its largest tensor at 30,000 (below the CPU limit of

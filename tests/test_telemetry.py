@@ -16,8 +16,8 @@ from conftest import run_trainer
 
 from lightning_sparse import COMPRESSORS, CompressionMonitor, SparseDDPStrategy
 from lightning_sparse.telemetry.callbacks import METRIC_NAMES, ONE_PROCESS
-from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.telemetry.summary import ADDS_UP, CompressionSummary, format_bytes
+from lightning_sparse.wire.stats import Counters, Telemetry
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

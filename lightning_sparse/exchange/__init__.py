@@ -9,8 +9,7 @@
 - :mod:`~lightning_sparse.exchange.batchnorm` - the global model's BatchNorm statistics;
 - :mod:`~lightning_sparse.exchange.ft`, :mod:`~lightning_sparse.exchange.ft_env` - fault-tolerant replica groups;
 - :mod:`~lightning_sparse.exchange.fallback` - the timed dense fallback;
-- :mod:`~lightning_sparse.exchange.amp` - steps the fp16 gradient scaler skips;
-- :mod:`~lightning_sparse.exchange.memory` - the error-feedback residuals.
+- :mod:`~lightning_sparse.exchange.amp` - steps the fp16 gradient scaler skips.
 
 Nothing is imported here: the settings and the wire import modules of this package (an import cycle otherwise).
 """

@@ -16,9 +16,9 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.comm import Collectives, first_line
+from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.wire.stats import Counters
 
 __all__ = ["SkippedSteps"]
 
@@ -31,7 +31,7 @@ class SkippedSteps:
 
     Example:
         >>> import torch
-        >>> from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
+        >>> from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
         >>> scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
         >>> _ = scaler.scale(torch.ones(()))          # the step's loss, scaled
         >>> skips = SkippedSteps(scaler)

@@ -23,8 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
 from lightning_sparse._utils import all_reduce_mean_
-from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.wire import count_all_reduce
+from lightning_sparse.wire.stats import Counters, Telemetry
 
 __all__ = ["GlobalBatchNorm"]
 

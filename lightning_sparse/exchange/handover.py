@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse._utils import all_reduce_mean_, check_int
-from lightning_sparse.telemetry.stats import FLUSH_METHOD, HAND_OVER, Counters
 from lightning_sparse.wire.comm import wait
+from lightning_sparse.wire.stats import FLUSH_METHOD, HAND_OVER, Counters
 
 __all__ = ["average_optimizer_states", "flush_exactly", "flush_in_rounds", "reset_optimizer_states"]
 

@@ -14,11 +14,11 @@ from lightning_sparse._utils import stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.fallback import TimedFallback
-from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum, sum_of_squares
 from lightning_sparse.exchange.step import StepExchange
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.telemetry.stats import Telemetry
 from lightning_sparse.wire import BucketPlan, Collectives, Member, WireContext
+from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum, sum_of_squares
+from lightning_sparse.wire.stats import Telemetry
 
 __all__ = ["BucketPlan", "Member", "SparseState"]
 

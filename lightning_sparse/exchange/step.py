@@ -19,9 +19,7 @@ from lightning_sparse._utils import all_finite
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.amp import SkippedSteps
 from lightning_sparse.exchange.fallback import DENSE, SPARSE, TRIAL_DENSE, TimedFallback
-from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.wire import DENSE as DENSE_PATTERN
 from lightning_sparse.wire import (
     GATHER,
@@ -40,6 +38,8 @@ from lightning_sparse.wire import (
     sparse_pays,
 )
 from lightning_sparse.wire.comm import CollectiveError, Rounds, first_line, run
+from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.wire.stats import Counters, Telemetry
 
 __all__ = ["ExchangeError", "StepExchange", "wire_context"]
 

@@ -32,10 +32,10 @@ from lightning_sparse.exchange.update_parts import (
     fragments_of,
     split_fragments,
 )
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together
+from lightning_sparse.wire.stats import Counters
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 

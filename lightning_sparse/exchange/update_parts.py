@@ -12,9 +12,9 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import RegionViews
-from lightning_sparse.exchange.memory import ErrorFeedback
 from lightning_sparse.wire import Average, BucketPlan
 from lightning_sparse.wire.batched import residual_layout
+from lightning_sparse.wire.memory import ErrorFeedback
 
 __all__ = [
     "Bucket", "InFlight", "NonfiniteUpdates", "ShapedResiduals", "StagedAverage", "bucket_parts", "check_fragments",

@@ -15,7 +15,7 @@ from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.ft import FrontEndState
 from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
 from lightning_sparse.strategies.settings import DDP_ONLY, setting_default
-from lightning_sparse.telemetry.stats import Telemetry
+from lightning_sparse.wire.stats import Telemetry
 
 __all__ = [
     "FSDP_SETTINGS",

@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse.exchange.state import SparseState
-from lightning_sparse.telemetry.stats import Counters, Telemetry
 from lightning_sparse.telemetry.summary import CompressionSummary, fit_title
+from lightning_sparse.wire.stats import Counters, Telemetry
 
 #: the metric names CompressionMonitor logs
 METRIC_NAMES = (

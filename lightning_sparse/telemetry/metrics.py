@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_sparse.telemetry.stats import Counters
+from lightning_sparse.wire.stats import Counters
 
 __all__ = ["BytesSent", "CompressTime", "CompressionRatio", "Density", "MessageRatio", "ResidualNorm", "WireBytes"]
 
@@ -69,7 +69,7 @@ class CompressionRatio(_RatioMetric):
     (when synchronised) all ranks; 1.0 when nothing crossed the wire.
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.stats import Counters
         >>> m = CompressionRatio()
         >>> m.update(Counters(dense_bytes=4000, sent_bytes=100, dense_wire_bytes=6000.0, wire_bytes=300.0))
         >>> float(m.compute())

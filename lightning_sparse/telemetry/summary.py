@@ -9,7 +9,7 @@ from typing import IO, Any
 
 from lightning_sparse._utils import describe_callable, resolve_value_dtype
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.telemetry.stats import FLUSH_METHOD, HAND_OVER, Counters, Telemetry
+from lightning_sparse.wire.stats import FLUSH_METHOD, HAND_OVER, Counters, Telemetry
 
 #: the table's columns, after the row name
 COLUMNS = (
@@ -142,7 +142,7 @@ class CompressionSummary:
         step_seconds: wall time of the span's training steps (None: unknown), for % of step.
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.stats import Counters
         >>> c = Counters(dense_bytes=4_000_000, sent_bytes=100_000, numel=1_000_000, sent_numel=10_000, buckets=4)
         >>> c.wire_bytes, c.dense_wire_bytes = 300_000.0, 6_000_000.0  # 4 ranks
         >>> s = CompressionSummary("example", {"topk": c}, {"fc.weight": c}, c, step_seconds=2.0)

@@ -1,8 +1,10 @@
-"""The wire: how a bucket's compressed contents cross between ranks, and what that costs.
+"""The wire: how a bucket's compressed contents cross between ranks, what that costs, and what it keeps.
 
-Below the hook and the density schedules, above the compressors, the residual stores and the
-counters. It sees the hook's state only through :class:`WireContext` and :class:`BucketCall`.
+The core of the package, with the compressors below it: it imports neither Lightning nor the settings
+class. It sees the exchange's state only through :class:`WireContext` and :class:`BucketCall`.
 
+- :mod:`~lightning_sparse.wire.memory` - the error-feedback residuals (and DGC's local momenta);
+- :mod:`~lightning_sparse.wire.stats` - the counters every collective fills, and the telemetry that sums them;
 - :mod:`~lightning_sparse.wire.cost` - ring byte models, counting, the byte rule;
 - :mod:`~lightning_sparse.wire.comm` - the collectives, each counted where it is issued;
 - :mod:`~lightning_sparse.wire.context` - what the wire code is given, and the :class:`Average` it returns;

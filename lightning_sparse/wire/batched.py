@@ -1,6 +1,6 @@
 """Top-k of every sparse member of a bucket at once, in a fixed number of operators and one host read.
 
-On the bucket's flat residual (:meth:`~lightning_sparse.exchange.memory.ErrorFeedback.flat`): ``p = g + e``;
+On the bucket's flat residual (:meth:`~lightning_sparse.wire.memory.ErrorFeedback.flat`): ``p = g + e``;
 a threshold per member from a uniform sample of its magnitudes, set a few standard deviations low so
 that at least ``k`` entries pass; the entries above it in a fixed-capacity shortlist (``nonzero_static``),
 sorted by (member, magnitude descending); each member's first ``k`` there. One host read checks that
@@ -40,7 +40,7 @@ CPU_ONE_BY_ONE = 1 << 20
 
 def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple[tuple[str | None, int], ...]:
     """How a bucket's residuals lie in their flat tensor (:meth:`ErrorFeedback.flat
-    <lightning_sparse.exchange.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors'
+    <lightning_sparse.wire.memory.ErrorFeedback.flat>`): the sparse members', and the small tensors'
     where they travel coded (``value_bits``). Every part of the exchange asks here, so all see one tensor.
 
     Example:

@@ -1,7 +1,7 @@
 """The collectives the package issues, each counted where it is issued.
 
 :class:`Collectives` wraps ``torch.distributed``'s collectives for one process group: each call counts
-its bytes and ring traffic into the given :class:`~lightning_sparse.telemetry.stats.Counters` and
+its bytes and ring traffic into the given :class:`~lightning_sparse.wire.stats.Counters` and
 returns its future (None at world size 1). Inside :meth:`Collectives.coalescing` the calls leave as one
 collective per kind and dtype: across data centres each collective costs a round trip.
 """
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.cost import count_all_gather, count_all_reduce, count_all_to_all
+from lightning_sparse.wire.stats import Counters
 
 T = TypeVar("T")
 #: a launch in rounds: it yields after issuing a round whose result it needs before the next, and
@@ -128,7 +128,7 @@ class Collectives:
 
     Example:
         >>> import torch
-        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.stats import Counters
         >>> c = Counters()
         >>> Collectives(group=None, world=1).all_reduce(torch.ones(4), c) is None, c.sent_bytes
         (True, 16)

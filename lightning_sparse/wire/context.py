@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.compressors import CompressContext, Compressor
-from lightning_sparse.exchange.memory import ErrorFeedback, LocalMomentum
-from lightning_sparse.telemetry.stats import Counters
 from lightning_sparse.wire.comm import Collectives, Issued
+from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
+from lightning_sparse.wire.stats import Counters
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class BucketPlan:
 
     @functools.cached_property
     def residual_layout(self) -> tuple[tuple[str | None, int], ...]:
-        """The bucket as :meth:`ErrorFeedback.flat <lightning_sparse.exchange.memory.ErrorFeedback.flat>` lays
+        """The bucket as :meth:`ErrorFeedback.flat <lightning_sparse.wire.memory.ErrorFeedback.flat>` lays
         out its residuals: the sparse members by name, the small tensors (no residual) as ``None``."""
         return tuple((m.name if m.sparse else None, m.numel) for m in self.members)
 

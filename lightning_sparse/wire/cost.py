@@ -7,7 +7,7 @@ byte rule that the hook, the density schedules and the telemetry all ask.
 
 from __future__ import annotations
 
-from lightning_sparse.telemetry.stats import Counters
+from lightning_sparse.wire.stats import Counters
 
 
 def ring_all_reduce_bytes(world: int, nbytes: int) -> float:

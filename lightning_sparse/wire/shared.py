@@ -34,7 +34,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
 
     Example:
         >>> from lightning_sparse.compressors import RandomK, TopK
-        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.stats import Counters
         >>> from lightning_sparse.wire.context import Member
         >>> call = BucketCall(torch.zeros(64), BucketPlan((Member("w", 1, 0, 64, True),), 64, "w"), 0, Counters())
         >>> [eligible(WireContext(c, True, 0.0, None, 0, "auto", True, None, True), call) for c in (RandomK(), TopK())]
@@ -96,7 +96,7 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
 
     Example:
         >>> from lightning_sparse.compressors import RandomK
-        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.stats import Counters
         >>> from lightning_sparse.wire.context import Member
         >>> plan = BucketPlan((Member("w", 1, 0, 1000, True),), 1000, "w")
         >>> ctx = WireContext(RandomK(), True, 0.0, None, 0, "auto", True, None, True)

@@ -250,7 +250,7 @@ def sketch_tables(
     ``p1`` says. Returns the hashes and the shared generator (see :func:`_hashes`).
 
     Example:
-        >>> from lightning_sparse.telemetry.stats import Counters
+        >>> from lightning_sparse.wire.stats import Counters
         >>> from lightning_sparse.wire.context import Member
         >>> plan = BucketPlan((Member("w", 1, 0, 8, True),), 8, "w")
         >>> ctx = WireContext(CountSketch(rows=1, p1=0), True, 0.0, None, 0, "auto", True, None, True)
