@@ -147,6 +147,31 @@ def test_recompute_keeps_dropout_and_random_state() -> None:
     assert not norms.stale and norms.recompute() == 0  # nothing new to recompute from
 
 
+def test_statistics_follow_parameters_that_moved_without_a_training_pass() -> None:
+    """The end-of-fit hand-over (or a healing group's state) moves the global parameters after the last
+    recomputation: the next one replays the kept passes under the parameters as they are now."""
+    from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    norms = GlobalBatchNorm(batches=3)
+    assert norms.attach(net)
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    net(x)
+    norms.recompute()
+    before = net[1].running_mean.clone()
+    with torch.no_grad():
+        net[0].bias.add_(1.0)  # the hand-over adds the mean residual in place
+        reference = net[0](x)
+    norms.recompute()
+    torch.testing.assert_close(net[1].running_mean, reference.mean(0))
+    torch.testing.assert_close(net[1].running_var, reference.var(0))
+    assert not torch.equal(net[1].running_mean, before)
+    after = net[1].running_mean.clone()
+    net[1].running_mean.zero_()
+    norms.recompute()  # nothing moved since: no replay
+    assert not torch.equal(net[1].running_mean, after) and not norms.stale
+
+
 # ---------------------------------------------------------------------------------------------
 # The ways LightningModules call their network (update mode, sync_every=4, 2 processes)
 

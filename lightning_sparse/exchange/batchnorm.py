@@ -102,6 +102,7 @@ class GlobalBatchNorm:
         self._fallback_step: int | None = None
         #: training forward passes recorded since the statistics were last recomputed
         self.stale = False
+        self._replayed_at = -1  # the parameters' version counters (summed) at the last replay
         #: names of the BatchNorm layers the last call could not recompute (averaged as training left them)
         self.fallback: list[str] = []
 
@@ -210,14 +211,17 @@ class GlobalBatchNorm:
         module = self._module
         if module is None or self._replaying:
             return 0
-        replay = self.stale and bool(self._passes)
+        # replayed after new training passes, or where the parameters moved since the last replay (the
+        # end-of-fit hand-over, a healing group's state): statistics belong to the parameters they were taken under
+        version = sum(p._version for p in module.parameters())
+        replay = (self.stale or version != self._replayed_at) and bool(self._passes)
         unreached = [m for m in self._norms if m not in self._reached]
         moved = step is not None and step != self._fallback_step and bool(unreached)
         if not (replay or moved):
             return 0
         if replay:
             self._replay(module)
-            self.stale = False
+            self.stale, self._replayed_at = False, version
             unreached = [m for m in self._norms if m not in self._reached]
         self.fallback = [self._names[m] for m, n in zip(unreached, _tracked(unreached), strict=True) if n > 0]
         if world_size > 1 and step is not None:
