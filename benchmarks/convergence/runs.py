@@ -181,8 +181,9 @@ def run_label(run: dict[str, Any]) -> str:
         extra.append(f"BatchNorm warm-up {warm} steps" if warm else "no BatchNorm warm-up")
     if run.get("flush_at_end") is False:
         extra.append("no hand-over")
-    elif run.get("flush_at_end") not in (None, True):
-        extra.append(f"hand-over in {run['flush_at_end']} exchanges")
+    elif run.get("flush_at_end") is not None and run["flush_at_end"] is not True:  # (1 == True: compare identity)
+        rounds = run["flush_at_end"]
+        extra.append(f"hand-over in {rounds} exchange{'s' if rounds != 1 else ''}")
     if run.get("shard_size"):
         extra.append(f"sparse_fsdp, groups of {run['shard_size']}")
     elif run.get("shard_size") == 0:

@@ -2,7 +2,9 @@
 
 Each preset exchanges the top 1 % of each tensor in 2-bit values every ``sync_every`` steps, with no dense warm-up
 and an end-of-fit hand-over of a few exchanges (``flush_at_end=R``) instead of one dense all-reduce, which alone would
-cost more than such a fit sends. The name is its byte reduction against dense DDP (``docs/results.md``, "Presets").
+cost more than such a fit sends; from 16 steps on with a Nesterov outer step and decayed error feedback
+(``error_feedback_decay``, as SparseLoCo). The name is its byte reduction against dense DDP (``docs/results.md``,
+"Presets").
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from typing import Any
 
 __all__ = ["PRESETS", "preset_settings"]
 
+_LOCAL = {"value_bits": 2, "warmup_steps": 0}
+_LONG = {"outer_optimizer": "nesterov", **_LOCAL}  # from 16 steps on, with decayed error feedback
 #: the presets, by name: the settings each one sets
 PRESETS: dict[str, dict[str, Any]] = {
-    "1000x": {"sync_every": 4, "value_bits": 2, "warmup_steps": 0, "flush_at_end": 16},
-    "2000x": {"sync_every": 8, "value_bits": 2, "warmup_steps": 0, "flush_at_end": 8},
-    "4000x": {"sync_every": 16, "outer_optimizer": "nesterov", "value_bits": 2, "warmup_steps": 0, "flush_at_end": 4},
+    "1000x": {"sync_every": 4, **_LOCAL, "flush_at_end": 16},
+    "2000x": {"sync_every": 8, **_LOCAL, "flush_at_end": 8},
+    "4000x": {"sync_every": 16, **_LONG, "error_feedback_decay": 0.9, "flush_at_end": 4},
+    "8000x": {"sync_every": 32, **_LONG, "error_feedback_decay": 0.9, "flush_at_end": 2},
+    "10000x": {"sync_every": 40, **_LONG, "error_feedback_decay": 0.8, "flush_at_end": 1},
 }
 
 
@@ -28,7 +34,7 @@ def preset_settings(name: str) -> dict[str, Any]:
         >>> preset_settings("1x")
         Traceback (most recent call last):
         ...
-        ValueError: preset='1x' is not allowed: expected one of ['1000x', '2000x', '4000x'].
+        ValueError: preset='1x' is not allowed: expected one of ['1000x', '2000x', '4000x', '8000x', '10000x'].
     """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is not allowed: expected one of {list(PRESETS)}.")
