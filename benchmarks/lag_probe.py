@@ -64,9 +64,11 @@ class _Logits(nn.Module):
 
 
 def _network(model: nn.Module) -> nn.Module:
+    from benchmarks.convergence.hf_resnet import HFResNet  # (transformers is imported only to build one)
+
+    if isinstance(model, HFResNet):
+        return _Logits(model.net)
     net = getattr(model, "net", None)
-    if isinstance(net, nn.Module) and net.__class__.__name__.endswith("ForImageClassification"):
-        return _Logits(net)
     return net if isinstance(net, nn.Module) else model
 
 
