@@ -25,8 +25,7 @@ from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.hook import sparse_comm_hook
 from lightning_sparse.exchange.outer import AddAverage, OuterStep
-from lightning_sparse.exchange.state import SparseState
-from lightning_sparse.exchange.step import ExchangeError
+from lightning_sparse.exchange.state import ExchangeError, SparseState
 from lightning_sparse.fabric.ddp import SparseDDPStrategy as FabricSparseDDPStrategy
 from lightning_sparse.fabric.ddp import register_fabric_strategies
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy as FabricSparseFSDPStrategy

@@ -133,7 +133,7 @@ def run(cfg: dict[str, Any]) -> None:
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "compress": fabric.strategy.compress,  # type: ignore[attr-defined]
         "records": records,
-        "skipped_steps": 0 if state.step_exchange.skips is None else state.step_exchange.skips.skipped,
+        "skipped_steps": 0 if state.skips is None else state.skips.skipped,
         "unflushed": unflushed,
         "nonfinite_updates": getattr(fabric.strategy.update_exchange, "nonfinite_updates", None),  # type: ignore[attr-defined]
     }

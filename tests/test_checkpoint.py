@@ -30,7 +30,7 @@ def _payload(seed: int, update: bool = True, step: int = 7) -> CheckpointPayload
     state = SparseState(compressor="topk", compress="update" if update else "gradient")
     g = torch.Generator().manual_seed(seed)
     state.memory.load_state_dict({"w": torch.randn(10, generator=g), "b": torch.randn(3, generator=g)})
-    state.step_exchange.step = step
+    state.step = step
     return CheckpointPayload(state, UpdateExchange(state) if update else None)
 
 
@@ -71,7 +71,7 @@ def test_each_process_writes_its_own_file_and_reads_it_back(tmp_path: Path) -> N
         restored = payload.state.memory.state_dict()
         assert restored.keys() == saved.keys()
         assert all(torch.equal(restored[k], saved[k]) for k in saved)
-        assert payload.state.step_exchange.step == 7
+        assert payload.state.step == 7
         assert torch.equal(
             checkpoint["optimizer_states"][0]["state"][0]["exp_avg"], _optimizer(rank)["state"][0]["exp_avg"]
         )

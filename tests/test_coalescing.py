@@ -36,7 +36,7 @@ def _train(rank: int, settings: dict[str, Any], coalesce: bool, steps: int = 6) 
     exchange.bind(named)
     optimizer = torch.optim.AdamW(params, lr=0.01)
     data = torch.Generator().manual_seed(100 + rank)  # every rank has its own data
-    comm = state.step_exchange.wire.comm
+    comm = state.wire.comm
     per_exchange = []
     patch = contextlib.nullcontext() if coalesce else _one_by_one()
     with patch:

@@ -17,9 +17,9 @@ import torch
 
 import lightning_sparse
 from lightning_sparse import SparseConfig, exchange_cost
-from lightning_sparse.exchange.step import wire_context
 from lightning_sparse.schedules import k_for
 from lightning_sparse.wire import GATHER, bucket_wire_bytes, ring_all_reduce_bytes, sparse_pays
+from lightning_sparse.wire.context import wire_context
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE_JSON = ROOT / "docs" / "scale" / "scale.json"

@@ -142,7 +142,7 @@ def _count_case(
             # bucket (DDP waits after the backward pass), their averages taken on this thread
             batch = BackwardBatch()
             pending = [
-                batch.add(state.step_exchange, buffer, state.plan(buffer, bucket), last=i == len(buckets) - 1)
+                batch.add(state, buffer, state.plan(buffer, bucket), last=i == len(buckets) - 1)
                 for i, (buffer, bucket) in enumerate(zip(grads, buckets, strict=True))
             ]
             for future in pending:

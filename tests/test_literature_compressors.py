@@ -31,6 +31,7 @@ from lightning_sparse.compressors import (
 )
 from lightning_sparse.compressors.sketch_hashes import median_of_rows
 from lightning_sparse.compressors.topk import _CHUNK, indices_at_least
+from lightning_sparse.exchange.step import sparse_is_cheaper
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = {"rtopk": RTopK, "gaussiank": GaussianK, "randomblock": RandomBlock, "countsketch": CountSketch, "dgc": DGC}
@@ -471,9 +472,9 @@ def test_sketch_wire_bytes_and_dense_fallback_decision() -> None:
     for width, cheaper in ((10.0, True), (40.0, False)):  # 5 x 40k tables exceed the 10k tensor
         state = SparseState(compressor=CountSketch(width=width), density=0.01)
         state.bind(named)
-        state.step_exchange.bind(Collectives(world=2), rank=0)
+        state.use_collectives(Collectives(world=2), rank=0)
         plan = state.plan(torch.zeros(10_000), [p for _, p in named])
-        assert state.step_exchange.sparse_is_cheaper(torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
+        assert sparse_is_cheaper(state, torch.zeros(10_000), plan.sparse_members, [100]) is cheaper
 
 
 def test_countsketch_candidates_when_few_coordinates_are_non_zero() -> None:

@@ -67,7 +67,7 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
     named = [("w", torch.zeros(5000, requires_grad=True))]
     state = SparseState(density=0.01, min_numel=0, fallback_to_dense=False)
     state.bind(named)
-    state.step_exchange.use_scaler(scaler, rescale_residuals=True)
+    state.use_scaler(scaler, rescale_residuals=True)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         communicate(state, torch.randn(5000, generator=gen) * 1024, [named[0][1]]).wait()
@@ -77,7 +77,7 @@ def test_residuals_follow_a_real_gradient_scaler() -> None:
     out = communicate(state, g.clone(), [named[0][1]]).wait()
     # the old residual entered this step at the new scale (x 1/4, exact), then conservation as usual
     assert torch.equal(out + state.memory.get("w"), before * 0.25 + g)
-    assert state.step_exchange.last_loss_scale == 256.0
+    assert state.last_loss_scale == 256.0
 
 
 def test_offloaded_residuals_are_staged_for_an_exchange_and_written_back() -> None:

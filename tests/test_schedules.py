@@ -12,6 +12,7 @@ import torch
 
 from lightning_sparse import AdaptiveDensity, ConstantDensity, SparseDDPStrategy, WarmupDensity
 from lightning_sparse.exchange.state import Member, SparseState
+from lightning_sparse.exchange.step import sparse_is_cheaper
 from lightning_sparse.schedules import as_schedule, k_for, topk_energy
 from lightning_sparse.wire import Collectives
 
@@ -327,13 +328,10 @@ def _fallback_steps(schedule: WarmupDensity, world: int, steps: int, numel: int 
     """Per step: would a one-tensor bucket go dense (the hook's rule) at this schedule's density?
     (all-gathered int32 indices, for which the thresholds below are written out)"""
     state = SparseState(density=schedule, exchange="allgather", compact_indices=False)
-    state.step_exchange.bind(Collectives(world=world), rank=0)  # the rule needs only the world size and sizes
+    state.use_collectives(Collectives(world=world), rank=0)  # the rule needs only the world size and sizes
     buffer = torch.zeros(numel)
     sparse = (Member("w", 0, 0, numel, True),)
-    return [
-        not state.step_exchange.sparse_is_cheaper(buffer, sparse, [k_for(numel, schedule.density(t))])
-        for t in range(steps)
-    ]
+    return [not sparse_is_cheaper(state, buffer, sparse, [k_for(numel, schedule.density(t))]) for t in range(steps)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8, 16])
@@ -352,15 +350,13 @@ def test_default_exchange_stays_below_dense_and_flat(world: int) -> None:
 
     numel = 4_000_000
     state = SparseState(density=0.01)
-    state.step_exchange.bind(Collectives(world=world), rank=0)
+    state.use_collectives(Collectives(world=world), rank=0)
     ks = [k_for(numel, 0.01)]
     wire = PATTERNS["gather"].wire_bytes(
         world, ks, 4, [numel], None, state.config.exchange, state.config.compact_indices
     )
     dense = ring_all_reduce_bytes(world, 4 * numel)
-    assert state.step_exchange.sparse_is_cheaper(torch.zeros(1), (Member("w", 0, 0, numel, True),), ks) == (
-        wire < dense
-    )
+    assert sparse_is_cheaper(state, torch.zeros(1), (Member("w", 0, 0, numel, True),), ks) == (wire < dense)
     assert wire < dense
     if world >= 64:
         assert wire <= dense / 15

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_sparse.exchange.step import sparse_is_cheaper
 from lightning_sparse.strategies.checkpoint import read_rank_states
 
 pytestmark = pytest.mark.dist
@@ -275,7 +276,7 @@ def _warmup_fallback_worker(rank: int, world: int) -> dict[str, Any]:
         g = _gradient(numel, rank, step)
         plan = state.plan(g, params)
         ks = [k_for(m.numel, schedule.density(step)) for m in plan.sparse_members]
-        rule_says_dense = not state.step_exchange.sparse_is_cheaper(g, plan.sparse_members, ks)
+        rule_says_dense = not sparse_is_cheaper(state, g, plan.sparse_members, ks)
         out = communicate(state, g.clone(), params).wait()
         last = state.telemetry.last
         rows.append((rule_says_dense, last.fallback_buckets, last.dense_buckets, last.sent_bytes, out.clone()))

@@ -344,7 +344,7 @@ def _gradient_worker(rank: int, world: int) -> dict[str, Any]:
             layout = sketch.SketchLayout.of(plan, tuple(ks), state.compressor, CPU)
             x = torch.cat([g[m.offset : m.offset + m.numel] + old[m.name] for m in plan.sparse_members])
             tables = torch.zeros(layout.tables)
-            call = BucketCall(g, plan, state.step_exchange.step - 1, Counters())
+            call = BucketCall(g, plan, state.step - 1, Counters())
             sketch.sketch_tables(state.wire, call, layout, x, tables)
             assert torch.equal(captured[0][1][: layout.tables], tables), step
             # every rank keeps the same k coordinates per member, and the output is the mean of what they sent
@@ -370,7 +370,7 @@ def test_gradient_buckets_are_sketched_one_tensor_at_a_time() -> None:
     """DDP lays its gradient buckets out anew after its first step and on resume: hashes drawn per
     bucket would change a resumed run's picks, so gradient mode keeps the per-tensor sketch."""
     from lightning_sparse.config import SparseConfig
-    from lightning_sparse.exchange.step import wire_context
+    from lightning_sparse.wire.context import wire_context
 
     plan = _plan()
     call = BucketCall(torch.zeros(plan.numel), plan, 0, Counters())

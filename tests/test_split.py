@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_sparse.exchange.step import bucket as exchange_bucket
 from lightning_sparse.wire.indexcode import decode_counted_rows, encode_index_rows, encode_indices, rice_capacity_bytes
 from lightning_sparse.wire.message import MessageLayout
 from lightning_sparse.wire.split import _keep_largest_per_owner, _owner_choice
@@ -144,9 +145,9 @@ def _count_reads(rank: int, world: int, settings: dict[str, Any]) -> dict[str, A
             counting = step == 3
             if counting:
                 with exchange:
-                    out = state.step_exchange.bucket(grad, plan, last=True).wait().as_dense()
+                    out = exchange_bucket(state, grad, plan, last=True).wait().as_dense()
             else:
-                out = state.step_exchange.bucket(grad, plan, last=True).wait().as_dense()
+                out = exchange_bucket(state, grad, plan, last=True).wait().as_dense()
     finally:
         batched.batched_topk = select  # type: ignore[assignment]
     return {

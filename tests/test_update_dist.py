@@ -346,7 +346,7 @@ def _replicas_worker(rank: int, world: int) -> dict[str, Any]:
         p.grad = None
     net(x).square().sum().backward()
     expected = [p.grad.clone() for p in net.parameters()]
-    exchange = core.state.step_exchange
+    exchange = core.state
     exchange._plain_ddp = True  # the timed fallback's plain DDP step: the gradients are averaged
     try:
         averaged = backward()

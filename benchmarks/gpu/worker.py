@@ -265,7 +265,7 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
         step(i)
     sync()
     dist.barrier()
-    exchanges_before = strategy.sparse_state.step_exchange.step if sparse else 0
+    exchanges_before = strategy.sparse_state.step if sparse else 0
     times: list[float] = []
     meet = run.settings.get("meet_every") if run.kind == "floor" else None
     with count_comm_calls() as calls:
@@ -276,7 +276,7 @@ def run_row(args: argparse.Namespace, name: str, device: Any, backend: str, own_
             if meet and (i + 1) % meet == 0:
                 dist.barrier()  # the processes meet, as an exchange every `meet` steps makes them
             times.append(time.perf_counter() - start)
-    exchanges = strategy.sparse_state.step_exchange.step - exchanges_before if sparse else 0
+    exchanges = strategy.sparse_state.step - exchanges_before if sparse else 0
     dist.barrier()
     profile: dict[str, Any] | None = None
     if args.profile_steps > 0:

@@ -203,7 +203,7 @@ class FaultTolerantUpdate(UpdateExchange):
         self._open = True
         self.participants = manager.num_participants()
         rank = manager.participating_rank()
-        self.state.step_exchange.bind(Collectives(self._pg, self.participants), 0 if rank is None else rank)
+        self.state.use_collectives(Collectives(self._pg, self.participants), 0 if rank is None else rank)
 
     def _commit(self) -> bool:
         self._open = False

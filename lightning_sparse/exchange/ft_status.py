@@ -7,7 +7,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from lightning_sparse.exchange.ft_env import ReplicaGroupEnv
-from lightning_sparse.exchange.step import ExchangeError
+from lightning_sparse.exchange.state import ExchangeError
 
 __all__ = ["HEARTBEAT_GONE_S", "LighthouseView", "ReplicaGroupError", "gist", "no_commit", "no_quorum"]
 

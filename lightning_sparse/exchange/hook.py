@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse.exchange.state import SparseState
-from lightning_sparse.exchange.step import StepExchange
+from lightning_sparse.exchange.step import bucket_rounds
 from lightning_sparse.wire import Average, BucketPlan
 from lightning_sparse.wire.comm import Rounds, run_together
 
@@ -30,10 +30,9 @@ def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_las
 
     Wait for the futures only after the step's last bucket (``is_last``).
     """
-    steps = state.step_exchange
-    if steps.backward is None:
-        steps.backward = BackwardBatch()
-    average = steps.backward.add(steps, buffer, state.plan(buffer, params), is_last)
+    if state.backward is None:
+        state.backward = BackwardBatch()
+    average = state.backward.add(state, buffer, state.plan(buffer, params), is_last)
     return average.then(lambda fut: fut.value().as_dense())
 
 
@@ -49,8 +48,8 @@ class BackwardBatch:
         >>> state.bind([("a", params[0]), ("b", params[1])])
         >>> batch = BackwardBatch()
         >>> g = [torch.ones(4), torch.full((4,), 2.0)]
-        >>> futures = [batch.add(state.step_exchange, g[i], state.plan(g[i], [params[i]]), i == 1) for i in (0, 1)]
-        >>> [f.wait().as_dense().tolist() for f in futures], batch.pending, state.step_exchange.step
+        >>> futures = [batch.add(state, g[i], state.plan(g[i], [params[i]]), i == 1) for i in (0, 1)]
+        >>> [f.wait().as_dense().tolist() for f in futures], batch.pending, state.step
         ([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]], 0, 1)
     """
 
@@ -63,12 +62,12 @@ class BackwardBatch:
         """Buckets handed over whose collectives have not been issued yet."""
         return len(self._buckets)
 
-    def add(self, steps: StepExchange, buffer: Tensor, plan: BucketPlan, last: bool) -> Future[Average]:
+    def add(self, state: SparseState, buffer: Tensor, plan: BucketPlan, last: bool) -> Future[Average]:
         """Take one bucket (``last``: the step's last); a future of its :class:`Average`."""
         if not self._buckets:
-            steps.wire.comm.hold()
+            state.wire.comm.hold()
         try:
-            rounds: Rounds[Future[Average]] | None = steps.bucket_rounds(buffer, plan, last=False)
+            rounds: Rounds[Future[Average]] | None = bucket_rounds(state, buffer, plan, last=False)
             average: Future[Average] | None = None
             try:
                 next(rounds)  # type: ignore[arg-type]  # up to its first round, queued
@@ -77,26 +76,26 @@ class BackwardBatch:
             out: Future[Average] = Future()
             self._buckets.append((rounds, average, out))
             if last:
-                self._issue(steps)
+                self._issue(state)
         except BaseException:
-            self._abandon(steps)
+            self._abandon(state)
             raise
         return out
 
-    def _issue(self, steps: StepExchange) -> None:
+    def _issue(self, state: SparseState) -> None:
         buckets, self._buckets = self._buckets, []
         averages = run_together([_rest(rounds, average) for rounds, average, _ in buckets])
-        steps.wire.comm.release()
-        steps.close()
+        state.wire.comm.release()
+        state.close()
         for average, (_, _, out) in zip(averages, buckets, strict=True):
             average.add_done_callback(functools.partial(_deliver, out=out))
 
-    def _abandon(self, steps: StepExchange) -> None:
+    def _abandon(self, state: SparseState) -> None:
         """A bucket failed: drop the queue (it could pair with other collectives elsewhere), close the step."""
-        if steps.wire.comm.queue.depth:
-            steps.wire.comm.release(issue=False)
+        if state.wire.comm.queue.depth:
+            state.wire.comm.release(issue=False)
         self._buckets = []
-        steps.close()
+        state.close()
 
 
 def _rest(rounds: Rounds[Future[Average]] | None, average: Future[Average] | None) -> Rounds[Future[Average]]:

@@ -17,6 +17,7 @@ from torch.futures import Future
 
 from lightning_sparse.exchange.hook import communicate
 from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.step import keep_gradient
 
 __all__ = ["REPLICA_ARGS", "Replicas", "broadcast_from_first"]
 
@@ -106,15 +107,14 @@ class Replicas(torch.nn.Module):
     def gradients_ready(self, state: SparseState) -> None:
         """After the backward, on every process: a plain DDP step averages the gradients; under fp16 AMP the
         processes agree on an overflow. Otherwise each keeps its own."""
-        steps = state.step_exchange
-        if steps.plain_ddp:
+        if state.plain_ddp:
             self._average(state)
-        elif steps.skips is not None:
+        elif state.skips is not None:
             params = [p for p in self.module.parameters() if p.grad is not None]
             grads: list[Tensor] = [p.grad for p in params if p.grad is not None] or [torch.empty(0)]
             last: Future[Tensor] | None = None
             for i, grad in enumerate(grads):
-                last = steps.keep_gradient(grad, i == len(grads) - 1)
+                last = keep_gradient(state, grad, i == len(grads) - 1)
             assert last is not None
             last.wait()
 

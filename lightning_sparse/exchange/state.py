@@ -1,9 +1,14 @@
-"""What the sparse exchange keeps between steps on one rank: settings, residuals, layout, telemetry."""
+"""The one owner of a rank's exchange (:class:`SparseState`): settings, residuals, layout, telemetry, counters.
+
+:mod:`~lightning_sparse.exchange.step` exchanges one bucket with it, as torch's PowerSGD hook does with its state.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -13,14 +18,34 @@ from torch import Tensor
 from lightning_sparse._utils import stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange.fallback import TimedFallback
-from lightning_sparse.exchange.step import StepExchange
+from lightning_sparse.exchange.amp import SkippedSteps
+from lightning_sparse.exchange.fallback import DENSE, TRIAL_DENSE, TimedFallback
 from lightning_sparse.schedules import DensitySchedule
-from lightning_sparse.wire import BucketPlan, Collectives, Member, WireContext
+from lightning_sparse.wire import BucketPlan, Collectives, Member, count_all_gather, count_all_reduce
+from lightning_sparse.wire.context import wire_context
 from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum, sum_of_squares
-from lightning_sparse.wire.stats import Telemetry
+from lightning_sparse.wire.stats import Counters, Telemetry
 
-__all__ = ["BucketPlan", "Member", "SparseState"]
+__all__ = ["BucketPlan", "ExchangeError", "Member", "SparseState"]
+
+
+class ExchangeError(RuntimeError):
+    """A collective of the sparse exchange failed or timed out: the message says where and what to check.
+
+    Example:
+        >>> str(ExchangeError(1, 2, "update", "the exchange of w", "all-gather", "timed out"))[:40]
+        'lightning_sparse: rank 1 of 2 (update mo'
+    """
+
+    def __init__(self, rank: int, world_size: int, mode: str, where: str, what: str, cause: str) -> None:
+        super().__init__(
+            f"lightning_sparse: rank {rank} of {world_size} ({mode} mode): {where} failed in "
+            f"its {what}: {cause}. Another rank did not take part in time: one may have stopped, crashed or be "
+            "stalled (look at its log for an earlier error and at the last step it reached), or the process "
+            "group's timeout is too short for this link (SparseDDPStrategy(timeout=datetime.timedelta(...)); "
+            "Lightning's default is 30 minutes)."
+        )
+
 
 STATE_VERSION = 1
 #: the one setting whose default differs here: a state used with the hook alone compresses gradients
@@ -28,7 +53,9 @@ HOOK_DEFAULTS: dict[str, Any] = {"compress": "gradient"}
 
 
 class SparseState:
-    """The state of the sparse exchange on one rank: settings, residuals, telemetry and the step's exchange.
+    """Everything one rank's exchange keeps: settings, residuals, telemetry, the step counters, the density
+    schedule and timed fallback of this rank, the process group; :mod:`~lightning_sparse.exchange.step`
+    exchanges a bucket with it (one optimizer step: :meth:`begin`, its buckets, :meth:`close`).
 
     It holds no process group until :meth:`bind`, so it pickles (``ddp_spawn``).
 
@@ -39,8 +66,8 @@ class SparseState:
 
     Example:
         >>> state = SparseState(compressor="topk", density=0.01)
-        >>> state.step, state.config.compress
-        (0, 'gradient')
+        >>> state.step, state.config.compress, state.in_step, state.plain_ddp
+        (0, 'gradient', False, False)
     """
 
     def __init__(self, config: SparseConfig | None = None, **settings: Any) -> None:
@@ -55,38 +82,44 @@ class SparseState:
             self.memory.home = torch.device("cpu")
         self.velocity = LocalMomentum()
         self.telemetry = Telemetry()
-        self.step_exchange = StepExchange(config, self.memory, self.velocity, self.telemetry)
+        #: this rank's own copy of the config's ``density`` schedule (it learns as the run goes)
+        self.schedule: DensitySchedule = copy.deepcopy(config.schedule)
+        #: the timed fallback of this rank's exchange (a copy of the config's), None where it is off
+        self.timed_fallback: TimedFallback | None = copy.deepcopy(config.timed_fallback)
+        #: optimizer steps this rank finished exchanging (saved in checkpoints)
+        self.step = 0
+        #: optimizer steps this rank finished, with or without an exchange
+        self.optimizer_step = 0
+        self.residual_norm_interval = 50  # steps between measurements of the residual norm (0: never)
+        self.skips: SkippedSteps | None = None
+        #: what the wire code works with on this rank (settings, stores, counted collectives)
+        self.wire = wire_context(config, Collectives(), 0, memory=self.memory, velocity=self.velocity)
         self.process_group: dist.ProcessGroup | None = None
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
+        self.backward: Any = None  # gradient mode: the hook's BackwardBatch of the backward pass under way
+        self._in_step = False
+        self._plain_ddp = False
+        self._loss_scale: Callable[[], float] | None = None
+        self._last_loss_scale: float | None = None
         self._names: dict[int, str] = {}
         self._params: list[Tensor] = []
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
 
     @property
-    def schedule(self) -> DensitySchedule:
-        """This rank's density schedule (:attr:`StepExchange.schedule`: a copy of the config's ``density``)."""
-        return self.step_exchange.schedule
-
-    @property
-    def timed_fallback(self) -> TimedFallback | None:
-        """This rank's timed fallback (:attr:`StepExchange.timed_fallback`), or None."""
-        return self.step_exchange.timed_fallback
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps this rank finished exchanging (:attr:`StepExchange.step`)."""
-        return self.step_exchange.step
+    def step_exchange(self) -> SparseState:
+        """Deprecated: the state itself (it owns the step's exchange)."""
+        return self
 
     @property
     def rank(self) -> int:
         """This rank in the process group the state is bound to (0 before :meth:`bind`)."""
-        return self.step_exchange.wire.rank
+        return self.wire.rank
 
     @property
     def world_size(self) -> int:
         """The processes of that group (1 before :meth:`bind`)."""
-        return self.step_exchange.world_size
+        return self.wire.comm.world
 
     @property
     def parameters(self) -> list[Tensor]:
@@ -94,16 +127,24 @@ class SparseState:
         return self._params
 
     @property
-    def wire(self) -> WireContext:
-        """What the wire code works with on this rank (settings, stores, counted collectives)."""
-        return self.step_exchange.wire
+    def in_step(self) -> bool:
+        """Whether a step is open (begun, its last bucket not exchanged yet)."""
+        return self._in_step
+
+    @property
+    def plain_ddp(self) -> bool:
+        """Update mode with a timed fallback: whether this step is a plain DDP step."""
+        return self._plain_ddp
+
+    @property
+    def last_loss_scale(self) -> float | None:
+        """The gradient scaler's loss scale at the last step's start (gradient mode under fp16)."""
+        return self._last_loss_scale
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["process_group"] = None
-        state["_names"] = {}
-        state["_params"] = []
-        state["_plans"] = {}
+        state.update(process_group=None, _names={}, _params=[], _plans={}, skips=None, _loss_scale=None, backward=None)
+        state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
         return state
 
     def bind(
@@ -127,7 +168,7 @@ class SparseState:
             rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         else:
             rank, world = 0, 1
-        self.step_exchange.bind(Collectives(process_group, world), rank)
+        self.use_collectives(Collectives(process_group, world), rank)
         if check_consistency and self.world_size > 1:
             self._check_consistency()
         first = trainable[0][1] if trainable else None
@@ -136,6 +177,84 @@ class SparseState:
         timed = self.timed_fallback
         if timed is not None:
             timed.setup(process_group, self.world_size, self.config.warmup_steps, device)
+
+    def use_collectives(self, comm: Collectives, rank: int) -> None:
+        """Exchange through ``comm`` (this rank's counted collectives) as rank ``rank``."""
+        self.wire = wire_context(self.config, comm, rank, memory=self.memory, velocity=self.velocity)
+
+    def use_scaler(self, scaler: Any, rescale_residuals: bool) -> None:
+        """fp16 AMP: ``scaler``'s skipped steps change nothing; ``rescale_residuals``: follow its loss scale."""
+        self.skips = None if scaler is None else SkippedSteps(scaler)
+        self._loss_scale = self.skips.scale if self.skips is not None and rescale_residuals else None
+
+    def begin(self) -> None:
+        """Open an optimizer step: before its first bucket (a timed update-mode step: before its forward)."""
+        self._in_step = True
+        if self.skips is not None:
+            self.skips.begin()
+        if self._loss_scale is not None:  # the residuals carry the loss scale: follow it (powers of 2: exact)
+            scale = float(self._loss_scale())
+            last = self._last_loss_scale
+            if last is not None and scale != last and last > 0:
+                self.memory.scale_(scale / last)
+                self.velocity.scale_(scale / last)
+            self._last_loss_scale = scale
+        timed = self.timed_fallback
+        if timed is not None:
+            sent = timed.begin_step(self.step)  # may agree on a trial: one collective, before the first bucket
+            if sent:
+                counters = Counters()
+                count_all_reduce(counters, self.world_size, sent)
+                self.telemetry.record("timed fallback", counters, "timed fallback")
+
+    def begin_timed(self) -> tuple[bool, bool]:
+        """Open the step before its forward (timed, update mode): whether it is plain DDP, and the first of them."""
+        if self._in_step:
+            return self._plain_ddp, False
+        self.begin()
+        timed = self.timed_fallback
+        dense = timed is not None and timed.kind(self.step) in (DENSE, TRIAL_DENSE)
+        entering = dense and not self._plain_ddp
+        self._plain_ddp = dense
+        return dense, entering
+
+    def close(self) -> None:
+        """Close the open step after its last bucket: the schedule's and telemetry's end, the counters on."""
+        if not self._in_step:
+            return
+        self._in_step = False
+        interval = self.residual_norm_interval
+        if self.config.error_feedback and interval > 0 and self.step % interval == 0:
+            self.telemetry.residual_norm = self.memory.norm_sq() ** 0.5
+            self.telemetry.residual_norm_step = self.step
+        schedule_bytes = self.schedule.end_step(self.step)  # after the step's collectives, on this thread
+        if schedule_bytes:
+            counters = Counters()
+            count_all_gather(counters, self.world_size, schedule_bytes)
+            self.telemetry.record("density schedule", counters, "density schedule")
+        self.telemetry.end_step()
+        self.step += 1
+        self.optimizer_step += 1
+
+    def end_unexchanged(self) -> None:
+        """Close an optimizer step that exchanged nothing; the exchange counter stays."""
+        self.telemetry.end_step()
+        self.optimizer_step += 1
+
+    @property
+    def times_whole_steps(self) -> bool:
+        """Whether the timed fallback times whole steps (update mode, ``sync_every`` 1) up to :meth:`mark_end`."""
+        c = self.config
+        return self.timed_fallback is not None and c.compress == "update" and c.sync_every == 1
+
+    def mark_end(self) -> None:
+        """The optimizer step's exchange is over (the timed fallback's window closes here)."""
+        timed = self.timed_fallback
+        if timed is not None and self.times_whole_steps:
+            timed.mark_end()
+
+    def error(self, where: str, what: str, cause: str) -> ExchangeError:
+        return ExchangeError(self.rank, self.world_size, self.config.compress, where, what, cause)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank, with the step and the parameter names."""
@@ -209,7 +328,9 @@ class SparseState:
             "compress": self.config.compress,
             "exchange": self.config.exchange,
             "compact_indices": self.config.compact_indices,
-            **self.step_exchange.state_dict(),
+            "step": self.step,
+            "optimizer_step": self.optimizer_step,
+            "last_loss_scale": self._last_loss_scale,
             "cycle": dict(self.cycle),
             "rank": self.rank,
             "world_size": self.world_size,
@@ -227,7 +348,9 @@ class SparseState:
         version = state.get("version")
         if version != STATE_VERSION:
             raise ValueError(f"cannot load sparse hook state of version {version!r}; expected {STATE_VERSION}")
-        self.step_exchange.load_state_dict(state)
+        self.step = int(state["step"])
+        self.optimizer_step = int(state.get("optimizer_step", self.step))
+        self._last_loss_scale = state.get("last_loss_scale")
         self.cycle = {str(k): int(v) for k, v in state.get("cycle", {}).items()}
         self.schedule.load_state_dict(state["schedule"])
         self.memory.load_state_dict(state["residuals"], device=device)

@@ -19,6 +19,7 @@ from lightning_sparse._utils import all_finite
 from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
 from lightning_sparse.exchange.outer import AddAverage, OuterStep
 from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.step import bucket_rounds
 from lightning_sparse.exchange.update_parts import (
     Bucket,
     InFlight,
@@ -244,8 +245,7 @@ class UpdateExchange:
         """After an optimizer step on ``params``: send, average, keep the rest (every rank at the same point)."""
         if not self.active:
             return
-        state = self.state
-        steps = state.step_exchange
+        state = steps = self.state
         names = [n for n in self._names_of(params) if n in self._local]
         if steps.plain_ddp or not names:
             steps.mark_end()
@@ -294,7 +294,7 @@ class UpdateExchange:
                         for _, seg, e, pos in parts:
                             u = bucket.pending_buffer()[pos : pos + seg.numel()]
                             torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
-                    launches.append(steps.bucket_rounds(bucket.delta, plan, last=False, inputs_finite=True))
+                    launches.append(bucket_rounds(state, bucket.delta, plan, last=False, inputs_finite=True))
             futures = run_together(launches)
             steps.close()
         if delay:
@@ -357,7 +357,7 @@ class UpdateExchange:
 
     def _timed_dense(self) -> bool:
         """Whether this is a timed fallback's plain DDP step; entering them flushes the residuals."""
-        steps = self.state.step_exchange
+        steps = self.state
         if not steps.times_whole_steps:
             return False
         dense, entering = steps.begin_timed()

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 
 from lightning_sparse.config import SparseConfig
-from lightning_sparse.exchange.step import wire_context
 from lightning_sparse.wire import (
     GATHER,
     Collectives,
@@ -24,6 +23,7 @@ from lightning_sparse.wire import (
     ring_all_reduce_bytes,
     sparse_pays,
 )
+from lightning_sparse.wire.context import wire_context
 from lightning_sparse.wire.quant import coded_members_pay
 
 __all__ = ["exchange_collectives", "exchange_cost", "exchange_time"]

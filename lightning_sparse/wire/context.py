@@ -93,7 +93,7 @@ class WireContext:
             lays its buckets out anew after its first step and on resume).
 
     Built from a :class:`~lightning_sparse.config.SparseConfig` in one place
-    (``lightning_sparse.exchange.step.wire_context``), which holds the defaults.
+    (:func:`wire_context`), which holds the defaults.
 
     Example:
         >>> from lightning_sparse.compressors import TopK
@@ -247,3 +247,38 @@ class Average:
         if len(self.parts) == 1 and self.parts[0].dense is not None:
             return self.parts[0].dense()
         return self.add_to(self.buffer.zero_())
+
+
+def wire_context(
+    config: Any,
+    comm: Collectives | None = None,
+    rank: int = 0,
+    *,
+    memory: ErrorFeedback | None = None,
+    velocity: LocalMomentum | None = None,
+) -> WireContext:
+    """The :class:`WireContext` of ``config`` (a :class:`~lightning_sparse.config.SparseConfig`, read by attribute
+    name), with this rank's stores and collectives.
+
+    Example:
+        >>> from lightning_sparse.config import SparseConfig
+        >>> ctx = wire_context(SparseConfig(exchange="allgather"))
+        >>> ctx.exchange, ctx.world_size
+        ('allgather', 1)
+    """
+    return WireContext(
+        compressor=config.compressor,
+        error_feedback=config.error_feedback,
+        momentum_correction=config.momentum_correction,
+        value_dtype=config.value_dtype,
+        seed=config.seed,
+        exchange=config.exchange,
+        compact_indices=config.compact_indices,
+        value_bits=config.value_bits,
+        byte_rule=config.byte_rule,
+        memory=ErrorFeedback() if memory is None else memory,
+        velocity=LocalMomentum() if velocity is None else velocity,
+        comm=Collectives() if comm is None else comm,
+        rank=rank,
+        fixed_buckets=config.compress == "update",
+    )
