@@ -148,16 +148,16 @@ def test_flat_residuals_are_the_residuals() -> None:
 
 # ---------------------------------------------------------------------------- the update exchange, 2 ranks
 def _update_worker(rank: int, world: int, at_once: bool, settings: dict[str, Any]) -> dict[str, Any]:
-    from lightning_sparse.exchange import update_parts
+    from lightning_sparse.exchange import fragment
 
-    saved = batched.eligible, update_parts.Bucket.progress
+    saved = batched.eligible, fragment.Bucket.progress
     if not at_once:  # the worker process outlives this test: put both back after it
         batched.eligible = lambda ctx, call: False  # type: ignore[assignment]
-        update_parts.Bucket.progress = lambda self, *args: None  # type: ignore[assignment,method-assign]
+        fragment.Bucket.progress = lambda self, *args: None  # type: ignore[assignment,method-assign]
     try:
         return _update_run(rank, settings)
     finally:
-        batched.eligible, update_parts.Bucket.progress = saved  # type: ignore[method-assign]
+        batched.eligible, fragment.Bucket.progress = saved  # type: ignore[method-assign]
 
 
 def _update_run(rank: int, settings: dict[str, Any]) -> dict[str, Any]:

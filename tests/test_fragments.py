@@ -120,9 +120,9 @@ def test_bad_fragments_are_refused(kwargs: dict[str, Any], match: str) -> None:
 
 
 def test_more_fragments_than_tensors_are_refused() -> None:
+    from lightning_sparse.exchange.fragment import fragments_of
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
-    from lightning_sparse.exchange.update_parts import fragments_of
 
     params = [(n, torch.nn.Parameter(torch.zeros(4))) for n in ("w", "b", "v")]
     # at setup: the model has fewer tensors than fragments
@@ -133,4 +133,4 @@ def test_more_fragments_than_tensors_are_refused() -> None:
     exchange = UpdateExchange(SparseState(SparseConfig(sync_every=4, fragments=3)))
     exchange.bind(params)
     with pytest.raises(ValueError, match=r"fragments=3 is not allowed for an optimizer of 2 trainable parameter"):
-        fragments_of({}, ["w", "b"], exchange._params, exchange.state.config)
+        fragments_of(["w", "b"], exchange._params, exchange.state.config)

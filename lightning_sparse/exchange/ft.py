@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sparse.exchange.fragment import InFlight
 from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, group_store, require_torchft, torchft_manager
 from lightning_sparse.exchange.ft_guard import Guard
 from lightning_sparse.exchange.ft_status import gist, no_commit, no_quorum
 from lightning_sparse.exchange.outer import OuterStep
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import DEFAULT_BUCKET_BYTES, UpdateExchange
-from lightning_sparse.exchange.update_parts import InFlight
 from lightning_sparse.wire import Collectives
 
 __all__ = ["FaultTolerantUpdate", "FrontEndState"]
@@ -220,11 +220,11 @@ class FaultTolerantUpdate(UpdateExchange):
         if not self._open:
             super().exchange(params)
             return
-        saved = self._snapshot()
-        flights = len(self._in_flight)
+        saved = self.snapshot()
+        flights = len(self.in_flight)
         error = self._attempt("its exchange's collectives", lambda: super(FaultTolerantUpdate, self).exchange(params))
-        if error is None and len(self._in_flight) > flights:  # sync_delay: committed where it arrives
-            self._awaiting, self._open = self._in_flight[-1], False
+        if error is None and len(self.in_flight) > flights:  # sync_delay: committed where it arrives
+            self._awaiting, self._open = self.in_flight[-1], False
             return
         if error is None and self.manager.current_step() == 0:
             # before the first commit: the first group serves its state (init_sync) only until then, so this
@@ -232,7 +232,7 @@ class FaultTolerantUpdate(UpdateExchange):
             self._attempt(
                 "the quorum's first barrier", lambda: self._pg.allreduce([torch.zeros(1)], dist.ReduceOp.SUM).wait()
             )
-        self._settle(error, lambda: self._restore(saved), "residuals, global model and outer step as before it")
+        self._settle(error, lambda: self._rollback(saved), "residuals, global model and outer step as before it")
 
     def _attempt(self, what: str, action: Callable[[], Any]) -> Exception | None:
         """Run ``action``, its wait bounded by ``quorum_timeout``; a failure (a group died or stalled) is
@@ -300,50 +300,25 @@ class FaultTolerantUpdate(UpdateExchange):
                 stacklevel=3,
             )
             return
-        saved = self._snapshot()
+        saved = self.snapshot()
         error = self._attempt("the hand-over's collectives", lambda: super(FaultTolerantUpdate, self).flush_residuals())
 
         def rollback() -> None:
-            self._restore(saved)
+            self._rollback(saved)
             self.hold_global()
 
         self._settle(error, rollback, "the residuals kept, the global model as the last exchange left it")
 
-    def _global_of(self, name: str) -> Tensor:
-        return self._global[name] if name in self._local else self._params[name]
-
-    def _snapshot(self) -> dict[str, Any]:
-        return {
-            "views": {n: p.detach().clone() for n, p in self._params.items()},
-            "global": {n: self._global_of(n).detach().clone() for n in self._params},
-            "local": set(self._local),
-            "outer": copy.deepcopy(self.outer_step.state_dict()),
-            "sparse": self.state.state_dict(copy=True),
-        }
-
-    def _restore(self, saved: dict[str, Any]) -> None:
-        self._in_flight, self._awaiting = [], None
-        self.state.load_state_dict(saved["sparse"])
-        self.outer_step.load_state_dict(saved["outer"])
-        for name, p in self._params.items():
-            g = self._global.get(name)
-            if g is None or g.shape != p.shape:
-                g = self._global[name] = torch.empty_like(p)
-            g.copy_(saved["global"][name])
-            if name in saved["local"]:
-                p.copy_(saved["views"][name])
-                self._local.add(name)
-            else:
-                p.copy_(saved["global"][name])
-                self._synced[name] = p._version
-                self._local.discard(name)
+    def _rollback(self, saved: dict[str, Any]) -> None:
+        self._awaiting = None
+        self.restore(saved)
 
     def _state_dict(self) -> dict[str, Any]:
         """What a group that heals from this one receives (copies: served while this group goes on)."""
         sparse = self.state.state_dict(copy=True)
         sparse["residuals"], sparse["velocity"] = {}, {}
         return {
-            "global": {n: self._global_of(n).detach().cpu().clone() for n in self._params},
+            "global": self.global_values(cpu=True),
             "outer": copy.deepcopy(self.outer_step.state_dict()),
             "sparse": sparse,
             "steps": self._steps,
@@ -353,7 +328,7 @@ class FaultTolerantUpdate(UpdateExchange):
     @torch.no_grad()
     def _load_state_dict(self, received: dict[str, Any]) -> None:
         """Heal from a healthy group's state; the residual starts at zero."""
-        self._in_flight, self._awaiting = [], None
+        self._awaiting = None
         behind = self._steps
         if behind:
             warnings.warn(
@@ -366,14 +341,7 @@ class FaultTolerantUpdate(UpdateExchange):
         self.state.load_state_dict(received["sparse"])
         self.state.memory.clear()
         self.outer_step.load_state_dict(received["outer"])
-        for name, p in self._params.items():
-            value = received["global"][name].to(p.device)
-            p.copy_(value)
-            g = self._global.get(name)
-            if g is not None and g.shape == p.shape:
-                g.copy_(value)
-            self._synced[name] = p._version
-            self._local.discard(name)
+        self.load_global_values(received["global"])
         self._steps = int(received["steps"])
         self._quorum_at = self._steps
         if self.front_end is not None:

@@ -6,6 +6,7 @@ Conservation, exactly, per parameter and rank: ``sent + e_new == e_old + delta``
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,23 +17,24 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
-from lightning_sparse.exchange.outer import AddAverage, OuterStep
-from lightning_sparse.exchange.state import SparseState
-from lightning_sparse.exchange.step import bucket_rounds
-from lightning_sparse.exchange.update_parts import (
+from lightning_sparse.exchange.fragment import (
     Bucket,
+    Fragment,
     InFlight,
-    NonfiniteUpdates,
     ShapedResiduals,
     StagedAverage,
     bucket_parts,
     check_fragments,
     decay_residuals,
-    drop_nonfinite,
     fragments_of,
+    progress,
     split_fragments,
 )
+from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
+from lightning_sparse.exchange.nonfinite import NonfiniteUpdates, drop_nonfinite
+from lightning_sparse.exchange.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.exchange.step import bucket_rounds
 from lightning_sparse.wire import Average, count_dense
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together
@@ -45,7 +47,7 @@ _CPU = torch.device("cpu")  # where offloaded global copies live
 
 
 class UpdateExchange:
-    """Exchanges each rank's unsent optimizer progress after its optimizer steps.
+    """Exchanges each rank's unsent optimizer progress after its optimizer state.
 
     Args:
         state: the shared :class:`~lightning_sparse.exchange.state.SparseState`, bound by :meth:`bind`.
@@ -71,16 +73,19 @@ class UpdateExchange:
         self.nonfinite = NonfiniteUpdates()
         #: called with the names of dropped non-finite updates (the strategy resets their optimizer state)
         self.on_nonfinite: Callable[[list[str]], None] | None = None
+        self.due_now = False  # every fragment is due at the next exchange (flush_in_rounds)
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """Forget the parameters and everything made for them."""
         self._params: dict[str, Tensor] = {}
         self._names: dict[int, str] = {}
-        self._global: dict[str, Tensor] = {}
-        self._synced: dict[str, int] = {}
-        self._local: set[str] = set()
-        self._buckets: dict[tuple[int, ...], list[Bucket]] = {}
-        self._fragments: dict[tuple[str, ...], list[list[str]]] = {}
+        self._global: dict[str, Tensor] = {}  # by name: views of the fragments' buckets once they exist
+        self._synced: dict[str, int] = {}  # the parameter's version when it last got its global value
+        self._local: set[str] = set()  # the names whose parameter holds this rank's view
+        self._fragments: dict[tuple[str, ...], list[Fragment]] = {}  # by group (one optimizer's parameters)
         self._in_flight: list[InFlight] = []  # exchanges launched and not applied yet (sync_delay)
         self._shaped_residuals = ShapedResiduals()
-        self.due_now = False  # every fragment is due at the next exchange (flush_in_rounds)
 
     def bind(
         self,
@@ -96,25 +101,22 @@ class UpdateExchange:
         named = [(n, p) for n, p in named_parameters if p.requires_grad or n in trainable]
         check_fragments(self.state.config.fragments, len(named), "a model")  # an optimizer's: at its first exchange
         self.state.bind(named, process_group=process_group, check_consistency=check_consistency, trainable_only=False)
+        self._unbind()
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
         for n, p in aliases:
             if n in self._params:
                 self._names[id(p)] = n
-        self._global = {}
-        self._synced = {}
-        self._local = set()
-        self._buckets = {}
-        self._fragments = {}
-        self._in_flight = []
-        self._shaped_residuals = ShapedResiduals()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        empty: dict[str, Any] = {"_params": {}, "_names": {}, "_global": {}, "_synced": {}, "_local": set()}
-        empty["_shaped_residuals"] = ShapedResiduals()
-        state.update(empty, _buckets={}, _fragments={}, _in_flight=[])
-        return state
+        unbound = object.__new__(type(self))
+        unbound._unbind()
+        return {**self.__dict__, **unbound.__dict__}
+
+    @property
+    def in_flight(self) -> tuple[InFlight, ...]:
+        """The exchanges launched and not applied yet (``sync_delay``), oldest first."""
+        return tuple(self._in_flight)
 
     @property
     def active(self) -> bool:
@@ -184,22 +186,10 @@ class UpdateExchange:
 
     def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None, check: bool = True) -> Tensor:
         """``p - (global + e)`` in float32 (into ``out``); not finite: zeros and a warning, unless ``check=False``."""
-        p = self._params[name]
-        g = self._global[name].reshape(-1)
-        seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
-        if e is not None and e.device != seg.device:
-            e = e.to(seg.device)  # an offloaded residual
-        if e is None:
-            seg.copy_(g)
-        elif g.device == seg.device:
-            torch.add(g, e, out=seg)
-        else:  # offloaded: the same sum, float32(g) + e, on the device
-            seg.copy_(g)
-            seg.add_(e)
-        torch.sub(p.reshape(-1), seg, out=seg)
+        seg = progress(self._params[name], self._global[name], e, out)
         if check and not all_finite(seg):
             seg.zero_()
-            self._warn_nonfinite(name)
+            self.nonfinite.found(name)
         return seg
 
     @property
@@ -219,84 +209,57 @@ class UpdateExchange:
             self._synced[name] = p._version
             self._local.discard(name)
 
-    def _buckets_for(self, names: list[str]) -> list[Bucket]:
-        key = tuple(map(id, map(self._params.__getitem__, names)))
-        buckets = self._buckets.get(key)
-        if buckets is not None and all([b.owns(self._global) for b in buckets]):
-            return buckets
-        groups: list[list[str]] = []
-        size = 0
-        for n in sorted(names, key=lambda n: str(self._params[n].dtype)):  # stable: order kept per dtype
-            p = self._params[n]
-            if not groups or size + 4 * p.numel() > self.bucket_bytes or p.dtype != self._params[groups[-1][0]].dtype:
-                groups.append([])
-                size = 0
-            groups[-1].append(n)
-            size += 4 * p.numel()
-        buckets = [
-            Bucket(group, [self._params[n] for n in group], self._global, *self._place(self._params[group[0]]))
-            for group in groups
-        ]
-        self._buckets[key] = buckets
-        return buckets
-
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:
         """After an optimizer step on ``params``: send, average, keep the rest (every rank at the same point)."""
         if not self.active:
             return
-        state = steps = self.state
+        state = self.state
         names = [n for n in self._names_of(params) if n in self._local]
-        if steps.plain_ddp or not names:
-            steps.mark_end()
+        if state.plain_ddp or not names:
+            state.mark_end()
             return
-        if steps.skips is not None and steps.skips.overflowed:  # every rank's fp16 scaler skipped it: nothing moves
+        if state.skips is not None and state.skips.overflowed:  # every rank's fp16 scaler skipped it: nothing moves
             if state.config.sync_every == 1:
                 self._hold_global(names)
-            steps.end_unexchanged()
-            steps.mark_end()
+            state.end_unexchanged()
+            state.mark_end()
             return
         memory = state.memory
         h = state.config.sync_every
         group = tuple(names)
         self._complete(group)  # exchanges launched sync_delay steps ago arrive
-        fragments = fragments_of(self._fragments, names, self._params, self.state.config)
+        fragments = self._fragments.get(group)
+        if fragments is None:
+            fragments = self._fragments[group] = fragments_of(names, self._params, state.config)
         launch: list[Bucket] = []
-        for f, fragment in enumerate(fragments):
-            cycle = "|".join(sorted(fragment))
-            start = (len(fragments) - 1 - f) * h // len(fragments)  # fragments' exchanges staggered over the cycle
-            position = state.cycle.get(cycle, start) + 1
-            sync = self.due_now or position >= h
-            state.cycle[cycle] = 0 if sync else position
-            for bucket in self._buckets_for(fragment):
+        for fragment in fragments:
+            sync = fragment.tick(state.cycle, h, self.due_now)
+            for bucket in fragment.buckets_of(self._params, self._global, self.bucket_bytes, self._place):
                 if sync:
                     launch.append(bucket)
                 else:
                     self._count_local(bucket)
         if not launch:
-            steps.end_unexchanged()
+            state.end_unexchanged()
             return
         delay = state.config.sync_delay
         launches: list[Rounds[Future[Average]]] = []
-        with steps.wire.comm.coalescing():  # one collective per kind and round: buckets bound buffers only
+        with state.wire.comm.coalescing():  # one collective per kind and round: buckets bound buffers only
             for together in [[b] for b in launch] if self.offload else [launch]:  # offloaded: staged one at a time
                 plans = [state.plan(bucket.delta, bucket.params) for bucket in together]
                 prepared = [
-                    bucket_parts(b, p, memory, steps.wire, self._progress) for b, p in zip(together, plans, strict=True)
+                    bucket_parts(b, p, memory, state.wire, self._progress) for b, p in zip(together, plans, strict=True)
                 ]
-                drop_nonfinite([part for parts, _ in prepared for part in parts], self._warn_nonfinite)
+                drop_nonfinite([part for parts, _ in prepared for part in parts], self.nonfinite.found)
                 if state.config.error_feedback_decay != 1.0 and not self.due_now:  # not in a hand-over
                     decay_residuals(memory, together, state.config.error_feedback_decay)
                 for bucket, plan, (parts, flat) in zip(together, plans, prepared, strict=True):
-                    if delay and flat is not None:  # u = e + delta, handed over (the view keeps it meanwhile)
-                        torch.add(bucket.delta, flat, out=bucket.pending_buffer())
-                    elif delay:
-                        for _, seg, e, pos in parts:
-                            u = bucket.pending_buffer()[pos : pos + seg.numel()]
-                            torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
+                    if delay:  # u = e + delta, handed over (the view keeps it meanwhile)
+                        bucket.hand_over(parts, flat)
                     launches.append(bucket_rounds(state, bucket.delta, plan, last=False, inputs_finite=True))
             futures = run_together(launches)
-            steps.close()
+            state.close()
         if delay:
             self._in_flight.append(InFlight(group, launch, futures, delay))
             self._heal()
@@ -306,7 +269,7 @@ class UpdateExchange:
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
             self._hold_bucket(bucket)
         self._heal()
-        steps.mark_end()
+        state.mark_end()
 
     def _hold_bucket(self, bucket: Bucket) -> None:
         torch._foreach_copy_(bucket.params, bucket.views)
@@ -341,26 +304,19 @@ class UpdateExchange:
         self._in_flight = keep
 
     def _land(self, flight: InFlight) -> None:
-        """Apply an exchange in flight; the view keeps its unaveraged part: ``p += new - (old + sent)``."""
-        memory = self.state.memory
+        """Apply an exchange in flight (:meth:`Bucket.land <lightning_sparse.exchange.fragment.Bucket.land>`)."""
         for bucket, future in zip(flight.buckets, flight.futures, strict=True):
             average = self._wait(future)
-            average.settle()  # the residuals hold what this rank did not send (split: only now)
-            target = bucket.pending_buffer()  # in place: u - e_new (what this rank sent), then + global_old
             plan = self.state.plan(bucket.delta, bucket.params)
-            bucket.subtract_residuals(target, memory, plan, residual_layout(self.state.wire, plan, target))
-            target.add_(bucket.glob.to(target.device))
-            self._apply_average(bucket, average)
-            change = torch.sub(bucket.glob.to(target.device), target, out=target)  # 0 where nothing moved: bits kept
-            bucket.add_change(change)
-            memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
+            layout = residual_layout(self.state.wire, plan, bucket.delta)
+            bucket.land(average, self.state.memory, plan, layout, self._apply_average)
 
     def _timed_dense(self) -> bool:
         """Whether this is a timed fallback's plain DDP step; entering them flushes the residuals."""
-        steps = self.state
-        if not steps.times_whole_steps:
+        state = self.state
+        if not state.times_whole_steps:
             return False
-        dense, entering = steps.begin_timed()
+        dense, entering = state.begin_timed()
         if entering:
             self.flush_residuals()
             if self.on_dense is not None:
@@ -378,6 +334,53 @@ class UpdateExchange:
         flush_exactly(self.state, self._params)
         self._synced.clear()
 
+    def global_values(self, cpu: bool = False) -> dict[str, Tensor]:
+        """Copies of the global model's values, by name (``cpu``: in CPU memory)."""
+        values = {n: self._global[n] if n in self._local else p for n, p in self._params.items()}
+        return {n: (v.detach().cpu() if cpu else v.detach()).clone() for n, v in values.items()}
+
+    @torch.no_grad()
+    def load_global_values(self, values: dict[str, Tensor]) -> None:
+        """Make ``values`` the global model, held in the module; exchanges in flight are dropped."""
+        self._in_flight = []
+        for name, p in self._params.items():
+            value = values[name].to(p.device)
+            p.copy_(value)
+            g = self._global.get(name)
+            if g is not None and g.shape == p.shape:
+                g.copy_(value)
+            self._synced[name] = p._version
+            self._local.discard(name)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What :meth:`restore` puts back (copies): this rank's views, the global model, the outer step, the state."""
+        return {
+            "views": {n: p.detach().clone() for n, p in self._params.items()},
+            "global": self.global_values(),
+            "local": set(self._local),
+            "outer": copy.deepcopy(self.outer_step.state_dict()),
+            "sparse": self.state.state_dict(copy=True),
+        }
+
+    @torch.no_grad()
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Go back to a :meth:`snapshot` (an exchange that did not commit everywhere); nothing stays in flight."""
+        self._in_flight = []
+        self.state.load_state_dict(saved["sparse"])
+        self.outer_step.load_state_dict(saved["outer"])
+        for name, p in self._params.items():
+            g = self._global.get(name)
+            if g is None or g.shape != p.shape:
+                g = self._global[name] = torch.empty_like(p)
+            g.copy_(saved["global"][name])
+            if name in saved["local"]:
+                p.copy_(saved["views"][name])
+                self._local.add(name)
+            else:
+                p.copy_(saved["global"][name])
+                self._synced[name] = p._version
+                self._local.discard(name)
+
     def _count_local(self, bucket: Bucket) -> None:
         state, counters = self.state, Counters(numel=bucket.delta.numel())
         count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
@@ -387,9 +390,6 @@ class UpdateExchange:
     def nonfinite_updates(self) -> int:
         """Tensor updates this rank dropped as non-finite."""
         return self.nonfinite.updates
-
-    def _warn_nonfinite(self, name: str) -> None:
-        self.nonfinite.found(name)
 
     def _heal(self) -> None:
         """Parameters whose update was dropped go back to their global values; ``on_nonfinite`` resets them."""

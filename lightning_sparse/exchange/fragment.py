@@ -1,9 +1,11 @@
-"""The update exchange's pieces: buckets of parameters, fragments, exchanges in flight, staged averages."""
+"""Update mode's fragments, in the shape of torchft's streaming fragments.
+
+Each :class:`Fragment` owns its parameters' buckets (their global copy and flat progress) and its place in the
+cycle; an :class:`InFlight` is an exchange launched and not applied yet; the residuals' decay.
+"""
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +19,8 @@ from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.memory import ErrorFeedback
 
 __all__ = [
-    "Bucket", "InFlight", "NonfiniteUpdates", "ShapedResiduals", "StagedAverage", "bucket_parts", "check_fragments",
-    "decay_residuals", "drop_nonfinite", "fragments_of", "split_fragments",
+    "Bucket", "Fragment", "InFlight", "ShapedResiduals", "StagedAverage", "bucket_parts", "check_fragments",
+    "decay_residuals", "fragments_of", "progress", "split_fragments",
 ]  # fmt: skip
 
 
@@ -131,6 +133,30 @@ class Bucket:
             self._pending = torch.empty_like(self.delta)
         return self._pending
 
+    def land(
+        self, average: Average, memory: ErrorFeedback, plan: BucketPlan, layout: Layout, apply: Callable[..., None]
+    ) -> None:
+        """Its exchange in flight arrives (``apply(bucket, average)``: the outer step); the view keeps its
+        unaveraged part: ``p += new - (old + sent)``."""
+        average.settle()  # the residuals hold what this rank did not send (split: only now)
+        target = self.pending_buffer()  # in place: u - e_new (what this rank sent), then + global_old
+        self.subtract_residuals(target, memory, plan, layout)
+        target.add_(self.glob.to(target.device))
+        apply(self, average)
+        change = torch.sub(self.glob.to(target.device), target, out=target)  # 0 where nothing moved: bits kept
+        self.add_change(change)
+        memory.unstage(self.names)  # offloaded residuals go back to the CPU
+
+    def hand_over(self, parts: list[tuple[str, Tensor, Tensor | None, int]], flat: Tensor | None) -> None:
+        """``u = e + delta`` into :meth:`pending_buffer`: what this rank sends while its exchange is in flight
+        (``parts`` and ``flat`` as :func:`bucket_parts` returns them)."""
+        if flat is not None:
+            torch.add(self.delta, flat, out=self.pending_buffer())
+            return
+        for _, seg, e, pos in parts:
+            u = self.pending_buffer()[pos : pos + seg.numel()]
+            torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
+
     def owns(self, globals_: dict[str, Tensor]) -> bool:
         for n, v in zip(self.names, self.views, strict=True):
             if globals_.get(n) is not v:
@@ -162,27 +188,91 @@ class ShapedResiduals:
         return shaped
 
 
-def fragments_of(
-    cache: dict[tuple[str, ...], list[list[str]]], names: list[str], params: dict[str, Tensor], config: Any
-) -> list[list[str]]:
-    """The ``config.fragments`` fragments of a group of parameters, kept in ``cache``.
+class Fragment:
+    """A part of the model that syncs on its own schedule: its parameters' buckets (their global copy and flat
+    progress, made once) and its place in the cycle of ``sync_every`` optimizer steps.
+
+    Args:
+        names: its parameters, in module order.
+        start: its place in the cycle before its first step (fragments are staggered over the cycle).
+
+    Example:
+        >>> fragment, cycle = Fragment(["w", "b"], start=0), {}
+        >>> [fragment.tick(cycle, every=2) for _ in range(4)], cycle
+        ([False, True, False, True], {'b|w': 0})
+    """
+
+    def __init__(self, names: list[str], start: int) -> None:
+        self.names = names
+        #: its entry in the state's cycle (checkpointed)
+        self.key = "|".join(sorted(names))
+        self.start = start
+        self.buckets: list[Bucket] = []
+        self._ids: tuple[int, ...] = ()
+
+    def tick(self, cycle: dict[str, int], every: int, now: bool = False) -> bool:
+        """One optimizer step: whether the fragment syncs at it (``now``: whatever its place in the cycle)."""
+        position = cycle.get(self.key, self.start) + 1
+        sync = now or position >= every
+        cycle[self.key] = 0 if sync else position
+        return sync
+
+    def buckets_of(
+        self, params: dict[str, Tensor], globals_: dict[str, Tensor], bucket_bytes: int, place: Callable[..., Any]
+    ) -> list[Bucket]:
+        """Its buckets, made anew where a parameter is another tensor than before (``place(p)``: where the
+        global copy lives, and whether it is pinned)."""
+        ids = tuple(id(params[n]) for n in self.names)
+        if ids == self._ids and all([b.owns(globals_) for b in self.buckets]):
+            return self.buckets
+        groups: list[list[str]] = []
+        size = 0
+        for n in sorted(self.names, key=lambda n: str(params[n].dtype)):  # stable: order kept per dtype
+            p = params[n]
+            if not groups or size + 4 * p.numel() > bucket_bytes or p.dtype != params[groups[-1][0]].dtype:
+                groups.append([])
+                size = 0
+            groups[-1].append(n)
+            size += 4 * p.numel()
+        self.buckets = [Bucket(g, [params[n] for n in g], globals_, *place(params[g[0]])) for g in groups]
+        self._ids = ids
+        return self.buckets
+
+
+def fragments_of(names: list[str], params: dict[str, Tensor], config: Any) -> list[Fragment]:
+    """The ``config.fragments`` fragments of a group of parameters (one optimizer's), staggered over the cycle.
 
     Example:
         >>> from lightning_sparse.config import SparseConfig
         >>> params = {n: torch.zeros(4) for n in "abcd"}
-        >>> fragments_of({}, list(params), params, SparseConfig(fragments=2, sync_every=2))
-        [['a', 'c'], ['b', 'd']]
+        >>> [(f.names, f.start) for f in fragments_of(list(params), params, SparseConfig(fragments=2, sync_every=2))]
+        [(['a', 'c'], 1), (['b', 'd'], 0)]
     """
     count = config.fragments
     if count == 1:
-        return [names]
-    key = tuple(names)
-    found = cache.get(key)
-    if found is None:
+        parts = [names]
+    else:
         check_fragments(count, len(names), "an optimizer")
-        sizes = [(n, params[n].numel()) for n in names]
-        found = cache[key] = split_fragments(sizes, count, config.fragment_split)
-    return found
+        parts = split_fragments([(n, params[n].numel()) for n in names], count, config.fragment_split)
+    h = config.sync_every
+    return [Fragment(part, (len(parts) - 1 - f) * h // len(parts)) for f, part in enumerate(parts)]
+
+
+def progress(p: Tensor, glob: Tensor, e: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """``p - (global + e)`` in float32, flat (into ``out``), to the bit as :meth:`Bucket.progress` makes it."""
+    g = glob.reshape(-1)
+    seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
+    if e is not None and e.device != seg.device:
+        e = e.to(seg.device)  # an offloaded residual
+    if e is None:
+        seg.copy_(g)
+    elif g.device == seg.device:
+        torch.add(g, e, out=seg)
+    else:  # offloaded: the same sum, float32(g) + e, on the device
+        seg.copy_(g)
+        seg.add_(e)
+    torch.sub(p.reshape(-1), seg, out=seg)
+    return seg
 
 
 Layout = tuple[tuple[str | None, int], ...]
@@ -283,84 +373,6 @@ def bucket_parts(
         progress(name, e, out=seg, check=False)
         parts.append((name, seg, e, pos))
     return parts, None
-
-
-def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Callable[[str], None]) -> None:
-    """Zero each non-finite progress of ``parts`` and ``warn(name)``, with one host read per bucket.
-
-    Example:
-        >>> seg = torch.tensor([1.0, float("nan")])
-        >>> drop_nonfinite([("w", seg, None, 0)], print)
-        w
-        >>> seg
-        tensor([0., 0.])
-        >>> drop_nonfinite([("empty", torch.empty(0), None, 0)], print)  # nothing to drop
-    """
-    parts = [part for part in parts if part[1].numel()]  # an empty shard (FSDP2) has no largest value
-    if not parts:
-        return
-    largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))
-    finite = torch.isfinite(largest)
-    if bool(finite.all()):
-        return
-    for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):
-        if not ok:
-            seg.zero_()
-            warn(name)
-
-
-class NonfiniteUpdates:
-    """The updates one rank dropped as non-finite; after ``limit`` exchanges in a row :meth:`check` raises,
-    before the next step (outside an exchange: a fault-tolerant one would take it for a failed collective).
-
-    Example:
-        >>> n = NonfiniteUpdates()
-        >>> n.found("w"); n.settle(rank=0, step=3, limit=0)  # doctest: +SKIP
-        ['w']
-        >>> n.settle(rank=0, step=4, limit=0), n.updates, n.streak
-        ([], 0, 0)
-    """
-
-    def __init__(self) -> None:
-        self.updates = 0
-        self.streak = 0
-        self.exchanges = 0
-        self.pending: list[str] = []
-        self._stop: FloatingPointError | None = None
-
-    def found(self, name: str) -> None:
-        self.updates += 1
-        self.pending.append(name)
-
-    def check(self) -> None:
-        if self._stop is not None:
-            raise self._stop
-
-    def settle(self, rank: int, step: int, limit: int) -> list[str]:
-        names, self.pending = self.pending, []
-        if not names:
-            self.streak = 0
-            return names
-        self.streak += 1
-        self.exchanges += 1
-        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        if limit and self.streak >= limit:
-            self._stop = FloatingPointError(
-                f"lightning_sparse: rank {rank}'s optimizer update was not finite at {self.streak} consecutive "
-                f"exchanges, the last at step {step} ({shown}): its loss or gradients are NaN or infinite at every "
-                f"step (max_nonfinite_steps={limit}; 0 never stops). Under plain DDP every parameter would be NaN."
-            )
-        n = self.exchanges
-        if n & (n - 1) == 0:
-            warnings.warn(
-                f"lightning_sparse: rank {rank}'s optimizer step made {shown} non-finite at step {step} ({n} time(s) "
-                f"so far, {self.updates} tensor update(s) in all, logged as sparse/nonfinite_updates): that update is "
-                "dropped, the rank's view of them is put back to the global model and its optimizer state for them "
-                f"is reset, so its next finite gradient counts again. {limit or 'No number of'} consecutive "
-                "non-finite exchanges stop the fit (max_nonfinite_steps).",
-                stacklevel=4,
-            )
-        return names
 
 
 def decay_residuals(memory: ErrorFeedback, buckets: list[Bucket], decay: float) -> None:
