@@ -83,14 +83,15 @@ def _watch_rollbacks(update: FaultTolerantUpdate, checks: list[bool]) -> None:
     def exchange(params: Any = None) -> None:
         before_rollbacks = update.rollbacks
         views = {n: p.detach().clone() for n, p in update._params.items()}
-        glob = {n: update._global_of(n).detach().clone() for n in update._params}
+        glob = update.global_values()
         residuals = {n: update.state.memory.get(n).clone() for n in update._params if n in update.state.memory}
         awaiting = update._awaiting
         original(params)
         if update._awaiting is not None and update._awaiting is not awaiting:  # launched here (sync_delay)
             launch.update(views=views, glob=glob)
         elif update.rollbacks > before_rollbacks and awaiting is not None:  # rolled back where it arrived
-            same = all(torch.equal(launch["glob"][n], update._global_of(n)) for n in update._params)
+            now_glob = update.global_values()
+            same = all(torch.equal(launch["glob"][n], now_glob[n]) for n in update._params)
             for n in update._params:
                 e = update.state.memory.get(n) if n in update.state.memory else None
                 if e is not None:
@@ -99,7 +100,8 @@ def _watch_rollbacks(update: FaultTolerantUpdate, checks: list[bool]) -> None:
             checks.append(bool(same))
         elif update.rollbacks > before_rollbacks:
             same = all(torch.equal(views[n], p) for n, p in update._params.items())
-            same &= all(torch.equal(glob[n], update._global_of(n)) for n in update._params)
+            now_glob = update.global_values()
+            same &= all(torch.equal(glob[n], now_glob[n]) for n in update._params)
             now = {n: update.state.memory.get(n) for n in update._params if n in update.state.memory}
             same &= now.keys() == residuals.keys() and all(torch.equal(residuals[n], now[n]) for n in now)
             checks.append(bool(same))

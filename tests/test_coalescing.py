@@ -54,7 +54,7 @@ def _train(rank: int, settings: dict[str, Any], coalesce: bool, steps: int = 6) 
     return {
         "params": torch.cat([p.detach().reshape(-1) for p in params]),
         "residuals": {n: state.memory.get(n).clone() for n in SHAPES if n in state.memory},
-        "buckets": sum(len(b) for b in exchange._buckets.values()),
+        "buckets": sum(len(f.buckets) for fs in exchange._fragments.values() for f in fs),
         "per_exchange": per_exchange,
         "telemetry": state.telemetry.total.as_dict(),
         # what the cost model says one bucket's exchange issues: every bucket's together issue as many

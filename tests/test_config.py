@@ -142,6 +142,28 @@ def test_sparse_state_mirrors_no_setting() -> None:
         assert all(value is not v for v in config_values.values() if not isinstance(v, (bool, int, type(None)))), name
 
 
+def test_the_config_holds_values_and_each_state_learns_on_its_own_copy() -> None:
+    """A density schedule or timed fallback given to the config describes one: binding a state sets up and
+    trains that state's deep copy, so the config (shared by every process's state) is never set up."""
+    import pickle
+
+    from lightning_sparse import AdaptiveDensity, TimedFallback
+    from lightning_sparse.exchange.step import bucket as exchange_bucket
+
+    config = SparseConfig(density=AdaptiveDensity(initial_density=0.05), fallback_to_dense=TimedFallback())
+    described = pickle.dumps((config.schedule, config.timed_fallback))
+    params = [("w", torch.nn.Parameter(torch.randn(4096)))]
+    states = [SparseState(config), SparseState(config)]
+    for state in states:
+        state.bind(params)
+        assert state.schedule is not config.schedule and state.timed_fallback is not config.timed_fallback
+        for _ in range(3):
+            exchange_bucket(state, torch.randn(4096), state.plan(torch.zeros(4096), [params[0][1]])).wait()
+        assert state.step == 3
+    assert states[0].schedule is not states[1].schedule
+    assert pickle.dumps((config.schedule, config.timed_fallback)) == described
+
+
 def test_offload_global_is_checked() -> None:
     assert SparseConfig(offload_global=True).offload_global is True
     with pytest.raises(ValueError, match=r"offload_global=1 is not allowed"):
