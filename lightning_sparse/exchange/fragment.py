@@ -1,11 +1,11 @@
-"""Update mode's fragments, in the shape of torchft's streaming fragments.
+"""Update mode's fragments (torchft's streaming fragments): a :class:`Fragment` owns its parameters' buckets.
 
-Each :class:`Fragment` owns its parameters' buckets (their global copy and flat progress) and its place in the
-cycle; an :class:`InFlight` is an exchange launched and not applied yet; the residuals' decay.
+An :class:`InFlight` is an exchange launched and not applied yet.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +14,15 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import RegionViews
-from lightning_sparse.wire import Average, BucketPlan
+from lightning_sparse.exchange.state import SparseState
+from lightning_sparse.wire import Average, BucketPlan, count_dense
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.memory import ErrorFeedback
+from lightning_sparse.wire.stats import Counters
 
 __all__ = [
-    "Bucket", "Fragment", "InFlight", "ShapedResiduals", "StagedAverage", "bucket_parts", "check_fragments",
-    "decay_residuals", "fragments_of", "progress", "split_fragments",
+    "Bucket", "Fragment", "InFlight", "ShapedResiduals", "bucket_parts", "check_fragments", "count_local",
+    "decay_residuals", "drop_nonfinite", "fragments_of", "progress", "split_fragments",
 ]  # fmt: skip
 
 
@@ -189,8 +191,7 @@ class ShapedResiduals:
 
 
 class Fragment:
-    """A part of the model that syncs on its own schedule: its parameters' buckets (their global copy and flat
-    progress, made once) and its place in the cycle of ``sync_every`` optimizer steps.
+    """A part of the model that syncs on its own: its buckets (global copy, flat progress) and place in the cycle.
 
     Args:
         names: its parameters, in module order.
@@ -222,7 +223,7 @@ class Fragment:
     ) -> list[Bucket]:
         """Its buckets, made anew where a parameter is another tensor than before (``place(p)``: where the
         global copy lives, and whether it is pinned)."""
-        ids = tuple(id(params[n]) for n in self.names)
+        ids = tuple(map(id, map(params.__getitem__, self.names)))  # no generator: no Python call a tensor
         if ids == self._ids and all([b.owns(globals_) for b in self.buckets]):
             return self.buckets
         groups: list[list[str]] = []
@@ -341,21 +342,6 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
     return parts
 
 
-class StagedAverage:
-    """An average for offloaded global values: added on the device and copied back, for the same bits."""
-
-    def __init__(self, average: Average, device: torch.device) -> None:
-        self.average = average
-        self.device = device
-        self.parties = average.parties
-
-    def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
-        staged = out.to(self.device, copy=True)
-        self.average.add_to(staged, chosen_scale)
-        out.copy_(staged)
-        return out
-
-
 def bucket_parts(
     bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: Any, progress: Callable[..., Any]
 ) -> tuple[list[tuple[str, Tensor, Tensor | None, int]], Tensor | None]:
@@ -373,6 +359,37 @@ def bucket_parts(
         progress(name, e, out=seg, check=False)
         parts.append((name, seg, e, pos))
     return parts, None
+
+
+def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Callable[[str], None]) -> None:
+    """Zero each non-finite progress of ``parts`` and ``warn(name)``, with one host read per bucket.
+
+    Example:
+        >>> seg = torch.tensor([1.0, float("nan")])
+        >>> drop_nonfinite([("w", seg, None, 0)], print)
+        w
+        >>> seg
+        tensor([0., 0.])
+        >>> drop_nonfinite([("empty", torch.empty(0), None, 0)], print)  # nothing to drop
+    """
+    parts = [part for part in parts if part[1].numel()]  # an empty shard (FSDP2) has no largest value
+    if not parts:
+        return
+    largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))
+    finite = torch.isfinite(largest)
+    if bool(finite.all()):
+        return
+    for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):
+        if not ok:
+            seg.zero_()
+            warn(name)
+
+
+def count_local(state: SparseState, bucket: Bucket) -> None:
+    """Record a bucket's local step (its fragment not due): what a dense all-reduce would have moved."""
+    counters = Counters(numel=bucket.delta.numel())
+    count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
+    state.telemetry.record(state.plan(bucket.delta, bucket.params).label, counters, "local step")
 
 
 def decay_residuals(memory: ErrorFeedback, buckets: list[Bucket], decay: float) -> None:

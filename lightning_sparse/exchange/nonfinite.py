@@ -1,39 +1,10 @@
-"""Updates that went non-finite: dropped before they are sent, the rank healed from the global model."""
+"""Updates that went non-finite: counted, warned about, and after too many in a row an error."""
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable
 
-import torch
-from torch import Tensor
-
-__all__ = ["NonfiniteUpdates", "drop_nonfinite"]
-
-
-def drop_nonfinite(parts: list[tuple[str, Tensor, Tensor | None, int]], warn: Callable[[str], None]) -> None:
-    """Zero each non-finite progress of ``parts`` and ``warn(name)``, with one host read per bucket.
-
-    Example:
-        >>> seg = torch.tensor([1.0, float("nan")])
-        >>> drop_nonfinite([("w", seg, None, 0)], print)
-        w
-        >>> seg
-        tensor([0., 0.])
-        >>> drop_nonfinite([("empty", torch.empty(0), None, 0)], print)  # nothing to drop
-    """
-    parts = [part for part in parts if part[1].numel()]  # an empty shard (FSDP2) has no largest value
-    if not parts:
-        return
-    largest = torch.stack(torch._foreach_norm([seg for _, seg, _, _ in parts], math.inf))
-    finite = torch.isfinite(largest)
-    if bool(finite.all()):
-        return
-    for (name, seg, _, _), ok in zip(parts, finite.tolist(), strict=True):
-        if not ok:
-            seg.zero_()
-            warn(name)
+__all__ = ["NonfiniteUpdates"]
 
 
 class NonfiniteUpdates:
@@ -53,15 +24,12 @@ class NonfiniteUpdates:
         self.streak = 0
         self.exchanges = 0
         self.pending: list[str] = []
-        self._stop: FloatingPointError | None = None
+        #: raised before the next step once ``limit`` exchanges in a row dropped an update
+        self.stop: FloatingPointError | None = None
 
     def found(self, name: str) -> None:
         self.updates += 1
         self.pending.append(name)
-
-    def check(self) -> None:
-        if self._stop is not None:
-            raise self._stop
 
     def settle(self, rank: int, step: int, limit: int) -> list[str]:
         names, self.pending = self.pending, []
@@ -72,7 +40,7 @@ class NonfiniteUpdates:
         self.exchanges += 1
         shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         if limit and self.streak >= limit:
-            self._stop = FloatingPointError(
+            self.stop = FloatingPointError(
                 f"lightning_sparse: rank {rank}'s optimizer update was not finite at {self.streak} consecutive "
                 f"exchanges, the last at step {step} ({shown}): its loss or gradients are NaN or infinite at every "
                 f"step (max_nonfinite_steps={limit}; 0 never stops). Under plain DDP every parameter would be NaN."

@@ -140,6 +140,21 @@ class OptimizerStep(OuterStep):
         self._pending = dict(state)
 
 
+class StagedAverage:
+    """An average for offloaded global values: added on the device and copied back, for the same bits."""
+
+    def __init__(self, average: Average, device: torch.device) -> None:
+        self.average = average
+        self.device = device
+        self.parties = average.parties
+
+    def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
+        staged = out.to(self.device, copy=True)
+        self.average.add_to(staged, chosen_scale)
+        out.copy_(staged)
+        return out
+
+
 def _key(names: tuple[str, ...]) -> str:
     return "|".join(names)
 

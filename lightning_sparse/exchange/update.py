@@ -22,23 +22,23 @@ from lightning_sparse.exchange.fragment import (
     Fragment,
     InFlight,
     ShapedResiduals,
-    StagedAverage,
     bucket_parts,
     check_fragments,
+    count_local,
     decay_residuals,
+    drop_nonfinite,
     fragments_of,
     progress,
     split_fragments,
 )
 from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
-from lightning_sparse.exchange.nonfinite import NonfiniteUpdates, drop_nonfinite
-from lightning_sparse.exchange.outer import AddAverage, OuterStep
+from lightning_sparse.exchange.nonfinite import NonfiniteUpdates
+from lightning_sparse.exchange.outer import AddAverage, OuterStep, StagedAverage
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.step import bucket_rounds
-from lightning_sparse.wire import Average, count_dense
+from lightning_sparse.wire import Average
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together
-from lightning_sparse.wire.stats import Counters
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
@@ -47,7 +47,7 @@ _CPU = torch.device("cpu")  # where offloaded global copies live
 
 
 class UpdateExchange:
-    """Exchanges each rank's unsent optimizer progress after its optimizer state.
+    """One rank's update mode: after each optimizer step its fragments that are due send part of the unsent progress.
 
     Args:
         state: the shared :class:`~lightning_sparse.exchange.state.SparseState`, bound by :meth:`bind`.
@@ -135,7 +135,8 @@ class UpdateExchange:
     @torch.no_grad()
     def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
         """Put this rank's view ``global + e`` of ``params`` (default: all) in the module, before its forward."""
-        self.nonfinite.check()  # max_nonfinite_steps consecutive non-finite exchanges: the error, here
+        if self.nonfinite.stop is not None:  # max_nonfinite_steps consecutive non-finite exchanges: here
+            raise self.nonfinite.stop
         if not self.active:
             return
         if self._timed_dense():
@@ -239,7 +240,7 @@ class UpdateExchange:
                 if sync:
                     launch.append(bucket)
                 else:
-                    self._count_local(bucket)
+                    count_local(state, bucket)
         if not launch:
             state.end_unexchanged()
             return
@@ -381,11 +382,6 @@ class UpdateExchange:
                 self._synced[name] = p._version
                 self._local.discard(name)
 
-    def _count_local(self, bucket: Bucket) -> None:
-        state, counters = self.state, Counters(numel=bucket.delta.numel())
-        count_dense(counters, state.world_size, bucket.delta.numel() * bucket.delta.element_size())
-        state.telemetry.record(state.plan(bucket.delta, bucket.params).label, counters, "local step")
-
     @property
     def nonfinite_updates(self) -> int:
         """Tensor updates this rank dropped as non-finite."""
@@ -393,7 +389,10 @@ class UpdateExchange:
 
     def _heal(self) -> None:
         """Parameters whose update was dropped go back to their global values; ``on_nonfinite`` resets them."""
-        names = self.nonfinite.settle(self.state.rank, self.state.step, self.state.config.max_nonfinite_steps)
+        nonfinite = self.nonfinite
+        if not (nonfinite.pending or nonfinite.streak):
+            return  # nothing dropped, now or at the last exchange
+        names = nonfinite.settle(self.state.rank, self.state.step, self.state.config.max_nonfinite_steps)
         if names:
             self._hold_global([n for n in names if n in self._local])
             if self.on_nonfinite is not None:
