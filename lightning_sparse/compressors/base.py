@@ -100,8 +100,7 @@ class Compressor(ABC):
     @abstractmethod
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
         """Return the int64 indices of the coordinates of the 1-D tensor ``p`` to send: ``"gather"``: exactly ``k``
-        unique indices; ``"shared"``: the same on every rank (from ``ctx.shared_generator`` and the sizes only).
-        """
+        unique indices; ``"shared"``: the same on every rank (from ``ctx.shared_generator`` and the sizes only)."""
 
     def k_for(self, numel: int, density: float) -> int:
         """How many coordinates this compressor sends of a tensor of ``numel`` elements at ``density`` (at most

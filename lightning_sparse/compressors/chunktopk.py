@@ -17,8 +17,7 @@ _PAD = -1.0
 
 def tail_count(per_row: int, tail: int, chunk: int) -> int:
     """Picks of a last row of ``tail`` values when a full row of ``chunk`` gives ``per_row``: its share in
-    ``[1, tail]`` (0 when ``per_row`` is 0).
-    """
+    ``[1, tail]`` (0 when ``per_row`` is 0)."""
     if per_row <= 0:
         return 0
     return max(1, min(tail, round(per_row * tail / chunk)))

@@ -25,8 +25,7 @@ def gaussian_threshold(p: Tensor, k: int) -> float:
 
 def refit_threshold(threshold: float, count: int, target: float, d: int) -> float | None:
     """The threshold at which about ``target`` of ``d`` magnitudes would pass, ``count`` passing ``threshold``: a
-    zero-mean normal tail refitted to that count. None when the count says nothing (0, or ``d / 2`` or more).
-    """
+    zero-mean normal tail refitted to that count. None when the count says nothing (0, or ``d / 2`` or more)."""
     if count <= 0 or 2 * count >= d or not 0 < target < d:
         return None
     inv = NormalDist().inv_cdf

@@ -36,8 +36,7 @@ _REPEAT = 1 << 43
 
 def random_subset(d: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
     """A uniformly random set of ``k`` distinct indices in ``[0, d)`` (O(k) work when k << d), the same on every rank
-    with the same generator state.
-    """
+    with the same generator state."""
     if k >= d:
         return torch.arange(d, device=device)
     if 4 * k >= d:
@@ -70,8 +69,7 @@ def mix32_(x: Tensor) -> Tensor:
 @functools.lru_cache(maxsize=4096)
 def draws_needed(d: int, k: int) -> int | None:
     """How many uniform draws from ``[0, d)`` hold ``k`` distinct values but with probability below ``2**-40``; None
-    where that many would reach ``d``.
-    """
+    where that many would reach ``d``."""
     if k <= 0:
         return 0
     limit = d - 1  # fewer candidates than every coordinate
@@ -126,8 +124,7 @@ class SubsetLayout:
     @staticmethod
     def of(members: tuple[tuple[int, int, int, int], ...], device: torch.device) -> SubsetLayout:
         """``members``: ``(key, offset, numel, k)`` of each tensor, by ascending offset, not overlapping, ``1 <= k``
-        (the picks come out as offsets).
-        """
+        (the picks come out as offsets)."""
         if len(members) >= 1 << (63 - _MEMBER_SHIFT):
             raise ValueError(f"{len(members)} tensors are too many for one draw")
         parts: list[tuple[np.ndarray, ...]] = []

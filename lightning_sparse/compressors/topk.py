@@ -118,8 +118,7 @@ def sample_rank(n: int, k: int, d: int, margin: float) -> int:
 
 def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
     """Indices of the ``k`` entries of largest ``|p|`` (the set ``torch.topk`` finds, up to ties): on large tensors a
-    threshold from a random sample, one shortlisting pass, ``torch.topk`` on the shortlist.
-    """
+    threshold from a random sample, one shortlisting pass, ``torch.topk`` on the shortlist."""
     d = p.numel()
     if k >= d:
         return torch.arange(d, device=p.device)
@@ -139,8 +138,7 @@ def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = No
 
 def finish_exactly_k(p: Tensor, k: int, threshold: float, candidates: Tensor, lower: float, tries: int = 8) -> Tensor:
     """Turn a threshold shortlist into exactly the top-``k`` of ``|p|``: too many are trimmed by magnitude; too few,
-    the threshold is lowered (``*= lower``) up to ``tries`` times, then ``torch.topk``.
-    """
+    the threshold is lowered (``*= lower``) up to ``tries`` times, then ``torch.topk``."""
     while candidates.numel() < k and tries > 0 and threshold > 0:
         threshold *= lower
         candidates = indices_at_least(p, threshold)

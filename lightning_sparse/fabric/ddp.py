@@ -131,8 +131,7 @@ def register_fabric_strategies() -> None:
 
 class _BackwardSyncOf(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: DDP's ``no_sync``; nothing for update mode's ``Replicas``, whose backward
-    syncs nothing.
-    """
+    syncs nothing."""
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:

@@ -73,8 +73,7 @@ class FabricHooks(SparseShell):
         self, path: _PATH, state: _State, storage_options: Any | None = None, filter: _Filter = None
     ) -> None:
         """Save ``state`` with the global model, and each process's sparse state in its own file in ``<path>.sparse/``
-        (``fabric.save`` calls it on every process).
-        """
+        (``fabric.save`` calls it on every process)."""
         if CHECKPOINT_KEY in state:
             raise ValueError(
                 f"state[{CHECKPOINT_KEY!r}] is not allowed with {type(self).__name__}: the strategy saves its own "

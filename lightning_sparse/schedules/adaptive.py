@@ -239,8 +239,7 @@ class AdaptiveDensity(DensitySchedule):
     def choose(self, layout: Sequence[tuple[str, Sequence[int]]], energy: Sequence[Sequence[float]]) -> float:
         """The candidate density with the largest energy per cost (ties: the smallest density). ``layout``: the
         buckets (label, sparse sizes); ``energy[b]``: bucket b's ``||Top_k(p)||^2`` at each candidate and ``||p||^2``
-        last, summed over ranks.
-        """
+        last, summed over ranks."""
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
         compressor = self._ctx.compressor
@@ -265,8 +264,7 @@ class AdaptiveDensity(DensitySchedule):
 
     def message_costs(self, ks: Sequence[int], sizes: Sequence[int]) -> tuple[float, float | None]:
         """Cost of a bucket's sparse message sending ``ks`` of tensors of ``sizes``, and of its dense all-reduce if
-        the strategy would fall back to one (else None).
-        """
+        the strategy would fall back to one (else None)."""
         ctx = self._ctx
         world = ctx.world_size
         vbytes, gbytes = (ctx.value_dtype or self._grad_dtype).itemsize, self._grad_dtype.itemsize

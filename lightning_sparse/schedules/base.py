@@ -37,13 +37,11 @@ class DensitySchedule(ABC):
     def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:  # noqa: B027
         """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``, before it is
         compressed, non-finite or not (if :attr:`observes`); every rank observes the same parameters. Must not
-        communicate.
-        """
+        communicate."""
 
     def end_step(self, step: int) -> int:
         """Called at the end of optimizer step ``step`` on every rank, after the step's collectives were launched; may
-        launch one small all-gather. Returns the bytes this rank handed to it.
-        """
+        launch one small all-gather. Returns the bytes this rank handed to it."""
         return 0
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,8 +20,7 @@ _MEASURE_REPEATS = 7
 def measure_link(comm: Collectives, pattern: str, device: torch.device) -> dict[str, float]:
     """Fit ``seconds = alpha + beta * wire bytes`` to the collectives of ``comm``'s process group: the collective of
     ``pattern`` (``"gather"``: an all-gather, else an all-reduce) timed at a few sizes, the slowest rank's medians
-    fitted, on every rank together. Returns ``{"alpha", "beta", "world_size"}``.
-    """
+    fitted, on every rank together. Returns ``{"alpha", "beta", "world_size"}``."""
     world = comm.world
     gather = pattern == "gather"
     medians = []

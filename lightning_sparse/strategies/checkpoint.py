@@ -49,8 +49,7 @@ def _folder_of(path: _PATH, entry: dict[str, Any]) -> str:
 
 def _write(record: dict[str, Any], file: str, io: CheckpointIO, storage_options: Any | None) -> None:
     """Write one process's record; a local file with the default writer is streamed to disk and renamed into place
-    (Lightning's writer would serialize it into memory first).
-    """
+    (Lightning's writer would serialize it into memory first)."""
     if type(io) is TorchCheckpointIO and storage_options is None and "://" not in file:
         os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
         partial = f"{file}.partial"
@@ -139,8 +138,7 @@ class CheckpointPayload:
         weights_only: bool | None = None,
     ) -> None:
         """Take :data:`CHECKPOINT_KEY` out of a loaded ``checkpoint`` and restore this process's state, at once if
-        ``now``, else by :meth:`apply_pending`; update mode: with this process's optimizer states.
-        """
+        ``now``, else by :meth:`apply_pending`; update mode: with this process's optimizer states."""
         entry = checkpoint.pop(CHECKPOINT_KEY)
         if entry.get("format") != PAYLOAD_FORMAT:
             raise ValueError(
@@ -243,8 +241,7 @@ class CheckpointPayload:
 
 def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every process's saved record of the checkpoint at ``path`` (``entry``: its :data:`CHECKPOINT_KEY` entry,
-    None: read from ``path``), by rank.
-    """
+    None: read from ``path``), by rank."""
     if entry is None:
         entry = torch.load(path, map_location="cpu", weights_only=False)[CHECKPOINT_KEY]
     folder = _folder_of(path, entry)
@@ -318,8 +315,7 @@ def _divided(total: Any, n: int) -> Any:
 
 def mean_states(states: list[Any]) -> Any:
     """The element-wise mean of structurally equal states: floating tensors averaged (in float64), anything else
-    taken from the first.
-    """
+    taken from the first."""
     mean = _Mean()
     for state in states:
         mean.add(state)

@@ -22,12 +22,7 @@ _CONFLICTING_DDP_ARGS = {
 
 def check_ddp_kwargs(ddp_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The further ``DistributedDataParallel`` arguments, checked: ValueError for one that would install a second
-    communication hook or that DDP does not take; one given as None is dropped.
-
-    Example:
-        >>> check_ddp_kwargs({"broadcast_buffers": False, "ddp_comm_hook": None})
-        {'broadcast_buffers': False}
-    """
+    communication hook or that DDP does not take; one given as None is dropped."""
     extra = dict(ddp_kwargs or {})
     for name, why in _CONFLICTING_DDP_ARGS.items():
         if extra.get(name) is not None:

@@ -25,13 +25,7 @@ def _inner(optimizer: Any) -> Optimizer:
 
 
 def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
-    """A Trainer strategy's part: the optimizers' and schedulers' states and the step counters.
-
-    Example:
-        >>> save, load = trainer_recovery(object())
-        >>> callable(save) and callable(load)
-        True
-    """
+    """A Trainer strategy's part: the optimizers' and schedulers' states and the step counters."""
 
     save_one, load_one = _optimizer_io(sharded)
 
@@ -63,13 +57,7 @@ def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
 
 
 def fabric_recovery(optimizers: Any, sharded: bool = False) -> FrontEndState:
-    """A Fabric strategy's part: the states of the ``optimizers()`` it set up.
-
-    Example:
-        >>> save, load = fabric_recovery(lambda: [])
-        >>> save()
-        {'optimizers': []}
-    """
+    """A Fabric strategy's part: the states of the ``optimizers()`` it set up."""
 
     save_one, load_one = _optimizer_io(sharded)
 

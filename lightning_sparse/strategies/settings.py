@@ -43,8 +43,7 @@ def setting_default(settings: dict[str, Any], name: str) -> Any:
 
 def take_settings(cls: type, settings: dict[str, Any]) -> tuple[SparseConfig, dict[str, Any], dict[str, Any]]:
     """A front end's keyword arguments split into the config, the arguments of the Lightning strategy it extends,
-    and the rest (only with ``extra``, else TypeError).
-    """
+    and the rest (only with ``extra``, else TypeError)."""
     exclude, inherited, extra = cls._settings  # type: ignore[attr-defined]
     names = {f.name for f in _fields(exclude)}
     base = {k: v for k, v in settings.items() if k in inherited}

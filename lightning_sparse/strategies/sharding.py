@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
@@ -116,7 +117,7 @@ class ShardedFront(SparseShell):
         return int(self.device_mesh["shard"].size())
 
     def _save_shards(
-        self, path: _PATH, optimizer_states: dict[str, Any] | None, io: Any, storage_options: Any
+        self, path: _PATH, optimizer_states: dict[str, Any] | None, io: CheckpointIO, storage_options: Any
     ) -> dict[str, Any]:
         """Write this process's file beside the checkpoint at ``path``; the checkpoint's entry, with the mesh."""
         entry = self._core.checkpoint.save(
@@ -133,8 +134,7 @@ class ShardedFront(SparseShell):
 
 def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None) -> Any:
     """A ``sparse_fsdp`` front end's ``setup_environment``: ``setup`` (``ParallelStrategy``'s, which builds no mesh)
-    and the process group, then the :func:`make_mesh` of ``shard_size`` (None: the processes of one node).
-    """
+    and the process group, then the :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
 
     def start() -> None:
         setup()
@@ -179,8 +179,7 @@ def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[
     """The modules :func:`shard_module` makes FSDP2 units of, in order: every module whose class is named in
     ``sharded_modules`` (inner ones first), every direct child of ``module`` around such blocks that holds other
     parameters, then ``module`` (whose own layers stay in its unit). A module that shares a parameter with one
-    outside it is no unit: FSDP2 manages each parameter in exactly one unit.
-    """
+    outside it is no unit: FSDP2 manages each parameter in exactly one unit."""
     holders: dict[int, list[torch.nn.Module]] = {}
     for m in module.modules():
         for p in m._parameters.values():
@@ -211,8 +210,7 @@ def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[
 
 def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] | None, ours: bool) -> bool:
     """Shard ``module`` as :func:`sharding_units` says, or check that the caller did (``sharded_modules`` None);
-    ``ours``: this strategy sharded it in an earlier run. Whether it was sharded here.
-    """
+    ``ours``: this strategy sharded it in an earlier run. Returns whether it was sharded here."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     sharded = any(isinstance(m, FSDPModule) for m in module.modules())
@@ -245,8 +243,7 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
 
 def reshard(module: torch.nn.Module) -> None:
     """Reshard every FSDP2 unit of ``module``: after a forward without backward the root keeps its gathered
-    parameters, which FSDP2 would reuse although the exchange has written the shards since.
-    """
+    parameters, which FSDP2 would reuse although the exchange has written the shards since."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in module.modules():
@@ -256,8 +253,7 @@ def reshard(module: torch.nn.Module) -> None:
 
 def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
     """Count the ring-model bytes of FSDP2's collectives for ``module`` into ``telemetry.group_bytes``; False where
-    this torch has no FSDP2 collectives to wrap.
-    """
+    this torch has no FSDP2 collectives to wrap."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

@@ -100,8 +100,7 @@ class SparseShell:
 
     def global_model(self) -> None:
         """Put the global model in the module (update mode), on every process at the same point; for a Fabric loop
-        that reads the parameters after its last step.
-        """
+        that reads the parameters after its last step."""
         self._core.global_model()
 
     def flush_residuals(self, rounds: int | None = None) -> None:
@@ -145,8 +144,7 @@ class SparseShell:
 
     def _gradients_ready(self) -> None:
         """After the backward, on every process: a timed fallback's plain DDP step or fp16 AMP's overflow agreement
-        (update mode).
-        """
+        (update mode)."""
         core = self._core
         if core.replicas is not None:
             steps = core.state.step_exchange

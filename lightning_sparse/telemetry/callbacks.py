@@ -34,8 +34,7 @@ def compression_figures(
     """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval`` (``total``: the whole
     run's): compression ratio (dense wire bytes / wire bytes, ring model), message ratio (dense bytes / bytes sent),
     density, bytes sent and wire bytes per step and in total, residual norm, unsent ratio (update mode),
-    milliseconds in the hook and collectives per step, and ``sparse/group_bytes`` (``sparse_fsdp``).
-    """
+    milliseconds in the hook and collectives per step, and ``sparse/group_bytes`` (``sparse_fsdp``)."""
     steps = max(steps, 1)
     return {
         "sparse/compression_ratio": interval.compression_ratio,
@@ -178,10 +177,10 @@ class CompressionMonitor(Callback):
         figures = compression_figures(
             interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio(), inside
         )
-        replicas = getattr(getattr(trainer.strategy, "update_exchange", None), "replica_figures", None)
+        update = getattr(trainer.strategy, "update_exchange", None)
+        replicas = getattr(update, "replica_figures", None)
         if replicas is not None:  # fault_tolerant: groups in the last quorum, rollbacks, heals
             figures.update(replicas())
-        update = getattr(trainer.strategy, "update_exchange", None)
         if update is not None:  # update mode: the tensor updates this rank dropped as non-finite
             figures["sparse/nonfinite_updates"] = float(update.nonfinite_updates)
         for name, value in figures.items():

@@ -1,6 +1,5 @@
 """torchmetrics Metrics for the compression figures, summed over ranks (``compute()`` gives all ranks' figure).
-Feed them the hook's counters, e.g. ``strategy.sparse_state.telemetry.last`` after each step.
-"""
+Feed them the hook's counters, e.g. ``strategy.sparse_state.telemetry.last`` after each step."""
 
 from __future__ import annotations
 

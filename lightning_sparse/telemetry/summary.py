@@ -47,8 +47,7 @@ def _describe_value(value: Any) -> str:
 
 def changed_settings(config: SparseConfig) -> dict[str, str]:
     """The settings of ``config`` that differ from their defaults, as text, in declaration order (but the mode,
-    compressor and density).
-    """
+    compressor and density)."""
     out = {}
     for f in dataclasses.fields(config):
         if not f.init or f.name in _TITLE_SETTINGS:
@@ -247,8 +246,7 @@ class CompressionSummary:
 
     def print(self, file: IO[str] | None = None, force_terminal: bool | None = None, width: int | None = None) -> None:
         """Print to ``file`` (default stdout): a rich table on a terminal, plain text otherwise (``force_terminal`` and
-        ``width`` go to ``rich.console.Console``).
-        """
+        ``width`` go to ``rich.console.Console``)."""
         from rich.console import Console
 
         file = file if file is not None else sys.stdout
