@@ -1,7 +1,7 @@
 """Compressors and their name registry.
 
-``COMPRESSORS`` maps each name accepted by ``SparseDDPStrategy(compressor=...)`` to its class.
-A new compressor subclasses :class:`Compressor` and joins with ``@register_compressor``.
+``COMPRESSORS`` maps each name ``compressor=`` accepts to its class; a new one subclasses :class:`Compressor`
+and joins with ``@register_compressor``.
 """
 
 from lightning_sparse.compressors.base import (

@@ -1,13 +1,9 @@
 """The compressor interface and the name registry.
 
 A compressor decides *which* coordinates of a flat tensor ``p`` (gradient plus residual) are sent; its
-``pattern`` fixes what crosses the wire:
-
-- ``"gather"``: each rank picks its own ``k`` coordinates; values and indices are all-gathered.
-- ``"shared"``: every rank picks the same coordinates (from ``ctx.shared_generator`` only); only values
-  are all-reduced.
-- ``"sketch"``: linear sketches are all-reduced, then the exact values at the candidates every rank
-  derives from their sum (:class:`~lightning_sparse.compressors.CountSketch`).
+``pattern`` fixes what crosses the wire: ``"gather"`` (each rank's own ``k`` values and indices all-gathered),
+``"shared"`` (the same coordinates on every rank, from ``ctx.shared_generator``: values all-reduced) or
+``"sketch"`` (linear sketches all-reduced, then the exact values at the candidates).
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ _KS_MEMO_SIZE = 1024
 
 
 def k_for(numel: int, density: float) -> int:
-    """Coordinates sent of a tensor of ``numel`` elements at ``density``: ``round(density * numel)`` in
-    ``[1, numel]``, the rule of every compressor that does not declare its own (:meth:`Compressor.k_for`).
+    """Coordinates sent of a tensor of ``numel`` elements at ``density``: ``round(density * numel)`` in ``[1, numel]``.
 
     Example:
         >>> k_for(1000, 0.01), k_for(10, 0.01), k_for(10, 1.0)
@@ -78,11 +73,8 @@ class CompressContext:
 
 
 class Compressor(ABC):
-    """Base class of all compressors.
-
-    Subclasses implement :meth:`select` and set ``pattern``. They hold configuration only: every random
-    choice comes from the :class:`CompressContext`'s generators, so a compressor is stateless and resumes
-    exactly.
+    """Base class of all compressors: subclasses implement :meth:`select` and set ``pattern``. Every random choice
+    comes from the :class:`CompressContext`'s generators: a compressor is stateless and resumes exactly.
 
     Example:
         >>> import torch
@@ -93,8 +85,7 @@ class Compressor(ABC):
 
     name: ClassVar[str] = ""
     pattern: ClassVar[Pattern] = "gather"
-    #: the wire's bucket-at-once rule that picks exactly what :meth:`select` picks (``"topk"``, ``"randomk"``,
-    #: ``"countsketch"``), or None: one tensor at a time. A subclass overriding :meth:`select` gets None.
+    #: the wire's bucket-at-once rule that picks exactly what :meth:`select` picks, or None: one tensor at a time
     at_once: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -103,30 +94,17 @@ class Compressor(ABC):
             cls.at_once = None  # a rule written for the parent's choice is not this class's choice
 
     def selects_at_once(self, rule: str) -> bool:
-        """Whether the wire's bucket-at-once ``rule`` picks exactly what :meth:`select` picks.
-
-        Example:
-            >>> from lightning_sparse.compressors import RandomK, TopK
-            >>> TopK().selects_at_once("topk"), TopK(fast=False).selects_at_once("topk")
-            (True, False)
-            >>> RandomK().selects_at_once("topk")
-            False
-        """
+        """Whether the wire's bucket-at-once ``rule`` picks exactly what :meth:`select` picks."""
         return self.at_once == rule
 
     @abstractmethod
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
-        """Return the int64 indices of the coordinates of the 1-D tensor ``p`` to send.
-
-        ``"gather"``: exactly ``k`` unique indices. ``"shared"``: the same indices on every rank (from
-        ``ctx.shared_generator`` and the sizes only, never the values of ``p``).
-        """
+        """Return the int64 indices of the coordinates of the 1-D tensor ``p`` to send: ``"gather"``: exactly ``k``
+        unique indices; ``"shared"``: the same on every rank (from ``ctx.shared_generator`` and the sizes only)."""
 
     def k_for(self, numel: int, density: float) -> int:
-        """How many coordinates this compressor sends of a tensor of ``numel`` elements at ``density``.
-
-        The wire sizes everything by it (messages, the byte rule, telemetry, adaptive densities). It must
-        depend on the sizes and settings only (every rank sends the same number) and never exceed ``numel``.
+        """How many coordinates this compressor sends of a tensor of ``numel`` elements at ``density`` (at most
+        ``numel``, from the sizes and settings only: every rank sends the same number).
 
         Example:
             >>> from lightning_sparse.compressors import TopK
@@ -136,13 +114,7 @@ class Compressor(ABC):
         return k_for(numel, density)
 
     def ks_for(self, numels: tuple[int, ...], density: float) -> list[int]:
-        """:meth:`k_for` of each of ``numels`` (a bucket's sparse tensors), kept per float ``density``.
-
-        Example:
-            >>> from lightning_sparse.compressors import TopK
-            >>> TopK().ks_for((1000, 10), 0.01)
-            [10, 1]
-        """
+        """:meth:`k_for` of each of ``numels`` (a bucket's sparse tensors), kept per float ``density``."""
         if type(density) is not float:  # a schedule's own number type: as it is, each time
             return [self.k_for(n, density) for n in numels]
         memo: dict[tuple[tuple[int, ...], float], tuple[int, ...]] = self.__dict__.setdefault("_ks_memo", {})

@@ -16,13 +16,8 @@ _PAD = -1.0
 
 
 def tail_count(per_row: int, tail: int, chunk: int) -> int:
-    """Picks of a last row of ``tail`` values when a full row of ``chunk`` gives ``per_row``: its share,
-    ``round(per_row * tail / chunk)`` within ``[1, tail]`` (0 when ``per_row`` is 0).
-
-    Example:
-        >>> tail_count(41, 1000, 4096), tail_count(41, 1, 4096), tail_count(0, 1000, 4096)
-        (10, 1, 0)
-    """
+    """Picks of a last row of ``tail`` values when a full row of ``chunk`` gives ``per_row``: its share in
+    ``[1, tail]`` (0 when ``per_row`` is 0)."""
     if per_row <= 0:
         return 0
     return max(1, min(tail, round(per_row * tail / chunk)))
@@ -30,9 +25,9 @@ def tail_count(per_row: int, tail: int, chunk: int) -> int:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How :class:`ChunkTopK` picks ``k`` of ``numel`` values in ``rows`` rows of ``chunk`` (the last padded):
-    ``per_row`` picks a row from one ``torch.topk``, ``counts`` the picks each row keeps, ``offsets`` each
-    row's first index, ``keep`` the kept picks' positions (None: all). Made once per sizes and device.
+    """How :class:`ChunkTopK` picks ``k`` of ``numel`` values in ``rows`` rows of ``chunk``: ``per_row`` picks a row
+    from one ``torch.topk``, ``counts`` the picks each row keeps, ``offsets`` each row's first index, ``keep`` the
+    kept picks' positions (None: all).
 
     Example:
         >>> layout = RowLayout.of(10, 5, 4, torch.device("cpu"))
@@ -74,13 +69,9 @@ class RowLayout:
 
 @register_compressor
 class ChunkTopK(Compressor):
-    """Chunked top-k (the selection of SparseLoCo, Sarfi et al. 2025, and of DeMo, Peng et al. 2024,
-    without DeMo's DCT): the tensor is viewed as rows of ``chunk`` values and each row sends its
-    ``round(density * chunk)`` largest ``|p|``, all rows in one ``torch.topk``.
-
-    The last, partial row is padded below every magnitude and sends its share (at least one); a tensor
-    of at most ``chunk`` values sends ``round(density * numel)`` as top-k does. The count is the
-    compressor's own (:meth:`k_for`). Fixed shapes: no threshold, no fallback, no host read.
+    """Chunked top-k (the selection of SparseLoCo and DeMo, without DeMo's DCT): the tensor is viewed as rows of
+    ``chunk`` values and each row sends its ``round(density * chunk)`` largest ``|p|``, all rows in one
+    ``torch.topk``; the last, partial row sends its share (at least one).
 
     Args:
         chunk: values per row, >= 2 (SparseLoCo's 4096; DeMo's 32 of every 64 is ``chunk=64, density=0.5``).

@@ -1,10 +1,8 @@
 """Count-sketch (Sketched SGD, Ivkin et al.): heavy hitters of the summed gradient from summed sketches.
 
-Row ``r`` sends coordinate ``j = b * cols + o`` (block ``b``) to bucket ``(o + shift[r, b]) mod cols`` with
-sign ``sign[r, b]``, drawn per (row, block) from the generator all ranks share: collisions across blocks have
-probability ``1 / cols`` and independent signs, so estimates are unbiased (variance ``||x||^2 / cols`` per
-row) while sketching is a few shifted slice-adds per block. The exchange (:mod:`lightning_sparse.wire.sketch`)
-draws its hashes per bucket, so its picks are not this class's one-tensor picks for the same seed.
+Row ``r`` sends coordinate ``j = b * cols + o`` (block ``b``) to bucket ``(o + shift[r, b]) mod cols`` with sign
+``sign[r, b]``, drawn per (row, block) from the shared generator: unbiased estimates, sketched by a few shifted
+slice-adds per block. The exchange (:mod:`lightning_sparse.wire.sketch`) draws its hashes per bucket.
 """
 
 from __future__ import annotations
@@ -37,9 +35,7 @@ _LONG_BLOCK = 1 << 14  # blocks at least this long go one by one with slice-adds
 
 
 def _number(name: str, value: object, minimum: float, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_argument(name, value, allowed)
-    if value < minimum:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
         raise bad_argument(name, value, allowed)
     return float(value)
 
@@ -48,15 +44,12 @@ def _number(name: str, value: object, minimum: float, allowed: str) -> float:
 class CountSketch(Compressor):
     """Count-sketch compression (Ivkin et al., "Communication-efficient Distributed SGD with Sketching").
 
-    Each rank sketches its ``p`` (gradient + residual) with the shared hashes; the tables are all-reduced
-    (a sketch is linear), every rank takes the ``p2 * k`` coordinates of largest median estimate as
-    candidates, a second all-reduce sums the exact ``p`` there and the ``k`` largest sums are applied.
-    Each rank zeroes its residual at those ``k`` only (their exact mass was sent). With pre-truncation
-    (the authors' ``p1``) a rank sketches only about its top ``p1 * k`` entries; the second round
-    always sums the exact, untruncated ``p``.
+    The ranks' sketches are all-reduced; every rank takes the ``p2 * k`` coordinates of largest median estimate as
+    candidates, a second all-reduce sums the exact ``p`` there and the ``k`` largest sums are applied. With
+    pre-truncation (the authors' ``p1``) a rank sketches only about its top ``p1 * k`` entries.
 
     Args:
-        rows: rows of the sketch, an odd integer (the median is then a single row's value).
+        rows: rows of the sketch, an odd integer.
         width: columns per selected coordinate: ``cols = ceil(width * k)`` (at most numel).
         p2: candidates per selected coordinate in the second round (``ceil(p2 * k)``), >= 1.
         p1: local pre-truncation: ``"auto"`` (10 on CPU, 0 elsewhere), 0 (off) or a number >= 1.
@@ -71,18 +64,12 @@ class CountSketch(Compressor):
     at_once = "countsketch"
 
     def __init__(
-        self,
-        rows: int = 5,
-        width: float = 10.0,
-        p2: float = 4.0,
-        p1: float | Literal["auto"] = "auto",
+        self, rows: int = 5, width: float = 10.0, p2: float = 4.0, p1: float | Literal["auto"] = "auto"
     ) -> None:
         self.rows = check_int("rows", rows, minimum=1, maximum=99)
         if self.rows % 2 == 0:
             raise bad_argument("rows", rows, "expected an odd integer between 1 and 99")
         self.width = _number("width", width, 1e-9, "expected a finite number > 0")
-        if self.width <= 0:
-            raise bad_argument("width", width, "expected a finite number > 0")
         self.p2 = _number("p2", p2, 1.0, "expected a finite number >= 1")
         if p1 != "auto":
             allowed = "expected 'auto', 0 (no pre-truncation) or a finite number >= 1"

@@ -14,11 +14,9 @@ from lightning_sparse.compressors.topk import finish_exactly_k, indices_at_least
 
 @register_compressor
 class DGC(Compressor):
-    """DGC's sampled-threshold selection (Lin et al., "Deep Gradient Compression"): a threshold at the top
-    ``k/d`` of a random sample of ``|p|`` (per-rank generator), one shortlisting pass, then exactly ``k``:
-    too many are trimmed by magnitude (DGC's own remedy), too few padded by lowering the threshold
-    (``*= lower``) up to ``rounds`` times, then ``torch.topk``. The result is the top-``k`` of ``|p|``
-    (ties aside). DGC's momentum correction and clipping belong to the optimizer, not here.
+    """DGC's sampled-threshold selection (Lin et al., "Deep Gradient Compression"): a threshold at the top ``k/d`` of
+    a random sample of ``|p|``, one shortlisting pass, then exactly the top-``k`` of ``|p|`` (too many trimmed by
+    magnitude, too few padded by lowering the threshold up to ``rounds`` times, then ``torch.topk``).
 
     Args:
         sample_fraction: share of the entries sampled, in (0, 1] (at least 1,024, or all of a smaller tensor).
@@ -49,8 +47,7 @@ class DGC(Compressor):
         if k >= d:
             return torch.arange(d, device=p.device)
         n = min(d, max(1024, math.ceil(self.sample_fraction * d)))
-        # Two standard deviations below DGC's own quantile, which falls short half of the time: each
-        # lowering is another pass over p, and under error feedback p piles up just below the threshold.
+        # two standard deviations below DGC's own quantile, which falls short half of the time
         threshold = sample_threshold(p, k, n, ctx.local_generator(p.device), margin=2.0)
         if not (math.isfinite(threshold) and threshold > 0):
             return torch.topk(p.abs(), k, sorted=False).indices

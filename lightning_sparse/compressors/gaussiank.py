@@ -24,9 +24,8 @@ def gaussian_threshold(p: Tensor, k: int) -> float:
 
 
 def refit_threshold(threshold: float, count: int, target: float, d: int) -> float | None:
-    """The threshold at which about ``target`` of ``d`` magnitudes would pass, ``count`` passing
-    ``threshold``: a zero-mean normal tail refitted to that count, ``threshold * z(target) / z(count)``
-    with ``z(c) = Phi^-1(1 - c / 2d)``. None when the count says nothing (0, or ``d / 2`` or more)."""
+    """The threshold at which about ``target`` of ``d`` magnitudes would pass, ``count`` passing ``threshold``: a
+    zero-mean normal tail refitted to that count. None when the count says nothing (0, or ``d / 2`` or more)."""
     if count <= 0 or 2 * count >= d or not 0 < target < d:
         return None
     inv = NormalDist().inv_cdf
@@ -34,8 +33,7 @@ def refit_threshold(threshold: float, count: int, target: float, d: int) -> floa
 
 
 def _step(threshold: float, count: int, k: int, d: int, factor: float) -> float:
-    """The next threshold: refitted to ``count`` (aiming at ``_AIM * k``) when that moves it the way
-    ``factor`` would, else the authors' fixed step ``threshold * factor``."""
+    """The next threshold: refitted to ``count`` when that moves it the way ``factor`` would, else times ``factor``."""
     refit = refit_threshold(threshold, count, _AIM * k, d)
     if refit is not None and (refit < threshold if factor < 1 else refit > threshold):
         return refit
@@ -48,14 +46,10 @@ _AIM = 1.25
 
 @register_compressor
 class GaussianK(Compressor):
-    """Gaussian-k sparsification (Shi et al., "Understanding Top-k Sparsification in Distributed Deep
-    Learning"): a threshold ``|mu| + sigma * Phi^-1(1 - k / 2d)`` as if ``p`` were Gaussian, refined up to
-    ``rounds`` times while the count is outside the authors' band ``[2k/3, 4k/3]``.
-
-    Each refinement refits a normal tail to the observed count (aiming at ``1.25 k``) instead of the
-    authors' fixed ``*0.5`` / ``*1.5`` steps: under error feedback ``p`` piles up just below the
-    threshold and is far from Gaussian. The all-gather needs exactly ``k``, so the result is then
-    trimmed or padded to the top-``k`` of ``|p|`` (ties aside).
+    """Gaussian-k sparsification (Shi et al., "Understanding Top-k Sparsification in Distributed Deep Learning"): a
+    threshold ``|mu| + sigma * Phi^-1(1 - k / 2d)`` as if ``p`` were Gaussian, refined up to ``rounds`` times while
+    the count is outside ``[2k/3, 4k/3]`` (refitting a normal tail to the count, not the authors' fixed steps),
+    then trimmed or padded to the top-``k`` of ``|p|``.
 
     Args:
         rounds: refinement rounds of the threshold (0: the Gaussian estimate only).

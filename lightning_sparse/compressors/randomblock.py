@@ -23,11 +23,9 @@ def block_indices(d: int, k: int, start: int, device: torch.device) -> Tensor:
 
 @register_compressor
 class RandomBlock(Compressor):
-    """Random-block sparsification (Eghlidi & Jaggi, "Sparse Communication for Training Deep Networks"):
-    every rank sends the same block of ``k`` coordinates at an offset drawn from (seed, step, parameter),
-    so only values are all-reduced. The block wraps around the end of the tensor: every coordinate is
-    then sent with probability ``k / numel``, where a block kept inside would almost never reach the
-    ends, whose residual would grow without bound.
+    """Random-block sparsification (Eghlidi & Jaggi): every rank sends the same block of ``k`` coordinates at an
+    offset drawn from (seed, step, parameter), so only values are all-reduced. The block wraps around the end of the
+    tensor, so every coordinate is sent with probability ``k / numel``.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy

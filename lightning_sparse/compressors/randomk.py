@@ -1,12 +1,8 @@
 """Random-k: k coordinates drawn uniformly with a seed shared by all ranks; values all-reduced.
 
-A tensor's coordinates are a function of (seed, step, key, numel, k) alone, from a counter-based hash on
-its device (:func:`draw_subsets`): the same whether drawn alone or with its bucket, whatever the bucket's
-layout (DDP re-lays its buckets after the first step). ``m`` uniform draws (:func:`draws_needed`: fewer
-than ``k`` distinct with probability below ``2**-40``) with random priorities; the distinct values of the
-``k`` smallest priorities are a uniform ``k``-subset. Should fewer be distinct, the ``k`` lowest
-coordinates are taken (the only departure from uniform); where ``m`` would reach ``d``, every coordinate
-is a candidate once (exactly uniform).
+A tensor's coordinates are a function of (seed, step, key, numel, k) alone, from a counter-based hash on its
+device (:func:`draw_subsets`), whatever its bucket's layout: the distinct values among the ``k`` smallest random
+priorities of ``m`` uniform draws (:func:`draws_needed`); should fewer be distinct, the ``k`` lowest coordinates.
 """
 
 from __future__ import annotations
@@ -39,16 +35,8 @@ _REPEAT = 1 << 43
 
 
 def random_subset(d: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
-    """A uniformly random set of ``k`` distinct indices in ``[0, d)``, in O(k) work when k << d.
-
-    Deterministic given the generator's state: every rank with the same seed gets the same set.
-
-    Example:
-        >>> import torch
-        >>> g = torch.Generator().manual_seed(0)
-        >>> random_subset(10, 3, g, torch.device("cpu")).unique().numel()
-        3
-    """
+    """A uniformly random set of ``k`` distinct indices in ``[0, d)`` (O(k) work when k << d), the same on every rank
+    with the same generator state."""
     if k >= d:
         return torch.arange(d, device=device)
     if 4 * k >= d:
@@ -64,8 +52,8 @@ def random_subset(d: int, k: int, generator: torch.Generator, device: torch.devi
 
 
 def mix32_(x: Tensor) -> Tensor:
-    """Hash in place every entry of the int64 tensor ``x`` (in ``[0, 2**32)``): a bijection, the same
-    bits on every device. Returns ``x``.
+    """Hash in place every entry of the int64 tensor ``x`` (in ``[0, 2**32)``): a bijection, the same bits on every
+    device. Returns ``x``.
 
     Example:
         >>> mix32_(torch.tensor([0, 1, 2])).tolist()
@@ -80,13 +68,8 @@ def mix32_(x: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def draws_needed(d: int, k: int) -> int | None:
-    """How many uniform draws from ``[0, d)`` hold ``k`` distinct values but with probability below
-    ``2**-40`` (a union bound or McDiarmid's); None where that many would reach ``d``.
-
-    Example:
-        >>> draws_needed(100_000, 1000) - 1000, draws_needed(100, 60)
-        (48, None)
-    """
+    """How many uniform draws from ``[0, d)`` hold ``k`` distinct values but with probability below ``2**-40``; None
+    where that many would reach ``d``."""
     if k <= 0:
         return 0
     limit = d - 1  # fewer candidates than every coordinate
@@ -140,8 +123,8 @@ class SubsetLayout:
 
     @staticmethod
     def of(members: tuple[tuple[int, int, int, int], ...], device: torch.device) -> SubsetLayout:
-        """``members``: ``(key, offset, numel, k)`` of each tensor, by ascending offset, not overlapping,
-        ``1 <= k`` (the picks come out as offsets). Made anew at each call: the caller keeps it."""
+        """``members``: ``(key, offset, numel, k)`` of each tensor, by ascending offset, not overlapping, ``1 <= k``
+        (the picks come out as offsets)."""
         if len(members) >= 1 << (63 - _MEMBER_SHIFT):
             raise ValueError(f"{len(members)} tensors are too many for one draw")
         parts: list[tuple[np.ndarray, ...]] = []
@@ -186,15 +169,7 @@ class SubsetLayout:
 
 
 def draw_subsets(layout: SubsetLayout, seed: int, step: int) -> Tensor:
-    """Every tensor's ``k`` distinct coordinates (as offsets, ascending), drawn at once with no host read;
-    a function of ``(seed, step, key, numel, k)`` only.
-
-    Example:
-        >>> layout = SubsetLayout.of(((7, 0, 1000, 3), (8, 1000, 50, 2)), torch.device("cpu"))
-        >>> picks = draw_subsets(layout, seed=0, step=5)
-        >>> picks.numel(), bool((picks[:3] < 1000).all() and (picks[3:] >= 1000).all())
-        (5, True)
-    """
+    """Every tensor's ``k`` distinct coordinates (as offsets, ascending), drawn at once with no host read."""
     # the hash of (seed, step, key) per tensor and lane, then of that and the counter per candidate
     h = torch.bitwise_xor(layout.keys, mix_seed(seed, _TAG, step) & _M32)
     h = mix32_(h).index_select(1, layout.member_of).add_(layout.counter).bitwise_and_(_M32)
@@ -217,8 +192,8 @@ def draw_subsets(layout: SubsetLayout, seed: int, step: int) -> Tensor:
 
 @register_compressor
 class RandomK(Compressor):
-    """Random-k sparsification: every rank sends the same ``k`` uniformly drawn coordinates
-    (:func:`draw_subsets`), so only values are all-reduced. Unscaled: error feedback keeps the rest.
+    """Random-k sparsification: every rank sends the same ``k`` uniformly drawn coordinates (:func:`draw_subsets`),
+    so only values are all-reduced. Unscaled: error feedback keeps the rest.
 
     Example:
         >>> import torch
@@ -233,8 +208,7 @@ class RandomK(Compressor):
     at_once = "randomk"
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
-        """The coordinates the exchange sends for this tensor (ascending): a function of
-        ``(ctx.seed, ctx.step, ctx.key, p.numel(), k)``, not of ``p``'s values."""
+        """The coordinates sent for this tensor (ascending), a function of the context and sizes only."""
         d = p.numel()
         if k >= d:
             return torch.arange(d, device=p.device)

@@ -14,9 +14,8 @@ from lightning_sparse.compressors.topk import exact_topk_indices
 
 @register_compressor
 class RTopK(Compressor):
-    """rTop-k sparsification (Barnes, Inan, Isik, Ozgur, "rTop-k: A Statistical Estimation Approach to
-    Distributed SGD"): a random ``k`` (per rank) of the ``r = ceil(r_factor * k)`` largest ``|p|``; values
-    and indices all-gathered. ``r_factor=1`` is top-k; ``r = numel`` is random-k.
+    """rTop-k sparsification (Barnes, Inan, Isik, Ozgur): a random ``k`` (per rank) of the ``r = ceil(r_factor * k)``
+    largest ``|p|``; values and indices all-gathered.
 
     Args:
         r_factor: ``r / k``, a number >= 1.

@@ -1,7 +1,7 @@
 """Top-k: send the k coordinates of largest magnitude, with a fast exact selection.
 
-Also the threshold machinery the other magnitude selectors share: :func:`indices_at_least` shortlists the
-entries at or above a threshold in one pass, :func:`top_by_magnitude` picks the ``k`` largest of a shortlist.
+Also the threshold machinery the other magnitude selectors share (:func:`indices_at_least`,
+:func:`top_by_magnitude`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import scratch
+from lightning_sparse._utils import check_bool, scratch
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 
 # Below this size (or above this density) torch.topk is as fast as anything else.
@@ -23,13 +23,7 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def indices_at_least(p: Tensor, threshold: float) -> Tensor:
-    """Sorted int64 indices of the entries with ``|p| >= threshold`` (one pass over ``p``).
-
-    Example:
-        >>> import torch
-        >>> indices_at_least(torch.tensor([0.5, -4.0, 1.0, 3.0]), 1.0)
-        tensor([1, 2, 3])
-    """
+    """Sorted int64 indices of the entries with ``|p| >= threshold`` (one pass over ``p``)."""
     d = p.numel()
     if d == 0:
         return torch.empty(0, dtype=torch.long, device=p.device)
@@ -89,8 +83,8 @@ def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor |
 
 
 def largest(values: Tensor, k: int, smallest: bool = False) -> Tensor:
-    """Positions of the ``k`` largest (``smallest=True``: smallest) entries of a 1-D tensor, in no order
-    (as ``torch.topk(..., sorted=False).indices``; on CPU through NumPy's introselect).
+    """Positions of the ``k`` largest (``smallest=True``: smallest) entries of a 1-D tensor, in no order (on CPU
+    through NumPy's introselect).
 
     Example:
         >>> import torch
@@ -107,12 +101,12 @@ def largest(values: Tensor, k: int, smallest: bool = False) -> Tensor:
     return torch.topk(values, k, largest=not smallest, sorted=False).indices
 
 
-def threshold_from_sample(sample: Tensor, k: int, d: int, margin: float) -> float:
-    """Estimate the ``k``-th largest of ``d`` magnitudes from ``sample``, uniform draws of them.
-
-    ``margin`` (standard deviations of the sampled count) moves it lower, so that ``k`` pass almost always.
-    """
-    j = sample_rank(sample.numel(), k, d, margin)
+def sample_threshold(p: Tensor, k: int, n: int, generator: torch.Generator | None, margin: float) -> float:
+    """Estimate the ``k``-th largest of ``|p|`` from ``n`` entries drawn with ``generator``, ``margin`` standard
+    deviations of the sampled count lower (so that ``k`` pass almost always)."""
+    d = p.numel()
+    sample = p[torch.randint(0, d, (n,), generator=generator, device=p.device)].abs()
+    j = sample_rank(n, k, d, margin)
     return float(torch.topk(sample, j, sorted=False).values.min())
 
 
@@ -122,25 +116,9 @@ def sample_rank(n: int, k: int, d: int, margin: float) -> int:
     return min(n, max(1, math.ceil(expected + margin * math.sqrt(expected) + (8 if margin > 0 else 0))))
 
 
-def sample_threshold(p: Tensor, k: int, n: int, generator: torch.Generator | None, margin: float) -> float:
-    """:func:`threshold_from_sample` on ``n`` entries of ``|p|`` drawn with ``generator``."""
-    d = p.numel()
-    sample = p[torch.randint(0, d, (n,), generator=generator, device=p.device)].abs()
-    return threshold_from_sample(sample, k, d, margin)
-
-
 def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
-    """Indices of the ``k`` entries of largest ``|p|``: the same set ``torch.topk`` finds (up to ties).
-
-    On large tensors: a threshold from a random sample (a few standard deviations low), one shortlisting
-    pass, ``torch.topk`` on the shortlist; ``torch.topk`` over everything when the shortlist falls short.
-    Exact either way; ``generator`` drives the sample only.
-
-    Example:
-        >>> import torch
-        >>> exact_topk_indices(torch.tensor([0.5, -4.0, 1.0, 3.0]), 2).sort().values
-        tensor([1, 3])
-    """
+    """Indices of the ``k`` entries of largest ``|p|`` (the set ``torch.topk`` finds, up to ties): on large tensors a
+    threshold from a random sample, one shortlisting pass, ``torch.topk`` on the shortlist."""
     d = p.numel()
     if k >= d:
         return torch.arange(d, device=p.device)
@@ -159,11 +137,8 @@ def exact_topk_indices(p: Tensor, k: int, generator: torch.Generator | None = No
 
 
 def finish_exactly_k(p: Tensor, k: int, threshold: float, candidates: Tensor, lower: float, tries: int = 8) -> Tensor:
-    """Turn a threshold shortlist into exactly the top-``k`` of ``|p|`` (ties aside).
-
-    Too many candidates are trimmed by magnitude; too few, the threshold is lowered (``*= lower``) and the
-    shortlisting repeated, up to ``tries`` times, then ``torch.topk``.
-    """
+    """Turn a threshold shortlist into exactly the top-``k`` of ``|p|``: too many are trimmed by magnitude; too few,
+    the threshold is lowered (``*= lower``) up to ``tries`` times, then ``torch.topk``."""
     while candidates.numel() < k and tries > 0 and threshold > 0:
         threshold *= lower
         candidates = indices_at_least(p, threshold)
@@ -190,9 +165,7 @@ class TopK(Compressor):
     at_once = "topk"
 
     def __init__(self, fast: bool = True) -> None:
-        if not isinstance(fast, bool):
-            raise ValueError(f"fast={fast!r} is not allowed: expected True or False.")
-        self.fast = fast
+        self.fast = check_bool("fast", fast)
 
     def selects_at_once(self, rule: str) -> bool:
         return self.fast and super().selects_at_once(rule)  # the at-once rule is the shortlist's

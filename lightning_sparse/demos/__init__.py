@@ -1,14 +1,7 @@
-"""Small, download-free training tasks used by the examples, the CLI configs and the benchmarks.
+"""Small, download-free training tasks: digits, text, GPT and vision.
 
-- digits (:mod:`~lightning_sparse.demos.digits`): an MLP on scikit-learn's 8x8 digits
-  (``pip install "lightning_sparse[examples]"``);
-- text (:mod:`~lightning_sparse.demos.text`) and GPT (:mod:`~lightning_sparse.demos.gpt`): next-character
-  prediction on the running Python's standard-library source;
-- vision (:mod:`~lightning_sparse.demos.vision`): a ResNet-18-shaped CNN with BatchNorm on the digits at 32x32.
-
-Example:
-    >>> from lightning_sparse.demos import DigitsClassifier, DigitsDataModule
-    >>> model, data = DigitsClassifier(), DigitsDataModule(batch_size=32)
+Digits (an MLP) and vision (a ResNet-18 on the digits at 32x32) need ``pip install "lightning_sparse[examples]"``;
+text and GPT predict the next character of the running Python's standard-library source.
 """
 
 from lightning_sparse.demos.digits import DigitsClassifier, DigitsDataModule, accuracy, load_digits_tensors

@@ -10,24 +10,24 @@ from torch import Tensor, nn
 
 
 class _Classifier(L.LightningModule):
-    """Cross-entropy training and validation (``val_loss``, ``val_acc``) shared by the example tasks."""
+    """Cross-entropy training and validation (``val_loss``, ``val_acc``) over every position of the logits."""
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
+        loss = nn.functional.cross_entropy(self(x).flatten(0, -2), y.flatten())
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        logits = self(x)
+        # equal token counts per window: the batch-weighted mean is the mean over all validation tokens
+        logits, y = self(x).flatten(0, -2), y.flatten()
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True, prog_bar=True)
 
 
 class _NormClipping(L.LightningModule):
-    """Gradient-norm clipping at the module's ``clip`` hyperparameter (``None``: none); the Trainer's
-    ``gradient_clip_val`` overrides it."""
+    """Gradient-norm clipping at the ``clip`` hyperparameter; the Trainer's ``gradient_clip_val`` overrides it."""
 
     def configure_gradient_clipping(
         self,

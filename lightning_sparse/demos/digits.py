@@ -11,13 +11,7 @@ from lightning_sparse.demos._common import _Classifier
 
 
 def load_digits_tensors(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """The scikit-learn digits as (train, test) TensorDatasets, features scaled to [0, 1].
-
-    Example:
-        >>> train, test = load_digits_tensors()  # doctest: +SKIP
-        >>> len(train), len(test)  # doctest: +SKIP
-        (1438, 359)
-    """
+    """The scikit-learn digits as (train, test) TensorDatasets, features scaled to [0, 1]."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as err:  # pragma: no cover - depends on the environment

@@ -5,30 +5,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from lightning_sparse.demos._common import _NormClipping
-from lightning_sparse.demos.text import (
-    TEXT_TRAIN_FILES,
-    TEXT_VAL_FILES,
-    TEXT_VOCAB,
-    _WindowDataModule,
-    encode_text,
-    stdlib_source,
-)
+from lightning_sparse.demos._common import _Classifier, _NormClipping
+from lightning_sparse.demos.text import TEXT_VOCAB, _window_starts, _WindowDataModule
 
 
 def load_gpt_tensors(
     context: int = 64, n_train: int = 32768, n_val: int = 1024, seed: int = 0
 ) -> tuple[TensorDataset, TensorDataset]:
-    """Language-modelling windows of standard-library source as (train, val) TensorDatasets.
-
-    A window is ``context + 1`` characters: the input its first ``context``, the target its last ``context``.
-    ``n_train`` distinct positions of ``TEXT_TRAIN_FILES`` drawn with ``seed``; ``n_val`` evenly spaced ones
-    of ``TEXT_VAL_FILES`` (never trained on). Inputs and targets are int64 ``(n, context)``.
+    """Language-modelling windows of standard-library source as (train, val) TensorDatasets: inputs the first
+    ``context`` of ``context + 1`` characters, targets the last ``context`` (int64 ``(n, context)``).
 
     Example:
         >>> train, val = load_gpt_tensors(context=32, n_train=1000, n_val=200)
@@ -37,17 +26,7 @@ def load_gpt_tensors(
     """
     if context < 1:
         raise ValueError(f"context={context} is not allowed: expected an integer >= 1")
-    train_codes = encode_text(stdlib_source(TEXT_TRAIN_FILES))
-    val_codes = encode_text(stdlib_source(TEXT_VAL_FILES))
-    n_pos, n_val_pos = len(train_codes) - context, len(val_codes) - context
-    if not 0 < n_train <= n_pos or not 0 < n_val <= n_val_pos:
-        raise ValueError(
-            f"n_train={n_train}, n_val={n_val} is not allowed: expected 1..{n_pos} training and "
-            f"1..{n_val_pos} validation windows of context {context}"
-        )
-    gen = torch.Generator().manual_seed(seed)
-    train_start = torch.randperm(n_pos, generator=gen)[:n_train]
-    val_start = torch.linspace(0, n_val_pos - 1, n_val).long()
+    train_codes, val_codes, train_start, val_start = _window_starts(context, n_train, n_val, seed)
     offsets = torch.arange(context + 1)
     train = train_codes[train_start[:, None] + offsets]
     val = val_codes[val_start[:, None] + offsets]
@@ -55,10 +34,8 @@ def load_gpt_tensors(
 
 
 class GPTDataModule(_WindowDataModule):
-    """Next-character language modelling on Python standard-library source, for ``TinyGPT``.
-
-    Batches are ``(x, y)`` int64 ``(batch, context)``, ``y`` being ``x`` shifted by one. Keep ``n_val`` a
-    multiple of the number of processes, so that the distributed sampler counts no window twice.
+    """Next-character language modelling on Python standard-library source, for ``TinyGPT``: ``y`` is ``x``
+    shifted by one. Keep ``n_val`` a multiple of the number of processes (no window counted twice).
 
     Args:
         batch_size: per-process batch size (windows).
@@ -120,13 +97,11 @@ class _Block(nn.Module):
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 
 
-class TinyGPT(_NormClipping, L.LightningModule):
+class TinyGPT(_NormClipping, _Classifier):
     """A small GPT (pre-LayerNorm, causal self-attention, GELU MLP) for next-character prediction; AdamW.
 
     The output layer is tied to the token embedding; weight decay applies to the matrices only; the
-    learning rate follows :func:`warmup_cosine` per optimizer step. Logs ``train_loss``, ``val_loss``
-    (mean cross-entropy in nats over every validation token) and ``val_acc``. 3.2M parameters with the
-    defaults.
+    learning rate follows :func:`warmup_cosine` per optimizer step.
 
     Args:
         vocab: number of character classes.
@@ -139,8 +114,7 @@ class TinyGPT(_NormClipping, L.LightningModule):
         betas: AdamW betas.
         warmup_fraction: share of the optimizer steps spent warming up.
         final_lr_fraction: learning rate at the end, as a fraction of ``lr``.
-        clip: gradient-norm clipping threshold (``None``: no clipping); the Trainer's
-            ``gradient_clip_val`` overrides it.
+        clip: gradient-norm clipping threshold (``None``: no clipping).
 
     Example:
         >>> model = TinyGPT(width=32, layers=1, heads=2, context=16)
@@ -191,19 +165,6 @@ class TinyGPT(_NormClipping, L.LightningModule):
         for block in self.blocks:
             h = block(h)
         return nn.functional.linear(self.ln_f(h), self.tok.weight)  # output layer tied to the embedding
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x).flatten(0, 1)
-        # windows have equal token counts: the batch-weighted mean is the mean over all validation tokens
-        self.log("val_loss", nn.functional.cross_entropy(logits, y.flatten()), sync_dist=True)
-        self.log("val_acc", (logits.argmax(1) == y.flatten()).float().mean(), sync_dist=True, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -1,7 +1,4 @@
-"""The text task: next-character prediction on Python source code.
-
-The text is the running Python's standard-library source (no extra package, no download): the data
-depend on the Python version and the seed only."""
+"""The text task: next-character prediction on the running Python's standard-library source (no download)."""
 
 from __future__ import annotations
 
@@ -40,15 +37,7 @@ TEXT_VOCAB = len(TEXT_CHARS) + 1  # + "other" (tabs, non-ASCII)
 
 
 def stdlib_source(files: Sequence[str], stdlib: str | None = None) -> str:
-    """The concatenated source of standard-library files, given by path relative to the stdlib directory.
-
-    Files that this Python does not ship are skipped; if none is found, ``FileNotFoundError``.
-
-    Example:
-        >>> text = stdlib_source(["textwrap.py"])
-        >>> "def wrap(" in text
-        True
-    """
+    """The concatenated source of the standard-library ``files`` this Python ships (FileNotFoundError: none)."""
     root = stdlib or sysconfig.get_paths()["stdlib"]
     parts = []
     for name in files:
@@ -62,12 +51,7 @@ def stdlib_source(files: Sequence[str], stdlib: str | None = None) -> str:
 
 
 def encode_text(text: str) -> Tensor:
-    """Characters -> class indices (``TEXT_CHARS`` positions; anything else -> ``TEXT_VOCAB - 1``), int64.
-
-    Example:
-        >>> encode_text("a\\n\\t").tolist()
-        [66, 0, 96]
-    """
+    """Characters -> class indices (``TEXT_CHARS`` positions; anything else -> ``TEXT_VOCAB - 1``), int64."""
     table = {c: i for i, c in enumerate(TEXT_CHARS)}
     other = TEXT_VOCAB - 1
     return torch.tensor([table.get(c, other) for c in text], dtype=torch.long)
@@ -82,28 +66,32 @@ def char_windows(codes: Tensor, positions: Tensor, context: int) -> TensorDatase
 def load_text_tensors(
     context: int = 16, n_train: int = 32768, n_val: int = 8192, seed: int = 0
 ) -> tuple[TensorDataset, TensorDataset]:
-    """Next-character windows of standard-library source as (train, val) TensorDatasets.
-
-    ``n_train`` distinct positions of the ``TEXT_TRAIN_FILES`` source drawn with ``seed``; ``n_val`` evenly
-    spaced ones of ``TEXT_VAL_FILES``. Inputs int64 ``(n, context)``, targets int64 ``(n,)``.
+    """Next-character windows of standard-library source as (train, val) TensorDatasets: ``n_train`` positions
+    of ``TEXT_TRAIN_FILES`` drawn with ``seed``, ``n_val`` evenly spaced ones of ``TEXT_VAL_FILES``.
 
     Example:
         >>> train, val = load_text_tensors(context=16, n_train=1000, n_val=200)
         >>> train.tensors[0].shape, val.tensors[1].shape
         (torch.Size([1000, 16]), torch.Size([200]))
     """
+    train, val, train_start, val_start = _window_starts(context, n_train, n_val, seed)
+    return char_windows(train, context + train_start, context), char_windows(val, context + val_start, context)
+
+
+def _window_starts(context: int, n_train: int, n_val: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The train and validation codes, and the starts of ``n_train`` windows of ``context`` characters and the
+    one after, distinct and drawn with ``seed``, and of ``n_val`` evenly spaced ones."""
     train_codes = encode_text(stdlib_source(TEXT_TRAIN_FILES))
     val_codes = encode_text(stdlib_source(TEXT_VAL_FILES))
-    n_pos = len(train_codes) - context
-    if not 0 < n_train <= n_pos or not 0 < n_val <= len(val_codes) - context:
+    n_pos, n_val_pos = len(train_codes) - context, len(val_codes) - context
+    if not 0 < n_train <= n_pos or not 0 < n_val <= n_val_pos:
         raise ValueError(
             f"n_train={n_train}, n_val={n_val} is not allowed: expected 1..{n_pos} training and "
-            f"1..{len(val_codes) - context} validation windows of context {context}"
+            f"1..{n_val_pos} validation windows of context {context}"
         )
     gen = torch.Generator().manual_seed(seed)
-    train_pos = context + torch.randperm(n_pos, generator=gen)[:n_train]
-    val_pos = context + torch.linspace(0, len(val_codes) - context - 1, n_val).long()
-    return char_windows(train_codes, train_pos, context), char_windows(val_codes, val_pos, context)
+    train_start = torch.randperm(n_pos, generator=gen)[:n_train]
+    return train_codes, val_codes, train_start, torch.linspace(0, n_val_pos - 1, n_val).long()
 
 
 class _WindowDataModule(L.LightningDataModule):
@@ -141,7 +129,7 @@ class _WindowDataModule(L.LightningDataModule):
 
 
 class TextDataModule(_WindowDataModule):
-    """Next-character prediction on Python standard-library source (no download, no extra package).
+    """Next-character prediction on Python standard-library source.
 
     Args:
         batch_size: per-process batch size.
@@ -158,8 +146,6 @@ class TextDataModule(_WindowDataModule):
         (torch.Size([64, 16]), torch.Size([64]))
     """
 
-    val_batch_size = 1024
-
     def __init__(
         self, batch_size: int = 64, context: int = 16, n_train: int = 32768, n_val: int = 8192, seed: int = 0
     ) -> None:
@@ -171,16 +157,12 @@ class TextDataModule(_WindowDataModule):
 class NextCharClassifier(_NormClipping, _Classifier):
     """Embedding + GRU over a window of characters, predicting the next one; SGD + momentum.
 
-    With the defaults every weight tensor has more than 1,024 elements, so ``SparseDDPStrategy`` sends
-    all of them sparse and only the biases dense.
-
     Args:
         embed_dim: width of the character embedding.
         hidden: GRU hidden size.
         lr: learning rate.
         momentum: SGD momentum.
-        clip: gradient-norm clipping threshold (``None``: no clipping); the Trainer's
-            ``gradient_clip_val`` overrides it.
+        clip: gradient-norm clipping threshold (``None``: no clipping).
         cosine: anneal the learning rate to 0 over the fit's optimizer steps (cosine), else keep it constant.
 
     Example:

@@ -1,9 +1,4 @@
-"""The vision task: a ResNet-18-shaped CNN with BatchNorm on the scikit-learn digits upsampled to 32x32.
-
-The CIFAR-style ResNet-18 (3x3 stem, four stages of two basic blocks) with SGD, momentum 0.9 and weight
-decay 5e-4: the common recipe, whose BatchNorm statistics show how far the model validation sees lags the
-model that trains.
-"""
+"""The vision task: a CIFAR-style ResNet-18 with BatchNorm on the scikit-learn digits upsampled to 32x32."""
 
 from __future__ import annotations
 
@@ -16,26 +11,19 @@ from lightning_sparse.demos.digits import DigitsDataModule, load_digits_tensors
 
 
 def load_digit_images(size: int = 32, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """The scikit-learn digits as (train, test) TensorDatasets of ``1 x size x size`` images in [0, 1].
-
-    Example:
-        >>> train, test = load_digit_images(size=16)  # doctest: +SKIP
-        >>> train.tensors[0].shape  # doctest: +SKIP
-        torch.Size([1438, 1, 16, 16])
-    """
+    """The scikit-learn digits as (train, test) TensorDatasets of ``1 x size x size`` images in [0, 1]."""
     train, test = load_digits_tensors(test_fraction, seed)
 
     def images(x: Tensor) -> Tensor:
         x = x.view(-1, 1, 8, 8)
         return nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
 
-    return TensorDataset(images(train.tensors[0]), train.tensors[1]), TensorDataset(
-        images(test.tensors[0]), test.tensors[1]
-    )
+    (x, y), (x_test, y_test) = train.tensors, test.tensors
+    return TensorDataset(images(x), y), TensorDataset(images(x_test), y_test)
 
 
 class DigitImagesDataModule(DigitsDataModule):
-    """The digits as 32x32 images (upsampled from scikit-learn's 8x8), split train/test.
+    """The digits as ``size x size`` images (upsampled from scikit-learn's 8x8), split train/test.
 
     Args:
         batch_size: per-process batch size.
@@ -77,7 +65,7 @@ class ResNetClassifier(_Classifier):
     """A CIFAR-style ResNet-18 with BatchNorm for 1-channel images; SGD + momentum and weight decay.
 
     Args:
-        width: channels of the first stage (64: ResNet-18, 11.2M parameters; the stages double it).
+        width: channels of the first stage (64: ResNet-18; the stages double it).
         blocks: basic blocks per stage.
         lr: learning rate.
         momentum: SGD momentum.

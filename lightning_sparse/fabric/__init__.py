@@ -1,9 +1,4 @@
-"""The Lightning Fabric strategies: ``Fabric(strategy="sparse_ddp")`` and ``Fabric(strategy="sparse_fsdp")``.
-
-- :mod:`~lightning_sparse.fabric.ddp` - ``SparseDDPStrategy`` and the registered names (the loop it serves);
-- :mod:`~lightning_sparse.fabric.fsdp` - ``SparseFSDPStrategy`` (FSDP2 in groups);
-- :mod:`~lightning_sparse.fabric.hooks` - the Fabric strategies' shared hooks.
-"""
+"""The Lightning Fabric strategies: ``Fabric(strategy="sparse_ddp")`` and ``Fabric(strategy="sparse_fsdp")``."""
 
 from lightning_sparse.fabric.ddp import SparseDDPStrategy, register_fabric_strategies
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy

@@ -1,15 +1,4 @@
-"""SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``.
-
-For a loop the user writes::
-
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="sparse_ddp")
-    fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)
-    for x, y in loader:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        fabric.backward(loss)
-        optimizer.step()
+"""SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``, for a loop the user writes.
 
 Which model the module holds in such a loop: :class:`~lightning_sparse.fabric.hooks.FabricHooks`.
 """
@@ -55,8 +44,8 @@ FABRIC_ARGS = (
 class SparseDDPStrategy(FabricHooks, DDPStrategy):
     """Fabric's DDP whose communication is a sparse exchange with error feedback.
 
-    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``, with the same arguments and
-    behaviour; the compression figures are in ``fabric.strategy.sparse_state.telemetry`` (no callbacks in Fabric).
+    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseDDPStrategy``; the compression figures are in
+    ``fabric.strategy.sparse_state.telemetry``.
 
     Args:
         {settings}
@@ -72,17 +61,16 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         fabric_args = self._take_settings(SparseDDPStrategy, settings)
         super().__init__(**fabric_args, start_method=self._core.config.start_method, **self._core.ddp_kwargs)
         self._ddp_model: Module | None = None
-        self._optimizers: list[Optimizer] = []  # those set up, for update mode's switch to plain DDP steps
+        self._optimizers: list[Optimizer] = []
         self._backward_sync_control = _BackwardSyncOf()
 
-    # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
         """Fabric's setup (``fabric.launch()``); the process group is ended at interpreter exit."""
         self._start_processes(super().setup_environment)
 
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # Replicas too
-        """Make the module data parallel (``SparseCore.wrap``) and bind the sparse communication to it (any device)."""
+        """Make the module data parallel and bind the sparse communication to it (any device)."""
         model = self._core.wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
         scaler = getattr(self.precision, "scaler", None)
         recovery = fabric_recovery(lambda: self._optimizers)
@@ -95,7 +83,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Check the optimizer against the configuration (momentum correction, known bad mixes)."""
+        """Check the optimizer against the configuration."""
         module: Any = self._ddp_model.module if self._ddp_model is not None else None
         self._core.check_optimizers([optimizer], self.world_size, module)
         self._optimizers.append(optimizer)
@@ -110,7 +98,6 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
         module = module.module if isinstance(module, Replicas) else module
         super().load_module_state_dict(module, state_dict, strict=strict)
 
-    # ------------------------------------------------------------------ checkpoints
     def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
         self._core.global_model()  # every rank saves together
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
@@ -123,7 +110,6 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
 
     def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         io = self.checkpoint_io
-        # Lightning's loading code runs; what it reads passes through _restore first
         self.checkpoint_io = _RestoringIO(io, self._restore)
         try:
             return DDPStrategy.load_checkpoint(self, path, state=state, strict=strict, weights_only=weights_only)
@@ -131,7 +117,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
             self.checkpoint_io = io
 
     def _restore(self, checkpoint: Any, path: _PATH, weights_only: bool | None) -> Any:
-        """Take the sparse state out of a loaded checkpoint and give this rank its own optimizer states."""
+        """Take the sparse state out of a loaded checkpoint; this rank's own optimizer states into it."""
         if isinstance(checkpoint, dict) and CHECKPOINT_KEY in checkpoint:
             self._restore_sparse(checkpoint, path, self._ddp_model is not None, weights_only)
         return checkpoint
@@ -144,8 +130,8 @@ def register_fabric_strategies() -> None:
 
 
 class _BackwardSyncOf(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: DDP's ``no_sync``; nothing for update mode's ``Replicas``, whose
-    backward syncs nothing (a timed fallback's plain DDP step averages at ``optimizer.step()``)."""
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync``; nothing for update mode's ``Replicas``, whose backward
+    syncs nothing."""
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:

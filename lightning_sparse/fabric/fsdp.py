@@ -1,15 +1,7 @@
-"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``, for a loop the user writes.
+"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``.
 
-FSDP2 replaces the module's parameters when it shards them: set the module up first, then the optimizer::
-
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=SparseFSDPStrategy(shard_size=2, sharded_modules=["Block"]))
-    fabric.launch()
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-    for x, y in loader:
-        optimizer.zero_grad()
-        fabric.backward(loss_fn(model(x), y))
-        optimizer.step()
+FSDP2 replaces the module's parameters when it shards them: ``fabric.setup_module(model)`` first, then make the
+optimizer from ``model.parameters()`` and ``fabric.setup_optimizers(optimizer)``.
 """
 
 from __future__ import annotations
@@ -31,35 +23,27 @@ from typing_extensions import override
 from lightning_sparse.fabric.hooks import FabricHooks, _Filter, _State
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.ft_front import fabric_recovery
-from lightning_sparse.strategies.settings import DDP_ONLY, with_settings
 from lightning_sparse.strategies.sharding import (
     ShardedFront,
     bind_shards,
-    check_mesh,
     load_local_optimizer_states,
     local_tree,
-    mesh_shape,
     reshard,
     shard_module,
     start_mesh,
+    with_fsdp_settings,
 )
 
 __all__ = ["SparseFSDPStrategy"]
 
 
-@with_settings(
-    exclude=DDP_ONLY,
-    docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
-    inherit=(ModelParallelStrategy, ("process_group_backend", "timeout")),
-)
+@with_fsdp_settings(ModelParallelStrategy)
 class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
     """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
 
-    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy`` (see there), the module sharded
-    by ``parallelize_fn(module, device_mesh)`` (``fully_shard(..., mesh=device_mesh["shard"])``) or by the strategy
-    (``sharded_modules``). ``fabric.save`` writes the global model as a ``torch.distributed.checkpoint`` folder and
-    each process's own state in ``<path>.sparse/``; ``fabric.load`` with the same keys resumes exactly, on the same
-    processes and ``shard_size`` (a module alone: the global model only).
+    The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy``, the module sharded by
+    ``parallelize_fn(module, device_mesh)`` or by the strategy (``sharded_modules``). ``fabric.load`` with the keys
+    ``fabric.save`` had resumes exactly, on the same processes and ``shard_size``.
 
     Args:
         shard_size: processes per group; None (default): the processes of one node.
@@ -94,7 +78,6 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         self._optimizers: list[Optimizer] = []
         self._module: Module | None = None
 
-    # ------------------------------------------------------------------ mesh
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
@@ -111,7 +94,6 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")`` mesh."""
         self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
 
-    # ------------------------------------------------------------------ setup
     def _parallelize(self, module: Module, mesh: Any) -> Module:
         if self._user_parallelize is not None:
             module = self._user_parallelize(module, mesh)
@@ -163,7 +145,6 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
-    # ------------------------------------------------------------------ checkpoints
     def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
         # the optimizer states go to each process's own file: DCP's folder keeps one copy of each shard
         if storage_options is not None:
@@ -177,10 +158,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
         local = {k: local_tree(get_optimizer_state_dict(module, opt)) for k, opt in optimizers.items()}
         path = Path(self.broadcast(path))
-        entry = self._core.checkpoint.save(
-            path, self.global_rank, self.world_size, local or None, self._io, None, rank0_in_checkpoint=False
-        )
-        entry["mesh"] = mesh_shape(self.device_mesh)
+        entry = self._save_shards(path, local or None, self._io, None)
         rest = {k: v for k, v in state.items() if k not in optimizers}
         ModelParallelStrategy.save_checkpoint(self, path, {**rest, CHECKPOINT_KEY: entry}, filter=filter)
 
@@ -195,8 +173,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         rest = {k: v for k, v in state.items() if k not in optimizers}
         metadata = _load_checkpoint(path=path, state=rest, strict=strict, weights_only=weights_only)
         state.update(rest)  # the metadata the caller asked for, loaded into ``rest``
-        check_mesh(metadata.get(CHECKPOINT_KEY), mesh_shape(self.device_mesh), path)
-        self._restore_sparse(metadata, path, True, weights_only)
+        self._restore_shards(metadata, path, weights_only)
         missing = [k for k in optimizers if k not in metadata]
         if missing and strict:
             raise KeyError(f"the checkpoint {str(path)!r} holds no optimizer state for {missing}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,6 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_sparse._utils import note_run_end
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.shell import SparseShell
 
@@ -26,11 +24,10 @@ _Filter = dict[str, Callable[[str, Any], bool]] | None
 class FabricHooks(SparseShell):
     """The hooks Fabric's ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Fabric strategy.
 
-    In update mode a *training* forward (training mode, gradients enabled) lets the module hold this process's own
-    view; ``optimizer.step()`` steps on it, exchanges, and leaves the global model in the module. An evaluation
-    forward outside a pending backward, ``get_module_state_dict``, ``fabric.save`` and ``fabric.load`` put the
-    global model back; the first two recompute BatchNorm statistics on this process alone (a user may evaluate on
-    one rank only, where a collective would hang).
+    In update mode a training forward lets the module hold this process's own view; ``optimizer.step()`` steps on
+    it, exchanges, and leaves the global model in the module. An evaluation forward, ``get_module_state_dict``,
+    ``fabric.save`` and ``fabric.load`` put the global model back (the first two recompute BatchNorm statistics on
+    this process alone: a user may evaluate on one rank only).
 
     Example:
         >>> from lightning_sparse import FabricSparseDDPStrategy, FabricSparseFSDPStrategy
@@ -42,8 +39,7 @@ class FabricHooks(SparseShell):
     _graph_pending: bool = False
 
     def _watch_forward(self, module: Module) -> None:
-        """Update mode: register the hook that chooses the model the module holds, before every other pre-forward
-        hook (FSDP2 gathers the shards in one)."""
+        """Update mode: the hook that chooses the model the module holds, before every other pre-forward hook."""
         if self._core.update is not None:
             module.register_forward_pre_hook(self._before_forward, prepend=True)
 
@@ -62,7 +58,7 @@ class FabricHooks(SparseShell):
         self._graph_pending = False
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """The optimizer step, then (update mode) the exchange (``SparseShell._sparse_step``)."""
+        """The optimizer step, then (update mode) the exchange."""
         strategy = super()
         self._gradients_ready()
 
@@ -74,14 +70,10 @@ class FabricHooks(SparseShell):
         return output
 
     def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        self, path: _PATH, state: _State, storage_options: Any | None = None, filter: _Filter = None
     ) -> None:
-        """Save ``state`` with the global model, and each process's sparse state (update mode: and optimizer states)
-        in its own file in ``<path>.sparse/``. ``fabric.save`` calls it on every process."""
+        """Save ``state`` with the global model, and each process's sparse state in its own file in ``<path>.sparse/``
+        (``fabric.save`` calls it on every process)."""
         if CHECKPOINT_KEY in state:
             raise ValueError(
                 f"state[{CHECKPOINT_KEY!r}] is not allowed with {type(self).__name__}: the strategy saves its own "
@@ -96,8 +88,7 @@ class FabricHooks(SparseShell):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load the global model and the rest of ``state``, and give this process its own sparse state back (update
-        mode: and the optimizer states it saved; on another number of processes, their mean)."""
+        """Load the global model and the rest of ``state``, and give this process its own sparse state back."""
         self._core.hold_global()  # what the module held is replaced: it becomes the global model
         return self._load_with_sparse(path, state, strict, weights_only)
 
@@ -111,9 +102,3 @@ class FabricHooks(SparseShell):
         """The module's state with the global parameters (update mode)."""
         self._core.global_model(together=False)
         return super().get_module_state_dict(module)  # type: ignore[misc]
-
-    def teardown(self) -> None:
-        """Fabric's teardown; an exception on its way out keeps the exit handler from ending the process group
-        (the other ranks may never get there)."""
-        note_run_end(failed=sys.exc_info()[1] is not None)
-        super().teardown()  # type: ignore[misc]

@@ -1,8 +1,6 @@
 """Density schedules: the fraction of each tensor's coordinates sent at a given step.
 
-``SparseDDPStrategy(density=...)`` takes a number (:class:`ConstantDensity`) or a schedule:
-:class:`ConstantDensity`, :class:`WarmupDensity` (dense-ish to sparse, as DGC does) or
-:class:`AdaptiveDensity` (the density with the most objective improvement per communicated bit).
+``density=`` takes a number (:class:`ConstantDensity`), :class:`WarmupDensity` or :class:`AdaptiveDensity`.
 """
 
 from lightning_sparse.compressors.base import k_for

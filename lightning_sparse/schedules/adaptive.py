@@ -1,11 +1,9 @@
-"""AdaptiveDensity: each step's density with the most objective improvement per communicated bit.
-
-The rule of Khirirat, Magnusson, Aytekin and Johansson: ``k* = argmax_k ||Top_k(p)||^2 / C(k)``.
-"""
+"""AdaptiveDensity: each step's density with the most objective improvement per communicated bit."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -30,18 +28,10 @@ class AdaptiveDensity(DensitySchedule):
     """Every step, the density whose top-k improves the objective most per communicated bit.
 
     The rule of Khirirat, Magnusson, Aytekin and Johansson: with ``p`` the gradient plus residual, send
-    ``k* = argmax_k ||Top_k(p)||^2 / C(k)``, with ``C`` per message (one per bucket):
-
-    - ``"bits"``: ``C = c0 + c1 * k``; ``c0 > 0`` is required (else the ratio peaks at ``k = 1``).
-    - ``"latency_bandwidth"``: ``C = alpha + beta * bytes`` (ring model, seconds); ``alpha`` / ``beta``
-      left None are measured at start-up (:func:`~lightning_sparse.schedules.link.measure_link`) and saved
-      with the state.
-
-    A bucket the strategy would send dense (``fallback_to_dense``) is costed dense, with all its energy.
-    With random-k the expected energy is ``k/d * ||p||^2``, so the rule settles at ``max_density``.
-    Every rank chooses the same density: the energy curves (:func:`topk_energy`) are all-gathered once a
-    step and summed in rank order. Step ``t``'s choice applies from step ``t + 1``: every bucket of a step
-    needs the density before the first is compressed, and the statistics are complete only after the last.
+    ``k* = argmax_k ||Top_k(p)||^2 / C(k)``, with ``C`` per message: ``"bits"``: ``C = c0 + c1 * k``;
+    ``"latency_bandwidth"``: ``C = alpha + beta * bytes`` (ring model, seconds; ``alpha`` / ``beta`` left None are
+    measured at start-up). A bucket the strategy would send dense is costed dense. Every rank chooses the same
+    density from the energy curves all-gathered once a step; step ``t``'s choice applies from step ``t + 1``.
 
     Args:
         cost_model: ``"bits"`` or ``"latency_bandwidth"``.
@@ -94,23 +84,19 @@ class AdaptiveDensity(DensitySchedule):
         self.c1 = _check_positive("c1", c1)
         self.alpha = _check_positive("alpha", alpha)
         self.beta = _check_positive("beta", beta)
-        if cost_model == "bits":
-            if c0 is None or c0 <= 0:
-                raise bad_argument(
-                    "c0",
-                    c0,
-                    "expected a per-message overhead in bits > 0 with cost_model='bits' (with c0 = 0 the rule "
-                    "argmax ||Top_k(p)||^2 / (c1*k) degenerates to k = 1)",
-                )
-            for name, value in (("alpha", alpha), ("beta", beta)):
-                if value is not None:
-                    raise bad_argument(name, value, "expected None with cost_model='bits' (it has c0 and c1)")
-        else:
-            for name, value in (("c0", c0), ("c1", c1)):
-                if value is not None:
-                    raise bad_argument(
-                        name, value, "expected None with cost_model='latency_bandwidth' (it has alpha and beta)"
-                    )
+        if cost_model == "bits" and (c0 is None or c0 <= 0):
+            raise bad_argument(
+                "c0",
+                c0,
+                "expected a per-message overhead in bits > 0 with cost_model='bits' (with c0 = 0 the rule "
+                "argmax ||Top_k(p)||^2 / (c1*k) degenerates to k = 1)",
+            )
+        given = {"c0": c0, "c1": c1, "alpha": alpha, "beta": beta}
+        own, other = (("c0", "c1"), ("alpha", "beta")) if cost_model == "bits" else (("alpha", "beta"), ("c0", "c1"))
+        for name in other:
+            if given[name] is not None:
+                allowed = f"expected None with cost_model={cost_model!r} (it has {own[0]} and {own[1]})"
+                raise bad_argument(name, given[name], allowed)
         self.initial_density = check_density("initial_density", initial_density)
         self.interval = check_int("interval", interval, minimum=1)
         g = self.candidates
@@ -158,18 +144,7 @@ class AdaptiveDensity(DensitySchedule):
         return self._density
 
     def config(self) -> dict[str, Any]:
-        return {
-            "cost_model": self.cost_model,
-            "min_density": self.min_density,
-            "max_density": self.max_density,
-            "candidates": self.candidates,
-            "c0": self.c0,
-            "c1": self.c1,
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "initial_density": self.initial_density,
-            "interval": self.interval,
-        }
+        return {name: getattr(self, name) for name in inspect.signature(AdaptiveDensity).parameters}
 
     def state_dict(self) -> dict[str, Any]:
         self._resolve()
@@ -189,8 +164,7 @@ class AdaptiveDensity(DensitySchedule):
 
     @property
     def cost_parameters(self) -> dict[str, float | None]:
-        """The cost model's numbers in use: ``c0``/``c1`` (bits; c1 None: the message's own bits)
-        or ``alpha``/``beta`` (seconds; measured ones once measured)."""
+        """The cost model's numbers in use: ``c0``/``c1`` or ``alpha``/``beta`` (measured ones once measured)."""
         if self.cost_model == "bits":
             return {"c0": self.c0, "c1": self.c1}
         alpha, beta = self._alpha_beta()
@@ -263,11 +237,9 @@ class AdaptiveDensity(DensitySchedule):
         self._decided_step = step + 1
 
     def choose(self, layout: Sequence[tuple[str, Sequence[int]]], energy: Sequence[Sequence[float]]) -> float:
-        """The candidate density with the largest energy per cost (ties: the smallest density).
-
-        ``layout``: the buckets (label, sparse sizes); ``energy[b]``: bucket b's ``||Top_k(p)||^2`` at each
-        candidate and ``||p||^2`` last, summed over ranks.
-        """
+        """The candidate density with the largest energy per cost (ties: the smallest density). ``layout``: the
+        buckets (label, sparse sizes); ``energy[b]``: bucket b's ``||Top_k(p)||^2`` at each candidate and ``||p||^2``
+        last, summed over ranks."""
         if sum(row[-1] for row in energy) <= 0.0:
             return self._density  # nothing to learn from an all-zero gradient
         compressor = self._ctx.compressor
@@ -291,8 +263,8 @@ class AdaptiveDensity(DensitySchedule):
         return best
 
     def message_costs(self, ks: Sequence[int], sizes: Sequence[int]) -> tuple[float, float | None]:
-        """Cost of a bucket's sparse message sending ``ks`` of tensors of ``sizes``, and the cost of
-        its dense all-reduce if the strategy would fall back to one (else None), in the model's unit."""
+        """Cost of a bucket's sparse message sending ``ks`` of tensors of ``sizes``, and of its dense all-reduce if
+        the strategy would fall back to one (else None)."""
         ctx = self._ctx
         world = ctx.world_size
         vbytes, gbytes = (ctx.value_dtype or self._grad_dtype).itemsize, self._grad_dtype.itemsize

@@ -13,12 +13,11 @@ from lightning_sparse.wire import WireContext
 
 
 class DensitySchedule(ABC):
-    """Base class of density schedules: deterministic given their state, picklable, and resumed through
+    """Base class of density schedules: deterministic given their state, picklable, resumed through
     :meth:`state_dict` / :meth:`load_state_dict`.
 
-    The hook calls :meth:`density` for every bucket it sends sparse; with ``observes = True`` also
-    :meth:`observe` for every sparse tensor and :meth:`end_step` once a step, on the hook's thread and in
-    the same order on every rank (so ``end_step`` may launch a collective; a future's callback never may).
+    The hook calls :meth:`density` for every bucket it sends sparse; with ``observes = True`` also :meth:`observe`
+    for every sparse tensor and :meth:`end_step` once a step, in the same order on every rank.
 
     Example:
         >>> ConstantDensity(0.01).density(step=123)
@@ -33,26 +32,16 @@ class DensitySchedule(ABC):
         """The density in (0, 1] to use at optimizer step ``step``."""
 
     def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:  # noqa: B027
-        """Called on every rank when the hook is bound to its process group (collectives allowed).
-
-        ``ctx`` holds the message-cost settings and the group; ``device`` and ``grad_dtype`` the gradients'.
-        """
+        """Called on every rank when the hook is bound to its process group (collectives allowed)."""
 
     def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:  # noqa: B027
-        """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``.
-
-        Called (if :attr:`observes`) for every sparse parameter before it is compressed, by
-        :func:`~lightning_sparse.wire.select.select_sorted` and the dense path, non-finite or not; a wire
-        pattern that forms ``p`` otherwise must call it too, so that every rank observes the same
-        parameters. Must not communicate.
-        """
+        """See ``p`` (gradient + residual, flat) of sparse parameter ``name`` of ``bucket`` at ``step``, before it is
+        compressed, non-finite or not (if :attr:`observes`); every rank observes the same parameters. Must not
+        communicate."""
 
     def end_step(self, step: int) -> int:
-        """Called at the end of optimizer step ``step`` on every rank, after the step's collectives were
-        launched, on the hook's thread; may launch one small all-gather.
-
-        Returns the bytes this rank handed to that all-gather (for telemetry).
-        """
+        """Called at the end of optimizer step ``step`` on every rank, after the step's collectives were launched; may
+        launch one small all-gather. Returns the bytes this rank handed to it."""
         return 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -96,9 +85,7 @@ class WarmupDensity(DensitySchedule):
     """From ``start`` to ``end`` over the first ``steps`` optimizer steps, then ``end``.
 
     ``exponential``: ``start * (end / start) ** (step / steps)``, as Deep Gradient Compression's warm-up;
-    ``linear``: arithmetic. Steps count from 0, the strategy's dense ``warmup_steps`` included. A high
-    density with an all-gather compressor can cost more bytes than a dense all-reduce (about ``density >=
-    1 / world_size``); the strategy then sends those buckets dense (``fallback_to_dense``).
+    ``linear``: arithmetic. Steps count from 0, the strategy's dense ``warmup_steps`` included.
 
     Args:
         start: density at step 0, in (0, 1].

@@ -1,7 +1,4 @@
-"""The top-k energy estimate: ``||Top_k(p)||^2`` of one tensor at many ``k`` at once.
-
-:class:`~lightning_sparse.schedules.AdaptiveDensity` weighs its candidate densities by it.
-"""
+"""The top-k energy estimate: ``||Top_k(p)||^2`` of one tensor at many ``k`` at once."""
 
 from __future__ import annotations
 
@@ -21,15 +18,8 @@ _SHORTLIST = 4096  # and the exact curve of (about) the largest 4096 entries
 def topk_energy(p: Tensor, ks: Sequence[int]) -> Tensor:
     """``||Top_k(p)||^2`` for each ``k`` in ``ks``, and ``||p||^2`` last (float64, on p's device).
 
-    Exact up to 65,536 elements (one sort). Above, a log-scale histogram of ``p^2`` (16 bins per factor
-    2): the entries at or above a bin edge are exactly the top-c, so each edge is an exact point of the
-    curve, interpolated linearly in between (error below a bin's 4.4% width, low: the curve is concave);
-    the largest few thousand entries are sorted, exact. Deterministic; non-finite in, non-finite out.
-
-    Example:
-        >>> import torch
-        >>> topk_energy(torch.tensor([3.0, -1.0, 2.0]), [1, 2]).tolist()
-        [9.0, 13.0, 14.0]
+    Exact up to 65,536 elements (one sort). Above, each edge of a log-scale histogram of ``p^2`` is an exact point
+    of the curve, interpolated linearly in between; the largest few thousand entries are sorted, exact.
     """
     d = p.numel()
     dev = p.device

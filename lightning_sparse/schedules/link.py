@@ -1,7 +1,4 @@
-"""The link measurement: ``seconds = alpha + beta * bytes`` fitted to a process group's own collectives.
-
-For :class:`~lightning_sparse.schedules.AdaptiveDensity`'s ``"latency_bandwidth"`` cost model.
-"""
+"""The link measurement: ``seconds = alpha + beta * bytes`` fitted to a process group's own collectives."""
 
 from __future__ import annotations
 
@@ -21,14 +18,9 @@ _MEASURE_REPEATS = 7
 
 
 def measure_link(comm: Collectives, pattern: str, device: torch.device) -> dict[str, float]:
-    """Fit ``seconds = alpha + beta * wire bytes`` to the collectives of ``comm``'s process group.
-
-    Times the collective of ``pattern`` (``"gather"``: an all-gather, else an all-reduce) at a few sizes
-    (median of repeats) and fits the slowest rank's medians, so every rank gets the same numbers.
-    Launches collectives: call it on every rank, in the same order.
-
-    Returns ``{"alpha": seconds per message, "beta": seconds per byte, "world_size": ranks}``.
-    """
+    """Fit ``seconds = alpha + beta * wire bytes`` to the collectives of ``comm``'s process group: the collective of
+    ``pattern`` (``"gather"``: an all-gather, else an all-reduce) timed at a few sizes, the slowest rank's medians
+    fitted, on every rank together. Returns ``{"alpha", "beta", "world_size"}``."""
     world = comm.world
     gather = pattern == "gather"
     medians = []

@@ -11,8 +11,7 @@ from lightning_sparse.schedules import ConstantDensity
 
 __all__ = ["BATCHNORM_SHARE", "WARMUP_START", "check_no_optimizer_momentum", "has_batchnorm", "training_advice"]
 
-#: a BatchNorm model whose exchanges carry less than this share of each step's progress (density over
-#: sync_every) warms its density up (``batchnorm_warmup``), from ``WARMUP_START``
+#: a BatchNorm model whose exchanges carry less than this share of each step's progress warms its density up
 BATCHNORM_SHARE, WARMUP_START = 0.01, 0.1
 
 
@@ -22,7 +21,7 @@ def has_batchnorm(module: Any) -> bool:
 
 
 def check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
-    """Refuse optimizers with a momentum under momentum correction, which moves it into the hook (twice otherwise)."""
+    """Refuse optimizers with a momentum under momentum correction (which applies it in the hook)."""
     for optimizer in optimizers:
         inner = getattr(optimizer, "_optimizer", optimizer)
         for group in inner.param_groups:
@@ -36,14 +35,7 @@ def check_no_optimizer_momentum(optimizers: list[Any], momentum: float) -> None:
 
 
 def training_advice(state: SparseState, optimizers: list[Any], module: Any = None) -> list[str]:
-    """Combinations of mode, compressor and optimizer that train far from dense, each with what to change.
-
-    Example:
-        >>> import torch
-        >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
-        >>> [a[:40] for a in training_advice(SparseState(compress="gradient"), [opt])]
-        ["compress='gradient' with AdamW trains fa"]
-    """
+    """Combinations of mode, compressor and optimizer that train far from dense, each with what to change."""
     advice = []
     inner = [getattr(o, "_optimizer", o) for o in optimizers]
     adaptive = sorted({type(o).__name__ for o in inner if any("betas" in g for g in o.param_groups)})

@@ -1,9 +1,8 @@
 """The checkpoint payload: each process's sparse state, written by that process beside the checkpoint.
 
-Every process writes its state (residuals, step, schedule, telemetry; update mode: its optimizer states) to
-``<checkpoint>.sparse/rank00001-of-00004.pt``, nothing gathered; the checkpoint itself (a plain ``torch.save`` file)
-holds a small entry under :data:`CHECKPOINT_KEY` naming the folder. A load reads each process's own file or, on
-another number of processes, the mean of the saved ones, a file at a time (``docs/guarantees.md``).
+Every process writes its state (update mode: with its optimizer states) to
+``<checkpoint>.sparse/rank00001-of-00004.pt``; the checkpoint holds an entry under :data:`CHECKPOINT_KEY` naming the
+folder. Another number of processes reads the mean of the saved states, a file at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
 
-__all__ = ["CHECKPOINT_KEY", "CheckpointPayload", "mean_states", "read_rank_states", "rank_files_dir"]
+__all__ = ["CHECKPOINT_KEY", "CheckpointPayload", "map_leaves", "mean_states", "read_rank_states", "rank_files_dir"]
 
 #: key of the sparse state's entry inside Lightning checkpoints (Trainer and Fabric)
 CHECKPOINT_KEY = "lightning_sparse"
@@ -31,12 +30,7 @@ PAYLOAD_FORMAT = 2
 
 
 def rank_files_dir(path: _PATH) -> str:
-    """The folder that holds the per-process files of the checkpoint at ``path``.
-
-    Example:
-        >>> rank_files_dir("ckpts/epoch=0-step=3.ckpt")
-        'ckpts/epoch=0-step=3.ckpt.sparse'
-    """
+    """The folder that holds the per-process files of the checkpoint at ``path``."""
     return f"{os.fspath(path)}.sparse"
 
 
@@ -45,7 +39,7 @@ def _rank_file(folder: str, rank: int, world_size: int) -> str:
 
 
 def _folder_of(path: _PATH, entry: dict[str, Any]) -> str:
-    """The folder an entry names, next to the real file behind ``path`` (``last.ckpt`` may be a link)."""
+    """The folder an entry names, beside the real file behind ``path`` (``last.ckpt`` may be a link)."""
     path = os.fspath(path)
     if "://" not in path and os.path.islink(path):
         path = os.path.realpath(path)
@@ -54,8 +48,8 @@ def _folder_of(path: _PATH, entry: dict[str, Any]) -> str:
 
 
 def _write(record: dict[str, Any], file: str, io: CheckpointIO, storage_options: Any | None) -> None:
-    """Write one process's record: a local file with the default writer is streamed to disk and renamed into place
-    (Lightning's writer serializes it into memory first, a second copy of the state)."""
+    """Write one process's record; a local file with the default writer is streamed to disk and renamed into place
+    (Lightning's writer would serialize it into memory first)."""
     if type(io) is TorchCheckpointIO and storage_options is None and "://" not in file:
         os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
         partial = f"{file}.partial"
@@ -100,11 +94,10 @@ class CheckpointPayload:
         storage_options: Any | None = None,
         rank0_in_checkpoint: bool = True,
     ) -> dict[str, Any]:
-        """Write this process's file beside ``path`` (every process, no collective); return the checkpoint's entry.
+        """Write this process's file beside ``path`` (no collective); return the checkpoint's entry.
 
-        ``optimizer_states``: the checkpoint's keys to this process's optimizer states, kept in update mode (each
-        optimizer followed its own gradients): rank 0's in the checkpoint itself unless ``rank0_in_checkpoint`` is
-        False (a sharded checkpoint), the others' in their files.
+        ``optimizer_states`` (kept in update mode, each optimizer followed its own gradients): rank 0's are in the
+        checkpoint itself unless ``rank0_in_checkpoint`` is False, the others' in their files.
         """
         state = self.state
         keep_optimizers = self.update is not None and optimizer_states is not None
@@ -127,7 +120,7 @@ class CheckpointPayload:
 
     @staticmethod
     def remove(path: _PATH) -> None:
-        """Remove the per-process files of the checkpoint at ``path`` (rank 0, with the checkpoint)."""
+        """Remove the per-process files of the checkpoint at ``path``."""
         folder = rank_files_dir(path)
         fs = get_filesystem(folder)
         if fs.exists(folder):
@@ -144,11 +137,8 @@ class CheckpointPayload:
         now: bool,
         weights_only: bool | None = None,
     ) -> None:
-        """Take :data:`CHECKPOINT_KEY` out of a loaded ``checkpoint`` and restore this process's state.
-
-        Applied at once if ``now``, else by :meth:`apply_pending`. In update mode the checkpoint's optimizer states
-        are replaced, in place, by this process's (on another number of processes, the saved ones' mean).
-        """
+        """Take :data:`CHECKPOINT_KEY` out of a loaded ``checkpoint`` and restore this process's state, at once if
+        ``now``, else by :meth:`apply_pending`; update mode: with this process's optimizer states."""
         entry = checkpoint.pop(CHECKPOINT_KEY)
         if entry.get("format") != PAYLOAD_FORMAT:
             raise ValueError(
@@ -192,8 +182,7 @@ class CheckpointPayload:
             self.apply_pending(device)
 
     def _mean_of_saved(self, read: Any, saved_world: int, world_size: int) -> tuple[dict[str, Any], Any]:
-        # every new process takes the mean of the old residuals: the total delayed gradient, sum(e_r) / world_size,
-        # is kept
+        # every new process takes the mean of the old residuals: their total is kept
         rank_zero_warn(
             f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
             f"{world_size}; each rank starts from the mean of the saved error-feedback residuals, "
@@ -251,15 +240,8 @@ class CheckpointPayload:
 
 
 def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every process's saved record of the checkpoint at ``path``, by rank (for inspection).
-
-    Each record is ``{"rank", "world_size", "state"}`` (update mode, ranks but 0: ``"optimizer_states"``).
-    ``entry``: the checkpoint's :data:`CHECKPOINT_KEY` entry (None: read from ``path``). Reads every file at once.
-
-    Example:
-        >>> read_rank_states("model.ckpt")  # doctest: +SKIP
-        [{'rank': 0, 'world_size': 2, 'state': {...}}, {'rank': 1, ...}]
-    """
+    """Every process's saved record of the checkpoint at ``path`` (``entry``: its :data:`CHECKPOINT_KEY` entry,
+    None: read from ``path``), by rank."""
     if entry is None:
         entry = torch.load(path, map_location="cpu", weights_only=False)[CHECKPOINT_KEY]
     folder = _folder_of(path, entry)
@@ -268,8 +250,7 @@ def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[d
 
 
 class _Mean:
-    """A running element-wise mean of structurally equal states (see :func:`mean_states`), read one at a time; a
-    dict key that some states lack counts as zero there."""
+    """A running element-wise mean of states (see :func:`mean_states`); a missing dict key counts as zero."""
 
     def __init__(self, wide: bool = True) -> None:
         self.total: Any = None
@@ -294,18 +275,18 @@ class _Sum:
         self.value = tensor.detach().to(dtype=torch.float64 if wide else tensor.dtype, copy=True)
 
 
-def _map(state: Any, leaf: Callable[[Any], Any]) -> Any:
+def map_leaves(state: Any, leaf: Callable[[Any], Any]) -> Any:
     """``state`` with ``leaf`` applied to each leaf (dicts, lists and tuples walked, a tuple's type kept)."""
     if isinstance(state, dict):
-        return {key: _map(value, leaf) for key, value in state.items()}
+        return {key: map_leaves(value, leaf) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        items = [_map(value, leaf) for value in state]
+        items = [map_leaves(value, leaf) for value in state]
         return type(state)(items) if isinstance(state, tuple) else items
     return leaf(state)
 
 
 def _as_total(state: Any, wide: bool) -> Any:
-    return _map(state, lambda x: _Sum(x, wide) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+    return map_leaves(state, lambda x: _Sum(x, wide) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
 
 
 def _summed(total: Any, state: Any) -> Any:
@@ -323,24 +304,18 @@ def _summed(total: Any, state: Any) -> Any:
 
 
 def _is_wide(total: dict[str, Any]) -> bool:
-    """Whether the sums in ``total`` are float64 (a key first seen in a later state is summed alike)."""
+    """Whether the sums in ``total`` are float64."""
     sums = [v for v in total.values() if isinstance(v, _Sum)]
     return not sums or sums[0].value.dtype == torch.float64
 
 
 def _divided(total: Any, n: int) -> Any:
-    return _map(total, lambda x: x.value.div(n).to(x.dtype) if isinstance(x, _Sum) else x)
+    return map_leaves(total, lambda x: x.value.div(n).to(x.dtype) if isinstance(x, _Sum) else x)
 
 
 def mean_states(states: list[Any]) -> Any:
-    """The element-wise mean of structurally equal states (dicts, lists, tuples of tensors and other values):
-    floating tensors are averaged (in float64, then cast back), anything else is taken from the first.
-
-    Example:
-        >>> import torch
-        >>> mean_states([{"step": 3, "m": torch.tensor([1.0, 2.0])}, {"step": 3, "m": torch.tensor([3.0, 0.0])}])
-        {'step': 3, 'm': tensor([2., 1.])}
-    """
+    """The element-wise mean of structurally equal states: floating tensors averaged (in float64), anything else
+    taken from the first."""
     mean = _Mean()
     for state in states:
         mean.add(state)

@@ -1,7 +1,4 @@
-"""The wiring of a sparse strategy, whatever its front end: settings to state, exchange and DDP hook.
-
-:class:`SparseCore`, and the registered strategy names.
-"""
+"""The wiring of a sparse strategy, whatever its front end (:class:`SparseCore`), and the registered names."""
 
 from __future__ import annotations
 
@@ -68,10 +65,8 @@ STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 def wrap_in_ddp(
     module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
 ) -> DistributedDataParallel:
-    """``module`` in ``DistributedDataParallel``, built on the current CUDA stream.
-
-    Lightning builds DDP inside a side stream (for CUDA graphs, which the sparse strategies do not use): the
-    reducer's ``AccumulateGrad`` nodes are then bound to it and every backward crosses streams once per parameter.
+    """``module`` in ``DistributedDataParallel``, built on the current CUDA stream (Lightning's side stream would
+    make every backward cross streams once per parameter).
 
     Example:
         >>> import torch.distributed as dist
@@ -117,10 +112,8 @@ class SparseCore:
         extra = check_ddp_kwargs(ddp_kwargs)
         self.config = config
         self.state = SparseState(config)
-        #: the update exchange (``compress="update"``), else None
         self.update: UpdateExchange | None = None
         if config.compress == "update":
-            # offloading stages one bucket at a time on the device: there buckets bound its memory
             offload = config.offload_global or config.offload_residual
             default = OFFLOAD_BUCKET_BYTES if offload else DEFAULT_BUCKET_BYTES
             cap = default if config.bucket_cap_mb is None else int(config.bucket_cap_mb * 1024 * 1024)
@@ -129,7 +122,6 @@ class SparseCore:
                 self.update = FaultTolerantUpdate(self.state, cap, outer, config.min_replicas, config.quorum_timeout)
             else:
                 self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
-        #: keyword arguments of DistributedDataParallel
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         #: update mode builds no DistributedDataParallel (but for a fault-tolerant group's own average)
         self.replicated = self.update is not None and not config.fault_tolerant
@@ -143,15 +135,12 @@ class SparseCore:
             )
         #: the model as :meth:`wrap` replicated it (update mode), once it did
         self.replicas: Replicas | None = None
-        #: this rank's sparse state in the strategy's checkpoints
         self.checkpoint = CheckpointPayload(self.state, self.update)
-        #: update mode: the BatchNorm statistics of the global model
         self.batchnorm = GlobalBatchNorm(config.batchnorm_batches) if self.update is not None else None
         self._warned_batchnorm = False
         #: the step at which the residuals were last handed over exactly (:meth:`flush_residuals`)
         self._handed_over: int | None = None
 
-    # ------------------------------------------------------------------ binding
     def bind(
         self,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
@@ -166,12 +155,11 @@ class SparseCore:
         job: tuple[dist.ProcessGroup | None, int, int] | None = None,
         recovery: FrontEndState | None = None,
     ) -> None:
-        """Bind the exchange to its parameters and process group (any front end), with a pending checkpoint
-        payload, the gradient scaler (fp16 AMP) and, in update mode, the optimizers (averaged when a timed
-        fallback goes to plain DDP steps) and the ``module`` whose BatchNorm statistics :meth:`global_model`
-        recomputes. ``aliases``: by name, the tensors the optimizers hold where they are not the exchanged ones
-        (FSDP2's DTensors). ``job``: the whole job's group, rank and size where it is not ``process_group``
-        (``fault_tolerant`` under FSDP2). ``recovery``: the front end's part of a healing group's state."""
+        """Bind the exchange to its parameters and process group, with the gradient scaler and, in update mode,
+        the optimizers and the ``module`` whose BatchNorm statistics :meth:`global_model` recomputes.
+        ``aliases``: the tensors the optimizers hold where they are not the exchanged ones (FSDP2's DTensors).
+        ``job``: the whole job's group, rank and size where it is not ``process_group`` (fault-tolerant FSDP2).
+        ``recovery``: the front end's part of a healing group's state."""
         if module is not None:
             self._warm_up_density(module)  # before a checkpoint's schedule state is applied to it
         self.checkpoint.apply_pending(device)
@@ -193,9 +181,8 @@ class SparseCore:
             update.on_nonfinite = lambda names: reset_optimizer_states(optimizers(), names, update.name_of)
 
     def _warm_up_density(self, module: torch.nn.Module) -> None:
-        """Update mode, a model with BatchNorm whose exchanges carry under 1 % of each step's progress at a
-        constant density: the density warm-up of ``batchnorm_warmup`` (without it the processes' views
-        drift apart early in the fit, when each step's progress is large)."""
+        """The density warm-up of ``batchnorm_warmup``: update mode, a model with BatchNorm, a constant density
+        carrying under ``BATCHNORM_SHARE`` of each step's progress."""
         steps, config = self.state.step_exchange, self.config
         schedule = steps.schedule
         if self.update is None or not config.batchnorm_warmup or not isinstance(schedule, ConstantDensity):
@@ -229,8 +216,7 @@ class SparseCore:
         optimizers: Callable[[], list[Any]] | None = None,
         recovery: FrontEndState | None = None,
     ) -> None:
-        """:meth:`bind` to a model :meth:`wrap` made; in gradient mode register the sparse exchange as DDP's
-        communication hook (any device). Update mode needs none (a fault-tolerant group's DDP averages inside it)."""
+        """:meth:`bind` to a model :meth:`wrap` made; in gradient mode register DDP's communication hook."""
         expected = Replicas if self.replicated else DistributedDataParallel
         if not isinstance(model, expected):
             raise RuntimeError(f"expected the model wrapped in {expected.__name__}, got {type(model).__name__}")
@@ -243,8 +229,8 @@ class SparseCore:
             model.register_comm_hook(self.state, sparse_comm_hook)
 
     def check_optimizers(self, optimizers: list[Any], world_size: int, module: torch.nn.Module | None = None) -> None:
-        """Refuse an optimizer momentum under momentum correction; warn (rank 0) about combinations that train far
-        from dense."""
+        """Refuse an optimizer momentum under momentum correction; warn about combinations that train far from
+        dense."""
         momentum = self.config.momentum_correction
         if momentum:
             check_no_optimizer_momentum(optimizers, momentum)
@@ -277,8 +263,7 @@ class SparseCore:
         self.global_model()
 
     def end_fit(self) -> None:
-        """The end of a fit, on every process at the same point: :meth:`flush_residuals` as ``flush_at_end`` says
-        (update mode), else :meth:`global_model`."""
+        """:meth:`flush_residuals` as ``flush_at_end`` says (update mode), else :meth:`global_model`."""
         update, flush = self.update, self.config.flush_at_end
         # plain DDP steps (a timed fallback's dense choice) left nothing unsent: no all-reduce of zeros
         if update is not None and flush is not False and update.active and not self.state.step_exchange.plain_ddp:
@@ -287,9 +272,8 @@ class SparseCore:
             self.global_model()
 
     def global_model(self, together: bool = True) -> None:
-        """Update mode: give the module the global parameters, and BatchNorm statistics recomputed under them
-        (:class:`~lightning_sparse.exchange.batchnorm.GlobalBatchNorm`). ``together``: every process calls it here,
-        and the statistics are averaged over them; else each process recomputes its own."""
+        """Update mode: give the module the global parameters and BatchNorm statistics recomputed under them,
+        averaged over the processes if ``together`` (every process calls it here)."""
         self.hold_global()
         norms = self.batchnorm
         if norms is None or not norms.attached:

@@ -36,19 +36,15 @@ LIGHTNING_ARGS = (
 
 @with_settings(extra="kwargs", inherit=(DDPStrategy, LIGHTNING_ARGS))
 class SparseDDPStrategy(TrainerHooks, DDPStrategy):
-    """DDP whose gradient all-reduce is replaced by a sparse exchange with error feedback.
+    """Lightning's DDP with a sparse exchange with error feedback in place of the gradient all-reduce.
 
-    Each step every parameter sends ``k = density * numel`` coordinates (chosen by ``compressor``) of what it has to
-    send; the rest is kept and sent later (error feedback): delayed, never lost. ``compress="update"`` (default):
-    each rank steps on its own gradient, then part of its progress is exchanged and the module holds the global
-    parameters, identical on every rank; no ``DistributedDataParallel`` is built
-    (:class:`~lightning_sparse.exchange.replicas.Replicas` keeps the replicas equal). ``compress="gradient"``: DDP's
-    communication hook sends part of each gradient plus residual. The rest is Lightning's ``DDPStrategy``.
+    ``compress="update"`` (default): each rank steps on its own gradient, then part of its progress is exchanged
+    (no ``DistributedDataParallel``, :class:`~lightning_sparse.exchange.replicas.Replicas` instead).
+    ``compress="gradient"``: DDP's communication hook sends part of each gradient plus residual.
 
     Args:
         {settings}
-        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
-            fitting, unless it has one (figures to the loggers, a summary at the end of fit). ``False``: none.
+        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` when fitting, unless there is one.
         **kwargs: further arguments of ``DistributedDataParallel``.
 
     Example:
@@ -65,7 +61,6 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         super().__init__(**lightning_args, start_method=self._core.config.start_method, **self._core.ddp_kwargs)
         self.compression_monitor = compression_monitor
 
-    # ------------------------------------------------------------------ start
     @override
     def setup_environment(self) -> None:
         self._start_processes(super().setup_environment)
@@ -75,11 +70,8 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         super().setup(trainer)
         self._core.check_optimizers(self.optimizers, self.world_size, self.lightning_module)
 
-    # ------------------------------------------------------------------ the hook
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # Replicas too
-        """Update mode: :class:`~lightning_sparse.exchange.replicas.Replicas`; gradient mode: DDP on the current CUDA
-        stream (:func:`~lightning_sparse.strategies.core.wrap_in_ddp`)."""
         return self._core.wrap(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
 
     @override
@@ -91,7 +83,6 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
             self.model, self.global_rank, self.world_size, self.root_device, scaler, lambda: self.optimizers, recovery
         )
 
-    # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # on every process: each writes its own sparse state, no gather

@@ -21,19 +21,14 @@ _CONFLICTING_DDP_ARGS = {
 
 
 def check_ddp_kwargs(ddp_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The further ``DistributedDataParallel`` arguments given to a strategy, checked: ValueError for one that
-    would install a second communication hook or that DDP does not take; one given as None is dropped.
-
-    Example:
-        >>> check_ddp_kwargs({"broadcast_buffers": False, "ddp_comm_hook": None})
-        {'broadcast_buffers': False}
-    """
+    """The further ``DistributedDataParallel`` arguments, checked: ValueError for one that would install a second
+    communication hook or that DDP does not take; one given as None is dropped."""
     extra = dict(ddp_kwargs or {})
     for name, why in _CONFLICTING_DDP_ARGS.items():
         if extra.get(name) is not None:
             raise ValueError(f"{name}={extra[name]!r} is not allowed with SparseDDPStrategy: {why}.")
         extra.pop(name, None)  # None: none of it (what the Lightning CLI passes)
-    allowed = _ddp_arguments()
+    allowed = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
     for name in extra:
         if name not in allowed:
             raise ValueError(
@@ -41,8 +36,3 @@ def check_ddp_kwargs(ddp_kwargs: dict[str, Any] | None) -> dict[str, Any]:
                 f"DistributedDataParallel, which takes {', '.join(sorted(allowed))}."
             )
     return extra
-
-
-def _ddp_arguments() -> set[str]:
-    """The keyword arguments DistributedDataParallel takes (but the module)."""
-    return set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}

@@ -19,18 +19,16 @@ from typing_extensions import override
 from lightning_sparse._utils import check_bool
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_sparse.strategies.ft_front import trainer_recovery
-from lightning_sparse.strategies.settings import DDP_ONLY, with_settings
 from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
     ShardedFront,
     bind_shards,
-    check_mesh,
     load_local_optimizer_states,
     local_tree,
-    mesh_shape,
     reshard,
     shard_module,
     start_mesh,
+    with_fsdp_settings,
 )
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
@@ -60,35 +58,21 @@ def _reshard_after(hook: str) -> Callable[[SparseFSDPStrategy], None]:
     return run
 
 
-@with_settings(
-    exclude=DDP_ONLY,
-    docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
-    inherit=(ModelParallelStrategy, ("process_group_backend", "timeout")),
-)
+@with_fsdp_settings(ModelParallelStrategy)
 class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
     """FSDP2 inside each group of ``shard_size`` processes, update mode's sparse exchange across groups.
 
-    The processes form a mesh ``("replicate", "shard")`` of ``world_size / shard_size`` groups. Inside a group
-    FSDP2 shards the model and reduce-scatters the gradients (the fast link); after each process's optimizer step
-    its compressed progress is exchanged with the processes of the other groups that hold the same shard (the slow
-    link). Parameters, optimizer state, residual and global copy are all shard-sized.
-
-    The model is sharded by the LightningModule's ``configure_model`` (``fully_shard(module,
-    mesh=self.device_mesh["shard"])``) or by the strategy (:func:`~lightning_sparse.strategies.sharding.sharding_units`
-    of ``sharded_modules``). Every step method runs inside the root unit's forward, so a step may call ``self(x)``
-    or a submodule (``self.model(input_ids=x, labels=x)``) whose output exposes its tensors to FSDP2 (a tensor,
-    tuple, dict, dataclass or ``ModelOutput``). Checkpoints are ``torch.distributed.checkpoint`` folders (the
-    global model) with each process's own state in ``<path>.sparse/``; resuming needs the same number of processes
-    and ``shard_size``.
+    The processes form a mesh ``("replicate", "shard")``: inside a group FSDP2 shards the model; after each
+    optimizer step a process's compressed progress is exchanged with the processes of the other groups holding the
+    same shard. The model is sharded by the LightningModule's ``configure_model`` (``fully_shard(module,
+    mesh=self.device_mesh["shard"])``) or by the strategy (``sharded_modules``). Checkpoints are
+    ``torch.distributed.checkpoint`` folders; resuming needs the same number of processes and ``shard_size``.
 
     Args:
-        shard_size: processes per group (FSDP2 inside, the exchange across); None (default): the
-            processes of one node. Must divide the number of processes.
-        sharded_modules: names of module classes to shard (e.g. ``["GPT2Block"]``), for a
-            LightningModule without a ``configure_model`` that shards it; None: ``configure_model`` does.
+        shard_size: processes per group, a divisor of the number of processes; None: those of one node.
+        sharded_modules: names of module classes to shard (e.g. ``["GPT2Block"]``); None: ``configure_model`` does.
         {settings}
-        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` to the Trainer's callbacks when
-            fitting, unless it has one. ``False``: none.
+        compression_monitor: add a ``lightning_sparse.CompressionMonitor`` when fitting, unless there is one.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -110,18 +94,12 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
         self.compression_monitor = compression_monitor
         self._sharded_here: torch.nn.Module | None = None
 
-    # ------------------------------------------------------------------ mesh
-    def _mesh_shape(self) -> list[int]:
-        """[groups, shard_size]: what a checkpoint records and a resume must match."""
-        return mesh_shape(self.device_mesh)
-
     @override
     def setup_environment(self) -> None:
         self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
-    # ------------------------------------------------------------------ sharding and binding
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -135,9 +113,8 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
         if shard_module(module, self.device_mesh["shard"], self.sharded_modules, module is self._sharded_here):
             self._sharded_here = module
 
-    # ------------------------------------------------------------------ steps through the root's forward
-    # The root unit's forward starts every unit's all-gathers, but a step that calls a submodule (self.model(...))
-    # never runs it: every step method runs inside it instead, as Lightning's DDP runs it inside DDP's forward.
+    # every step method runs inside the root unit's forward, which starts every unit's all-gathers (a step may
+    # call a submodule), as Lightning's DDP runs it inside DDP's forward
     def _in_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.fsdp import FSDPModule
 
@@ -169,23 +146,13 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
             self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers, recovery
         )
 
-    # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """The global model through ``torch.distributed.checkpoint``, and each process's residuals and optimizer
-        state (it followed its own gradients; the folder holds one copy of each shard) in its own file beside it."""
+        """The global model through ``torch.distributed.checkpoint``, each process's own state (its optimizer
+        states too: the folder holds one copy of each shard) in its own file beside it."""
         optimizers = [local_tree(state) for state in checkpoint.pop("optimizer_states", [])]
-        entry = self._core.checkpoint.save(
-            filepath,
-            self.global_rank,
-            self.world_size,
-            {"optimizer_states": optimizers} if optimizers else None,
-            self.checkpoint_io,
-            storage_options,
-            rank0_in_checkpoint=False,
-        )
-        entry["mesh"] = self._mesh_shape()
-        checkpoint[CHECKPOINT_KEY] = entry
+        states = {"optimizer_states": optimizers} if optimizers else None
+        checkpoint[CHECKPOINT_KEY] = self._save_shards(filepath, states, self.checkpoint_io, storage_options)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -201,8 +168,7 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
-        check_mesh(checkpoint.get(CHECKPOINT_KEY), self._mesh_shape(), path)
-        self._restore_sparse(checkpoint, path, True, weights_only)
+        self._restore_shards(checkpoint, path, weights_only)
         assert self.model is not None
         states = checkpoint.pop("optimizer_states", [])
         load_local_optimizer_states(self.model, list(zip(self.optimizers, states, strict=False)))

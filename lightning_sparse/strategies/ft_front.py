@@ -12,13 +12,12 @@ __all__ = ["fabric_recovery", "trainer_recovery"]
 
 
 def _optimizer_io(sharded: bool) -> tuple[Any, Any]:
-    """(save, load) of one optimizer's state: as it is, or (FSDP2) its DTensors as local shards (the sending and
-    the loading process hold the same shards)."""
+    """(save, load) of one optimizer's state: as it is, or (FSDP2) its DTensors as this process's shards."""
     if not sharded:
         return (lambda o: o.state_dict()), (lambda o, saved: o.load_state_dict(saved))
-    from lightning_sparse.strategies.sharding import load_local_optimizer_state, local_optimizer_state
+    from lightning_sparse.strategies.sharding import load_local_optimizer_state, local_tree
 
-    return local_optimizer_state, load_local_optimizer_state
+    return (lambda o: local_tree(o.state_dict())), load_local_optimizer_state
 
 
 def _inner(optimizer: Any) -> Optimizer:
@@ -26,14 +25,7 @@ def _inner(optimizer: Any) -> Optimizer:
 
 
 def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
-    """A Trainer strategy's part: the optimizers' and schedulers' states and the step counters (a healed group
-    finishes at the same ``max_steps``). ``sharded``: FSDP2's optimizers, sent as this process's shards.
-
-    Example:
-        >>> save, load = trainer_recovery(object())
-        >>> callable(save) and callable(load)
-        True
-    """
+    """A Trainer strategy's part: the optimizers' and schedulers' states and the step counters."""
 
     save_one, load_one = _optimizer_io(sharded)
 
@@ -65,13 +57,7 @@ def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
 
 
 def fabric_recovery(optimizers: Any, sharded: bool = False) -> FrontEndState:
-    """A Fabric strategy's part: the states of the ``optimizers()`` it set up (``sharded``: as local shards).
-
-    Example:
-        >>> save, load = fabric_recovery(lambda: [])
-        >>> save()
-        {'optimizers': []}
-    """
+    """A Fabric strategy's part: the states of the ``optimizers()`` it set up."""
 
     save_one, load_one = _optimizer_io(sharded)
 

@@ -1,10 +1,8 @@
 """Named points of the compression frontier: a bandwidth budget instead of five arguments.
 
-Each preset exchanges the top 1 % of each tensor in 2-bit values every ``sync_every`` steps, with no dense warm-up
-and an end-of-fit hand-over of a few exchanges (``flush_at_end=R``) instead of one dense all-reduce, which alone would
-cost more than such a fit sends; from 16 steps on with a Nesterov outer step and decayed error feedback
-(``error_feedback_decay``, as SparseLoCo). The name is its byte reduction against dense DDP (``docs/results.md``,
-"Presets").
+Each preset exchanges the top 1 % of each tensor in 2-bit values every ``sync_every`` steps, with an end-of-fit
+hand-over of a few exchanges; from 16 steps on with a Nesterov outer step and decayed error feedback. The name is
+its byte reduction against dense DDP (``docs/results.md``, "Presets").
 """
 
 from __future__ import annotations
@@ -26,16 +24,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_settings(name: str) -> dict[str, Any]:
-    """The settings of preset ``name`` (a copy), or ValueError naming the presets there are.
-
-    Example:
-        >>> preset_settings("1000x")["sync_every"]
-        4
-        >>> preset_settings("1x")
-        Traceback (most recent call last):
-        ...
-        ValueError: preset='1x' is not allowed: expected one of ['1000x', '2000x', '4000x', '8000x', '10000x'].
-    """
+    """The settings of preset ``name`` (a copy), or ValueError naming the presets there are."""
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is not allowed: expected one of {list(PRESETS)}.")
     return dict(PRESETS[name])

@@ -1,7 +1,7 @@
 """The settings as the front ends' flat keyword arguments, declared once in ``SparseConfig``.
 
-``SparseDDPStrategy(density=0.001)`` is what the Lightning CLI reads: :func:`with_settings` writes the settings into a
-front end's signature and ``Args:``, :func:`take_settings` splits the arguments it was given.
+:func:`with_settings` writes them into a front end's signature and ``Args:`` (what the Lightning CLI reads),
+:func:`take_settings` splits the arguments it was given.
 """
 
 from __future__ import annotations
@@ -42,23 +42,8 @@ def setting_default(settings: dict[str, Any], name: str) -> Any:
 
 
 def take_settings(cls: type, settings: dict[str, Any]) -> tuple[SparseConfig, dict[str, Any], dict[str, Any]]:
-    """A front end's keyword arguments (``cls`` decorated with :func:`with_settings`) split into the config, the
-    arguments of the Lightning strategy it extends, and the rest (only with ``extra``, else TypeError).
-
-    Example:
-        >>> @with_settings(extra="kwargs")
-        ... class Front:
-        ...     '''A front end.
-        ...
-        ...     Args:
-        ...         {settings}
-        ...     '''
-        ...     def __init__(self, **settings: Any) -> None:
-        ...         pass
-        >>> config, base, rest = take_settings(Front, {"density": 0.1, "broadcast_buffers": False})
-        >>> config.density.density(0), base, rest
-        (0.1, {}, {'broadcast_buffers': False})
-    """
+    """A front end's keyword arguments split into the config, the arguments of the Lightning strategy it extends,
+    and the rest (only with ``extra``, else TypeError)."""
     exclude, inherited, extra = cls._settings  # type: ignore[attr-defined]
     names = {f.name for f in _fields(exclude)}
     base = {k: v for k, v in settings.items() if k in inherited}
@@ -90,11 +75,9 @@ def with_settings(
     inherit: tuple[type, Iterable[str]] | None = None,
 ) -> Callable[[T], T]:
     """Class decorator: the settings of :class:`~lightning_sparse.config.SparseConfig` (but ``exclude``) join a
-    front end's own arguments in its signature and its docstring's ``Args:`` (at a line ``{settings}``).
-
-    Signature: its positional arguments, every setting (keyword-only, typed, defaulted), its keyword-only
-    arguments, then ``inherit = (base, names)``'s (typed and defaulted as in ``base.__init__``), then ``**extra``.
-    ``docs``: a front end's own words for a setting.
+    front end's own arguments in its signature and its docstring's ``Args:`` (at a line ``{settings}``), after its
+    positional ones; then its keyword-only ones, ``inherit = (base, names)``'s, and ``**extra``. ``docs``: a front
+    end's own words for a setting.
 
     Example:
         >>> @with_settings(exclude=DDP_ONLY)

@@ -7,14 +7,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
 from lightning_sparse.config import setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.exchange.ft import FrontEndState
+from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY, map_leaves
 from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
-from lightning_sparse.strategies.settings import DDP_ONLY, setting_default
+from lightning_sparse.strategies.settings import DDP_ONLY, T, setting_default, with_settings
+from lightning_sparse.strategies.shell import SparseShell
 from lightning_sparse.wire.stats import Telemetry
 
 __all__ = [
@@ -27,7 +30,6 @@ __all__ = [
     "count_group_traffic",
     "load_local_optimizer_state",
     "load_local_optimizer_states",
-    "local_optimizer_state",
     "local_tree",
     "make_mesh",
     "mesh_shape",
@@ -35,6 +37,7 @@ __all__ = [
     "shard_module",
     "sharding_units",
     "start_mesh",
+    "with_fsdp_settings",
 ]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
@@ -80,7 +83,16 @@ def check_sharding_arguments(settings: dict[str, Any], shard_size: Any, sharded_
         )
 
 
-class ShardedFront:
+def with_fsdp_settings(base: type) -> Callable[[T], T]:
+    """:func:`~lightning_sparse.strategies.settings.with_settings` for a ``sparse_fsdp`` front end of ``base``."""
+    return with_settings(
+        exclude=DDP_ONLY,
+        docs={"bucket_cap_mb": "size of the exchange's messages in MB (None: 25)."},
+        inherit=(base, ("process_group_backend", "timeout")),
+    )
+
+
+class ShardedFront(SparseShell):
     """What both ``sparse_fsdp`` front ends share as classes: their name, sharding arguments and shard size.
 
     Example:
@@ -104,11 +116,25 @@ class ShardedFront:
         """Processes per group (the mesh's ``"shard"`` dimension)."""
         return int(self.device_mesh["shard"].size())
 
+    def _save_shards(
+        self, path: _PATH, optimizer_states: dict[str, Any] | None, io: CheckpointIO, storage_options: Any
+    ) -> dict[str, Any]:
+        """Write this process's file beside the checkpoint at ``path``; the checkpoint's entry, with the mesh."""
+        entry = self._core.checkpoint.save(
+            path, self.global_rank, self.world_size, optimizer_states, io, storage_options, rank0_in_checkpoint=False
+        )
+        entry["mesh"] = mesh_shape(self.device_mesh)
+        return entry
+
+    def _restore_shards(self, checkpoint: dict[str, Any], path: _PATH, weights_only: bool | None) -> None:
+        """Restore this process's sparse state from a loaded ``checkpoint`` written on the same mesh."""
+        check_mesh(checkpoint.get(CHECKPOINT_KEY), mesh_shape(self.device_mesh), path)
+        self._restore_sparse(checkpoint, path, True, weights_only)
+
 
 def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None) -> Any:
-    """A ``sparse_fsdp`` front end's ``setup_environment``: ``setup`` (``ParallelStrategy``'s, not
-    ``ModelParallelStrategy``'s, which builds a mesh of its own) and the process group; returns the
-    :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
+    """A ``sparse_fsdp`` front end's ``setup_environment``: ``setup`` (``ParallelStrategy``'s, which builds no mesh)
+    and the process group, then the :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
 
     def start() -> None:
         setup()
@@ -120,8 +146,7 @@ def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None)
 
 
 def make_mesh(device: torch.device, world_size: int, shard_size: int, fault_tolerant: bool = False) -> Any:
-    """The ``("replicate", "shard")`` mesh of ``world_size / shard_size`` groups; ``fault_tolerant``: one group of
-    all the job's processes (the exchange runs across jobs)."""
+    """The ``("replicate", "shard")`` mesh; ``fault_tolerant``: one group of all the job's processes."""
     if fault_tolerant:
         shard_size = world_size
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,32 +177,9 @@ def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -
 
 def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[torch.nn.Module]:
     """The modules :func:`shard_module` makes FSDP2 units of, in order: every module whose class is named in
-    ``sharded_modules`` (inner ones first), then every direct child of ``module`` around such blocks that holds
-    parameters none of them holds, then ``module`` itself (the root). ``module``'s own layers stay in its unit
-    (its forward may use their weights outside their calls, as a tied output layer).
-
-    A module that shares a parameter with a module outside it is no unit of its own: FSDP2 manages each parameter
-    in exactly one unit.
-
-    Example:
-        >>> from torch import nn
-        >>> class Block(nn.Sequential): ...
-        >>> class GPT(nn.Module):
-        ...     def __init__(self) -> None:
-        ...         super().__init__()
-        ...         self.wte, self.blocks = nn.Embedding(16, 8), nn.Sequential(Block(nn.Linear(8, 8)))
-        ...         self.head = nn.Linear(8, 16, bias=False)
-        ...         self.head.weight = self.wte.weight  # tied
-        >>> class Root(nn.Module):
-        ...     def __init__(self) -> None:
-        ...         super().__init__()
-        ...         self.model, self.scale = GPT(), nn.Parameter(torch.ones(1))
-        >>> root = Root()
-        >>> [type(m).__name__ for m in sharding_units(root, ["Block"])]
-        ['Block', 'GPT', 'Root']
-        >>> [type(m).__name__ for m in sharding_units(root.model, ["Embedding", "Block"])]  # wte is tied: no unit
-        ['Block', 'GPT']
-    """
+    ``sharded_modules`` (inner ones first), every direct child of ``module`` around such blocks that holds other
+    parameters, then ``module`` (whose own layers stay in its unit). A module that shares a parameter with one
+    outside it is no unit: FSDP2 manages each parameter in exactly one unit."""
     holders: dict[int, list[torch.nn.Module]] = {}
     for m in module.modules():
         for p in m._parameters.values():
@@ -207,9 +209,8 @@ def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[
 
 
 def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] | None, ours: bool) -> bool:
-    """Shard ``module`` on the ``"shard"`` mesh as :func:`sharding_units` says, or check that the caller sharded
-    it (``sharded_modules`` None). ``ours``: this strategy sharded it in an earlier run. Returns whether it was
-    sharded here."""
+    """Shard ``module`` as :func:`sharding_units` says, or check that the caller did (``sharded_modules`` None);
+    ``ours``: this strategy sharded it in an earlier run. Returns whether it was sharded here."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     sharded = any(isinstance(m, FSDPModule) for m in module.modules())
@@ -241,8 +242,8 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
 
 
 def reshard(module: torch.nn.Module) -> None:
-    """Put every FSDP2 unit of ``module`` back in its sharded state: after a forward without backward the root
-    keeps its gathered parameters, which FSDP2 would reuse although the exchange has written the shards since."""
+    """Reshard every FSDP2 unit of ``module``: after a forward without backward the root keeps its gathered
+    parameters, which FSDP2 would reuse although the exchange has written the shards since."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in module.modules():
@@ -251,9 +252,8 @@ def reshard(module: torch.nn.Module) -> None:
 
 
 def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
-    """Count the bytes of FSDP2's all-gathers and reduce-scatters for ``module`` into ``telemetry.group_bytes``
-    (ring model: ``(S - 1) / S`` of the tensor per process of a group of ``S``), wrapping each collective. Returns
-    False where this torch has no FSDP2 collectives to wrap."""
+    """Count the ring-model bytes of FSDP2's collectives for ``module`` into ``telemetry.group_bytes``; False where
+    this torch has no FSDP2 collectives to wrap."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -316,8 +316,7 @@ def bind_shards(
     optimizers: Callable[[], list[Any]],
     recovery: FrontEndState | None = None,
 ) -> None:
-    """Bind the exchange to this process's shards of ``module``'s parameters, across the ``"replicate"``
-    dimension."""
+    """Bind the exchange to this process's shards of ``module``'s parameters, across ``"replicate"``."""
     named = [(n, p) for n, p in module.named_parameters()]
     # to_local().detach() shares the DTensor's storage (what the exchange writes, FSDP2 gathers next) outside
     # autograd; the DTensors, which the optimizer holds, are the aliases
@@ -340,23 +339,17 @@ def bind_shards(
 
 
 def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optimizer, dict[str, Any]]]) -> None:
-    """Give each optimizer the state this process saved (:func:`local_tree` of ``get_optimizer_state_dict``), its
-    tensors made DTensors again like their parameters."""
+    """Give each optimizer the state this process saved (:func:`local_tree`), as DTensors again."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     params = dict(module.named_parameters())
     for optimizer, state in pairs:
-        tree = _sharded_tree(state, params)
+        tree = {**state, "state": {name: _like_param(slot, params[name]) for name, slot in state["state"].items()}}
         set_optimizer_state_dict(module, optimizer, tree, options=StateDictOptions(full_state_dict=False))
 
 
-def local_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every DTensor replaced by this process's local tensor (no collective)."""
-    return local_tree(optimizer.state_dict())
-
-
 def load_local_optimizer_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
-    """Load what :func:`local_optimizer_state` wrote on a process holding the same shards."""
+    """Load the :func:`local_tree` of a ``state_dict()`` on a process holding the same shards."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     slots = {i: _like_param(slot, params[int(i)]) for i, slot in state["state"].items()}
     optimizer.load_state_dict({**state, "state": slots})
@@ -379,17 +372,4 @@ def _like_param(slot: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
 
 def local_tree(state: Any) -> Any:
     """An optimizer's ``state_dict()`` with every DTensor replaced by this process's local tensor."""
-    if hasattr(state, "to_local") and hasattr(state, "placements"):
-        return state.to_local()
-    if isinstance(state, dict):
-        return {k: local_tree(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        items = [local_tree(v) for v in state]
-        return type(state)(items) if isinstance(state, tuple) else items
-    return state
-
-
-def _sharded_tree(state: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """:func:`local_tree` of ``get_optimizer_state_dict``'s state (by parameter name) made DTensors again."""
-    restored = {name: _like_param(slot, params[name]) for name, slot in state["state"].items()}
-    return {**state, "state": restored}
+    return map_leaves(state, lambda x: x.to_local() if hasattr(x, "to_local") and hasattr(x, "placements") else x)

@@ -1,7 +1,8 @@
-"""The shell the Trainer and the Fabric strategies share: their properties, starts, checkpoints and optimizer step."""
+"""The shell the Trainer and the Fabric strategies share: properties, starts, checkpoints, optimizer step."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import Self
 
-from lightning_sparse._utils import end_process_group_at_exit
+from lightning_sparse._utils import end_process_group_at_exit, note_run_end
 from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
@@ -43,23 +44,26 @@ class SparseShell:
     checkpoint_io: CheckpointIO
 
     def _take_settings(self, front: type, settings: dict[str, Any]) -> dict[str, Any]:
-        """Build the core from a front end's keyword arguments; return those of the Lightning strategy it extends."""
+        """Build the core from the keyword arguments; return those of the Lightning strategy extended."""
         config, base_args, ddp_kwargs = take_settings(front, settings)
         self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
         return base_args
 
     def _start_processes(self, start: Callable[[], None]) -> None:
-        """Run ``start`` (the front end's ``setup_environment``), then have the group it created ended at
-        interpreter exit on every rank together: Fabric calls no teardown when the loop ends, and a Trainer's
-        group outlives its runs."""
+        """Run ``start`` (``setup_environment``); the group it created ends at interpreter exit on every rank."""
         created = not _distributed_is_initialized()
         start()
         end_process_group_at_exit(created=created)
 
+    def teardown(self) -> None:
+        """The Lightning strategy's teardown; the process group stays until interpreter exit, unless a run failed
+        (the other ranks may never get there)."""
+        note_run_end(failed=sys.exc_info()[1] is not None)
+        super().teardown()  # type: ignore[misc]
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process trains on batches of its own (under ``sparse_fsdp`` too); fault-tolerant, sharded over
-        every replica group's processes as torchft's ``DistributedSampler`` does."""
+        """Every process trains on batches of its own; fault-tolerant: sharded over every replica group's."""
         kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
         return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
@@ -95,16 +99,15 @@ class SparseShell:
         return self._core.update
 
     def global_model(self) -> None:
-        """Put the global model in the module (update mode), on every process at the same point (BatchNorm
-        statistics recomputed for it are averaged over them). Validation, checkpoints and a Trainer's end of fit
-        do it themselves; a Fabric loop that reads the parameters after its last step calls it."""
+        """Put the global model in the module (update mode), on every process at the same point; for a Fabric loop
+        that reads the parameters after its last step."""
         self._core.global_model()
 
     def flush_residuals(self, rounds: int | None = None) -> None:
         """Hand over what every process has not sent yet (update mode), on every process at the same point.
 
-        ``rounds=None``: add the mean of the residuals to the global model exactly (one float32 all-reduce) and
-        empty them; ``rounds=R``: R more exchanges as configured. The module then holds the global model.
+        ``rounds=None``: add the mean of the residuals to the global model exactly and empty them; ``rounds=R``: R more
+        exchanges as configured.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -116,8 +119,8 @@ class SparseShell:
         self._core.flush_residuals(rounds)
 
     def end_fit(self) -> None:
-        """Call after a Fabric loop's last optimizer step, on every process (a Trainer does it at the end of fit):
-        :meth:`flush_residuals` as ``flush_at_end`` says, then :meth:`global_model`.
+        """After a Fabric loop's last optimizer step, on every process: :meth:`flush_residuals` as
+        ``flush_at_end`` says, then :meth:`global_model`.
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
@@ -134,14 +137,14 @@ class SparseShell:
         )
 
     def _restore_sparse(self, checkpoint: dict[str, Any], path: _PATH, now: bool, weights_only: bool | None) -> None:
-        """Restore this process's sparse state from a loaded ``checkpoint`` (``CheckpointPayload.restore``)."""
+        """Restore this process's sparse state from a loaded ``checkpoint``."""
         self._core.checkpoint.restore(
             checkpoint, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device, now, weights_only
         )
 
     def _gradients_ready(self) -> None:
-        """After the backward, before the step, on every process: update mode's plain DDP step of a timed fallback
-        or fp16 AMP's overflow agreement (``Replicas.gradients_ready``), where due."""
+        """After the backward, on every process: a timed fallback's plain DDP step or fp16 AMP's overflow agreement
+        (update mode)."""
         core = self._core
         if core.replicas is not None:
             steps = core.state.step_exchange
@@ -149,8 +152,7 @@ class SparseShell:
                 core.replicas.gradients_ready(core.state)
 
     def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
-        """Run the optimizer ``step``; in update mode on this rank's view, then the exchange, which leaves the new
-        global values in the module."""
+        """Run the optimizer ``step``; in update mode on this rank's view, then the exchange."""
         update = self._core.update
         if update is None:
             output = step()

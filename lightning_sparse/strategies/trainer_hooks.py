@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_sparse._utils import check_int, note_run_end
+from lightning_sparse._utils import check_int
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.shell import SparseShell
 from lightning_sparse.telemetry.callbacks import CompressionMonitor
@@ -21,8 +20,7 @@ __all__ = ["FlushResiduals", "GlobalModelFirst", "TrainerHooks"]
 
 class GlobalModelFirst(pl.Callback):
     """Puts the global model in the module before any other callback sees the start of validation, testing,
-    prediction or the end of fit (Lightning runs the callbacks' hooks before the strategy's); first among the
-    Trainer's callbacks, in update mode.
+    prediction or the end of fit; first among the Trainer's callbacks, in update mode.
 
     Example:
         >>> from lightning_sparse.strategies.core import SparseCore
@@ -34,14 +32,10 @@ class GlobalModelFirst(pl.Callback):
     def __init__(self, core: Any) -> None:
         self.core = core
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _global_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.core.global_model()
 
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.core.global_model()
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.core.global_model()
+    on_validation_start = on_test_start = on_predict_start = _global_model
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the hand-over (flush_at_end), before the monitor's summary counts it; a user's FlushResiduals does its own
@@ -53,9 +47,7 @@ class GlobalModelFirst(pl.Callback):
 
 
 class FlushResiduals(pl.Callback):
-    """At the end of fit, the strategy's ``flush_residuals(rounds)`` in place of ``flush_at_end``'s (update mode).
-
-    It runs after the fit's last checkpoint: ``trainer.save_checkpoint(...)`` after ``fit`` keeps the result.
+    """At the end of fit (after its last checkpoint), ``flush_residuals(rounds)`` in place of ``flush_at_end``'s.
 
     Example:
         >>> callbacks = [FlushResiduals(rounds=8)]  # pl.Trainer(strategy="sparse_ddp", callbacks=callbacks)
@@ -77,8 +69,7 @@ class FlushResiduals(pl.Callback):
 
 
 def _global_model_first(hook: str) -> Callable[[TrainerHooks], None]:
-    """``TrainerHooks``'s ``hook``: the global model in the module (BatchNorm statistics recomputed), then the
-    Lightning strategy's ``hook``."""
+    """``TrainerHooks``'s ``hook``: the global model in the module, then the Lightning strategy's ``hook``."""
 
     def run(self: TrainerHooks) -> None:
         self._core.global_model()
@@ -89,10 +80,8 @@ def _global_model_first(hook: str) -> Callable[[TrainerHooks], None]:
 
 
 class TrainerHooks(SparseShell):
-    """The hooks ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share, on top of a Lightning strategy.
-
-    In update mode the module holds this process's own view for its forward, backward and optimizer step, and the
-    global model everywhere else (validation, testing, prediction, checkpoints, the end of fit).
+    """The hooks ``SparseDDPStrategy`` and ``SparseFSDPStrategy`` share: in update mode the module holds this
+    process's own view for its forward, backward and optimizer step, and the global model everywhere else.
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
@@ -154,13 +143,6 @@ class TrainerHooks(SparseShell):
             and not any(isinstance(cb, CompressionMonitor) for cb in callbacks)
         ):
             callbacks.append(CompressionMonitor())
-
-    def teardown(self) -> None:
-        """Lightning's teardown. The process group stays for the Trainer's next run and the script after it; it
-        is ended at interpreter exit on every rank together, unless this run ended with an exception (then the
-        other ranks may never get there)."""
-        note_run_end(failed=sys.exc_info()[1] is not None)
-        super().teardown()  # type: ignore[misc]
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)  # type: ignore[misc]

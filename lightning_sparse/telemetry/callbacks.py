@@ -10,26 +10,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_sparse._utils import check_bool
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.telemetry.summary import CompressionSummary, fit_title
 from lightning_sparse.wire.stats import Counters, Telemetry
 
-#: the metric names CompressionMonitor logs
-METRIC_NAMES = (
-    "sparse/compression_ratio",
-    "sparse/compression_ratio_cumulative",
-    "sparse/message_ratio",
-    "sparse/density",
-    "sparse/bytes_sent",
-    "sparse/bytes_sent_total",
-    "sparse/wire_bytes",
-    "sparse/wire_bytes_total",
-    "sparse/residual_norm",
-    "sparse/compress_ms",
-    "sparse/collectives",
-)
-#: logged in update mode too: how far the global model lags this rank's own view
-UPDATE_METRIC_NAMES = ("sparse/unsent_ratio", "sparse/nonfinite_updates")
 #: what the summary says on one process instead of an empty table
 ONE_PROCESS = (
     "one process, nothing exchanged (the sparse exchange runs between processes; this fit trained as plain Lightning)."
@@ -46,30 +31,10 @@ def compression_figures(
     unsent_ratio: float | None = None,
     group_bytes: float | None = None,
 ) -> dict[str, float]:
-    """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval``.
-
-    - ``sparse/compression_ratio``: dense wire bytes / wire bytes over those steps (ring model);
-    - ``sparse/compression_ratio_cumulative``: the same over the whole run (``total``);
-    - ``sparse/message_ratio``: dense bytes / bytes sent (message sizes);
-    - ``sparse/density``: fraction of gradient coordinates sent (dense parts count in full);
-    - ``sparse/bytes_sent``: bytes this rank put into collectives, per step;
-    - ``sparse/bytes_sent_total``: the same, a running total (the x axis of
-      :func:`~lightning_sparse.telemetry.curves.loss_against_bytes`);
-    - ``sparse/wire_bytes``, ``sparse/wire_bytes_total``: bytes those collectives moved through this rank;
-    - ``sparse/residual_norm``: L2 norm of this rank's error-feedback residuals;
-    - ``sparse/unsent_ratio`` (update mode): that norm over the global parameters' norm;
-    - ``sparse/compress_ms``: milliseconds per step spent in the hook;
-    - ``sparse/collectives``: collectives this rank issued per step;
-    - ``sparse/group_bytes`` (``sparse_fsdp``): bytes of FSDP2's collectives inside this process's group,
-      per step.
-
-    Example:
-        >>> c = Counters(dense_bytes=800, sent_bytes=20, numel=200, sent_numel=4, compress_seconds=0.002)
-        >>> c.wire_bytes, c.dense_wire_bytes = 60.0, 1200.0  # 4 ranks: all-gather vs all-reduce
-        >>> f = compression_figures(c, 2, c, 0.5)
-        >>> f["sparse/compression_ratio"], f["sparse/message_ratio"], f["sparse/wire_bytes"]
-        (20.0, 40.0, 30.0)
-    """
+    """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval`` (``total``: the whole
+    run's): compression ratio (dense wire bytes / wire bytes, ring model), message ratio (dense bytes / bytes sent),
+    density, bytes sent and wire bytes per step and in total, residual norm, unsent ratio (update mode),
+    milliseconds in the hook and collectives per step, and ``sparse/group_bytes`` (``sparse_fsdp``)."""
     steps = max(steps, 1)
     return {
         "sparse/compression_ratio": interval.compression_ratio,
@@ -88,26 +53,27 @@ def compression_figures(
     }
 
 
+#: the metric names CompressionMonitor logs (but update mode's and ``sparse_fsdp``'s)
+METRIC_NAMES = tuple(compression_figures(Counters(), 1, Counters(), 0.0))
+
+
 def find_sparse_state(trainer: pl.Trainer) -> SparseState | None:
-    """The hook state of the Trainer's strategy, or None if it is not a SparseDDPStrategy."""
+    """The sparse state of the Trainer's strategy, or None."""
     state = getattr(trainer.strategy, "sparse_state", None)
     return state if isinstance(state, SparseState) else None
 
 
 class CompressionMonitor(Callback):
-    """Log the sparse hook's compression figures through ``pl_module.log`` and print a summary.
+    """Log the compression figures (:func:`compression_figures`) through ``pl_module.log`` and print a summary.
 
-    Each logged point covers the optimizer steps since the previous one (:func:`compression_figures`);
-    every Lightning logger receives them, and ``trainer.callback_metrics`` holds the latest (which is how
-    they reach the main process under ``sparse_ddp_spawn``). ``SparseDDPStrategy`` adds one by itself
-    unless one is given or ``compression_monitor=False``.
+    Each logged point covers the optimizer steps since the previous one; ``trainer.callback_metrics`` holds the
+    latest. The sparse strategies add one unless one is given or ``compression_monitor=False``.
 
     Args:
         logging_interval: ``"step"`` (at the Trainer's ``log_every_n_steps``) or ``"epoch"``.
         summary: print a table of the fit's figures on rank 0 when training ends.
-        sync_dist: average the figures over ranks before logging (a small all-reduce per figure).
-            ``None``: ``True`` with ``"epoch"``, ``False`` with ``"step"`` (no collective in the
-            training loop; the loggers write rank 0's figures).
+        sync_dist: average the figures over ranks before logging. ``None``: ``True`` with ``"epoch"``, ``False``
+            with ``"step"``.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -117,15 +83,11 @@ class CompressionMonitor(Callback):
     """
 
     def __init__(
-        self,
-        logging_interval: Literal["step", "epoch"] = "step",
-        summary: bool = True,
-        sync_dist: bool | None = None,
+        self, logging_interval: Literal["step", "epoch"] = "step", summary: bool = True, sync_dist: bool | None = None
     ) -> None:
         if logging_interval not in ("step", "epoch"):
             raise ValueError(f"logging_interval={logging_interval!r} is not allowed: expected 'step' or 'epoch'.")
-        if not isinstance(summary, bool):
-            raise ValueError(f"summary={summary!r} is not allowed: expected True or False.")
+        check_bool("summary", summary)
         if sync_dist is not None and not isinstance(sync_dist, bool):
             raise ValueError(f"sync_dist={sync_dist!r} is not allowed: expected None, True or False.")
         self.logging_interval = logging_interval
@@ -165,7 +127,7 @@ class CompressionMonitor(Callback):
         self._epoch_start = telemetry.total.copy()
         self._epoch_start_steps = telemetry.steps
         self._step_seconds = 0.0
-        # The residual norm costs a read of every residual: measure it only when logging.
+        # the residual norm costs a read of every residual: measured only when logging
         self._saved_interval = state.step_exchange.residual_norm_interval
         state.step_exchange.residual_norm_interval = 0
 
@@ -215,10 +177,10 @@ class CompressionMonitor(Callback):
         figures = compression_figures(
             interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio(), inside
         )
-        replicas = getattr(getattr(trainer.strategy, "update_exchange", None), "replica_figures", None)
+        update = getattr(trainer.strategy, "update_exchange", None)
+        replicas = getattr(update, "replica_figures", None)
         if replicas is not None:  # fault_tolerant: groups in the last quorum, rollbacks, heals
             figures.update(replicas())
-        update = getattr(trainer.strategy, "update_exchange", None)
         if update is not None:  # update mode: the tensor updates this rank dropped as non-finite
             figures["sparse/nonfinite_updates"] = float(update.nonfinite_updates)
         for name, value in figures.items():
@@ -254,7 +216,7 @@ class CompressionMonitor(Callback):
             self.last_summary.print()
 
     def build_summary(self, trainer: pl.Trainer) -> CompressionSummary:
-        """The summary of the fit so far (figures of this rank since training started)."""
+        """The summary of the fit so far (this rank's figures since training started)."""
         state = self._state
         assert state is not None
         start = self._fit_start
@@ -274,7 +236,7 @@ class CompressionMonitor(Callback):
 
 
 def _should_update_logs(trainer: pl.Trainer) -> bool:
-    """Whether the Trainer writes step metrics to its loggers after this batch (its own rule)."""
+    """Whether the Trainer writes step metrics to its loggers after this batch."""
     connector = getattr(trainer, "_logger_connector", None)
     if connector is None:  # pragma: no cover - Lightning internals moved; log every step
         return True

@@ -1,9 +1,7 @@
 """What one exchange of one bucket costs on the wire, and how it is sent, from its sizes alone.
 
-Built from the exchange's own pieces (:mod:`lightning_sparse.wire`,
-:meth:`~lightning_sparse.compressors.Compressor.k_for`), so :func:`exchange_cost` gives the same bytes as
-the telemetry's ``wire_bytes``. :func:`exchange_time` adds the link: every collective costs a round trip,
-so across data centres the number of collectives (:func:`exchange_collectives`) weighs as much as the bytes.
+Built from the exchange's own pieces, so :func:`exchange_cost` gives the telemetry's ``wire_bytes``;
+:func:`exchange_time` adds a round trip per collective (:func:`exchange_collectives`).
 """
 
 from __future__ import annotations
@@ -38,23 +36,19 @@ def exchange_cost(
 ) -> tuple[float, str]:
     """Ring-model wire bytes through each rank of one exchange of one bucket, and how it is sent.
 
-    The exchange's decisions apply: tensors below ``min_numel`` go dense; before ``warmup_steps``, or with
-    no tensor large enough, the whole bucket is all-reduced; each sparse tensor sends
-    ``compressor.k_for(numel, density)``; with the byte rule (``fallback_to_dense``) the bucket goes dense
-    where sparse would move no fewer bytes (always at world size 1). A timed fallback is not modelled.
+    The exchange's decisions apply (``min_numel``, ``warmup_steps``, ``compressor.k_for``, the byte rule of
+    ``fallback_to_dense``); a timed fallback is not modelled.
 
     Args:
-        config: the settings (compressor, density schedule, ``min_numel``, ``warmup_steps``,
-            ``fallback_to_dense``, ``value_dtype``, ``value_bits``, ``exchange``, ``compact_indices``).
+        config: the settings.
         numels: the number of elements of each tensor of the bucket.
         world_size: the number of ranks (>= 1).
         dtype: the bucket's dtype (the gradient's, or in update mode the parameters').
         step: the optimizer step of the exchange (None: ``config.warmup_steps``, the first sparse one).
 
     Returns:
-        ``(bytes, how)``: bytes through each rank, the small tensors sent beside included; ``how`` is
-        ``"dense"``, ``"allgather"`` or ``"split"`` (gather pattern), or the compressor's pattern
-        (``"shared"``, ``"sketch"``).
+        ``(bytes, how)``: bytes through each rank, small tensors included; ``how`` is ``"dense"``, ``"allgather"``
+        or ``"split"`` (gather pattern), or the compressor's pattern (``"shared"``, ``"sketch"``).
 
     Example:
         >>> from lightning_sparse import SparseConfig, exchange_cost
@@ -93,8 +87,7 @@ def exchange_cost(
 
 
 def _small_tensors_bytes(ctx: WireContext, numel: int, itemsize: int) -> float:
-    """Bytes of a sparse bucket's tensors below ``min_numel``: all-reduced, or with ``value_bits`` all-gathered
-    as codes where that moves fewer bytes (``DensePattern.launch_members``)."""
+    """Bytes of a sparse bucket's tensors below ``min_numel``: all-reduced, or all-gathered as codes."""
     world, bits = ctx.world_size, ctx.value_bits
     if numel and bits is not None and coded_members_pay(world, numel, bits, itemsize):
         return ring_all_gather_bytes(world, quant.message_bytes(numel, bits))
@@ -108,8 +101,7 @@ def exchange_collectives(
     dtype: torch.dtype = torch.float32,
     step: int | None = None,
 ) -> int:
-    """How many collectives one exchange of a bucket of ``numels`` issues (arguments as :func:`exchange_cost`);
-    the same for all of an exchange's buckets together: calls of one kind, dtype and round travel together.
+    """How many collectives one exchange of a bucket of ``numels`` issues (arguments as :func:`exchange_cost`).
 
     Example:
         >>> from lightning_sparse import SparseConfig
@@ -162,9 +154,8 @@ def exchange_time(
     dtype: torch.dtype = torch.float32,
     step: int | None = None,
 ) -> float:
-    """Seconds one exchange of a bucket takes on a link of ``bandwidth`` bytes per second and
-    ``round_trip`` seconds: ``collectives x round_trip + wire bytes / bandwidth`` (other arguments as
-    :func:`exchange_cost`). A model: one round trip per collective, no pipelining.
+    """Seconds one exchange of a bucket takes on a link of ``bandwidth`` bytes per second and ``round_trip``
+    seconds: ``collectives x round_trip + wire bytes / bandwidth`` (other arguments as :func:`exchange_cost`).
 
     Example:
         >>> from lightning_sparse import SparseConfig

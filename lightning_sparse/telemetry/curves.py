@@ -25,10 +25,8 @@ def loss_against_bytes(
 ) -> list[tuple[float, float]]:
     """``(bytes sent so far, loss)`` at every logged value of ``loss``, in step order.
 
-    ``rows``: a ``CSVLogger``'s ``metrics.csv``, or any logger's rows as mappings with a ``"step"`` key.
-    The bytes are :class:`~lightning_sparse.telemetry.callbacks.CompressionMonitor`'s running total
-    (``sparse/bytes_sent_total``, or ``"sparse/wire_bytes_total"``) at the latest step at or before the
-    loss's; a loss logged before any bytes is left out.
+    ``rows``: a ``CSVLogger``'s ``metrics.csv``, or any logger's rows as mappings with a ``"step"`` key. The bytes
+    are the latest ``bytes_column`` at or before the loss's step; a loss logged before any bytes is left out.
 
     Example:
         >>> rows = [

@@ -1,8 +1,5 @@
-"""torchmetrics Metrics for the compression figures, synchronised across ranks the torchmetrics way.
-
-Their states are additive (``dist_reduce_fx="sum"``), so ``compute()`` gives the figure of all ranks
-together. Feed them the hook's counters, e.g. ``strategy.sparse_state.telemetry.last`` after each step.
-"""
+"""torchmetrics Metrics for the compression figures, summed over ranks (``compute()`` gives all ranks' figure).
+Feed them the hook's counters, e.g. ``strategy.sparse_state.telemetry.last`` after each step."""
 
 from __future__ import annotations
 
@@ -65,8 +62,7 @@ class _RatioMetric(_CounterMetric):
 
 
 class CompressionRatio(_RatioMetric):
-    """Dense wire bytes / wire bytes (``Counters.compression_ratio``, ring model), over all updates and
-    (when synchronised) all ranks; 1.0 when nothing crossed the wire.
+    """Dense wire bytes / wire bytes (``Counters.compression_ratio``); 1.0 when nothing crossed the wire.
 
     Example:
         >>> from lightning_sparse.wire.stats import Counters
@@ -81,7 +77,7 @@ class CompressionRatio(_RatioMetric):
 
 
 class MessageRatio(_RatioMetric):
-    """Dense bytes / bytes sent (``Counters.message_ratio``): message sizes, whatever the collectives move.
+    """Dense bytes / bytes sent (``Counters.message_ratio``).
 
     Example:
         >>> float(MessageRatio()(Counters(dense_bytes=4000, sent_bytes=100)))  # forward: this update's figure
@@ -124,9 +120,7 @@ class _PerStepMetric(_CounterMetric):
 
 
 class BytesSent(_PerStepMetric):
-    """Bytes put into collectives per rank and step (mean over updates and ranks).
-
-    ``total`` (a state) holds the bytes of all updates and, after ``compute()``, of all ranks.
+    """Bytes put into collectives per rank and step.
 
     Example:
         >>> m = BytesSent()
@@ -140,7 +134,7 @@ class BytesSent(_PerStepMetric):
 
 
 class WireBytes(_PerStepMetric):
-    """Bytes moved through a rank per step by its collectives, ring model (mean over updates and ranks).
+    """Bytes moved through a rank per step by its collectives, ring model.
 
     Example:
         >>> float(WireBytes()(Counters(sent_bytes=100, wire_bytes=300.0), steps=3))
@@ -153,7 +147,7 @@ class WireBytes(_PerStepMetric):
 
 
 class CompressTime(_PerStepMetric):
-    """Milliseconds per step spent in the communication hook (mean over updates and ranks).
+    """Milliseconds per step spent in the communication hook.
 
     Example:
         >>> m = CompressTime()
@@ -170,10 +164,8 @@ class CompressTime(_PerStepMetric):
 
 
 class ResidualNorm(Metric):
-    """L2 norm of the error-feedback residuals of all ranks together (the gradient not sent yet).
-
-    Each rank passes its own residuals' norm; the latest update counts (a residual is a state, not a sum
-    over steps), and ``compute()`` returns ``sqrt(sum over ranks of norm**2)``.
+    """L2 norm of the error-feedback residuals of all ranks together: ``sqrt(sum over ranks of norm**2)`` of each
+    rank's latest update.
 
     Example:
         >>> m = ResidualNorm()

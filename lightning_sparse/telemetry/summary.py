@@ -12,16 +12,7 @@ from lightning_sparse.config import SparseConfig
 from lightning_sparse.wire.stats import FLUSH_METHOD, HAND_OVER, Counters, Telemetry
 
 #: the table's columns, after the row name
-COLUMNS = (
-    "buckets",
-    "dense wire",
-    "wire bytes",
-    "ratio",
-    "msg ratio",
-    "mean density",
-    "compress s",
-    "% of step",
-)
+COLUMNS = ("buckets", "dense wire", "wire bytes", "ratio", "msg ratio", "mean density", "compress s", "% of step")
 
 #: the row names of ways of sending that are not the compressor's name
 _METHOD_NAMES = {"local step": "not sent (local steps)", FLUSH_METHOD: "dense (hand-over at the end)"}
@@ -35,23 +26,9 @@ ADDS_UP = (
 #: the settings the title names before the others (mode, compressor, density), whatever their values
 _TITLE_SETTINGS = ("compress", "compressor", "density")
 
-_TWO_LINE_HEADERS = {
-    "dense wire": "dense\nwire",
-    "wire bytes": "wire\nbytes",
-    "msg ratio": "msg\nratio",
-    "mean density": "mean\ndensity",
-    "compress s": "compress\ns",
-    "% of step": "% of\nstep",
-}
-
 
 def format_bytes(n: float) -> str:
-    """Decimal byte count with two decimals: ``512 B``, ``11.50 kB``, ``441.35 MB``.
-
-    Example:
-        >>> format_bytes(441_350_000)
-        '441.35 MB'
-    """
+    """Decimal byte count with two decimals: ``512 B``, ``11.50 kB``, ``441.35 MB``."""
     if abs(n) < 1000:
         return f"{int(n)} B"
     for unit in ("kB", "MB", "GB", "TB"):
@@ -69,15 +46,8 @@ def _describe_value(value: Any) -> str:
 
 
 def changed_settings(config: SparseConfig) -> dict[str, str]:
-    """The settings of ``config`` that differ from their defaults, as text, in declaration order (not the
-    mode, compressor and density, which the title always names).
-
-    Example:
-        >>> changed_settings(SparseConfig(sync_every=4, value_bits=2, outer_optimizer="nesterov"))
-        {'sync_every': '4', 'outer_optimizer': "'nesterov'", 'value_bits': '2'}
-        >>> changed_settings(SparseConfig(density=0.001))
-        {}
-    """
+    """The settings of ``config`` that differ from their defaults, as text, in declaration order (but the mode,
+    compressor and density)."""
     out = {}
     for f in dataclasses.fields(config):
         if not f.init or f.name in _TITLE_SETTINGS:
@@ -92,15 +62,7 @@ def changed_settings(config: SparseConfig) -> dict[str, str]:
 
 
 def fit_title(config: SparseConfig, steps: int, rank: int, world_size: int) -> str:
-    """The summary's header: mode, compressor, density schedule, every other setting that differs
-    from its default (:func:`changed_settings`), then the steps and the rank.
-
-    Example:
-        >>> fit_title(SparseConfig(), 110, 0, 2)
-        'Sparse update communication: TopK(fast=True), ConstantDensity(density=0.01); 110 steps, rank 0 of 2'
-        >>> fit_title(SparseConfig(sync_every=4, value_bits=2), 44, 0, 2)  # doctest: +ELLIPSIS
-        'Sparse update communication: TopK(fast=True), ...; sync_every=4, value_bits=2; 44 steps, rank 0 of 2'
-    """
+    """The summary's header: mode, compressor, density schedule, the :func:`changed_settings`, steps and rank."""
     title = f"Sparse {config.compress} communication: {config.compressor!r}, {config.schedule!r}"
     changed = changed_settings(config)
     if changed:
@@ -109,13 +71,12 @@ def fit_title(config: SparseConfig, steps: int, rank: int, world_size: int) -> s
 
 
 def _ratio(ratio: float, dense: float, sent: float) -> str:
-    """A ratio cell; ``-`` where one side is 0 and the other not (steps between exchanges, small collectives)."""
+    """A ratio cell; ``-`` where one side is 0 and the other not."""
     return "-" if (dense == 0) != (sent == 0) else f"{ratio:.1f}x"
 
 
 def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[str, Counters]:
-    """The counters accumulated since ``start``, rows with nothing in them left out (rows without buckets
-    are kept, so that the rows add up)."""
+    """The counters accumulated since ``start``, leaving out rows with nothing in them."""
     start = start or {}
     out = {}
     for name, c in now.items():
@@ -127,12 +88,8 @@ def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[s
 
 @dataclass
 class CompressionSummary:
-    """Compression figures of one rank over a span of steps, ready to print.
-
-    Each section (per way of sending, per bucket group) adds up to the total; ``not sent (local steps)``
-    counts what dense DDP would have moved between exchanges. Columns: buckets; dense wire and wire bytes
-    (``Counters.dense_wire_bytes``, ``Counters.wire_bytes``); ratio (their quotient); msg ratio (dense
-    bytes / bytes sent); mean density; compress s (time in the hook) and % of step.
+    """Compression figures of one rank over a span of steps, ready to print; each section (per way of sending, per
+    bucket group) adds up to the total.
 
     Args:
         title: the table's title.
@@ -271,7 +228,7 @@ class CompressionSummary:
         # figures never wrap (a narrow terminal folds the long bucket-group names instead)
         table.add_column("", overflow="fold", min_width=16)
         for i, h in enumerate(COLUMNS):
-            header = _TWO_LINE_HEADERS.get(h, h)  # keeps the table within 80 columns
+            header = "\n".join(h.rsplit(" ", 1))  # two lines keep the table within 80 columns
             widths = [len(c[i]) for _, rows in sections for _, c in rows]
             width = max([len(part) for part in header.split("\n")] + widths)
             table.add_column(header, justify="right", no_wrap=True, min_width=width)
@@ -288,8 +245,8 @@ class CompressionSummary:
         return table
 
     def print(self, file: IO[str] | None = None, force_terminal: bool | None = None, width: int | None = None) -> None:
-        """Print to ``file`` (default stdout): a rich table on a terminal, plain text otherwise (``force_terminal``
-        and ``width`` go to ``rich.console.Console``)."""
+        """Print to ``file`` (default stdout): a rich table on a terminal, plain text otherwise (``force_terminal`` and
+        ``width`` go to ``rich.console.Console``)."""
         from rich.console import Console
 
         file = file if file is not None else sys.stdout
