@@ -189,3 +189,9 @@ def test_settings_are_keyword_arguments_in_the_signature() -> None:
     assert list(params)[-1] == "kwargs" and params["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
     fsdp = inspect.signature(SparseFSDPStrategy).parameters
     assert list(fsdp)[:2] == ["shard_size", "sharded_modules"] and "static_graph" not in fsdp
+
+
+def test_the_deprecated_step_exchange_is_the_state_itself() -> None:
+    state = SparseState(compressor="topk", density=0.5)
+    with pytest.warns(DeprecationWarning, match="step_exchange is deprecated"):
+        assert state.step_exchange is state

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -108,7 +109,13 @@ class SparseState:
 
     @property
     def step_exchange(self) -> SparseState:
-        """Deprecated: the state itself (it owns the step's exchange)."""
+        """Deprecated: the state itself, which owns the step's exchange."""
+        warnings.warn(
+            "SparseState.step_exchange is deprecated: the state owns the step's exchange; use the state itself "
+            "(and lightning_sparse.exchange.step.bucket(state, ...) for a bucket).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self
 
     @property

@@ -165,7 +165,7 @@ class SparseCore:
         self.checkpoint.apply_pending(device)
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         # gradient mode: the residuals carry the loss scale and follow its changes
-        self.state.step_exchange.use_scaler(scaler if enabled else None, rescale_residuals=self.update is None)
+        self.state.use_scaler(scaler if enabled else None, rescale_residuals=self.update is None)
         if self.update is None:
             self.state.bind(named_parameters, process_group=process_group)
             return
@@ -183,7 +183,7 @@ class SparseCore:
     def _warm_up_density(self, module: torch.nn.Module) -> None:
         """The density warm-up of ``batchnorm_warmup``: update mode, a model with BatchNorm, a constant density
         carrying under ``BATCHNORM_SHARE`` of each step's progress."""
-        steps, config = self.state.step_exchange, self.config
+        steps, config = self.state, self.config
         schedule = steps.schedule
         if self.update is None or not config.batchnorm_warmup or not isinstance(schedule, ConstantDensity):
             return
@@ -266,7 +266,7 @@ class SparseCore:
         """:meth:`flush_residuals` as ``flush_at_end`` says (update mode), else :meth:`global_model`."""
         update, flush = self.update, self.config.flush_at_end
         # plain DDP steps (a timed fallback's dense choice) left nothing unsent: no all-reduce of zeros
-        if update is not None and flush is not False and update.active and not self.state.step_exchange.plain_ddp:
+        if update is not None and flush is not False and update.active and not self.state.plain_ddp:
             self.flush_residuals(None if flush is True else flush)
         else:
             self.global_model()

@@ -147,7 +147,7 @@ class SparseShell:
         (update mode)."""
         core = self._core
         if core.replicas is not None:
-            steps = core.state.step_exchange
+            steps = core.state
             if steps.plain_ddp or steps.skips is not None:
                 core.replicas.gradients_ready(core.state)
 
@@ -157,7 +157,7 @@ class SparseShell:
         if update is None:
             output = step()
             state = self._core.state
-            skips = state.step_exchange.skips
+            skips = state.skips
             if skips is not None:  # fp16 AMP: a skipped step gives back what it took from the residuals
                 skips.after_step(state.memory, state.velocity)
             return output

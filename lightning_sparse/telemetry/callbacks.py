@@ -128,8 +128,8 @@ class CompressionMonitor(Callback):
         self._epoch_start_steps = telemetry.steps
         self._step_seconds = 0.0
         # the residual norm costs a read of every residual: measured only when logging
-        self._saved_interval = state.step_exchange.residual_norm_interval
-        state.step_exchange.residual_norm_interval = 0
+        self._saved_interval = state.residual_norm_interval
+        state.residual_norm_interval = 0
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -200,7 +200,7 @@ class CompressionMonitor(Callback):
         if state is None:
             return
         if self._saved_interval is not None:
-            state.step_exchange.residual_norm_interval = self._saved_interval
+            state.residual_norm_interval = self._saved_interval
             self._saved_interval = None
         if not self.summary:
             return
