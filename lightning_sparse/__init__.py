@@ -32,8 +32,8 @@ from lightning_sparse.fabric.fsdp import SparseFSDPStrategy as FabricSparseFSDPS
 from lightning_sparse.schedules import AdaptiveDensity, ConstantDensity, DensitySchedule, WarmupDensity
 from lightning_sparse.strategies.ddp import SparseDDPStrategy, register_strategies
 from lightning_sparse.strategies.fsdp import SparseFSDPStrategy, register_fsdp_strategy
+from lightning_sparse.strategies.monitor import CompressionMonitor
 from lightning_sparse.strategies.trainer_hooks import FlushResiduals
-from lightning_sparse.telemetry.callbacks import CompressionMonitor
 from lightning_sparse.telemetry.cost import exchange_collectives, exchange_cost, exchange_time
 
 __version__ = "0.1.0"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
+from lightning_sparse.strategies.monitor import METRIC_NAMES
 from lightning_sparse.strategies.presets import PRESETS
-from lightning_sparse.telemetry.callbacks import METRIC_NAMES
 
 pytest.importorskip("jsonargparse")
 pytest.importorskip("sklearn")

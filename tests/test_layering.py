@@ -223,3 +223,40 @@ def test_no_module_over_400_lines() -> None:
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     long = {name: n for name, n in sizes.items() if n > 400}
     assert not long, long
+
+
+#: the package's three sides, bottom up; a sub-package holds modules of one side only
+SIDES = {
+    "core": ("wire", "compressors", "_utils"),
+    "algorithms": ("exchange", "schedules", "telemetry", "config"),
+    "lightning": ("strategies", "fabric", "demos"),
+}
+
+
+def _side(module: str) -> str | None:
+    part = module.split(".")[1] if module.count(".") else None
+    return next((side for side, parts in SIDES.items() if part in parts), None)
+
+
+def _imports_lightning(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    return any(name == "lightning" or name.startswith("lightning.") for name in names)
+
+
+def test_each_side_imports_only_the_sides_below_it_and_only_the_top_imports_lightning() -> None:
+    """The core (the wire, the compressors) and the algorithms (update mode's fragments, the gradient hook, outer
+    steps, fault tolerance, BatchNorm statistics, schedules, telemetry, the settings) import no Lightning; the
+    core imports nothing of the algorithms; the Lightning front ends, callbacks and demos sit on top."""
+    graph = _graph()
+    order = list(SIDES)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        side = _side(module)
+        if side is None:
+            continue  # the package's __init__, which registers the strategies
+        assert side == "lightning" or not _imports_lightning(path), f"{module} imports Lightning"
+        for dep in graph[module]:
+            dep_side = _side(dep)
+            assert dep_side is None or order.index(dep_side) <= order.index(side), f"{module} -> {dep}"

@@ -15,7 +15,7 @@ import torch
 from conftest import run_trainer
 
 from lightning_sparse import COMPRESSORS, CompressionMonitor, SparseDDPStrategy
-from lightning_sparse.telemetry.callbacks import METRIC_NAMES, ONE_PROCESS
+from lightning_sparse.strategies.monitor import METRIC_NAMES, ONE_PROCESS
 from lightning_sparse.telemetry.summary import ADDS_UP, CompressionSummary, format_bytes
 from lightning_sparse.wire.stats import Counters, Telemetry
 
@@ -643,7 +643,7 @@ def test_metric_arguments_are_checked() -> None:
 
 
 def test_bytes_inside_a_group_are_reported_apart() -> None:
-    from lightning_sparse.telemetry.callbacks import compression_figures
+    from lightning_sparse.strategies.monitor import compression_figures
 
     t = Telemetry()
     t.record("fc.weight", Counters(dense_bytes=4000, sent_bytes=80, buckets=1), method="topk")

@@ -12,8 +12,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_sparse._utils import check_int
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
+from lightning_sparse.strategies.monitor import CompressionMonitor
 from lightning_sparse.strategies.shell import SparseShell
-from lightning_sparse.telemetry.callbacks import CompressionMonitor
 
 __all__ = ["FlushResiduals", "GlobalModelFirst", "TrainerHooks"]
 

@@ -77,7 +77,7 @@ class CompressionMonitor(Callback):
 
     Example:
         >>> from lightning.pytorch import Trainer
-        >>> from lightning_sparse.telemetry.callbacks import CompressionMonitor
+        >>> from lightning_sparse.strategies.monitor import CompressionMonitor
         >>> monitor = CompressionMonitor(logging_interval="step")
         >>> trainer = Trainer(strategy="sparse_ddp", callbacks=[monitor], log_every_n_steps=10)  # doctest: +SKIP
     """
