@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
+from lightning_sparse._utils import RegionViews, make_generator, mix_seed, scratch
 from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.compressors.sketch_hashes import median_of_rows
 from lightning_sparse.compressors.topk import sample_rank
@@ -25,6 +25,7 @@ from lightning_sparse.wire.batched import keep_unsent, rank_shortlist, residual_
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Pending, WireContext
 from lightning_sparse.wire.message import quantize
+from lightning_sparse.wire.select import nonfinite_members
 
 __all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
 
@@ -303,20 +304,6 @@ def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> lis
     return layout.input_views.of(buffer)
 
 
-def _nonfinite_members(call: BucketCall) -> list[bool] | None:
-    """Which sparse members' inputs are not finite (None: all are finite; one host read then)."""
-    if call.inputs_finite:
-        return None
-    if all_finite(call.buffer):
-        call.inputs_finite = True  # small tensors included: they need not check again
-        return None
-    bad = [not all_finite(call.input_of(m)) for m in call.plan.sparse_members]
-    if not any(bad):
-        return None
-    call.counters.nonfinite_buckets = 1
-    return bad
-
-
 def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
     """:meth:`SketchPattern.launch_rounds <lightning_sparse.wire.patterns.SketchPattern.launch_rounds>`
     for every sparse member of the bucket at once (where :func:`eligible`)."""
@@ -324,7 +311,7 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
     buffer, plan, counters, world = call.buffer, call.plan, call.counters, ctx.world_size
     vdtype = ctx.vdtype(buffer)
     layout = SketchLayout.of(plan, tuple(ks), compressor, buffer.device)
-    bad = _nonfinite_members(call)
+    bad = nonfinite_members(call)
     inputs = _sparse_parts(buffer, plan, layout)
     if ctx.error_feedback:
         p = ctx.memory.flat(residual_layout(ctx, plan, buffer), buffer.device)
