@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_sparse._utils import RegionViews
 from lightning_sparse.compressors.randomk import SubsetLayout, draw_subsets
-from lightning_sparse.wire.batched import keep_unsent, residual_layout, select_values
+from lightning_sparse.wire.batched import residual_layout, select_values
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 from lightning_sparse.wire.select import Selection, nonfinite_members, select_sorted
@@ -125,7 +125,7 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
             exact, sent = select_values(e, at, vdtype, keep=True)
             _mask_velocity(ctx, layout, at, bad)
             return Selection(coords, exact, sent, [], flat=e, at=at)
-        exact = e[at]
+        exact = e[at]  # a member whose input is not finite: one by one below
     elif not call.sources and not ctx.error_feedback:  # p is the input
         exact = buffer[at]
     else:  # offloaded residuals, or a substituted input without error feedback
@@ -139,7 +139,7 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
             if bad[i]:
                 sent[pos : pos + k] = nan
     if ctx.error_feedback:
-        _keep_unsent(ctx, call, layout, e, at, exact, sent, bad)
+        _keep_unsent(ctx, layout, at, exact, sent, bad or [False] * len(sparse))
     _mask_velocity(ctx, layout, at, bad)
     kept = ps if ps is not None and ctx.error_feedback else [None] * len(sparse)
     residual = [None if bad and bad[i] else p for i, p in enumerate(kept)]
@@ -182,28 +182,15 @@ def _accumulate(
 
 
 def _keep_unsent(
-    ctx: WireContext,
-    call: BucketCall,
-    layout: SharedLayout,
-    e: Tensor | None,
-    at: Tensor,
-    exact: Tensor,
-    sent: Tensor,
-    bad: list[bool] | None,
+    ctx: WireContext, layout: SharedLayout, at: Tensor, exact: Tensor, sent: Tensor, bad: list[bool]
 ) -> None:
-    """After ``exact`` travelled as ``sent``, the residuals keep the rest (a non-finite member: all of it)."""
-    good = [(i, k, pos, offset) for (i, k, pos, offset) in layout.spans if not (bad and bad[i])]
-    if not good:
-        return
-    if e is not None:
-        keep = torch.cat([torch.arange(pos, pos + k, device=at.device) for _, k, pos, _ in good])
-        keep_unsent(e, at[keep], exact[keep], sent[keep], coded=False)
-        return
-    sparse = call.plan.sparse_members
-    for i, k, pos, offset in good:
-        values, q = exact[pos : pos + k], sent[pos : pos + k]
-        remainder = None if q.dtype == values.dtype else values - q.to(values.dtype)
-        ctx.memory.keep_unsent(sparse[i].name, at[pos : pos + k] - offset, remainder)
+    """After ``exact`` travelled as ``sent``, each finite member's residual keeps the rest, member by member
+    (a non-finite member keeps all of it)."""
+    for i, k, pos, offset in layout.spans:
+        if not bad[i]:
+            values, q = exact[pos : pos + k], sent[pos : pos + k]
+            remainder = None if q.dtype == values.dtype else values - q.to(values.dtype)
+            ctx.memory.keep_unsent(layout.names[i], at[pos : pos + k] - offset, remainder)
 
 
 def _mask_velocity(ctx: WireContext, layout: SharedLayout, at: Tensor, bad: list[bool] | None) -> None:
