@@ -58,7 +58,9 @@ class SharedLayout:
     residual_views: RegionViews  # the sparse members' regions of the flat residual, buffer order
     input_views: RegionViews  # and of the bucket's input
     small_views: RegionViews  # the small tensors' regions of the flat residual
-    spans: tuple[tuple[int, int, int, int], ...]  # space order: (sparse member, k, first pick, offset)
+    space_members: tuple[int, ...]  # the sparse members in space order
+    space_ks: tuple[int, ...]  # and their k
+    pick_offset: Tensor  # each pick's member's bucket offset (space order)
     names: tuple[str, ...]  # the sparse members' names, buffer order
 
     @staticmethod
@@ -73,10 +75,6 @@ class SharedLayout:
         shift = [
             s - o for i, s, o in zip(space.members, space.starts, space.offsets, strict=True) for _ in range(ks[i])
         ]
-        spans, pos = [], 0
-        for i in space.members:
-            spans.append((i, ks[i], pos, sparse[i].offset))
-            pos += ks[i]
         regions = tuple((m.offset, m.numel) for m in sparse)
         return SharedLayout(
             subsets=subsets,
@@ -85,7 +83,9 @@ class SharedLayout:
             residual_views=RegionViews(regions),
             input_views=RegionViews(regions),
             small_views=RegionViews(tuple((m.offset, m.numel) for m in plan.dense_members)),
-            spans=tuple(spans),
+            space_members=space.members,
+            space_ks=tuple(ks[i] for i in space.members),
+            pick_offset=torch.tensor([sparse[i].offset for i in space.members for _ in range(ks[i])], device=device),
             names=tuple(m.name for m in sparse),
         )
 
@@ -118,29 +118,32 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
     e, ps = _accumulate(ctx, call, layout, bad)
     if call.observe is not None:  # as select_sorted: every member's p, in space order
         ps = ps or (layout.residual_views.of(e) if e is not None else _inputs(call, layout))
-        for i in SparseSpace.of(plan).members:
+        for i in layout.space_members:
             call.observe(call.step, plan.label, sparse[i].name, ps[i])
     if e is not None:
         if bad is None:
             exact, sent = select_values(e, at, vdtype, keep=True)
-            _mask_velocity(ctx, layout, at, bad)
+            if ctx.momentum_correction:
+                _mask_velocity(ctx, layout, _local(layout, at), bad)
             return Selection(coords, exact, sent, [], flat=e, at=at)
         exact = e[at]  # a member whose input is not finite: one by one below
     elif not call.sources and not ctx.error_feedback:  # p is the input
         exact = buffer[at]
     else:  # offloaded residuals, or a substituted input without error feedback
         ps = ps or _inputs(call, layout)
-        exact = torch.cat([ps[i][at[pos : pos + k] - offset] for i, k, pos, offset in layout.spans])
+        exact = torch.cat([ps[i][idx] for i, idx in zip(layout.space_members, _local(layout, at), strict=True)])
     sent = quantize(exact, vdtype)
     if bad is not None:  # the same message shape, NaN values: every rank skips the step alike
         sent = sent.clone() if sent is exact else sent
         nan = torch.full((1,), float("nan"), device=sent.device).to(vdtype)
-        for i, k, pos, _ in layout.spans:
+        for i, part in zip(layout.space_members, sent.split(layout.space_ks), strict=True):
             if bad[i]:
-                sent[pos : pos + k] = nan
+                part.copy_(nan.expand_as(part))
+    local = _local(layout, at) if ctx.error_feedback or ctx.momentum_correction else []
     if ctx.error_feedback:
-        _keep_unsent(ctx, layout, at, exact, sent, bad or [False] * len(sparse))
-    _mask_velocity(ctx, layout, at, bad)
+        _keep_unsent(ctx, layout, local, exact, sent, bad or [False] * len(sparse))
+    if ctx.momentum_correction:
+        _mask_velocity(ctx, layout, local, bad)
     kept = ps if ps is not None and ctx.error_feedback else [None] * len(sparse)
     residual = [None if bad and bad[i] else p for i, p in enumerate(kept)]
     return Selection(coords, exact, sent, residual, flat=e, at=None if e is None else at)
@@ -181,22 +184,25 @@ def _accumulate(
     return e, [g if b else v for v, g, b in zip(views, inputs, bad, strict=True)]
 
 
+def _local(layout: SharedLayout, at: Tensor) -> list[Tensor]:
+    """Each member's picks (bucket offsets ``at``) as positions within it, in space order."""
+    return list((at - layout.pick_offset).split(layout.space_ks))
+
+
 def _keep_unsent(
-    ctx: WireContext, layout: SharedLayout, at: Tensor, exact: Tensor, sent: Tensor, bad: list[bool]
+    ctx: WireContext, layout: SharedLayout, local: list[Tensor], exact: Tensor, sent: Tensor, bad: list[bool]
 ) -> None:
     """After ``exact`` travelled as ``sent``, each finite member's residual keeps the rest, member by member
     (a non-finite member keeps all of it)."""
-    for i, k, pos, offset in layout.spans:
+    parts = zip(layout.space_members, local, exact.split(layout.space_ks), sent.split(layout.space_ks), strict=True)
+    for i, idx, values, q in parts:
         if not bad[i]:
-            values, q = exact[pos : pos + k], sent[pos : pos + k]
             remainder = None if q.dtype == values.dtype else values - q.to(values.dtype)
-            ctx.memory.keep_unsent(layout.names[i], at[pos : pos + k] - offset, remainder)
+            ctx.memory.keep_unsent(layout.names[i], idx, remainder)
 
 
-def _mask_velocity(ctx: WireContext, layout: SharedLayout, at: Tensor, bad: list[bool] | None) -> None:
+def _mask_velocity(ctx: WireContext, layout: SharedLayout, local: list[Tensor], bad: list[bool] | None) -> None:
     """Momentum correction: the momenta forget what was sent."""
-    if not ctx.momentum_correction:
-        return
-    for i, k, pos, offset in layout.spans:
+    for i, idx in zip(layout.space_members, local, strict=True):
         if not (bad and bad[i]):
-            ctx.velocity.mask(layout.names[i], at[pos : pos + k] - offset)
+            ctx.velocity.mask(layout.names[i], idx)
