@@ -1,7 +1,8 @@
 """Random-k of a whole bucket at once (``lightning_sparse.wire.shared``, ``compressors.randomk.draw_subsets``):
 the coordinates ``RandomK.select`` gives each tensor, whatever the bucket's layout; a fixed number of
-operators and no host read; conservation exact; a non-finite member handled one member at a time at
-the same coordinates; on two ranks, the same coordinates."""
+operators and no host read; conservation exact, residuals in the bucket's flat tensor or offloaded,
+inputs substituted or not; a non-finite member sends NaN at the same coordinates; on two ranks, the
+same coordinates."""
 
 from __future__ import annotations
 
@@ -134,32 +135,48 @@ def test_a_fixed_number_of_operators_and_no_host_read() -> None:
 
 
 @pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
-def test_conservation_exact_and_the_same_as_one_member_at_a_time(vdtype: torch.dtype) -> None:
+@pytest.mark.parametrize("variant", ["bucket", "substituted", "offloaded", "momentum", "no error feedback"])
+def test_conservation_exact_and_what_each_member_sends_by_itself(vdtype: torch.dtype, variant: str) -> None:
+    """Whatever the residuals' home and the inputs' source, the bucket at once sends, per member, the
+    values at ``RandomK.select``'s coordinates of its own ``p = g + e``, and keeps exactly the rest."""
     plan, ks = _plan(), _ks(_plan(), 0.05)
-    runs = []
-    for at_once in (True, False):
-        ctx = _ctx()
-        out = []
-        # a substituted input (as momentum correction's) sends the bucket one member at a time
-        call_kwargs: dict[str, Any] = {} if at_once else {"sources": {"elsewhere": torch.empty(0)}}
-        gen = torch.Generator().manual_seed(0)
-        for step in range(4):
-            buffer = torch.randn(plan.numel, generator=gen)
-            before = {m.name: ctx.memory.get(m.name) for m in plan.sparse_members if m.name in ctx.memory}
-            before = {n: e.clone() for n, e in before.items()}
-            call = BucketCall(buffer.clone(), plan, step, Counters(), inputs_finite=True, **call_kwargs)
-            sel = shared.select_shared(ctx, call, ks, vdtype)
-            sent = torch.zeros(plan.numel)
-            sent.index_add_(0, SparseSpace.of(plan).to_bucket(sel.coords), sel.sent.float())
+    ctx = dataclasses.replace(
+        _ctx(), momentum_correction=0.9 if variant == "momentum" else 0.0, error_feedback=variant != "no error feedback"
+    )
+    if variant == "offloaded":
+        ctx.memory.home = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    residuals = {m.name: torch.zeros(m.numel) for m in plan.sparse_members}
+    for step in range(4):
+        buffer = torch.randn(plan.numel, generator=gen)
+        sources = {}
+        if variant in ("substituted", "momentum"):  # a float32 input beside the bucket (momentum correction's)
             for m in plan.sparse_members:
-                seg = slice(m.offset, m.offset + m.numel)
-                p = buffer[seg] + before.get(m.name, torch.zeros(m.numel))
-                assert torch.equal(sent[seg] + ctx.memory.get(m.name), p), (step, m.name)
-            out.append((sel.coords, sel.sent, {m.name: ctx.memory.get(m.name).clone() for m in plan.sparse_members}))
-        runs.append(out)
-    for (c1, s1, e1), (c2, s2, e2) in zip(*runs, strict=True):
-        assert torch.equal(c1, c2) and torch.equal(s1, s2)
-        assert all(torch.equal(e1[n], e2[n]) for n in e1)
+                sources[m.name] = ctx.velocity.update(m.name, buffer[m.offset : m.offset + m.numel] * 1.5, 0.9)
+        call = BucketCall(buffer.clone(), plan, step, Counters(), inputs_finite=True, sources=sources)
+        sources = {n: u.clone() for n, u in sources.items()}  # as they were sent (the momenta forget it)
+        sel = shared.select_shared(ctx, call, ks, vdtype)
+        got, alone = _by_name(plan, sel.coords), _per_tensor(ctx, plan, ks, step)
+        pos = 0
+        for i in SparseSpace.of(plan).members:
+            m, k = plan.sparse_members[i], ks[i]
+            g = sources.get(m.name, buffer[m.offset : m.offset + m.numel])
+            p = g + residuals[m.name] if ctx.error_feedback else g
+            sent = sel.sent[pos : pos + k]
+            pos += k
+            assert torch.equal(got[m.name], alone[m.name].sort().values)
+            assert torch.equal(sent, p[got[m.name]].to(vdtype)), (step, m.name)
+            if ctx.error_feedback:
+                residuals[m.name] = p.clone()
+                residuals[m.name][got[m.name]] -= sent.float()
+                assert torch.equal(ctx.memory.get(m.name), residuals[m.name]), (step, m.name)
+                e = ctx.memory.get(m.name).clone()
+                e[got[m.name]] += sent.float()
+                assert torch.equal(e, p)  # sent + e_new == p, exactly
+            if variant == "momentum":
+                assert (ctx.velocity.get(m.name)[got[m.name]] == 0).all()
+        if variant == "offloaded":
+            ctx.memory.unstage()  # as the exchange does after each step
 
 
 def test_a_non_finite_member_sends_nan_at_the_same_coordinates_and_keeps_its_residual() -> None:

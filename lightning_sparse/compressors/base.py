@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -144,6 +144,48 @@ class Compressor(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.config().items()))))
+
+
+class SketchCompressor(Protocol):
+    """What a compressor of the ``"sketch"`` pattern declares: the wire sizes its tables and candidates,
+    sketches and picks through these, one tensor at a time or (``at_once = "countsketch"``) a bucket at once.
+
+    Example:
+        >>> from lightning_sparse.compressors import CountSketch
+        >>> sketching: SketchCompressor = CountSketch(rows=3)
+        >>> sketching.table_shape(1000, 10), sketching.num_candidates(1000, 10)
+        ((3, 100), 40)
+    """
+
+    rows: int
+
+    def __hash__(self) -> int:
+        """Settings only: the wire keeps its layouts per compressor."""
+        ...
+
+    def table_shape(self, numel: int, k: int) -> tuple[int, int]:
+        """``(rows, cols)`` of the table of a tensor of ``numel`` elements sending ``k``."""
+        ...
+
+    def num_candidates(self, numel: int, k: int) -> int:
+        """How many candidates the second round sums."""
+        ...
+
+    def truncation(self, device: torch.device) -> float:
+        """The local pre-truncation in effect on ``device`` (0: none)."""
+        ...
+
+    def sketch(self, p: Tensor, k: int, ctx: CompressContext, table: Tensor) -> None:
+        """Add this rank's ``p`` into ``table`` (``rows x cols``, float32)."""
+        ...
+
+    def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
+        """The candidates in the summed ``table``: the same on every rank."""
+        ...
+
+    def pick(self, sums: Tensor, k: int) -> Tensor:
+        """Positions of the ``k`` candidates applied, from their summed values."""
+        ...
 
 
 def register_compressor(cls: type[Compressor]) -> type[Compressor]:

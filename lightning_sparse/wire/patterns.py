@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import all_finite, scratch
-from lightning_sparse.compressors import CompressContext, CountSketch
+from lightning_sparse.compressors import CompressContext
+from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
@@ -227,7 +228,7 @@ class SketchPattern(WirePattern):
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
         if sketch_at_once(ctx, call):
             return (yield from launch_sketch(ctx, call, ks))
-        compressor = typing.cast(CountSketch, ctx.compressor)
+        compressor = typing.cast(SketchCompressor, ctx.compressor)
         world = ctx.world_size
         buffer, plan, counters = call.buffer, call.plan, call.counters
         vdtype = ctx.vdtype(buffer)

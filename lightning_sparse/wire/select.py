@@ -34,6 +34,28 @@ def flush_residuals(ctx: WireContext, call: BucketCall, members: tuple[Member, .
             segment.copy_(sent)
 
 
+def nonfinite_members(call: BucketCall) -> list[bool] | None:
+    """Which sparse members' inputs are not finite (None: all are; one host read where the bucket is).
+
+    Example:
+        >>> from lightning_sparse.wire.context import BucketPlan
+        >>> from lightning_sparse.wire.stats import Counters
+        >>> plan = BucketPlan((Member("w", 1, 0, 2, True), Member("v", 2, 2, 2, True)), 4, "w, v")
+        >>> nonfinite_members(BucketCall(torch.tensor([0.0, 1.0, float("inf"), 2.0]), plan, 0, Counters()))
+        [False, True]
+    """
+    if call.inputs_finite:
+        return None
+    if not call.sources and all_finite(call.buffer):
+        call.inputs_finite = True  # small tensors included: they need not check again
+        return None
+    bad = [not all_finite(call.input_of(m)) for m in call.plan.sparse_members]
+    if not any(bad):
+        return None
+    call.counters.nonfinite_buckets = 1
+    return bad
+
+
 @dataclass
 class Selection:
     """A bucket's selected coordinates, sorted, before they cross the wire.

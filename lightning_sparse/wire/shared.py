@@ -5,26 +5,24 @@ Every sparse member's ``k`` coordinates come from one draw
 numel, k) alone: the same on every rank, the same as :meth:`RandomK.select
 <lightning_sparse.compressors.RandomK.select>`, and independent of the bucket's layout (which DDP
 changes after its first step and on resume). ``p = g + e`` and the residual update
-(``sent + e_new == p`` exactly) then run on the bucket's flat residual. A bucket with a non-finite
-input, momentum correction or offloaded residuals goes one member at a time, at the same coordinates.
+(``sent + e_new == p`` exactly) then run on the bucket's flat residual (offloaded residuals, which have
+none, member by member). A member whose input is not finite sends NaN there and keeps its residual.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import RegionViews, all_finite
-from lightning_sparse.compressors import CompressContext, Compressor
+from lightning_sparse._utils import RegionViews
 from lightning_sparse.compressors.randomk import SubsetLayout, draw_subsets
 from lightning_sparse.wire.batched import residual_layout, select_values
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
-from lightning_sparse.wire.select import Selection, select_sorted
+from lightning_sparse.wire.select import Selection, nonfinite_members, select_sorted
 
 __all__ = ["SharedLayout", "eligible", "select_shared"]
 
@@ -60,7 +58,10 @@ class SharedLayout:
     residual_views: RegionViews  # the sparse members' regions of the flat residual, buffer order
     input_views: RegionViews  # and of the bucket's input
     small_views: RegionViews  # the small tensors' regions of the flat residual
-    spans: tuple[tuple[int, int, int, int, int], ...]  # space order: (key, numel, k, first pick, offset)
+    space_members: tuple[int, ...]  # the sparse members in space order
+    space_ks: tuple[int, ...]  # and their k
+    pick_offset: Tensor  # each pick's member's bucket offset (space order)
+    names: tuple[str, ...]  # the sparse members' names, buffer order
 
     @staticmethod
     @functools.lru_cache(maxsize=64)  # a layout holds about 100 bytes per coordinate it picks
@@ -74,10 +75,6 @@ class SharedLayout:
         shift = [
             s - o for i, s, o in zip(space.members, space.starts, space.offsets, strict=True) for _ in range(ks[i])
         ]
-        spans, pos = [], 0
-        for i in space.members:
-            spans.append((sparse[i].key, sparse[i].numel, ks[i], pos, sparse[i].offset))
-            pos += ks[i]
         regions = tuple((m.offset, m.numel) for m in sparse)
         return SharedLayout(
             subsets=subsets,
@@ -86,7 +83,10 @@ class SharedLayout:
             residual_views=RegionViews(regions),
             input_views=RegionViews(regions),
             small_views=RegionViews(tuple((m.offset, m.numel) for m in plan.dense_members)),
-            spans=tuple(spans),
+            space_members=space.members,
+            space_ks=tuple(ks[i] for i in space.members),
+            pick_offset=torch.tensor([sparse[i].offset for i in space.members for _ in range(ks[i])], device=device),
+            names=tuple(m.name for m in sparse),
         )
 
 
@@ -108,57 +108,101 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
     if not eligible(ctx, call):
         return select_sorted(ctx, call, ks, vdtype, settle=True)
     buffer, plan = call.buffer, call.plan
+    sparse = plan.sparse_members
     layout = SharedLayout.of(plan, tuple(ks), buffer.device)
     at = draw_subsets(layout.subsets, ctx.seed, call.step)  # bucket offsets, buffer order
     if layout.space_order is not None:
         at = at.index_select(0, layout.space_order)
-    whole = not ctx.momentum_correction and not call.sources and (not ctx.error_feedback or ctx.memory.home is None)
-    if whole and (call.inputs_finite or all_finite(buffer)):  # the one host read, in gradient mode
-        call.inputs_finite = True  # small tensors included: they need not check again
-        return _at_once(ctx, call, layout, at, vdtype)
-    # one member at a time, at the coordinates drawn
-    picks = {(key, numel, k): at[pos : pos + k] - offset for key, numel, k, pos, offset in layout.spans}
-    return select_sorted(dataclasses.replace(ctx, compressor=_Drawn(picks)), call, ks, vdtype, settle=True)
-
-
-def _at_once(ctx: WireContext, call: BucketCall, layout: SharedLayout, at: Tensor, vdtype: torch.dtype) -> Selection:
-    """``p`` at the bucket offsets ``at`` (sparse-space order), the residuals settled."""
-    buffer, plan = call.buffer, call.plan
     coords = at + layout.space_shift
-    e = None
-    if ctx.error_feedback:
-        regions = residual_layout(ctx, plan, buffer)
-        e = ctx.memory.flat(regions, buffer.device)
-        assert e is not None  # residuals that live with the bucket (select_shared)
-        if regions is plan.residual_layout:
-            # one add for the whole bucket, then clear the small tensors' regions (they hold no residual)
-            e.add_(buffer)
-            if plan.dense_members:
-                torch._foreach_zero_(layout.small_views.of(e))
-        else:
-            torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
+    bad = nonfinite_members(call)  # the one host read, in gradient mode
+    e, ps = _accumulate(ctx, call, layout, bad)
     if call.observe is not None:  # as select_sorted: every member's p, in space order
-        p = layout.residual_views.of(e) if e is not None else layout.input_views.of(buffer)
-        for i in SparseSpace.of(plan).members:
-            call.observe(call.step, plan.label, plan.sparse_members[i].name, p[i])
-    if e is None:  # no error feedback: p is the input, and nothing stays behind
+        ps = ps or (layout.residual_views.of(e) if e is not None else _inputs(call, layout))
+        for i in layout.space_members:
+            call.observe(call.step, plan.label, sparse[i].name, ps[i])
+    if e is not None:
+        if bad is None:
+            exact, sent = select_values(e, at, vdtype, keep=True)
+            if ctx.momentum_correction:
+                _mask_velocity(ctx, layout, _local(layout, at), bad)
+            return Selection(coords, exact, sent, [], flat=e, at=at)
+        exact = e[at]  # a member whose input is not finite: one by one below
+    elif not call.sources and not ctx.error_feedback:  # p is the input
         exact = buffer[at]
-        return Selection(coords, exact, quantize(exact, vdtype), [None] * len(plan.sparse_members))
-    exact, sent = select_values(e, at, vdtype, keep=True)
-    return Selection(coords, exact, sent, [], flat=e, at=at)
+    else:  # offloaded residuals, or a substituted input without error feedback
+        ps = ps or _inputs(call, layout)
+        exact = torch.cat([ps[i][idx] for i, idx in zip(layout.space_members, _local(layout, at), strict=True)])
+    sent = quantize(exact, vdtype)
+    if bad is not None:  # the same message shape, NaN values: every rank skips the step alike
+        sent = sent.clone() if sent is exact else sent
+        nan = torch.full((1,), float("nan"), device=sent.device).to(vdtype)
+        for i, part in zip(layout.space_members, sent.split(layout.space_ks), strict=True):
+            if bad[i]:
+                part.copy_(nan.expand_as(part))
+    local = _local(layout, at) if ctx.error_feedback or ctx.momentum_correction else []
+    if ctx.error_feedback:
+        _keep_unsent(ctx, layout, local, exact, sent, bad or [False] * len(sparse))
+    if ctx.momentum_correction:
+        _mask_velocity(ctx, layout, local, bad)
+    kept = ps if ps is not None and ctx.error_feedback else [None] * len(sparse)
+    residual = [None if bad and bad[i] else p for i, p in enumerate(kept)]
+    return Selection(coords, exact, sent, residual, flat=e, at=None if e is None else at)
 
 
-class _Drawn(Compressor):
-    """The coordinates drawn for a bucket's members, by (key, numel, k), for the per-tensor selection."""
+def _inputs(call: BucketCall, layout: SharedLayout) -> list[Tensor]:
+    """What is compressed of each sparse member (buffer order)."""
+    return [call.input_of(m) for m in call.plan.sparse_members] if call.sources else layout.input_views.of(call.buffer)
 
-    name = "randomk"
-    pattern = "shared"
 
-    def __init__(self, picks: dict[tuple[int, int, int], Tensor]) -> None:
-        self._picks = picks
+def _accumulate(
+    ctx: WireContext, call: BucketCall, layout: SharedLayout, bad: list[bool] | None
+) -> tuple[Tensor | None, list[Tensor] | None]:
+    """``p = g + e`` of every sparse member: the bucket's flat residual (None without error feedback or
+    when offloaded) and, where they were made, each member's ``p`` (its input where it is not finite)."""
+    buffer, plan = call.buffer, call.plan
+    if not ctx.error_feedback:
+        return None, None
+    regions = residual_layout(ctx, plan, buffer)
+    e = ctx.memory.flat(regions, buffer.device)
+    if e is not None and bad is None and not call.sources and regions is plan.residual_layout:
+        # one add for the whole bucket, then clear the small tensors' regions (they hold no residual)
+        e.add_(buffer)
+        if plan.dense_members:
+            torch._foreach_zero_(layout.small_views.of(e))
+        return e, None
+    inputs = _inputs(call, layout)
+    if e is None:  # offloaded: each residual staged on the device
+        members = enumerate(zip(plan.sparse_members, inputs, strict=True))
+        return None, [g if bad and bad[i] else ctx.memory.accumulate(m.name, g) for i, (m, g) in members]
+    views = layout.residual_views.of(e)
+    if bad is None:
+        torch._foreach_add_(views, inputs)
+        return e, views
+    for v, g, b in zip(views, inputs, bad, strict=True):
+        if not b:  # a non-finite input leaves its residual as it was
+            v.add_(g)
+    return e, [g if b else v for v, g, b in zip(views, inputs, bad, strict=True)]
 
-    def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
-        return self._picks[(ctx.key, p.numel(), k)]
 
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
+def _local(layout: SharedLayout, at: Tensor) -> list[Tensor]:
+    """Each member's picks (bucket offsets ``at``) as positions within it, in space order."""
+    return list((at - layout.pick_offset).split(layout.space_ks))
+
+
+def _keep_unsent(
+    ctx: WireContext, layout: SharedLayout, local: list[Tensor], exact: Tensor, sent: Tensor, bad: list[bool]
+) -> None:
+    """After ``exact`` travelled as ``sent``, each finite member's residual keeps the rest, member by member
+    (a non-finite member keeps all of it)."""
+    parts = zip(layout.space_members, local, exact.split(layout.space_ks), sent.split(layout.space_ks), strict=True)
+    for i, idx, values, q in parts:
+        if not bad[i]:
+            remainder = None if q.dtype == values.dtype else values - q.to(values.dtype)
+            ctx.memory.keep_unsent(layout.names[i], idx, remainder)
+
+
+def _mask_velocity(ctx: WireContext, layout: SharedLayout, local: list[Tensor], bad: list[bool] | None) -> None:
+    """Momentum correction: the momenta forget what was sent."""
+    for i, idx in zip(layout.space_members, local, strict=True):
+        if not (bad and bad[i]):
+            ctx.velocity.mask(layout.names[i], idx)

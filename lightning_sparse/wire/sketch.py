@@ -1,12 +1,10 @@
 """Count-sketch (Sketched SGD) of every sparse member of a bucket at once, in a fixed number of operators.
 
-The batched :class:`~lightning_sparse.compressors.CountSketch`: round 1 all-reduces every member's
-``rows x cols`` table of its pre-truncated ``p = g + e``; each member's ``c = ceil(p2 * k)`` largest
-estimates are its candidates, and round 2 all-reduces ``p`` there; per member the ``k`` largest
-``|sums|`` are applied and the residual keeps the rest (``sent + e_new == p``). The hashes are drawn
-per bucket from (seed, step, the bucket's members): the same on every rank, not the per-tensor
-compressor's draws. A member whose input is not finite sketches nothing and sends NaN; its residual
-keeps its old value.
+Round 1 all-reduces every member's ``rows x cols`` table of its pre-truncated ``p = g + e``; each member's
+``c = ceil(p2 * k)`` largest estimates are its candidates, and round 2 all-reduces ``p`` there; per member the
+``k`` largest ``|sums|`` are applied and the residual keeps the rest (``sent + e_new == p``). The hashes are
+drawn per bucket from (seed, step, the bucket's members): the same on every rank, not the per-tensor draws.
+A member whose input is not finite sketches nothing and sends NaN; its residual keeps its old value.
 """
 
 from __future__ import annotations
@@ -19,14 +17,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
-from lightning_sparse.compressors import CountSketch
+from lightning_sparse._utils import RegionViews, make_generator, mix_seed, scratch
+from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.compressors.sketch_hashes import median_of_rows
 from lightning_sparse.compressors.topk import sample_rank
 from lightning_sparse.wire.batched import keep_unsent, rank_shortlist, residual_layout
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Pending, WireContext
 from lightning_sparse.wire.message import quantize
+from lightning_sparse.wire.select import nonfinite_members
 
 __all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
 
@@ -53,6 +52,7 @@ class SketchLayout:
     Coordinates ``q`` run over the sparse members' entries one after the other, in buffer order.
 
     Example:
+        >>> from lightning_sparse.compressors import CountSketch
         >>> from lightning_sparse.wire.context import BucketPlan, Member
         >>> plan = BucketPlan((Member("w", 1, 0, 1000, True), Member("b", 2, 1000, 4, False)), 1004, "w, b")
         >>> layout = SketchLayout.of(plan, (10,), CountSketch(rows=3), torch.device("cpu"))
@@ -100,7 +100,7 @@ class SketchLayout:
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
-    def of(plan: BucketPlan, ks: tuple[int, ...], compressor: CountSketch, device: torch.device) -> SketchLayout:
+    def of(plan: BucketPlan, ks: tuple[int, ...], compressor: SketchCompressor, device: torch.device) -> SketchLayout:
         sparse = plan.sparse_members
         rows = compressor.rows
         numels = [m.numel for m in sparse]
@@ -201,7 +201,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
     sparse = call.plan.sparse_members
     if not compressor.selects_at_once("countsketch") or not sparse:
         return False
-    rows = typing.cast(CountSketch, compressor).rows
+    rows = typing.cast(SketchCompressor, compressor).rows
     if ctx.momentum_correction or call.sources or (ctx.error_feedback and ctx.memory.home is not None):
         return False
     if not ctx.fixed_buckets:
@@ -250,6 +250,7 @@ def sketch_tables(
     ``p1`` says. Returns the hashes and the shared generator (see :func:`_hashes`).
 
     Example:
+        >>> from lightning_sparse.compressors import CountSketch
         >>> from lightning_sparse.wire.stats import Counters
         >>> from lightning_sparse.wire.context import Member
         >>> plan = BucketPlan((Member("w", 1, 0, 8, True),), 8, "w")
@@ -303,28 +304,14 @@ def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> lis
     return layout.input_views.of(buffer)
 
 
-def _nonfinite_members(call: BucketCall) -> list[bool] | None:
-    """Which sparse members' inputs are not finite (None: all are finite; one host read then)."""
-    if call.inputs_finite:
-        return None
-    if all_finite(call.buffer):
-        call.inputs_finite = True  # small tensors included: they need not check again
-        return None
-    bad = [not all_finite(call.input_of(m)) for m in call.plan.sparse_members]
-    if not any(bad):
-        return None
-    call.counters.nonfinite_buckets = 1
-    return bad
-
-
 def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
     """:meth:`SketchPattern.launch_rounds <lightning_sparse.wire.patterns.SketchPattern.launch_rounds>`
     for every sparse member of the bucket at once (where :func:`eligible`)."""
-    compressor = typing.cast(CountSketch, ctx.compressor)
+    compressor = typing.cast(SketchCompressor, ctx.compressor)
     buffer, plan, counters, world = call.buffer, call.plan, call.counters, ctx.world_size
     vdtype = ctx.vdtype(buffer)
     layout = SketchLayout.of(plan, tuple(ks), compressor, buffer.device)
-    bad = _nonfinite_members(call)
+    bad = nonfinite_members(call)
     inputs = _sparse_parts(buffer, plan, layout)
     if ctx.error_feedback:
         p = ctx.memory.flat(residual_layout(ctx, plan, buffer), buffer.device)
