@@ -23,7 +23,7 @@ from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 
-__all__ = ["BatchedLayout", "batched_topk", "eligible", "rank_shortlist", "residual_layout"]
+__all__ = ["BatchedLayout", "batched_topk", "eligible", "rank_shortlist", "residual_layout", "shortlist_sizes"]
 
 #: draws per member for its threshold; aim for ``_ABOVE`` draws above the true threshold
 _DRAWS = (256, 4096)
@@ -36,6 +36,18 @@ _BITS = 0x7FFFFFFF
 #: on a CPU, a bucket holding a tensor this large is selected one tensor at a time: a host read costs
 #: nothing there, and the passes over the whole bucket cost more than the per-tensor shortlist
 CPU_ONE_BY_ONE = 1 << 20
+
+
+def shortlist_sizes(numels: list[int], ks: list[int], ratio: float, bound: int) -> tuple[int, list[int], int]:
+    """The draws per member for its threshold (``ratio``: the largest numel / k), each member's sample
+    rank less one, and the shortlist's capacity (at most ``bound``) for the ``ks`` largest of each."""
+    draws = min(_DRAWS[1], max(_DRAWS[0], math.ceil(_ABOVE * ratio)))
+    ranks, shortlist = [], 0.0
+    for d, k in zip(numels, ks, strict=True):
+        j = sample_rank(draws, k, d, _MARGIN)
+        ranks.append(j - 1)
+        shortlist += min(d, d * j / draws + 1)
+    return draws, ranks, min(bound, max(sum(ks), math.ceil(_SLACK * shortlist) + 64))
 
 
 def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple[tuple[str | None, int], ...]:
@@ -124,16 +136,9 @@ class BatchedLayout:
         space = SparseSpace.of(plan)
         regions = [i for i, m in enumerate(plan.members) if m.sparse]
         numels = [m.numel for m in sparse]
-        draws = min(
-            _DRAWS[1], max(_DRAWS[0], math.ceil(_ABOVE * max(d / max(k, 1) for d, k in zip(numels, ks, strict=True))))
-        )
-        ranks, shortlist = [], 0.0
-        for d, k in zip(numels, ks, strict=True):
-            j = sample_rank(draws, k, d, _MARGIN)
-            ranks.append(j - 1)
-            shortlist += min(d, d * j / draws + 1)
+        ratio = max(d / max(k, 1) for d, k in zip(numels, ks, strict=True))
+        draws, ranks, capacity = shortlist_sizes(numels, list(ks), ratio, plan.numel)
         total_k = sum(ks)
-        capacity = min(plan.numel, max(total_k, math.ceil(_SLACK * shortlist) + 64))
         # picks come member after member in buffer order; sparse space orders members by name
         firsts = [sum(ks[:i]) for i in range(len(ks))]
         order = [firsts[i] + j for i in space.members for j in range(ks[i])]

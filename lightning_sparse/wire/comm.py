@@ -180,28 +180,19 @@ class Collectives:
 
     def all_reduce(self, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Sum ``tensor`` in place over the group."""
-        if counters is not None:
-            count_all_reduce(counters, self.world, _nbytes(tensor))
-        if self.world <= 1:
-            return None
-        what = f"all-reduce of {_nbytes(tensor):,} bytes"
-        if self.queue.depth:
-            return self.queue.put(self, "all-reduce", tensor, tensor, what, counters)
-        self.queue.count(counters)
-        return Issued(all_reduce(tensor, self.group), what)
+        return self._issue(count_all_reduce, "all-reduce", tensor, tensor, counters)
 
     def all_gather(self, output: Tensor, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Concatenate every rank's ``tensor`` (same size on all ranks) into ``output``."""
-        return self._into(all_gather, count_all_gather, "all-gather", output, tensor, counters)
+        return self._issue(count_all_gather, "all-gather", output, tensor, counters)
 
     def all_to_all(self, output: Tensor, tensor: Tensor, counters: Counters | None = None) -> Issued | None:
         """Send chunk ``j`` of ``tensor`` (split evenly along dim 0) to rank ``j``; chunk ``r`` of
         ``output`` receives rank ``r``'s."""
-        return self._into(all_to_all, count_all_to_all, "all-to-all", output, tensor, counters)
+        return self._issue(count_all_to_all, "all-to-all", output, tensor, counters)
 
-    def _into(
+    def _issue(
         self,
-        issue: Callable[[Tensor, Tensor, dist.ProcessGroup | None], Future[list[Tensor]]],
         count: Callable[[Counters, int, int], None],
         name: str,
         output: Tensor,
@@ -211,13 +202,14 @@ class Collectives:
         if counters is not None:
             count(counters, self.world, _nbytes(tensor))
         if self.world <= 1:
-            output.copy_(tensor)  # one process: what it would receive is what it sends
+            if name != "all-reduce":
+                output.copy_(tensor)  # one process: what it would receive is what it sends
             return None
         what = f"{name} of {_nbytes(tensor):,} bytes"
         if self.queue.depth:
             return self.queue.put(self, name, output, tensor, what, counters)
         self.queue.count(counters)
-        return Issued(issue(output, tensor, self.group), what)
+        return Issued(_ISSUE[name](output, tensor, self.group), what)
 
 
 _ISSUE: dict[str, Callable[[Tensor, Tensor, dist.ProcessGroup | None], Future[list[Tensor]]]] = {

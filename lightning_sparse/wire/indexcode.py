@@ -42,8 +42,7 @@ def rice_parameter(n: int, k: int) -> int:
     >>> rice_parameter(1_000_000, 10_000)
     6
     """
-    check_int("n", n, minimum=1)
-    check_int("k", k, minimum=0)
+    _check_sizes(n, k)
     return _rice_parameter(n, k)
 
 
@@ -82,9 +81,15 @@ def index_bytes(n: int, k: int, coding: str) -> int:
     """
     if coding not in INDEX_CODINGS:
         raise bad_argument("coding", coding, f"expected one of {INDEX_CODINGS}")
+    _check_sizes(n, k)
+    return 4 * k if coding == "int32" else rice_capacity_bytes(n, k)
+
+
+def _check_sizes(n: int, k: int, count: int | None = None) -> None:
     check_int("n", n, minimum=1)
     check_int("k", k, minimum=0)
-    return 4 * k if coding == "int32" else rice_capacity_bytes(n, k)
+    if count is not None:
+        check_int("count", count, minimum=0, maximum=min(k, n))
 
 
 def _bad(name: str, value: object, allowed: str) -> ValueError:
@@ -122,8 +127,7 @@ def encode_indices(idx: Tensor, n: int, k: int, out: Tensor | None = None, *, va
     >>> data.numel() == rice_capacity_bytes(1000, 8)
     True
     """
-    check_int("n", n, minimum=1)
-    check_int("k", k, minimum=0)
+    _check_sizes(n, k)
     if not isinstance(idx, Tensor) or idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
         raise _bad("idx", idx, "expected a 1-D int64 or int32 tensor")
     c = idx.numel()
@@ -163,9 +167,7 @@ def decode_indices(data: Tensor, n: int, k: int, count: int) -> Tensor:
     >>> decode_indices(data, n=1000, k=8, count=5).tolist()
     [3, 4, 900, 901, 999]
     """
-    check_int("n", n, minimum=1)
-    check_int("k", k, minimum=0)
-    check_int("count", count, minimum=0, maximum=min(k, n))
+    _check_sizes(n, k, count)
     size = rice_capacity_bytes(n, k)
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != size:
         raise _bad("data", data, f"expected a 1-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes")
@@ -182,9 +184,7 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
     >>> decode_index_rows(rows, n=1000, k=3, count=3).tolist()
     [[3, 4, 900], [0, 7, 999]]
     """
-    check_int("n", n, minimum=1)
-    check_int("k", k, minimum=0)
-    check_int("count", count, minimum=0, maximum=min(k, n))
+    _check_sizes(n, k, count)
     b, low_bytes, unary_bytes = _stream_bytes(n, k)
     size = low_bytes + unary_bytes
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != size:
@@ -216,8 +216,7 @@ def encode_index_rows(idx: Tensor, counts: Tensor, n: int, k: int, out: Tensor) 
     >>> torch.equal(out[1], encode_indices(torch.tensor([0, 7]), n=1000, k=3))
     True
     """
-    check_int("n", n, minimum=1)
-    check_int("k", k, minimum=0)
+    _check_sizes(n, k)
     b, low_bytes, unary_bytes = _stream_bytes(n, k)
     rows, width = idx.shape
     dev = idx.device
@@ -249,8 +248,7 @@ def decode_counted_rows(data: Tensor, n: int, k: int, counts: Tensor, fill: int)
     >>> decode_counted_rows(rows, n=1000, k=3, counts=torch.tensor([3, 2]), fill=1000).tolist()
     [[3, 4, 900], [0, 7, 1000]]
     """
-    check_int("n", n, minimum=1)
-    check_int("k", k, minimum=0)
+    _check_sizes(n, k)
     b, low_bytes, unary_bytes = _stream_bytes(n, k)
     rows = data.shape[0]
     dev = data.device

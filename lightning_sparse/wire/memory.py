@@ -211,10 +211,7 @@ class ErrorFeedback:
         self._zero.clear()
         self._staged.clear()
         self._flats.clear()
-        device = self.home if self.home is not None else device
-        self._residuals = {
-            name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
-        }
+        self._residuals = _loaded(state, self.home if self.home is not None else device)
 
 
 class LocalMomentum:
@@ -271,9 +268,7 @@ class LocalMomentum:
         return {name: _on_cpu(u, copy) for name, u in self._velocity.items()}
 
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
-        self._velocity = {
-            name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()
-        }
+        self._velocity = _loaded(state, device)
 
 
 def sum_of_squares(tensors: list[Tensor]) -> float:
@@ -299,3 +294,7 @@ def sum_of_squares(tensors: list[Tensor]) -> float:
 def _on_cpu(t: Tensor, copy: bool) -> Tensor:
     t = t.detach()
     return t.cpu().clone() if copy or t.device.type != "cpu" else t
+
+
+def _loaded(state: dict[str, Tensor], device: torch.device | None) -> dict[str, Tensor]:
+    return {name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()}

@@ -189,7 +189,7 @@ class MessageLayout:
             at += quant.scale_bytes(self.capacity)
             quant.pack_codes(codes, bits, out[at : at + quant.code_bytes(count, bits)])
             arriving = quant.dequantize(codes, scales, bits)
-        index = out[self._index_at : self._index_at + self._index_bytes]
+        index = self._index_part(out)
         if self.coding == "rice":
             encode_indices(coords, self.n, self.capacity, out=index)
         else:
@@ -200,21 +200,11 @@ class MessageLayout:
         """``(int64 coordinates, values)`` of a message :meth:`pack` wrote: in ``value_dtype``, or
         float32 (what the codes stand for) with ``value_bits``."""
         count = int(message[:4].view(torch.int32)) if self.header else self.capacity
-        at = self._values_at
-        bits = self.value_bits
-        if bits is None:
-            values = message[at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
-        else:
-            scales = message[at : at + quant.scale_bytes(count)].view(torch.bfloat16)
-            at += quant.scale_bytes(self.capacity)
-            codes = quant.unpack_codes(message[at : at + quant.code_bytes(count, bits)], count, bits)
-            values = quant.dequantize(codes, scales, bits)
-        index = message[self._index_at : self._index_at + self._index_bytes]
+        values = self._read_values(message, count)
+        index = self._index_part(message)
         if self.coding == "rice":
-            coords = decode_indices(index, self.n, self.capacity, count)
-        else:
-            coords = index[: count * _INDEX_BYTES].view(torch.int32).long()
-        return coords, values
+            return decode_indices(index, self.n, self.capacity, count), values
+        return self._int32_coords(index, count), values
 
     def unpack_rows(self, messages: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`unpack` of every row of ``messages`` (``(rows, size)`` uint8, as an all-gather leaves
@@ -230,21 +220,11 @@ class MessageLayout:
         if self.header:
             raise ValueError("unpack_rows: messages with a header hold a count each; unpack them one at a time")
         count = self.capacity
-        at = self._values_at
-        bits = self.value_bits
-        if bits is None:
-            values = messages[:, at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
-        else:
-            scales = messages[:, at : at + quant.scale_bytes(count)].view(torch.bfloat16)
-            at += quant.scale_bytes(self.capacity)
-            codes = quant.unpack_codes(messages[:, at : at + quant.code_bytes(count, bits)], count, bits)
-            values = quant.dequantize(codes, scales, bits)
-        index = messages[:, self._index_at : self._index_at + self._index_bytes]
+        values = self._read_values(messages, count)
+        index = self._index_part(messages)
         if self.coding == "rice":
-            coords = decode_index_rows(index, self.n, self.capacity, count)
-        else:
-            coords = index[:, : count * _INDEX_BYTES].view(torch.int32).long()
-        return coords, values
+            return decode_index_rows(index, self.n, self.capacity, count), values
+        return self._int32_coords(index, count), values
 
     def pack_rows(self, coords: Tensor, values: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`pack_arriving` of a batch of messages with a header, the counts on the device: row ``r``
@@ -278,7 +258,7 @@ class MessageLayout:
             at += quant.scale_bytes(self.capacity)
             quant.pack_code_rows(codes, valid, bits, out[:, at : at + quant.code_bytes(width, bits)])
             arriving = torch.where(valid, quant.dequantize(codes, scales, bits), 0.0)
-        index = out[:, self._index_at : self._index_at + self._index_bytes]
+        index = self._index_part(out)
         if self.coding == "rice":
             encode_index_rows(coords, counts, self.n, self.capacity, out=index)
         else:
@@ -302,18 +282,31 @@ class MessageLayout:
         count = self.capacity
         counts = messages[:, :4].view(torch.int32).squeeze(1).long()
         valid = torch.arange(count, device=messages.device) < counts.unsqueeze(1)
-        at = self._values_at
-        bits = self.value_bits
-        if bits is None:  # zero bytes past the count (pack zeroes the message)
-            values = messages[:, at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
-        else:
-            scales = messages[:, at : at + quant.scale_bytes(count)].view(torch.bfloat16)
-            at += quant.scale_bytes(self.capacity)
-            codes = quant.unpack_codes(messages[:, at : at + quant.code_bytes(count, bits)], count, bits)
-            values = torch.where(valid, quant.dequantize(codes, scales, bits), 0.0)
-        index = messages[:, self._index_at : self._index_at + self._index_bytes]
+        values = self._read_values(messages, count)
+        if self.value_bits is not None:  # uncoded values are zero bytes past the count (pack zeroes the message)
+            values = torch.where(valid, values, 0.0)
+        index = self._index_part(messages)
         if self.coding == "rice":
             coords = decode_counted_rows(index, self.n, self.capacity, counts, fill=self.n)
         else:
-            coords = torch.where(valid, index[:, : count * _INDEX_BYTES].view(torch.int32).long(), self.n)
+            coords = torch.where(valid, self._int32_coords(index, count), self.n)
         return coords, values, counts
+
+    def _read_values(self, messages: Tensor, count: int) -> Tensor:
+        """The first ``count`` values of a message (or of each row): in ``value_dtype``, or float32
+        (what the codes stand for) with ``value_bits``."""
+        at = self._values_at
+        bits = self.value_bits
+        if bits is None:
+            return messages[..., at : at + count * self.value_dtype.itemsize].view(self.value_dtype)
+        scales = messages[..., at : at + quant.scale_bytes(count)].view(torch.bfloat16)
+        at += quant.scale_bytes(self.capacity)
+        codes = quant.unpack_codes(messages[..., at : at + quant.code_bytes(count, bits)], count, bits)
+        return quant.dequantize(codes, scales, bits)
+
+    def _index_part(self, messages: Tensor) -> Tensor:
+        return messages[..., self._index_at : self._index_at + self._index_bytes]
+
+    @staticmethod
+    def _int32_coords(index: Tensor, count: int) -> Tensor:
+        return index[..., : count * _INDEX_BYTES].view(torch.int32).long()

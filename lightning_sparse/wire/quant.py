@@ -108,7 +108,7 @@ def pack(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     Example:
         >>> import torch
         >>> message, d = pack(torch.tensor([0.6, -0.9, 0.01, 1.0]), bits=2)
-        >>> message.numel(), torch.equal(unpack(message, 4, bits=2), d)
+        >>> message.numel(), torch.equal(unpack_rows(message[None], 4, bits=2)[0], d)
         (8, True)
     """
     n = values.numel()
@@ -120,15 +120,9 @@ def pack(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     return message, dequantize(codes, scales, bits)
 
 
-def unpack(message: Tensor, count: int, bits: int) -> Tensor:
-    """The float32 values a :func:`pack` message of ``count`` values stands for."""
-    at = scale_bytes(count)
-    codes = unpack_codes(message[at : at + code_bytes(count, bits)], count, bits)
-    return dequantize(codes, message[:at].view(torch.bfloat16), bits)
-
-
 def unpack_rows(messages: Tensor, count: int, bits: int) -> Tensor:
-    """:func:`unpack` of every row of ``messages`` (as an all-gather leaves them): ``(rows, count)`` float32.
+    """The float32 values of :func:`pack` messages of ``count`` values, one a row (as an all-gather leaves
+    them): ``(rows, count)``.
 
     Example:
         >>> import torch

@@ -21,7 +21,13 @@ from lightning_sparse._utils import RegionViews, make_generator, mix_seed, scrat
 from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.compressors.sketch_hashes import median_of_rows
 from lightning_sparse.compressors.topk import sample_rank
-from lightning_sparse.wire.batched import keep_unsent, rank_shortlist, residual_layout
+from lightning_sparse.wire.batched import (
+    CPU_ONE_BY_ONE,
+    keep_unsent,
+    rank_shortlist,
+    residual_layout,
+    shortlist_sizes,
+)
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Pending, WireContext
 from lightning_sparse.wire.message import quantize
@@ -29,15 +35,8 @@ from lightning_sparse.wire.select import nonfinite_members
 
 __all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
 
-#: on a CPU, a bucket with a member of ``rows * numel`` above this takes the per-tensor path
-CPU_ONE_BY_ONE = 1 << 20
 #: a bucket of more ``rows * numel`` sparse entries takes the per-tensor path (at once: about 12 bytes an entry)
 AT_ONCE_ENTRIES = 1 << 26
-#: the candidates' thresholds and shortlist, sampled as in :mod:`~lightning_sparse.wire.batched`
-_DRAWS = (256, 4096)
-_ABOVE = 32
-_MARGIN = 4.0
-_SLACK = 1.5
 #: draws per member for the pre-truncation thresholds
 _CUT_DRAWS = (4096, 1 << 14)
 _BITS = 0x7FFFFFFF
@@ -126,14 +125,9 @@ class SketchLayout:
                 for i, c in enumerate(cols)
             ]
         )
-        draws = min(_DRAWS[1], max(_DRAWS[0], math.ceil(_ABOVE * max(d / c for d, c in zip(numels, cs, strict=True)))))
-        ranks, shortlist = [], 0.0
-        for d, c in zip(numels, cs, strict=True):
-            j = sample_rank(draws, c, d, _MARGIN)
-            ranks.append(j - 1)
-            shortlist += min(d, d * j / draws + 1)
         n, total_c = sum(numels), sum(cs)
-        capacity = min(n, max(total_c, math.ceil(_SLACK * shortlist) + 64))
+        ratio = max(d / c for d, c in zip(numels, cs, strict=True))
+        draws, ranks, capacity = shortlist_sizes(numels, cs, ratio, n)
         cutting = [0 < m < d for m, d in zip(cuts, numels, strict=True)]
         cut_draws = 0
         if any(cutting):
