@@ -230,9 +230,6 @@ class LocalMomentum:
     def __init__(self) -> None:
         self._velocity: dict[str, Tensor] = {}
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._velocity
-
     def get(self, name: str) -> Tensor | None:
         return self._velocity.get(name)
 
