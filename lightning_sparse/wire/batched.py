@@ -33,8 +33,7 @@ _MARGIN = 4.0
 #: the shortlist holds this many times the entries the thresholds are expected to pass
 _SLACK = 1.5
 _BITS = 0x7FFFFFFF
-#: on a CPU, a bucket holding a tensor this large is selected one tensor at a time: a host read costs
-#: nothing there, and the passes over the whole bucket cost more than the per-tensor shortlist
+#: on a CPU, a bucket holding a tensor this large is selected one tensor at a time (a host read is free there)
 CPU_ONE_BY_ONE = 1 << 20
 
 
@@ -124,8 +123,8 @@ class BatchedLayout:
 
     @functools.cached_property
     def member_of(self) -> Tensor:
-        """int32, per entry of the bucket: its member. Made once, on first use: a gather through it
-        is a pass over the bucket, where ``repeat_interleave`` on a GPU writes each member from one thread."""
+        """int32, per entry of the bucket: its member (made once: ``repeat_interleave`` on a GPU writes each
+        member from one thread)."""
         members = torch.arange(self.sizes.numel(), dtype=torch.int32, device=self.sizes.device)
         return torch.repeat_interleave(members, self.sizes, output_size=self.numel)
 

@@ -61,9 +61,8 @@ def _nbytes(tensor: Tensor) -> int:
 class Issued:
     """A collective in flight: its future, and what it is (for the error that says where an exchange stalled).
 
-    A call queued by :meth:`Collectives.coalescing` has a ``queued`` entry: :meth:`wait` then issues the
-    queue if needed and copies the call's part of the result into its output, on the waiting thread
-    (and CUDA stream)."""
+    For a call queued by :meth:`Collectives.coalescing`, :meth:`wait` issues the queue if needed and copies
+    the call's part of the result into its output, on the waiting thread (and CUDA stream)."""
 
     future: Future[list[Tensor]]
     what: str
@@ -164,7 +163,7 @@ class Collectives:
 
     def hold(self) -> None:
         """Start queueing, as entering :meth:`coalescing` does (for a block spanning calls, e.g. one
-        backward pass's hook calls); :meth:`release` ends it."""
+        backward pass's hooks)."""
         self.queue.depth += 1
 
     def release(self, issue: bool = True) -> None:

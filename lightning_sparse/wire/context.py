@@ -1,8 +1,6 @@
 """What the wire code is given: a bucket's layout, the settings it needs, and one call's inputs.
 
-The wire code sees the hook's state only through :class:`WireContext` and :class:`BucketCall`, defined
-here, below it, so that nothing in the wire imports the state above it.
-"""
+:class:`WireContext` and :class:`BucketCall` live here, below the wire: nothing in it imports the state above."""
 
 from __future__ import annotations
 
@@ -92,8 +90,7 @@ class WireContext:
         fixed_buckets: the buckets keep their members across steps and resumes (update mode's; DDP
             lays its buckets out anew after its first step and on resume).
 
-    Built from a :class:`~lightning_sparse.config.SparseConfig` in one place
-    (:func:`wire_context`), which holds the defaults.
+    Built from a :class:`~lightning_sparse.config.SparseConfig` by :func:`wire_context`, which holds the defaults.
 
     Example:
         >>> from lightning_sparse.compressors import TopK
@@ -257,8 +254,8 @@ def wire_context(
     memory: ErrorFeedback | None = None,
     velocity: LocalMomentum | None = None,
 ) -> WireContext:
-    """The :class:`WireContext` of ``config`` (a :class:`~lightning_sparse.config.SparseConfig`, read by attribute
-    name), with this rank's stores and collectives.
+    """The :class:`WireContext` of ``config`` (a :class:`~lightning_sparse.config.SparseConfig`) with this
+    rank's stores and collectives.
 
     Example:
         >>> from lightning_sparse.config import SparseConfig

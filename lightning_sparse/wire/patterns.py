@@ -35,9 +35,8 @@ from lightning_sparse.wire.split import launch_split, split_wire_bytes
 
 #: how a gather-pattern bucket crosses the wire (``exchange=...``)
 EXCHANGES = ("auto", "allgather", "split")
-#: ``exchange="auto"`` takes the split where it moves at most this fraction of the all-gather's wire
-#: bytes (from about 16 ranks): it applies about k coordinates where the all-gather applies the union
-#: of every rank's k, which costs accuracy (``docs/results.md``)
+#: ``exchange="auto"`` takes the split where it moves at most this fraction of the all-gather's wire bytes:
+#: it applies about k coordinates where the all-gather applies every rank's k, which costs accuracy
 SPLIT_AUTO_RATIO = 0.25
 
 
@@ -69,8 +68,7 @@ class WirePattern:
         compact: bool = False,
         value_bits: int | None = None,
     ) -> float:
-        """Bytes through each rank for the sparse members of a bucket (ring model); ``exchange``,
-        ``compact`` (index coding) and ``value_bits`` matter to the gather pattern only."""
+        """Bytes through each rank for the sparse members of a bucket (ring model)."""
         return self.cost(Sizes(world, tuple(ks), vbytes, tuple(numels), compressor, exchange, compact, value_bits))
 
     def cost(self, sizes: Sizes) -> float:
@@ -78,13 +76,12 @@ class WirePattern:
         raise NotImplementedError
 
     def launch(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Pending:
-        """Compress the bucket's sparse members, update their residuals, launch the collectives (a
-        pattern implements this or :meth:`launch_rounds`)."""
+        """Compress the bucket's sparse members, update their residuals, launch the collectives."""
         return run(self.launch_rounds(ctx, call, ks))
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
-        """:meth:`launch` in rounds (:data:`~lightning_sparse.wire.comm.Rounds`): a pattern whose
-        second round needs the first's result yields between them; the others do not yield."""
+        """:meth:`launch` in rounds (:data:`~lightning_sparse.wire.comm.Rounds`), yielding where a round
+        needs the previous one's result (a pattern implements this or :meth:`launch`)."""
         return self.launch(ctx, call, ks)
         yield  # a generator that returns at once
 
@@ -100,16 +97,10 @@ def bucket_wire_bytes(
 
 # --------------------------------------------------------------------------- gather
 class GatherPattern(WirePattern):
-    """Each rank selects its own ``k`` coordinates per tensor; two ways to combine them:
-
-    - ``"allgather"``: every rank's (value, coordinate) pairs are all-gathered and summed in rank
-      order by every rank: ``(W-1)`` messages per rank.
-    - ``"split"``: Ok-Topk's sparse all-reduce (:mod:`lightning_sparse.wire.split`), about ``3k (W-1)/W``
-      pairs per rank, flat in W.
-
-    ``"auto"`` takes the split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's bytes
-    (a function of sizes only: the same on every rank).
-    """
+    """Each rank selects its own ``k`` coordinates per tensor, then ``"allgather"`` (every rank sums every
+    rank's pairs, in rank order) or ``"split"`` (:mod:`~lightning_sparse.wire.split`); ``"auto"`` takes the
+    split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's bytes (sizes only: the same
+    on every rank)."""
 
     def choose(
         self,
@@ -171,8 +162,7 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
     gathered, issued = all_gather_message(ctx, call, message)
 
     def apply(out: Tensor, scale: float = 1.0) -> None:
-        # added rank by rank: the sum over ranks in rank order gives identical bits on every rank (one
-        # index_add_ of all of them would add a coordinate's values in any order on CUDA)
+        # rank by rank: one index_add_ of all of them would add a coordinate's values in any order on CUDA
         coords, values = layout.unpack_rows(gathered.view(world, layout.size))
         at = space.to_bucket(coords.view(-1)).view(world, -1)
         values = values.to(out.dtype)
@@ -205,15 +195,11 @@ class SharedPattern(WirePattern):
 
 # --------------------------------------------------------------------------- sketch
 class SketchPattern(WirePattern):
-    """Count-sketch (Sketched SGD): two all-reduces per bucket, both issued from the hook.
+    """Count-sketch (Sketched SGD): round 1 all-reduces the sparse members' float32 tables, round 2 this
+    rank's ``p`` at the candidates every rank finds in the sums; each member keeps its ``k`` largest sums.
 
-    Round 1 all-reduces the float32 tables of the bucket's sparse members; every rank finds the same
-    candidates in the sums, and round 2 all-reduces this rank's ``p`` there. Every rank then keeps the
-    ``k`` largest sums per member and takes what it contributed there out of its residual.
-
-    Round 1 is waited for on the hook's thread and round 2 issued right after: every collective is
-    issued by one thread in the same order on every rank, which a completion callback (a
-    process-group thread) would not guarantee.
+    Round 1 is waited for on the hook's thread and round 2 issued right after, so that one thread issues
+    every collective in the same order on every rank (a completion callback's thread would not).
     """
 
     def cost(self, sizes: Sizes) -> float:
@@ -249,9 +235,7 @@ class SketchPattern(WirePattern):
             if call.inputs_finite or all_finite(g):
                 p = ctx.memory.accumulate(m.name, g) if ctx.error_feedback else g
                 compressor.sketch(p, k, cctx, view)
-            else:
-                # sketch nothing (the tables stay finite: the same candidates on every rank) and send
-                # NaN in round 2, so every rank skips the step; the residual keeps its value
+            else:  # sketch nothing (the same candidates on every rank), send NaN: every rank skips the step
                 counters.nonfinite_buckets = 1
             if call.observe is not None:  # as in select_sorted: every rank observes every member
                 call.observe(call.step, plan.label, m.name, p if p is not None else g)
@@ -308,11 +292,8 @@ class SketchPattern(WirePattern):
 
 # --------------------------------------------------------------------------- dense
 class DensePattern(WirePattern):
-    """Tensors sent whole: their residuals flushed into them, then one all-reduce.
-
-    :meth:`launch` sends the whole bucket; :meth:`launch_members` the small tensors of a bucket sent
-    sparse (:func:`~lightning_sparse.wire.small.launch_small`).
-    """
+    """Tensors sent whole, their residuals flushed into them: the whole bucket (:meth:`launch`), or the
+    small tensors of a bucket sent sparse (:meth:`launch_members`)."""
 
     def cost(self, sizes: Sizes) -> float:
         return ring_all_reduce_bytes(sizes.world, sum(sizes.numels) * sizes.vbytes)

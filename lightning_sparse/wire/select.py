@@ -77,9 +77,8 @@ class Selection:
 def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype, settle: bool) -> Selection:
     """Select ``ks`` coordinates of each sparse member (error feedback included), sorted.
 
-    With ``settle`` the residuals keep what is not sent right away (``sent + e_new == p``); without,
-    they keep all of ``p`` and the caller settles what was finally sent (the split exchange). A member
-    whose input is not finite sends NaN and leaves its residual as it was.
+    With ``settle`` the residuals keep what is not sent (``sent + e_new == p``); without, all of ``p``, and
+    the caller settles what was finally sent. A non-finite input sends NaN and keeps its residual.
     """
     if batched.eligible(ctx, call):
         picked = batched.batched_topk(ctx, call, ks)

@@ -64,7 +64,7 @@ class SharedLayout:
     names: tuple[str, ...]  # the sparse members' names, buffer order
 
     @staticmethod
-    @functools.lru_cache(maxsize=64)  # a layout holds about 100 bytes per coordinate it picks
+    @functools.lru_cache(maxsize=64)  # few: a layout holds tensors as long as its picks
     def of(plan: BucketPlan, ks: tuple[int, ...], device: torch.device) -> SharedLayout:
         sparse = plan.sparse_members
         space = SparseSpace.of(plan)

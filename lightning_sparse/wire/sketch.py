@@ -35,7 +35,7 @@ from lightning_sparse.wire.select import nonfinite_members
 
 __all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
 
-#: a bucket of more ``rows * numel`` sparse entries takes the per-tensor path (at once: about 12 bytes an entry)
+#: a bucket of more ``rows * numel`` sparse entries takes the per-tensor path
 AT_ONCE_ENTRIES = 1 << 26
 #: draws per member for the pre-truncation thresholds
 _CUT_DRAWS = (4096, 1 << 14)
@@ -187,10 +187,9 @@ class SketchLayout:
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members can be sketched at once: a count-sketch compressor, fixed
-    buckets (the hashes are drawn per bucket, and DDP lays its buckets out anew after its first step
-    and on resume), no momentum correction or substituted inputs, residuals that live with the
-    bucket, and the size limits :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`."""
+    """Whether ``call``'s sparse members can be sketched at once: a count-sketch compressor, fixed buckets
+    (the hashes are drawn per bucket), no momentum correction or substituted inputs, residuals that live
+    with the bucket, and the size limits :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`."""
     compressor = ctx.compressor
     sparse = call.plan.sparse_members
     if not compressor.selects_at_once("countsketch") or not sparse:

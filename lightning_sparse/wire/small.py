@@ -65,7 +65,7 @@ def all_gather_message(ctx: WireContext, call: BucketCall, message: Tensor) -> t
 
 class _MemberViews:
     """A bucket's small tensors: their regions, their positions, and the message buffer (one per dtype,
-    reused: a bucket's exchange is applied before its next one starts)."""
+    reused: a bucket's exchange is applied before its next starts)."""
 
     def __init__(self, members: tuple[Member, ...]) -> None:
         self.bucket = RegionViews(tuple((m.offset, m.numel) for m in members))
@@ -90,8 +90,7 @@ class _MemberViews:
 
 
 def _member_views(plan: BucketPlan, members: tuple[Member, ...]) -> _MemberViews:
-    """The views of ``members`` of ``plan``, cached by the plan where they are its small tensors
-    (cheaper to hash), else by the members."""
+    """The views of ``members``, cached by the plan where they are its small tensors (cheaper to hash)."""
     if members is plan.dense_members:
         return _plan_views(plan)
     return _views_of(members)
@@ -108,9 +107,8 @@ def _views_of(members: tuple[Member, ...]) -> _MemberViews:
 
 
 def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending | None:
-    """:func:`_launch_coded_members` on the bucket's flat residual: the same operations on the same
-    values, so the same bits. None (nothing done) without error feedback, for a buffer that is not
-    float32, offloaded residuals or a non-finite value."""
+    """:func:`_launch_coded_members` on the bucket's flat residual, to the same bits; None (nothing done)
+    without error feedback, for a buffer that is not float32, offloaded residuals or a non-finite value."""
     buffer = call.buffer
     if not ctx.error_feedback or buffer.dtype != torch.float32 or ctx.memory.home is not None:
         return None

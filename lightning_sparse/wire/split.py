@@ -23,8 +23,8 @@ from lightning_sparse.wire.cost import ring_all_gather_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import Selection, select_sorted, settle
 
-#: the split exchange's ownership: blocks of this many coordinates go to the ranks in turn (odd,
-#: so that a row length that is a power of two does not keep one column on one owner)
+#: blocks of this many coordinates go to the ranks in turn (odd: a power-of-two row length does not
+#: keep one column on one owner)
 SPLIT_BLOCK = 127
 #: each rank may send an owner up to this many times its fair share (k / W) of coordinates
 SPLIT_SLACK = 2.0
@@ -151,8 +151,7 @@ def _owner_choice(local: Tensor, values: Tensor, end: int, keep: int) -> tuple[T
 
 
 def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Rounds[Pending]:
-    """Launch the split exchange of a gather-pattern bucket, in rounds: it yields once its all-to-all
-    is issued, and waits for it when resumed."""
+    """Launch the split exchange of a gather-pattern bucket; it yields once its all-to-all is issued."""
     world, rank, buffer, counters = ctx.world_size, ctx.rank, call.buffer, call.counters
     device = buffer.device
     space = SparseSpace.of(call.plan)
@@ -175,8 +174,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         padded = torch.cat([sel.sent, sel.sent.new_zeros(1)])  # the padding writes zeros to the spare
         sel.sent = padded.index_put_((table.view(-1),), arriving.view(-1))[:picks]
     incoming = torch.empty_like(outgoing)
-    # waited for on this thread, stage 2 issued right after: one thread, one order on every rank
-    # (see SketchPattern)
+    # waited for on this thread, stage 2 issued right after (see SketchPattern)
     first_round = ctx.comm.all_to_all(incoming, outgoing, counters)
     # counted without a host read: picks past a crowded owner's chunk count too
     counters.sent_numel += picks
@@ -201,7 +199,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
 
     def receive() -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Every owner's choice, decoded once: positions in its region (``largest`` past the count),
-        sparse-space coordinates (0 there), values (0 there) and which are real."""
+        coordinates and values (0 there), and which are real."""
         if not received:
             loc, vals, counts = second.unpack_counted_rows(gathered)
             real = torch.arange(second.capacity, device=device) < counts.unsqueeze(1)
