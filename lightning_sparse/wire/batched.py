@@ -1,11 +1,9 @@
 """Top-k of every sparse member of a bucket at once, in a fixed number of operators and one host read.
 
-On the bucket's flat residual (:meth:`~lightning_sparse.wire.memory.ErrorFeedback.flat`): ``p = g + e``;
-a threshold per member from a uniform sample of its magnitudes, set a few standard deviations low so
-that at least ``k`` entries pass; the entries above it in a fixed-capacity shortlist (``nonzero_static``),
-sorted by (member, magnitude descending); each member's first ``k`` there. One host read checks that
-every member got ``k`` and the shortlist fitted; where not, the members are selected one by one. Either
-way the coordinates are each member's exact top-``k`` (ties aside), as the per-tensor selection's.
+On the bucket's flat residual ``p = g + e``: a threshold per member from a uniform sample of its
+magnitudes, set low enough that at least ``k`` entries pass; those in a fixed-capacity shortlist sorted
+by (member, magnitude descending); each member's first ``k`` there. Where one host read finds a member
+short or the shortlist full, the members are selected one by one: either way each member's exact top-``k``.
 """
 
 from __future__ import annotations

@@ -169,12 +169,11 @@ class BucketCall:
 class Pending:
     """A launched part of a bucket's exchange: its futures, and how to add its result.
 
-    ``apply(out)``, once every future completed, adds the average over ranks of this part into ``out``
-    (laid out like the bucket); ``dense`` (the dense pattern) returns it as the bucket's buffer instead.
-    ``settle`` takes what was sent out of this rank's residuals where that is known only once the
-    collectives arrived (split, count-sketch); :class:`Average` calls it once, before the first
-    ``apply``. ``chosen``: each rank chose its coordinates on its own (gather patterns);
-    ``apply(out, scale)`` then adds ``scale`` times the average (:meth:`Average.add_to`).
+    ``apply(out)`` adds the average over ranks of this part into ``out`` (laid out like the bucket);
+    ``dense`` returns it as the bucket's buffer instead. ``settle`` takes what was sent out of this rank's
+    residuals where that is known only once the collectives arrived; :class:`Average` calls it once, before
+    the first ``apply``. ``chosen``: each rank chose its own coordinates; ``apply(out, scale)`` then adds
+    ``scale`` times the average.
     """
 
     futures: list[Issued]

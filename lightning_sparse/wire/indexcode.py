@@ -119,9 +119,8 @@ def encode_indices(idx: Tensor, n: int, k: int, out: Tensor | None = None, *, va
     """Rice-code strictly increasing indices ``idx`` (int64/int32, values in ``[0, n)``, at most
     ``k`` of them) into a uint8 tensor of exactly ``rice_capacity_bytes(n, k)`` bytes.
 
-    ``out``, if given (1-D uint8 of that size on ``idx``'s device), is overwritten and returned.
-    Sortedness and range are checked only with ``validate=True`` (a host read); bad input gives an
-    undecodable message but never writes outside it.
+    ``out``, if given (1-D uint8 of that size on ``idx``'s device), is overwritten and returned. Order and
+    range are checked only with ``validate=True`` (a host read); bad input never writes outside ``out``.
 
     >>> data = encode_indices(torch.tensor([3, 4, 900, 901, 999]), n=1000, k=8)
     >>> data.numel() == rice_capacity_bytes(1000, 8)

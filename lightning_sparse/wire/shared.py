@@ -1,12 +1,10 @@
 """Random-k of every sparse member of a bucket at once, in a fixed number of operators, no host read.
 
 Every sparse member's ``k`` coordinates come from one draw
-(:func:`~lightning_sparse.compressors.randomk.draw_subsets`), a function of (seed, step, parameter key,
-numel, k) alone: the same on every rank, the same as :meth:`RandomK.select
-<lightning_sparse.compressors.RandomK.select>`, and independent of the bucket's layout (which DDP
-changes after its first step and on resume). ``p = g + e`` and the residual update
-(``sent + e_new == p`` exactly) then run on the bucket's flat residual (offloaded residuals, which have
-none, member by member). A member whose input is not finite sends NaN there and keeps its residual.
+(:func:`~lightning_sparse.compressors.randomk.draw_subsets`) of (seed, step, parameter key, numel, k)
+alone: the same on every rank and as :meth:`RandomK.select <lightning_sparse.compressors.RandomK.select>`,
+whatever the bucket's layout. ``p = g + e`` and ``sent + e_new == p`` run on the bucket's flat residual
+(offloaded residuals member by member). A non-finite input sends NaN and keeps its residual.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The split exchange, after Ok-Topk's sparse all-reduce (Li and Hoefler, PPoPP 2022).
 
-The ranks own block-cyclic regions of a bucket's sparse space; each rank sends each owner its
-selected pairs there (one all-to-all), every owner sums them in rank order and keeps the largest sums
-(ties to the smaller coordinate), and the owners' choices are all-gathered. Traffic per rank is about
-flat in the number of ranks. What a rank selected that did not reach the global selection stays in
-its residual, and a sum's rounding stays in its owner's: the sum over ranks of sent plus residual is
-conserved. Every tensor has a fixed size and the counts stay on the device: no host read.
+The ranks own block-cyclic regions of a bucket's sparse space; each rank sends each owner its pairs
+there (one all-to-all), every owner sums them in rank order and keeps the largest sums (ties to the
+smaller coordinate), and the owners' choices are all-gathered. What did not reach the global selection
+stays in its rank's residual and a sum's rounding in its owner's, so sent plus residuals is conserved.
+Every tensor has a fixed size and the counts stay on the device: no host read.
 """
 
 from __future__ import annotations
