@@ -1,10 +1,4 @@
-"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state, on every rank alike.
-
-- gradient mode: the residuals (and local momenta) are copied before the exchange takes from them, and put
-  back when the scaler skipped the step (a rank that overflowed sent NaN, so every rank skips).
-- update mode: each rank keeps its own gradient, so the ranks agree on an overflow after the backward (one
-  all-reduce of one number); on one anywhere every gradient is made NaN, so every scaler skips and backs off.
-"""
+"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state, on every rank alike."""
 
 from __future__ import annotations
 
@@ -24,7 +18,11 @@ __all__ = ["SkippedSteps"]
 
 
 class SkippedSteps:
-    """What the strategies do about the steps an fp16 gradient scaler skips (see the module).
+    """What the strategies do about the steps an fp16 gradient scaler skips.
+
+    Gradient mode: the residuals (and local momenta) are copied before the exchange takes from them, and put back
+    when the scaler skipped the step. Update mode: the ranks agree on an overflow after the backward (one all-reduce
+    of one number); on one anywhere every gradient is made NaN, so every scaler skips.
 
     Args:
         scaler: the precision plugin's gradient scaler (``torch.amp.GradScaler``).

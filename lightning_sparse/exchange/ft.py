@@ -1,10 +1,4 @@
-"""Update-mode exchanges among replica groups on torchft: a quorum per exchange, rollback and healing.
-
-A replica group is one job. Before each exchange :class:`FaultTolerantUpdate` asks torchft's Lighthouse for a
-quorum of the live groups (a group behind it heals there from a healthy one, its residual zero); process ``r``
-of each group exchanges with process ``r`` of the others, and an exchange that does not commit everywhere
-(``should_commit``) is rolled back.
-"""
+"""Update-mode exchanges among replica groups (one job each) on torchft: a quorum per exchange, rollback, healing."""
 
 from __future__ import annotations
 
@@ -40,6 +34,10 @@ FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], N
 
 class FaultTolerantUpdate(UpdateExchange):
     """The update exchange of one replica group among the live groups, on torchft.
+
+    Before each exchange it asks torchft's Lighthouse for a quorum of the live groups (a group behind heals from a
+    healthy one, its residual zero); process ``r`` of each group exchanges with process ``r`` of the others, and an
+    exchange that does not commit everywhere (``should_commit``) is rolled back.
 
     Args:
         state: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.

@@ -97,7 +97,7 @@ def _int_var(env: Any, name: str, what: str) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not allowed: expected a whole number ({what}).") from None
+        value = -1
     if value < (1 if name == "NUM_REPLICA_GROUPS" else 0):
         raise ValueError(f"{name}={raw!r} is not allowed: expected a whole number ({what}).")
     return value

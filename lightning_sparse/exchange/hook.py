@@ -1,8 +1,4 @@
-"""DDP's communication hook: a thin adapter from DDP's buckets onto the step's exchange.
-
-The buckets of one backward pass leave together (:class:`BackwardBatch`), so nothing may wait for a
-bucket's future before the step's last bucket was handed over (DDP waits after the backward pass).
-"""
+"""DDP's communication hook: a thin adapter from DDP's buckets onto the step's exchange."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations (dist.GradBucket) at runtime.
 

@@ -1,7 +1,4 @@
-"""Outer steps: what the global parameters do with the average of what the ranks sent (update mode).
-
-:class:`AddAverage` (the default) adds it in; :class:`OptimizerStep` steps an outer optimizer (DiLoCo's).
-"""
+"""Outer steps: what the global parameters do with the average of what the ranks sent (update mode)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Update mode's data parallelism without DDP's reducer (no gradient is all-reduced in update mode).
-
-:class:`Replicas` does what DDP did that update mode still needs: rank 0's parameters and buffers at the
-start, its buffers at every forward, and the steps that need gradients (:meth:`Replicas.gradients_ready`).
-"""
+"""Update mode's data parallelism without DDP's reducer (no gradient is all-reduced in update mode)."""
 
 from __future__ import annotations
 
@@ -46,7 +42,8 @@ def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None)
 
 
 class Replicas(torch.nn.Module):
-    """A module replicated over a process group for update mode: no reducer, rank 0's state at the start.
+    """A module replicated over a process group for update mode: rank 0's parameters and buffers at the start, its
+    buffers at every forward, and the steps that need gradients (:meth:`gradients_ready`), without a reducer.
 
     Args:
         module: the model.
