@@ -169,11 +169,7 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, d
 def end_process_group(exit_code: int | None = None) -> None:
     """End the default process group on every rank together (a barrier, then destroy), if one exists, before
     interpreter shutdown can abort a gloo thread (docs/guarantees.md, "Exit code"); with ``exit_code``, then flush
-    stdout and stderr and leave at once (``os._exit``: call it last).
-
-    Example:
-        >>> end_process_group()  # no process group: nothing to do
-    """
+    stdout and stderr and leave at once (``os._exit``: call it last)."""
     import os
     import sys
 
@@ -202,11 +198,7 @@ _EXIT = _ExitPlan()
 
 def end_process_group_at_exit(created: bool) -> None:
     """Have the default process group ended at interpreter exit, as :func:`end_process_group` does (destroyed only
-    if ``created`` by the strategy's setup); nothing where the group was replaced or the process leaves on an error.
-
-    Example:
-        >>> end_process_group_at_exit(created=False)  # no process group: remembers nothing
-    """
+    if ``created`` by the strategy's setup); nothing where the group was replaced or the process leaves on an error."""
     import atexit
 
     import torch.distributed as dist
@@ -249,12 +241,7 @@ def _end_at_exit() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``.
-
-    Example:
-        >>> 0 < free_port() < 65536
-        True
-    """
+    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -262,15 +262,9 @@ class SparseConfig:
         if errors:
             raise ValueError(f"{len(errors)} arguments are not allowed:\n" + "\n".join(f"- {e}" for e in errors))
         self._check_together(compressor, timed, outer)
-        for name, value in (
-            ("compressor", compressor),
-            ("density", schedule),
-            ("value_dtype", value_dtype),
-            ("momentum_correction", float(m)),
-            ("byte_rule", byte_rule),
-            ("timed_fallback", timed),
-            ("outer_factory", outer),
-        ):
+        normalised = dict(compressor=compressor, density=schedule, value_dtype=value_dtype, outer_factory=outer)
+        normalised.update(momentum_correction=float(m), byte_rule=byte_rule, timed_fallback=timed)
+        for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
     def _check_together(self, compressor: Compressor, timed: TimedFallback | None, outer: Any) -> None:

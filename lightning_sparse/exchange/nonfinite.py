@@ -13,8 +13,6 @@ class NonfiniteUpdates:
 
     Example:
         >>> n = NonfiniteUpdates()
-        >>> n.found("w"); n.settle(rank=0, step=3, limit=0)  # doctest: +SKIP
-        ['w']
         >>> n.settle(rank=0, step=4, limit=0), n.updates, n.streak
         ([], 0, 0)
     """

@@ -41,12 +41,7 @@ class OuterStep:
 
 
 def parties_scale(parties: int) -> float:
-    """``chosen_scale="parties"``: half the number of parties, at least 1.
-
-    Example:
-        >>> [parties_scale(n) for n in (1, 2, 4, 8)]
-        [1.0, 1.0, 2.0, 4.0]
-    """
+    """``chosen_scale="parties"``: half the number of parties, at least 1."""
     return max(1.0, parties / 2)
 
 
@@ -157,12 +152,7 @@ def _key(names: tuple[str, ...]) -> str:
 
 
 def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None) -> OuterStep:
-    """The outer step of a resolved ``outer_optimizer`` setting (None: :class:`AddAverage`).
-
-    Example:
-        >>> type(outer_step_for(None)).__name__, type(outer_step_for(torch.optim.SGD)).__name__
-        ('AddAverage', 'OptimizerStep')
-    """
+    """The outer step of a resolved ``outer_optimizer`` setting (None: :class:`AddAverage`)."""
     if isinstance(setting, OuterStep):
         return setting
     return AddAverage() if setting is None else OptimizerStep(setting)
