@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import socket
+import sys
 import threading
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _MASK64 = (1 << 64) - 1
 
@@ -154,8 +159,6 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, d
     """
     if world_size <= 1 or not tensors:
         return 0
-    import torch.distributed as dist
-
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     dist.all_reduce(flat, group=group)
     flat.div_(world_size)
@@ -170,11 +173,6 @@ def end_process_group(exit_code: int | None = None) -> None:
     """End the default process group on every rank together (a barrier, then destroy), if one exists, before
     interpreter shutdown can abort a gloo thread (docs/guarantees.md, "Exit code"); with ``exit_code``, then flush
     stdout and stderr and leave at once (``os._exit``: call it last)."""
-    import os
-    import sys
-
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -199,10 +197,6 @@ _EXIT = _ExitPlan()
 def end_process_group_at_exit(created: bool) -> None:
     """Have the default process group ended at interpreter exit, as :func:`end_process_group` does (destroyed only
     if ``created`` by the strategy's setup); nothing where the group was replaced or the process leaves on an error."""
-    import atexit
-
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     group = dist.group.WORLD
@@ -221,10 +215,6 @@ def note_run_end(failed: bool) -> None:
 
 
 def _end_at_exit() -> None:
-    import sys
-
-    import torch.distributed as dist
-
     leaving_on_error = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
     if _EXIT.failed or leaving_on_error:
         return
@@ -242,8 +232,6 @@ def _end_at_exit() -> None:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -250,7 +250,13 @@ class FaultTolerantUpdate(UpdateExchange):
             return True
         self.rollbacks += 1
         rollback()
-        self._warn_rollback(error, what)
+        cause = gist(error) if error is not None else "another group's collective failed"
+        warnings.warn(
+            f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
+            f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
+            "dropped; the next exchange runs with the new quorum.",
+            stacklevel=2,
+        )
         return False
 
     def _land(self, flight: InFlight) -> None:
@@ -268,15 +274,6 @@ class FaultTolerantUpdate(UpdateExchange):
 
         if self._settle(error, rollback, "its sent part back in the residuals, global model and outer step unchanged"):
             super()._land(flight)
-
-    def _warn_rollback(self, error: Exception | None, what: str) -> None:
-        cause = gist(error) if error is not None else "another group's collective failed"
-        warnings.warn(
-            f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
-            f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
-            "dropped; the next exchange runs with the new quorum.",
-            stacklevel=3,
-        )
 
     @torch.no_grad()
     def flush_residuals(self, rounds: int | None = None) -> None:

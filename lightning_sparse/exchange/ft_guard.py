@@ -33,11 +33,8 @@ def children(pid: int | None = None) -> list[int]:
     except OSError:
         return found
     for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(p) for p in f.read().split()]
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
     return sorted(set(found))
 
 

@@ -107,8 +107,7 @@ class Replicas(torch.nn.Module):
         if state.plain_ddp:
             self._average(state)
         elif state.skips is not None:
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            grads: list[Tensor] = [p.grad for p in params if p.grad is not None] or [torch.empty(0)]
+            grads: list[Tensor] = [p.grad for p in self.module.parameters() if p.grad is not None] or [torch.empty(0)]
             last: Future[Tensor] | None = None
             for i, grad in enumerate(grads):
                 last = keep_gradient(state, grad, i == len(grads) - 1)
