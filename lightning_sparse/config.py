@@ -73,8 +73,7 @@ class SparseConfig:
     )
     value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = field(
         default=None,
-        metadata=_doc("""dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None: the gradient's
-            dtype."""),
+        metadata=_doc('values sent as ``"float16"``, ``"bfloat16"`` or ``"float32"``; None: in the gradient dtype.'),
     )
     seed: int = field(default=0, metadata=_doc("seed of every random choice (shared coordinates, samples)."))
     fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = field(
@@ -90,9 +89,8 @@ class SparseConfig:
     )
     exchange: Literal["auto", "allgather", "split"] = field(
         default="auto",
-        metadata=_doc("""how compressors of pattern ``"gather"`` combine selections: ``"allgather"``, ``"split"``
-            (Ok-Topk's sparse all-reduce) or ``"auto"``: per bucket, the split where it moves at most 1/4 of the
-            all-gather's bytes."""),
+        metadata=_doc("""how compressors of pattern ``"gather"`` combine picks: ``"allgather"``, ``"split"`` (Ok-Topk's
+            sparse all-reduce) or ``"auto"``: per bucket, the split where it moves <= 1/4 the all-gather's bytes."""),
     )
     compact_indices: bool = field(
         default=True,

@@ -22,10 +22,8 @@ def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True) -> Future[Tensor]:
-    """Exchange one bucket (the body of :func:`sparse_comm_hook`): a future of ``buffer`` holding the average.
-
-    Wait for the futures only after the step's last bucket (``is_last``).
-    """
+    """Exchange one bucket (the body of :func:`sparse_comm_hook`): a future of ``buffer`` holding the average, to
+    wait for only after the step's last bucket (``is_last``)."""
     if state.backward is None:
         state.backward = BackwardBatch()
     average = state.backward.add(state, buffer, state.plan(buffer, params), is_last)

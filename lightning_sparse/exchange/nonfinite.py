@@ -8,8 +8,8 @@ __all__ = ["NonfiniteUpdates"]
 
 
 class NonfiniteUpdates:
-    """The updates one rank dropped as non-finite; after ``limit`` exchanges in a row :meth:`check` raises,
-    before the next step (outside an exchange: a fault-tolerant one would take it for a failed collective).
+    """The updates one rank dropped as non-finite; after ``limit`` exchanges in a row :attr:`stop` holds the error
+    to raise before the next step (outside an exchange: a fault-tolerant one would take it for a failed collective).
 
     Example:
         >>> n = NonfiniteUpdates()

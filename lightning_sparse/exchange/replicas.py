@@ -26,10 +26,8 @@ _DEFAULT_BUCKET_MB = 25.0  # DDP's default
 
 
 def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` with the group's first process's, one broadcast per dtype and device.
-
-    Through ``.data``, as DDP does: a buffer saved for a backward is not "modified in place".
-    """
+    """Overwrite ``tensors`` with the group's first process's, one broadcast per dtype and device, through
+    ``.data`` as DDP does (a buffer saved for a backward is not "modified in place")."""
     kinds: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         kinds.setdefault((t.dtype, t.device), []).append(t)
