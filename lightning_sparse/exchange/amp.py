@@ -28,8 +28,6 @@ class SkippedSteps:
         scaler: the precision plugin's gradient scaler (``torch.amp.GradScaler``).
 
     Example:
-        >>> import torch
-        >>> from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
         >>> scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
         >>> _ = scaler.scale(torch.ones(()))          # the step's loss, scaled
         >>> skips = SkippedSteps(scaler)

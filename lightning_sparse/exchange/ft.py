@@ -47,7 +47,6 @@ class FaultTolerantUpdate(UpdateExchange):
         quorum_timeout: seconds a quorum, a collective or a recovery may take.
 
     Example:
-        >>> from lightning_sparse import SparseState
         >>> exchange = FaultTolerantUpdate(SparseState(compressor="topk", density=0.5), min_replicas=2)
         >>> exchange.active, exchange.commits, exchange.rollbacks
         (True, 0, 0)

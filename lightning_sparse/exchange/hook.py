@@ -36,7 +36,6 @@ class BackwardBatch:
 
     Example:
         >>> import torch
-        >>> from lightning_sparse import SparseState
         >>> state = SparseState(compressor="topk", density=0.5)
         >>> params = [torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)]
         >>> state.bind([("a", params[0]), ("b", params[1])])

@@ -56,7 +56,6 @@ class Replicas(torch.nn.Module):
         gradient_as_bucket_view: accepted for DDP's sake.
 
     Example:
-        >>> import torch.distributed as dist
         >>> from lightning_sparse._utils import free_port
         >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         >>> model = Replicas(torch.nn.BatchNorm1d(3))
