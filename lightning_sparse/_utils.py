@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import socket
+import sys
 import threading
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _MASK64 = (1 << 64) - 1
 
@@ -92,8 +97,7 @@ def resolve_value_dtype(value: Any) -> torch.dtype | None:
     raise bad_argument("value_dtype", value, f"expected None or one of {sorted(_DTYPES)}")
 
 
-# Reused scratch buffers: fresh multi-MB allocations cost page faults on every step. Keyed by thread too: DDP runs
-# the hook on the autograd thread while completion callbacks run on the process group's threads.
+# reused scratch buffers, keyed by thread too: DDP's hook and the process group's callbacks run on different threads
 _SCRATCH: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
@@ -108,8 +112,7 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> t
 
 
 class RegionViews:
-    """Views of a flat tensor at fixed ``(offset, numel)`` regions (``shapes``: each view's shape), made once per
-    tensor and kept: making them costs one operator per region, the ``torch._foreach_*`` using them one in all.
+    """Views of a flat tensor at fixed ``(offset, numel)`` regions (``shapes``: their shapes), made once per tensor.
 
     Example:
         >>> views = RegionViews(((0, 2), (2, 3)))
@@ -125,10 +128,8 @@ class RegionViews:
         self._views: list[torch.Tensor] = []
 
     def of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The views of ``flat`` (the same list while ``flat`` is the same memory of the same storage).
-
-        The storage is part of the key: a storage moved elsewhere (to shared memory, through a
-        ``torch.multiprocessing`` queue) frees its address, and a new tensor made there must not get the old views."""
+        """The views of ``flat`` (the same list while ``flat`` is the same memory of the same storage: a storage
+        moved elsewhere frees its address for another tensor)."""
         key = (flat.untyped_storage()._cdata, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
         if key != self._key:
             views = [flat[a : a + n] for a, n in self.regions]
@@ -140,8 +141,7 @@ class RegionViews:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every entry of ``t`` is finite, in one read: the float32 sum is finite unless an
-    entry is NaN/Inf (or, very rarely, finite entries overflow it: confirmed element-wise then)."""
+    """Whether every entry of ``t`` is finite: its float32 sum, confirmed element-wise where that overflows."""
     if bool(torch.isfinite(t.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(t).all())
@@ -159,8 +159,6 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, d
     """
     if world_size <= 1 or not tensors:
         return 0
-    import torch.distributed as dist
-
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     dist.all_reduce(flat, group=group)
     flat.div_(world_size)
@@ -172,23 +170,9 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, d
 
 
 def end_process_group(exit_code: int | None = None) -> None:
-    """End the default process group on every rank together (a barrier, then destroy), if one exists; with
-    ``exit_code``, then flush stdout and stderr and leave at once (``os._exit``: no ``atexit`` handlers or
-    finalizers, so call it last).
-
-    Why: left to interpreter exit, a gloo worker thread destroying a finished collective's work drops a tensor
-    reference, which takes the interpreter lock; if shutdown has begun, that ends the thread inside a ``noexcept``
-    destructor and the process aborts (``std::terminate``, exit code -6; docs/guarantees.md, "Exit code"). The
-    barrier lets every earlier collective finish first, with the lock released.
-
-    Example:
-        >>> end_process_group()  # no process group: nothing to do
-    """
-    import os
-    import sys
-
-    import torch.distributed as dist
-
+    """End the default process group on every rank together (a barrier, then destroy), if one exists, before
+    interpreter shutdown can abort a gloo thread (docs/guarantees.md, "Exit code"); with ``exit_code``, then flush
+    stdout and stderr and leave at once (``os._exit``: call it last)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -211,20 +195,8 @@ _EXIT = _ExitPlan()
 
 
 def end_process_group_at_exit(created: bool) -> None:
-    """Have the default process group a strategy runs on ended at interpreter exit, before Python's shutdown (see
-    :func:`end_process_group` for why): a barrier of every rank, then, if ``created`` (by the strategy's setup),
-    ``destroy_process_group``. One ``atexit`` handler per process.
-
-    The handler does nothing if the group was destroyed or replaced, or the process leaves on an error
-    (:func:`note_run_end`): the other ranks may never reach their barrier. A failed barrier leaves the group.
-
-    Example:
-        >>> end_process_group_at_exit(created=False)  # no process group: remembers nothing
-    """
-    import atexit
-
-    import torch.distributed as dist
-
+    """Have the default process group ended at interpreter exit, as :func:`end_process_group` does (destroyed only
+    if ``created`` by the strategy's setup); nothing where the group was replaced or the process leaves on an error."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     group = dist.group.WORLD
@@ -243,10 +215,6 @@ def note_run_end(failed: bool) -> None:
 
 
 def _end_at_exit() -> None:
-    import sys
-
-    import torch.distributed as dist
-
     leaving_on_error = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
     if _EXIT.failed or leaving_on_error:
         return
@@ -263,15 +231,7 @@ def _end_at_exit() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT`` (another process may take it
-    before it is used).
-
-    Example:
-        >>> 0 < free_port() < 65536
-        True
-    """
-    import socket
-
+    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

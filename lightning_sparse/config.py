@@ -1,9 +1,4 @@
-"""SparseConfig: every setting of the sparse exchange, declared once.
-
-Each setting's type, default, validation and doc live here; the strategies' signatures and ``Args:`` are written from
-it (:func:`~lightning_sparse.strategies.settings.with_settings`). What must agree on every rank:
-:meth:`SparseConfig.fingerprint`.
-"""
+"""SparseConfig: every setting of the sparse exchange (type, default, validation, doc), declared once."""
 
 from __future__ import annotations
 
@@ -48,10 +43,7 @@ def _doc(text: str) -> Any:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """The settings of the sparse exchange, validated at construction.
-
-    ``compressor``, ``density`` and ``value_dtype`` are normalised (a Compressor, a
-    :class:`~lightning_sparse.schedules.DensitySchedule`, a dtype or None); bad values are named in one ValueError.
+    """The settings of the sparse exchange, validated (every bad value named in one ValueError) and normalised.
 
     Example:
         >>> config = SparseConfig(compressor="randomk", density=0.001)
@@ -65,8 +57,8 @@ class SparseConfig:
 
     compress: Literal["update", "gradient"] = field(
         default="update",
-        metadata=_doc("""``"update"``: compress each rank's optimizer update, after its step (close to dense with
-            AdamW); ``"gradient"``: the gradient, before the step, in DDP's communication hook (suits plain SGD)."""),
+        metadata=_doc("""``"update"``: compress each rank's optimizer update, after its step; ``"gradient"``: the
+            gradient, before the step, in DDP's communication hook."""),
     )
     compressor: str | Compressor = field(
         default="topk", metadata=_doc("a name from ``lightning_sparse.compressors.COMPRESSORS`` or a Compressor.")
@@ -81,8 +73,7 @@ class SparseConfig:
     )
     value_dtype: Literal["float32", "float16", "bfloat16"] | torch.dtype | None = field(
         default=None,
-        metadata=_doc("""dtype of the values sent (``"float16"``, ``"bfloat16"``, ``"float32"``); None: the gradient's
-            dtype. Rounding errors go into the residual."""),
+        metadata=_doc('values sent as ``"float16"``, ``"bfloat16"`` or ``"float32"``; None: in the gradient dtype.'),
     )
     seed: int = field(default=0, metadata=_doc("seed of every random choice (shared coordinates, samples)."))
     fallback_to_dense: bool | Literal["bytes", "time"] | TimedFallback = field(
@@ -98,9 +89,8 @@ class SparseConfig:
     )
     exchange: Literal["auto", "allgather", "split"] = field(
         default="auto",
-        metadata=_doc("""how compressors of pattern ``"gather"`` combine selections: ``"allgather"`` (per-rank traffic
-            grows with the ranks), ``"split"`` (Ok-Topk's sparse all-reduce, flat per-rank traffic), ``"auto"``
-            (default): per bucket, the split where it moves at most 1/4 of the all-gather's bytes, else all-gather."""),
+        metadata=_doc("""how compressors of pattern ``"gather"`` combine picks: ``"allgather"``, ``"split"`` (Ok-Topk's
+            sparse all-reduce) or ``"auto"``: per bucket, the split where it moves <= 1/4 the all-gather's bytes."""),
     )
     compact_indices: bool = field(
         default=True,
@@ -131,8 +121,7 @@ class SparseConfig:
     batchnorm_batches: int = field(
         default=16,
         metadata=_doc("""update mode: wherever the module gets the global model, its BatchNorm statistics are recomputed
-            under the global parameters from this many latest training inputs and averaged over the processes (those
-            gathered under each process's view do not fit the global model). 0: off."""),
+            under the global parameters from this many latest training inputs, averaged over the processes. 0: off."""),
     )
     batchnorm_warmup: int = field(
         default=40,
@@ -271,15 +260,9 @@ class SparseConfig:
         if errors:
             raise ValueError(f"{len(errors)} arguments are not allowed:\n" + "\n".join(f"- {e}" for e in errors))
         self._check_together(compressor, timed, outer)
-        for name, value in (
-            ("compressor", compressor),
-            ("density", schedule),
-            ("value_dtype", value_dtype),
-            ("momentum_correction", float(m)),
-            ("byte_rule", byte_rule),
-            ("timed_fallback", timed),
-            ("outer_factory", outer),
-        ):
+        normalised = dict(compressor=compressor, density=schedule, value_dtype=value_dtype, outer_factory=outer)
+        normalised.update(momentum_correction=float(m), byte_rule=byte_rule, timed_fallback=timed)
+        for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
     def _check_together(self, compressor: Compressor, timed: TimedFallback | None, outer: Any) -> None:
@@ -366,7 +349,7 @@ class SparseConfig:
         compressor = typing.cast(Compressor, self.compressor)
         described = {"compressor", "density", "value_dtype", "fallback_to_dense", "outer_optimizer"}
         return {
-            **{name: getattr(self, name) for name in _FINGERPRINTED if name not in described},
+            **{name: getattr(self, name) for name in setting_names() if name not in _PER_RANK | described},
             "compressor": type(compressor).__name__,
             "compressor_config": compressor.config(),
             "schedule": repr(self.schedule),
@@ -377,13 +360,11 @@ class SparseConfig:
         }
 
 
-#: the settings that must agree on every rank (:meth:`SparseConfig.fingerprint`)
-_FINGERPRINTED = (
-    "compressor", "density", "error_feedback", "min_numel", "warmup_steps", "value_dtype", "seed", "fallback_to_dense",
-    "momentum_correction", "compress", "exchange", "compact_indices", "sync_every", "outer_optimizer", "value_bits",
-    "batchnorm_batches", "batchnorm_warmup", "error_feedback_decay", "offload_global", "sync_delay", "flush_at_end",
-    "max_nonfinite_steps", "fragments", "fragment_split", "offload_residual", "fault_tolerant",
-)  # fmt: skip
+#: the settings that need not agree on every rank (left out of :meth:`SparseConfig.fingerprint`)
+_PER_RANK = {
+    "min_replicas", "quorum_timeout", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+    "bucket_cap_mb", "start_method",
+}  # fmt: skip
 
 
 def setting_names() -> tuple[str, ...]:

@@ -1,10 +1,4 @@
-"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state, on every rank alike.
-
-- gradient mode: the residuals (and local momenta) are copied before the exchange takes from them, and put
-  back when the scaler skipped the step (a rank that overflowed sent NaN, so every rank skips).
-- update mode: each rank keeps its own gradient, so the ranks agree on an overflow after the backward (one
-  all-reduce of one number); on one anywhere every gradient is made NaN, so every scaler skips and backs off.
-"""
+"""fp16 AMP: a step that the gradient scaler skips changes nothing of the sparse state, on every rank alike."""
 
 from __future__ import annotations
 
@@ -24,14 +18,16 @@ __all__ = ["SkippedSteps"]
 
 
 class SkippedSteps:
-    """What the strategies do about the steps an fp16 gradient scaler skips (see the module).
+    """What the strategies do about the steps an fp16 gradient scaler skips.
+
+    Gradient mode: the residuals (and local momenta) are copied before the exchange takes from them, and put back
+    when the scaler skipped the step. Update mode: the ranks agree on an overflow after the backward (one all-reduce
+    of one number); on one anywhere every gradient is made NaN, so every scaler skips.
 
     Args:
         scaler: the precision plugin's gradient scaler (``torch.amp.GradScaler``).
 
     Example:
-        >>> import torch
-        >>> from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
         >>> scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
         >>> _ = scaler.scale(torch.ones(()))          # the step's loss, scaled
         >>> skips = SkippedSteps(scaler)
@@ -53,10 +49,10 @@ class SkippedSteps:
         self.skipped = 0
         self._scale: float | None = None
         self._saved: dict[str, tuple[Tensor | None, Tensor | None]] = {}
-        # update mode: this step's buffers, a local overflow, the agreed outcome
-        self._buffers: list[Tensor] = []
+        #: update mode: whether a gradient overflowed on some rank in this step (agreed by every rank)
+        self.overflowed = False
+        self._buffers: list[Tensor] = []  # update mode: this step's buffers
         self._local_overflow = False
-        self._agreed_overflow = False
 
     def scale(self) -> float:
         """The scaler's current loss scale."""
@@ -87,11 +83,6 @@ class SkippedSteps:
             velocity.put(name, v)
         return True
 
-    @property
-    def overflowed(self) -> bool:
-        """Update mode: whether a gradient overflowed on some rank in this step (agreed by every rank)."""
-        return self._agreed_overflow
-
     def agree(
         self,
         comm: Collectives,
@@ -103,7 +94,7 @@ class SkippedSteps:
         """Keep ``buffer``; after the step's last, agree on an overflow anywhere and then make every buffer NaN.
         ``error(what, cause)``: the exception raised if that all-reduce fails."""
         if not self._buffers:  # the step's first bucket
-            self._agreed_overflow = False
+            self.overflowed = False
         self._buffers.append(buffer)
         self._local_overflow = self._local_overflow or not all_finite(buffer)
         if not is_last:
@@ -119,7 +110,7 @@ class SkippedSteps:
                 except Exception as failure:
                     raise error(issued.what, first_line(failure)) from failure
             if float(flag[0]) > 0:
-                self._agreed_overflow = True
+                self.overflowed = True
                 self.skipped += 1
                 for b in buffers:
                     b.fill_(float("nan"))

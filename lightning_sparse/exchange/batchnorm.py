@@ -1,11 +1,4 @@
-"""BatchNorm statistics for the global model, recomputed where one model is needed (update mode).
-
-Each process trains its own view (global + unsent), so the running statistics fit the view, not the global
-parameters that validation and checkpoints see. :class:`GlobalBatchNorm` records the outermost calls of the
-modules holding BatchNorm layers in the last training forwards (an input an earlier call returned becomes a
-link to it) and replays them under the global parameters, as ``torch.optim.swa_utils.update_bn`` does, then
-averages the statistics over the processes. Layers no recorded call reaches keep training's, averaged.
-"""
+"""BatchNorm statistics for the global model (update mode), recomputed from replayed training inputs."""
 
 from __future__ import annotations
 
@@ -56,6 +49,11 @@ _REDIRECTED, _NESTED = "redirected", "nested"
 class GlobalBatchNorm:
     """Recomputes the BatchNorm statistics of a module's global model from its last training inputs.
 
+    It records the outermost calls of the modules holding BatchNorm layers in the last training forwards (an input
+    an earlier call returned becomes a link to it), replays them under the global parameters, as
+    ``torch.optim.swa_utils.update_bn`` does, and averages the statistics over the processes. Layers no recorded
+    call reaches keep training's, averaged.
+
     Args:
         batches: how many of the latest training forward passes are kept and replayed; 0 turns it off.
 
@@ -69,22 +67,6 @@ class GlobalBatchNorm:
         0
         >>> int(net[1].num_batches_tracked)
         1
-
-        A backbone and a head called one after the other: the head's input is linked to the
-        backbone's output, and the replay feeds it the backbone's output under the global parameters.
-
-        >>> class Model(nn.Module):
-        ...     def __init__(self) -> None:
-        ...         super().__init__()
-        ...         self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
-        ...         self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
-        >>> model = Model()
-        >>> norms = GlobalBatchNorm(batches=2)
-        >>> norms.attach(model)
-        True
-        >>> _ = model.head(model.backbone(torch.randn(16, 4)))
-        >>> [[type(e.module).__name__ for e in p] for p in norms.passes], norms.links
-        ([['Sequential', 'Sequential']], 1)
     """
 
     def __init__(self, batches: int) -> None:

@@ -1,10 +1,8 @@
-"""Time-based dense fallback: time both ways of sending on this link and keep the faster one.
-
-The byte rule cannot see that on a fast link compression may cost more than the all-reduce it saves.
-"""
+"""Time-based dense fallback: time both ways of sending on this link and keep the faster one."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +22,8 @@ T = TypeVar("T")
 SPARSE: Literal["sparse"] = "sparse"
 DENSE: Literal["dense"] = "dense"
 TRIAL_SPARSE, TRIAL_DENSE = "trial sparse", "trial dense"
+#: what :meth:`TimedFallback.state_dict` holds
+_SAVED = ("choice", "trial_start", "samples", "decisions", "world_size")
 
 
 class TimedFallback:
@@ -179,13 +179,7 @@ class TimedFallback:
         sparse_s, dense_s = medians
         self.choice = SPARSE if sparse_s <= dense_s else DENSE  # a tie keeps the smaller messages
         self.decisions.append(
-            {
-                "step": step,
-                "sparse_s": sparse_s,
-                "dense_s": dense_s,
-                "choice": self.choice,
-                "trial_start": self.trial_start,
-            }
+            dict(step=step, sparse_s=sparse_s, dense_s=dense_s, choice=self.choice, trial_start=self.trial_start)
         )
         self.samples = {SPARSE: [], DENSE: []}
         self.trial_start = step + self.recheck_every if self.recheck_every else None
@@ -202,20 +196,11 @@ class TimedFallback:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "choice": self.choice,
-            "trial_start": self.trial_start,
-            "samples": {k: list(v) for k, v in self.samples.items()},
-            "decisions": [dict(d) for d in self.decisions],
-            "world_size": self.world_size,
-        }
+        return copy.deepcopy({name: getattr(self, name) for name in _SAVED})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.choice = state["choice"]
-        self.trial_start = state["trial_start"]
-        self.samples = {k: list(v) for k, v in state["samples"].items()}
-        self.decisions = [dict(d) for d in state["decisions"]]
-        self.world_size = state["world_size"]
+        for name in _SAVED:
+            setattr(self, name, copy.deepcopy(state[name]))
         self._open = None
         self._reconcile()
 

@@ -1,10 +1,4 @@
-"""Update-mode exchanges among replica groups on torchft: a quorum per exchange, rollback and healing.
-
-A replica group is one job. Before each exchange :class:`FaultTolerantUpdate` asks torchft's Lighthouse for a
-quorum of the live groups (a group behind it heals there from a healthy one, its residual zero); process ``r``
-of each group exchanges with process ``r`` of the others, and an exchange that does not commit everywhere
-(``should_commit``) is rolled back.
-"""
+"""Update-mode exchanges among replica groups (one job each) on torchft: a quorum per exchange, rollback, healing."""
 
 from __future__ import annotations
 
@@ -41,6 +35,10 @@ FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], N
 class FaultTolerantUpdate(UpdateExchange):
     """The update exchange of one replica group among the live groups, on torchft.
 
+    Before each exchange it asks torchft's Lighthouse for a quorum of the live groups (a group behind heals from a
+    healthy one, its residual zero); process ``r`` of each group exchanges with process ``r`` of the others, and an
+    exchange that does not commit everywhere (``should_commit``) is rolled back.
+
     Args:
         state: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
         bucket_bytes: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
@@ -49,7 +47,6 @@ class FaultTolerantUpdate(UpdateExchange):
         quorum_timeout: seconds a quorum, a collective or a recovery may take.
 
     Example:
-        >>> from lightning_sparse import SparseState
         >>> exchange = FaultTolerantUpdate(SparseState(compressor="topk", density=0.5), min_replicas=2)
         >>> exchange.active, exchange.commits, exchange.rollbacks
         (True, 0, 0)
@@ -252,7 +249,13 @@ class FaultTolerantUpdate(UpdateExchange):
             return True
         self.rollbacks += 1
         rollback()
-        self._warn_rollback(error, what)
+        cause = gist(error) if error is not None else "another group's collective failed"
+        warnings.warn(
+            f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
+            f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
+            "dropped; the next exchange runs with the new quorum.",
+            stacklevel=2,
+        )
         return False
 
     def _land(self, flight: InFlight) -> None:
@@ -270,15 +273,6 @@ class FaultTolerantUpdate(UpdateExchange):
 
         if self._settle(error, rollback, "its sent part back in the residuals, global model and outer step unchanged"):
             super()._land(flight)
-
-    def _warn_rollback(self, error: Exception | None, what: str) -> None:
-        cause = gist(error) if error is not None else "another group's collective failed"
-        warnings.warn(
-            f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
-            f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
-            "dropped; the next exchange runs with the new quorum.",
-            stacklevel=3,
-        )
 
     @torch.no_grad()
     def flush_residuals(self, rounds: int | None = None) -> None:

@@ -1,9 +1,4 @@
-"""A replica group's process under watch: SIGTERM and SIGINT obeyed anywhere, and no wait past its bound.
-
-torchft's calls block the main thread, where Python runs no signal handler until they return, so
-:class:`Guard` acts from threads of its own (a pipe from :func:`signal.set_wakeup_fd`, a watchdog) and
-ends the process with ``os._exit``, its children signalled first.
-"""
+"""A replica group's process under watch: SIGTERM and SIGINT obeyed anywhere, and no wait past its bound."""
 
 from __future__ import annotations
 
@@ -38,11 +33,8 @@ def children(pid: int | None = None) -> list[int]:
     except OSError:
         return found
     for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(p) for p in f.read().split()]
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
     return sorted(set(found))
 
 
@@ -71,6 +63,9 @@ def _running(pid: int) -> bool:
 
 class Guard:
     """Ends this process on SIGTERM or SIGINT wherever it is, and when a wait outlives its deadline.
+
+    torchft's calls block the main thread, where Python runs no signal handler until they return, so it acts from
+    threads of its own (a pipe from :func:`signal.set_wakeup_fd`, a watchdog), its children signalled first.
 
     Args:
         where: the process's place and step in words, called when a line is written.
@@ -111,7 +106,7 @@ class Guard:
             self._pipe = (read, write)
             for sig in _SIGNALS:
                 self._previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._on_signal)
+                signal.signal(sig, lambda signum, frame: self.leave(signum))
             self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             threading.Thread(target=self._read_signals, name="lightning_sparse_signals", daemon=True).start()
         threading.Thread(target=self._watch, name="lightning_sparse_watchdog", daemon=True).start()
@@ -138,10 +133,6 @@ class Guard:
             yield
         finally:
             self._what, self._deadline, self._cause = outer
-
-    # ------------------------------------------------------------------ the threads
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.leave(signum)
 
     def _read_signals(self) -> None:
         assert self._pipe is not None

@@ -35,10 +35,6 @@ class ReplicaGroupError(ExchangeError):
         )
 
 
-def _seconds(number: str, unit: str) -> float:
-    return float(number) * _UNITS.get(unit, 1.0)
-
-
 def group_of(replica_id: str) -> int | None:
     """The group number in a replica id ``lightning_sparse_{group}:{uuid}``; None for another's.
 
@@ -77,9 +73,8 @@ class LighthouseView:
         """The view of a status page's text (torchft 0.2's layout)."""
         quorum = re.search(r"Previous quorum id:\s*(\d+)", page)
         members = {m.group(1): int(m.group(2)) for m in re.finditer(r"<b>([^<\s]+)</b>\s*<br/?>\s*Step:\s*(\d+)", page)}
-        ages = {
-            m.group(1): _seconds(m.group(2), m.group(3)) for m in re.finditer(r"(\S+): seen ([\d.]+)(\D+?) ago", page)
-        }
+        seen = re.finditer(r"(\S+): seen ([\d.]+)(\D+?) ago", page)
+        ages = {m.group(1): float(m.group(2)) * _UNITS.get(m.group(3), 1.0) for m in seen}
         need = re.search(r"need min_replicas (\d+)", page)
         return cls(int(quorum.group(1)) if quorum else None, members, ages, int(need.group(1)) if need else None)
 

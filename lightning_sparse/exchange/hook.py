@@ -1,8 +1,4 @@
-"""DDP's communication hook: a thin adapter from DDP's buckets onto the step's exchange.
-
-The buckets of one backward pass leave together (:class:`BackwardBatch`), so nothing may wait for a
-bucket's future before the step's last bucket was handed over (DDP waits after the backward pass).
-"""
+"""DDP's communication hook: a thin adapter from DDP's buckets onto the step's exchange."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations (dist.GradBucket) at runtime.
 
@@ -26,10 +22,8 @@ def sparse_comm_hook(state: SparseState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def communicate(state: SparseState, buffer: Tensor, params: list[Tensor], is_last: bool = True) -> Future[Tensor]:
-    """Exchange one bucket (the body of :func:`sparse_comm_hook`): a future of ``buffer`` holding the average.
-
-    Wait for the futures only after the step's last bucket (``is_last``).
-    """
+    """Exchange one bucket (the body of :func:`sparse_comm_hook`): a future of ``buffer`` holding the average, to
+    wait for only after the step's last bucket (``is_last``)."""
     if state.backward is None:
         state.backward = BackwardBatch()
     average = state.backward.add(state, buffer, state.plan(buffer, params), is_last)
@@ -42,7 +36,6 @@ class BackwardBatch:
 
     Example:
         >>> import torch
-        >>> from lightning_sparse import SparseState
         >>> state = SparseState(compressor="topk", density=0.5)
         >>> params = [torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)]
         >>> state.bind([("a", params[0]), ("b", params[1])])

@@ -8,13 +8,11 @@ __all__ = ["NonfiniteUpdates"]
 
 
 class NonfiniteUpdates:
-    """The updates one rank dropped as non-finite; after ``limit`` exchanges in a row :meth:`check` raises,
-    before the next step (outside an exchange: a fault-tolerant one would take it for a failed collective).
+    """The updates one rank dropped as non-finite; after ``limit`` exchanges in a row :attr:`stop` holds the error
+    to raise before the next step (outside an exchange: a fault-tolerant one would take it for a failed collective).
 
     Example:
         >>> n = NonfiniteUpdates()
-        >>> n.found("w"); n.settle(rank=0, step=3, limit=0)  # doctest: +SKIP
-        ['w']
         >>> n.settle(rank=0, step=4, limit=0), n.updates, n.streak
         ([], 0, 0)
     """

@@ -1,8 +1,4 @@
-"""Update mode's data parallelism without DDP's reducer (no gradient is all-reduced in update mode).
-
-:class:`Replicas` does what DDP did that update mode still needs: rank 0's parameters and buffers at the
-start, its buffers at every forward, and the steps that need gradients (:meth:`Replicas.gradients_ready`).
-"""
+"""Update mode's data parallelism without DDP's reducer (no gradient is all-reduced in update mode)."""
 
 from __future__ import annotations
 
@@ -30,10 +26,8 @@ _DEFAULT_BUCKET_MB = 25.0  # DDP's default
 
 
 def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` with the group's first process's, one broadcast per dtype and device.
-
-    Through ``.data``, as DDP does: a buffer saved for a backward is not "modified in place".
-    """
+    """Overwrite ``tensors`` with the group's first process's, one broadcast per dtype and device, through
+    ``.data`` as DDP does (a buffer saved for a backward is not "modified in place")."""
     kinds: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         kinds.setdefault((t.dtype, t.device), []).append(t)
@@ -46,7 +40,8 @@ def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None)
 
 
 class Replicas(torch.nn.Module):
-    """A module replicated over a process group for update mode: no reducer, rank 0's state at the start.
+    """A module replicated over a process group for update mode: rank 0's parameters and buffers at the start, its
+    buffers at every forward, and the steps that need gradients (:meth:`gradients_ready`), without a reducer.
 
     Args:
         module: the model.
@@ -61,7 +56,6 @@ class Replicas(torch.nn.Module):
         gradient_as_bucket_view: accepted for DDP's sake.
 
     Example:
-        >>> import torch.distributed as dist
         >>> from lightning_sparse._utils import free_port
         >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         >>> model = Replicas(torch.nn.BatchNorm1d(3))
@@ -110,8 +104,7 @@ class Replicas(torch.nn.Module):
         if state.plain_ddp:
             self._average(state)
         elif state.skips is not None:
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            grads: list[Tensor] = [p.grad for p in params if p.grad is not None] or [torch.empty(0)]
+            grads: list[Tensor] = [p.grad for p in self.module.parameters() if p.grad is not None] or [torch.empty(0)]
             last: Future[Tensor] | None = None
             for i, grad in enumerate(grads):
                 last = keep_gradient(state, grad, i == len(grads) - 1)
