@@ -4,12 +4,13 @@ any change to the wire code (2 real gloo processes)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
-from lightning_sparse.exchange.outer import AddAverage, OuterStep, chosen_scale_of, parties_scale
+from lightning_sparse.exchange.outer import AddAverage, OptimizerStep, OuterStep, chosen_scale_of, parties_scale
 from lightning_sparse.wire import Average
 
 pytestmark = pytest.mark.dist
@@ -59,7 +60,9 @@ def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str
     torch.manual_seed(0)
     named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
     state = SparseState(compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update")
-    outer = ChosenScaled(chosen_scale) if chosen_scale != "default" else None
+    outer = ChosenScaled(chosen_scale) if chosen_scale not in ("default", "sgd") else None
+    if chosen_scale == "sgd":  # an outer optimizer with its default chosen_scale: SGD at lr 1 adds its gradient
+        outer = OptimizerStep(functools.partial(torch.optim.SGD, lr=1.0))
     exchange = UpdateExchange(state, outer_step=outer)  # None: the default outer step
     exchange.bind(named)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -71,7 +74,7 @@ def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str
                 p.add_(torch.randn(p.shape, generator=gen))
         exchange.exchange()
         globals_.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
-    return {"received": outer.received if outer is not None else [], "globals": globals_}
+    return {"received": getattr(outer, "received", []), "globals": globals_}
 
 
 def test_chosen_coordinates_are_scaled_and_tensors_sent_whole_are_not(dist4) -> None:
@@ -106,6 +109,19 @@ def test_the_default_outer_step_scales_the_chosen_coordinates_by_half_the_partie
         got, want, other = default[r]["globals"][-1], scaled[r]["globals"][-1], plain[r]["globals"][-1]
         assert torch.allclose(got, want, rtol=0, atol=1e-5)
         assert (got - other).abs().max() > 1e-2  # and not the plain average's
+
+
+def test_an_outer_optimizer_scales_the_chosen_coordinates_as_the_default_does(dist4) -> None:
+    """``OptimizerStep`` (``outer_optimizer="nesterov"``, a class) takes the default's ``chosen_scale``, half the
+    parties: SGD at learning rate 1, which adds its negated gradient, follows the scaled sum, not the plain one."""
+    sgd = dist4.run(_chosen_worker, chosen_scale="sgd")
+    scaled = dist4.run(_chosen_worker, chosen_scale="parties")
+    plain = dist4.run(_chosen_worker, chosen_scale=1.0)
+    for r in range(4):
+        got, want, other = sgd[r]["globals"][-1], scaled[r]["globals"][-1], plain[r]["globals"][-1]
+        assert torch.equal(got, sgd[0]["globals"][-1])  # one global model
+        assert torch.allclose(got, want, rtol=0, atol=1e-5)
+        assert (got - other).abs().max() > 1e-2
 
 
 def test_chosen_scale_is_checked() -> None:

@@ -88,15 +88,16 @@ class OptimizerStep(OuterStep):
 
     Args:
         factory: makes an optimizer from a list of parameters (an optimizer class, a partial).
-        chosen_scale: as :class:`AddAverage`'s, applied to the optimizer's gradient.
+        chosen_scale: as :class:`AddAverage`'s (the same default, N/2 above 2 parties), applied to the
+            optimizer's gradient; 1 is DiLoCo's plain average (what density 1 above 2 parties wants).
 
     Example:
         >>> step = OptimizerStep(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
-        >>> step.state_dict()
-        {}
+        >>> step.chosen_scale, step.state_dict()
+        ('parties', {})
     """
 
-    def __init__(self, factory: Callable[[Iterable[Any]], Optimizer], chosen_scale: float | str = 1.0) -> None:
+    def __init__(self, factory: Callable[[Iterable[Any]], Optimizer], chosen_scale: float | str = "parties") -> None:
         self.factory = factory
         self.chosen_scale = check_chosen_scale(chosen_scale)
         self._groups: dict[tuple[str, ...], tuple[torch.nn.Parameter, Optimizer]] = {}
