@@ -85,6 +85,7 @@ def index_bytes(n: int, k: int, coding: str) -> int:
     return 4 * k if coding == "int32" else rice_capacity_bytes(n, k)
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # sizes only, checked at every message: a hit runs no Python
 def _check_sizes(n: int, k: int, count: int | None = None) -> None:
     check_int("n", n, minimum=1)
     check_int("k", k, minimum=0)
