@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
-from lightning_sparse.wire.comm import Collectives, first_line
+from lightning_sparse.wire.comm import Collectives, completed, first_line
 from lightning_sparse.wire.memory import ErrorFeedback, LocalMomentum
 from lightning_sparse.wire.stats import Counters
 
@@ -98,7 +98,7 @@ class SkippedSteps:
         self._buffers.append(buffer)
         self._local_overflow = self._local_overflow or not all_finite(buffer)
         if not is_last:
-            return _done(buffer)
+            return completed(buffer)
         flag = torch.tensor([1.0 if self._local_overflow else 0.0], device=buffer.device)
         buffers, self._buffers, self._local_overflow = self._buffers, [], False
         issued = comm.all_reduce(flag, counters)
@@ -117,11 +117,5 @@ class SkippedSteps:
             return buffer
 
         if issued is None:
-            return _done(settle())
+            return completed(settle())
         return issued.future.then(settle)
-
-
-def _done(value: Any) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut

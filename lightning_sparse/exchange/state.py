@@ -93,8 +93,7 @@ class SparseState:
         self.optimizer_step = 0
         self.residual_norm_interval = 50  # steps between measurements of the residual norm (0: never)
         self.skips: SkippedSteps | None = None
-        #: what the wire code works with on this rank (settings, stores, counted collectives)
-        self.wire = wire_context(config, Collectives(), 0, memory=self.memory, velocity=self.velocity)
+        self.use_collectives(Collectives(), 0)  # the wire context: no process group until bind
         self.process_group: dist.ProcessGroup | None = None
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
@@ -187,6 +186,7 @@ class SparseState:
 
     def use_collectives(self, comm: Collectives, rank: int) -> None:
         """Exchange through ``comm`` (this rank's counted collectives) as rank ``rank``."""
+        #: what the wire code works with on this rank (settings, stores, counted collectives)
         self.wire = wire_context(self.config, comm, rank, memory=self.memory, velocity=self.velocity)
 
     def use_scaler(self, scaler: Any, rescale_residuals: bool) -> None:

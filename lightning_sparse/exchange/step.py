@@ -28,7 +28,7 @@ from lightning_sparse.wire import (
     count_dense,
     sparse_pays,
 )
-from lightning_sparse.wire.comm import CollectiveError, Rounds, first_line, run
+from lightning_sparse.wire.comm import CollectiveError, Rounds, completed, first_line, run
 from lightning_sparse.wire.stats import Counters
 
 __all__ = ["bucket", "bucket_rounds", "keep_gradient", "sparse_is_cheaper"]
@@ -37,7 +37,7 @@ __all__ = ["bucket", "bucket_rounds", "keep_gradient", "sparse_is_cheaper"]
 def keep_gradient(state: SparseState, buffer: Tensor, last: bool) -> Future[Tensor]:
     """Update mode: keep the gradient ``buffer``; under fp16 AMP agree after the last on an overflow anywhere."""
     if state.skips is None:
-        return _done(buffer)
+        return completed(buffer)
     counters = Counters()
     where = f"the overflow check of optimizer step {state.optimizer_step}"
     future = state.skips.agree(
@@ -167,7 +167,7 @@ def _average(state: SparseState, buffer: Tensor, parts: list[Pending], where: st
         return Average(buffer, parts, waits=issued, parties=state.world_size)
 
     if not issued:
-        return _done(finish(None))
+        return completed(finish(None))
     # collect_all even for one: then() on a CUDA future records its value's streams; Average.add_to waits itself
     return torch.futures.collect_all([f.future for f in issued]).then(finish)
 
@@ -181,9 +181,3 @@ def _apply_local_momentum(state: SparseState, call: BucketCall) -> None:
         u = state.velocity.update(m.name, segment, state.config.momentum_correction)
         segment.copy_(u)
         call.sources[m.name] = u
-
-
-def _done(value: Any) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut

@@ -377,10 +377,7 @@ class UpdateExchange:
             if name in saved["local"]:
                 p.copy_(saved["views"][name])
                 self._local.add(name)
-            else:
-                p.copy_(saved["global"][name])
-                self._synced[name] = p._version
-                self._local.discard(name)
+        self._hold_global([n for n in self._params if n not in saved["local"]])
 
     @property
     def nonfinite_updates(self) -> int:

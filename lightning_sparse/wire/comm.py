@@ -325,6 +325,13 @@ def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
     future.add_done_callback(done)
 
 
+def completed(value: T) -> Future[T]:
+    """A future that already holds ``value``."""
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
+
+
 def futures(*maybe: Issued | None) -> list[Issued]:
     """The collectives that were issued (world size 1 issues none)."""
     return [f for f in maybe if f is not None]
