@@ -111,6 +111,41 @@ def test_coalesced_exchange_equals_one_by_one_with_fewer_collectives(dist2: Any,
     assert torch.equal(results[0]["coalesced"]["params"], results[1]["coalesced"]["params"]), "replicas differ"
 
 
+def _buffers_worker(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """The trained run of :func:`_train`, and the addresses each collective sent from and received into."""
+    from lightning_sparse.wire import comm
+
+    calls: list[tuple[str, int, int]] = []
+    real = {"all_gather": comm.all_gather, "all_reduce": comm.all_reduce}
+
+    def gather(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Any:
+        calls.append(("all-gather", output.data_ptr(), tensor.data_ptr()))
+        return real["all_gather"](output, tensor, group)
+
+    def reduce(tensor: torch.Tensor, group: Any = None) -> Any:
+        calls.append(("all-reduce", tensor.data_ptr(), tensor.data_ptr()))
+        return real["all_reduce"](tensor, group)
+
+    comm.all_gather, comm.all_reduce = gather, reduce  # type: ignore[assignment]
+    try:
+        trained = _train(rank, settings, True, steps=8)
+    finally:
+        comm.all_gather, comm.all_reduce = real["all_gather"], real["all_reduce"]  # type: ignore[assignment]
+    return {"calls": calls, "per_exchange": trained["per_exchange"]}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["topk", "topk-2bit"])
+def test_a_steady_exchange_sends_and_receives_in_the_same_buffers(dist2: Any, name: str) -> None:
+    # what a CUDA graph over the exchange needs: the same addresses at every steady-state step
+    settings, _ = SETTINGS[name]
+    for r in dist2.run(_buffers_worker, settings=settings):
+        per = r["per_exchange"][-1]
+        assert len(r["per_exchange"]) >= 4 and set(r["per_exchange"][-3:]) == {per}
+        last = r["calls"][-3 * per :]
+        assert last[:per] == last[per : 2 * per] == last[2 * per :], last
+
+
 def test_coalescing_on_one_process_issues_nothing_and_counts_bytes() -> None:
     comm = Collectives(group=None, world=1)
     counters = Counters()

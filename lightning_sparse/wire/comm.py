@@ -256,6 +256,11 @@ class _Queue:
         self.issued = 0
         self.calls: list[_Queued] = []
         self._comm: Collectives | None = None
+        #: each coalesced collective's send and receive buffers, by its callers' outputs: callers that
+        #: keep their outputs (a bucket's) find the same buffers at every step; a group is issued again
+        #: only once its results were taken
+        self.buffers: dict[tuple[object, ...], tuple[Tensor, Tensor, int]] = {}
+        self.flushes = 0
 
     def count(self, counters: Counters | None) -> None:
         """Count one collective issued (into ``counters`` too, where given)."""
@@ -282,6 +287,10 @@ class _Queue:
         """Issue the queued calls: one collective per kind, dtype and device, in first-call order."""
         self._comm = comm
         calls, self.calls = self.calls, []
+        self.flushes += 1
+        old = [k for k, (_, _, used) in self.buffers.items() if used < self.flushes - _KEEP_FLUSHES]
+        for k in old:
+            del self.buffers[k]
         groups: dict[tuple[str, torch.dtype, torch.device], list[_Queued]] = {}
         for call in calls:
             groups.setdefault((call.kind, call.tensor.dtype, call.tensor.device), []).append(call)
@@ -289,20 +298,17 @@ class _Queue:
             _issue_merged(kind, members, comm)
 
 
+#: a coalesced collective's buffers are let go after this many flushes without it
+_KEEP_FLUSHES = 16
+
+
 def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
     world = comm.world
-    if kind == "all-reduce":
-        merged = torch.cat([c.tensor.reshape(-1) for c in calls]) if len(calls) > 1 else calls[0].tensor.reshape(-1)
-        output = merged
-        widths = [c.tensor.numel() for c in calls]
-    else:
-        # all-gather: each rank's parts side by side, one row per rank after the collective;
-        # all-to-all: chunk j of every call side by side in row j (what goes to rank j)
-        rows = [c.tensor.reshape(1 if kind == "all-gather" else world, -1) for c in calls]
-        joined = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
-        widths = [r.shape[1] for r in rows]
-        merged = joined.reshape(-1)  # flat on the wire: one bucket's message goes as it did alone
-        output = torch.empty((world, joined.shape[1]), dtype=merged.dtype, device=merged.device)
+    # all-gather: each rank's parts side by side, one row per rank after the collective; all-to-all: chunk j
+    # of every call side by side in row j (what goes to rank j); all-reduce: the parts end to end, in place
+    rows = [c.tensor.reshape(world if kind == "all-to-all" else 1, -1) for c in calls]
+    widths = [r.shape[1] for r in rows]
+    merged, output = _merged_buffers(kind, calls, rows, comm)
     future = _ISSUE[kind](output.view(-1), merged, comm.group)
     start = 0
     for call, width in zip(calls, widths, strict=True):
@@ -323,6 +329,29 @@ def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
                 p.set_result([])
 
     future.add_done_callback(done)
+
+
+def _merged_buffers(kind: str, calls: list[_Queued], rows: list[Tensor], comm: Collectives) -> tuple[Tensor, Tensor]:
+    """What a coalesced collective sends (flat: one bucket's message goes as it did alone) and receives into
+    (an all-reduce: what it sends; else ``(world, width)``), made once per group of callers' outputs."""
+    queue = comm.queue
+    first = rows[0]
+    if kind == "all-reduce" and len(rows) == 1:
+        return first.reshape(-1), first.reshape(-1)  # in place
+    key = (kind, *((c.output.data_ptr(), c.output.numel(), c.output.dtype, c.output.device) for c in calls))
+    found = queue.buffers.get(key)
+    width = sum(r.shape[1] for r in rows)
+    if found is None:
+        send = first.new_empty(first.shape[0] * width)
+        receive = send if kind == "all-reduce" else first.new_empty(comm.world, width)
+        found = (send, receive, 0)
+    send, receive, _ = found
+    queue.buffers[key] = (send, receive, queue.flushes)
+    if len(rows) > 1:
+        torch.cat(rows, dim=1, out=send.view(-1, width))
+    elif kind != "all-reduce":
+        send = first.reshape(-1)  # the caller's own tensor goes as it is
+    return send, receive
 
 
 def completed(value: T) -> Future[T]:

@@ -154,12 +154,13 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
     layout = MessageLayout(space.numel, sum(ks), vdtype, ctx.compact_indices, value_bits=ctx.value_bits)
     coded = ctx.value_bits is not None
     sel = select_sorted(ctx, call, ks, vdtype, settle=not coded)
-    message, arriving = layout.pack_arriving(sel.coords, sel.sent)
+    out = scratch(f"gather.message.{call.plan.label}", layout.size, torch.uint8, call.buffer.device)
+    message, arriving = layout.pack_arriving(sel.coords, sel.sent, out)
     if coded:  # what was sent is what the codes stand for: the rest stays in the residuals
         sel.sent = arriving
         settle(ctx, call, space, sel, torch.arange(sel.coords.numel(), device=sel.coords.device))
     call.counters.sent_numel += sel.coords.numel()
-    gathered, issued = all_gather_message(ctx, call, message)
+    gathered, issued = all_gather_message(ctx, call, message, "gather.received")
 
     def apply(out: Tensor, scale: float = 1.0) -> None:
         # rank by rank: one index_add_ of all of them would add a coordinate's values in any order on CUDA

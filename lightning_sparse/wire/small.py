@@ -12,7 +12,7 @@ import typing
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import RegionViews, all_finite
+from lightning_sparse._utils import RegionViews, all_finite, scratch
 from lightning_sparse.wire import batched, quant
 from lightning_sparse.wire.comm import Issued, futures
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, Pending, WireContext
@@ -53,13 +53,14 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
     return Pending(issued, apply)
 
 
-def all_gather_message(ctx: WireContext, call: BucketCall, message: Tensor) -> tuple[Tensor, list[Issued]]:
-    """All-gather every rank's ``message`` (counted): the gathered bytes in rank order, and the futures."""
+def all_gather_message(ctx: WireContext, call: BucketCall, message: Tensor, tag: str) -> tuple[Tensor, list[Issued]]:
+    """All-gather every rank's ``message`` (counted): the gathered bytes in rank order (in the bucket's buffer
+    ``tag``, made once: a bucket's exchange is applied before its next starts), and the futures."""
     world = ctx.world_size
     if world <= 1:
         ctx.comm.all_gather(message, message, call.counters)  # counted; nothing crosses the wire
         return message, []
-    gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=message.device)
+    gathered = scratch(f"{tag}.{call.plan.label}", world * message.numel(), torch.uint8, message.device)
     return gathered, futures(ctx.comm.all_gather(gathered, message, call.counters))
 
 
@@ -130,7 +131,7 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
     world, n = ctx.world_size, values.numel()
     message, sent = quant.pack(values, bits)
     e.index_copy_(0, at, quant.remainder(values, sent))  # sent + e_new == g + e_old, exactly
-    gathered, issued = all_gather_message(ctx, call, message)
+    gathered, issued = all_gather_message(ctx, call, message, "small.received")
 
     def apply(out: Tensor) -> None:
         total = out[at]
@@ -156,7 +157,7 @@ def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Mem
             pos += m.numel
             if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
                 ctx.memory.accumulate(m.name, quant.remainder(exact, got))
-    gathered, issued = all_gather_message(ctx, call, message)
+    gathered, issued = all_gather_message(ctx, call, message, "small.received")
 
     def apply(out: Tensor) -> None:
         parts = quant.unpack_rows(gathered.view(world, message.numel()), n, bits)
