@@ -19,7 +19,7 @@ from lightning_sparse.schedules.energy import topk_energy
 from lightning_sparse.schedules.link import measure_link
 from lightning_sparse.wire import Collectives, WireContext, bucket_wire_bytes, sparse_pays
 from lightning_sparse.wire.comm import Issued, wait
-from lightning_sparse.wire.cost import ring_all_reduce_bytes
+from lightning_sparse.wire.stats import ring_all_reduce_bytes
 
 _W1_ALPHA, _W1_BETA = 1e-5, 1e-9  # placeholders on one process, where nothing crosses a network
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_sparse.wire import Collectives
 from lightning_sparse.wire.comm import wait
-from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
+from lightning_sparse.wire.stats import ring_all_gather_bytes, ring_all_reduce_bytes
 
 _MEASURE_BYTES = (8, 1 << 14, 1 << 17, 1 << 20)  # message sizes timed to fit alpha + beta * bytes
 _MEASURE_REPEATS = 7

@@ -4,8 +4,8 @@ The core of the package, with the compressors below it: it imports neither Light
 class. It sees the exchange's state only through :class:`WireContext` and :class:`BucketCall`.
 
 - :mod:`~lightning_sparse.wire.memory` - the error-feedback residuals (and DGC's local momenta);
-- :mod:`~lightning_sparse.wire.stats` - the counters every collective fills, and the telemetry that sums them;
-- :mod:`~lightning_sparse.wire.cost` - ring byte models, counting, the byte rule;
+- :mod:`~lightning_sparse.wire.stats` - the counters every collective fills, the telemetry that sums them,
+  the ring byte models and the byte rule;
 - :mod:`~lightning_sparse.wire.comm` - the collectives, each counted where it is issued;
 - :mod:`~lightning_sparse.wire.context` - what the wire code is given, and the :class:`Average` it returns;
 - :mod:`~lightning_sparse.wire.message` / :mod:`~lightning_sparse.wire.indexcode` - message coding;
@@ -16,15 +16,6 @@ class. It sees the exchange's state only through :class:`WireContext` and :class
 
 from lightning_sparse.wire.comm import Collectives
 from lightning_sparse.wire.context import Average, BucketCall, BucketPlan, Member, Pending, WireContext
-from lightning_sparse.wire.cost import (
-    count_all_gather,
-    count_all_reduce,
-    count_all_to_all,
-    count_dense,
-    ring_all_gather_bytes,
-    ring_all_reduce_bytes,
-    sparse_pays,
-)
 from lightning_sparse.wire.message import MessageLayout, SparseSpace
 from lightning_sparse.wire.patterns import (
     DENSE,
@@ -37,6 +28,15 @@ from lightning_sparse.wire.patterns import (
     bucket_wire_bytes,
 )
 from lightning_sparse.wire.split import SPLIT_BLOCK, Regions, split_capacities, split_wire_bytes
+from lightning_sparse.wire.stats import (
+    count_all_gather,
+    count_all_reduce,
+    count_all_to_all,
+    count_dense,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    sparse_pays,
+)
 
 __all__ = [
     "DENSE",

@@ -18,8 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_sparse.wire.cost import count_all_gather, count_all_reduce, count_all_to_all
-from lightning_sparse.wire.stats import Counters
+from lightning_sparse.wire.stats import Counters, count_all_gather, count_all_reduce, count_all_to_all
 
 T = TypeVar("T")
 #: a launch in rounds: it yields after issuing a round whose result it needs before the next, and

@@ -24,7 +24,6 @@ from lightning_sparse.compressors import CompressContext
 from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
-from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import flush_residuals, select_sorted, settle
 from lightning_sparse.wire.shared import select_shared
@@ -32,6 +31,7 @@ from lightning_sparse.wire.sketch import eligible as sketch_at_once
 from lightning_sparse.wire.sketch import launch_sketch
 from lightning_sparse.wire.small import all_gather_message, launch_small
 from lightning_sparse.wire.split import launch_split, split_wire_bytes
+from lightning_sparse.wire.stats import ring_all_gather_bytes, ring_all_reduce_bytes
 
 #: how a gather-pattern bucket crosses the wire (``exchange=...``)
 EXCHANGES = ("auto", "allgather", "split")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_sparse.wire.cost import ring_all_gather_bytes, ring_all_reduce_bytes
+from lightning_sparse.wire.stats import ring_all_gather_bytes, ring_all_reduce_bytes
 
 #: values share a scale in chunks of this many (in message order)
 CHUNK = 64

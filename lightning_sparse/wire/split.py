@@ -18,9 +18,9 @@ from torch import Tensor
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, Pending, WireContext
-from lightning_sparse.wire.cost import ring_all_gather_bytes
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import Selection, select_sorted, settle
+from lightning_sparse.wire.stats import ring_all_gather_bytes
 
 #: blocks of this many coordinates go to the ranks in turn (odd: a power-of-two row length does not
 #: keep one column on one owner)
