@@ -108,6 +108,11 @@ class SparseConfig:
             momentum 0.9, Nesterov); an optimizer class or factory; or an
             :class:`~lightning_sparse.exchange.outer.OuterStep`."""),
     )
+    outer_momentum: float | None = field(
+        default=None,
+        metadata=_doc("""update mode, with ``outer_optimizer="nesterov"``: the outer step's momentum, in (0, 1);
+            None (default): DiLoCo's 0.9."""),
+    )
     value_bits: Literal[2, 4, 8] | None = field(
         default=None,
         metadata=_doc("""values of a sparse exchange as 2-, 4- or 8-bit codes, a bfloat16 scale per 64 (2 bits:
@@ -252,7 +257,7 @@ class SparseConfig:
             errors.append(bad_argument("flush_at_end", flush, "expected True, False or an int >= 1 (exchanges)"))
         splits = ("strided", "contiguous")
         each(check_choice, "fragment_split", self.fragment_split, splits, "expected 'strided' or 'contiguous'")
-        outer = each(resolve_outer_optimizer, self.outer_optimizer)
+        outer = each(resolve_outer_optimizer, self.outer_optimizer, self.outer_momentum)
         if self.value_bits is not None and (isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS):
             errors.append(bad_argument("value_bits", self.value_bits, "expected None, 2, 4 or 8"))
         if len(errors) == 1:

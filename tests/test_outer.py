@@ -134,6 +134,26 @@ def test_chosen_scale_is_checked() -> None:
     assert [parties_scale(n) for n in (2, 3, 16)] == [1.0, 1.5, 8.0]
 
 
+def test_outer_momentum_sets_the_nesterov_outer_steps_momentum_and_is_checked() -> None:
+    from lightning_sparse.config import SparseConfig
+    from lightning_sparse.exchange.outer import OptimizerStep, outer_step_for
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    for momentum, expected in ((None, 0.9), (0.8, 0.8), (0.5, 0.5)):
+        config = SparseConfig(sync_every=4, outer_optimizer="nesterov", outer_momentum=momentum)
+        step = outer_step_for(config.outer_factory)
+        assert isinstance(step, OptimizerStep)
+        made = step.factory([param])
+        assert made.defaults["momentum"] == expected and made.defaults["nesterov"] and made.defaults["lr"] == 0.7
+    with pytest.raises(ValueError, match=r"outer_momentum=0.8 is not allowed with outer_optimizer=None"):
+        SparseConfig(sync_every=4, outer_momentum=0.8)
+    for bad in (1.0, 0, -0.1, True, "high"):
+        with pytest.raises(
+            ValueError, match=r"outer_momentum=.* is not allowed: expected None or a number in \(0, 1\)"
+        ):
+            SparseConfig(sync_every=4, outer_optimizer="nesterov", outer_momentum=bad)  # type: ignore[arg-type]
+
+
 def _worker(rank: int, world: int, alpha: float | None) -> dict[str, Any]:
     import torch.distributed as dist
 

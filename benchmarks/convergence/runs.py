@@ -74,9 +74,10 @@ VARIANT_KEYS = {
     "split": "fragment_split",  # how: strided (the default) or contiguous (module order)
     "flush": "flush_at_end",  # the end-of-fit hand-over: 0 none, R that many exchanges (default: exact)
     "ef_decay": "error_feedback_decay",  # SparseLoCo's decayed error feedback (default 1: none)
+    "outer_momentum": "outer_momentum",  # the Nesterov outer step's momentum (default: DiLoCo's 0.9)
     "bn_warmup": "batchnorm_warmup",  # a BatchNorm model's density warm-up in steps (0: off; default 40)
 }
-_FLOAT_KEYS = {"density", "density_start", "ef_decay"}
+_FLOAT_KEYS = {"density", "density_start", "ef_decay", "outer_momentum"}
 _TEXT_KEYS = {"outer", "split"}
 
 

@@ -160,20 +160,35 @@ def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | N
 NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
-def resolve_outer_optimizer(value: Any) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
+def resolve_outer_optimizer(
+    value: Any, momentum: float | None = None
+) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
     """``outer_optimizer`` as a factory of optimizers or an outer step, else ValueError (a factory is tried
-    once here, rather than failing at the first exchange).
+    once here, rather than failing at the first exchange); ``momentum``: ``outer_momentum``, for ``"nesterov"``.
 
     Example:
         >>> resolve_outer_optimizer("nesterov")([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
         0.7
+        >>> resolve_outer_optimizer("nesterov", 0.8)([torch.nn.Parameter(torch.zeros(1))]).defaults["momentum"]
+        0.8
     """
+    if momentum is not None:
+        if value != "nesterov":
+            raise ValueError(
+                f"outer_momentum={momentum!r} is not allowed with outer_optimizer={value!r}: it sets the momentum of "
+                "outer_optimizer='nesterov'; give another optimizer its momentum in its factory, or leave "
+                "outer_momentum at None."
+            )
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum < 1.0:
+            raise ValueError(f"outer_momentum={momentum!r} is not allowed: expected None or a number in (0, 1).")
     if value is None:
         return None
     if isinstance(value, OuterStep):
         return value
     if value == "nesterov":
-        return functools.partial(torch.optim.SGD, **NESTEROV)
+        return functools.partial(
+            torch.optim.SGD, **{**NESTEROV, "momentum": NESTEROV["momentum"] if momentum is None else float(momentum)}
+        )
     allowed = (
         "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), a torch.optim.Optimizer "
         "class or a callable that makes one from a list of parameters, or an OuterStep instance"
