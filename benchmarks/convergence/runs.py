@@ -164,7 +164,8 @@ def run_label(run: dict[str, Any]) -> str:
     if run.get("sync_every", 1) != 1:
         extra.append(f"every {run['sync_every']} steps")
     if run.get("outer_optimizer"):
-        extra.append(f"{run['outer_optimizer']} outer")
+        momentum = f" (momentum {run['outer_momentum']:g})" if run.get("outer_momentum") is not None else ""
+        extra.append(f"{run['outer_optimizer']} outer{momentum}")
     if run.get("value_bits"):
         extra.append(f"{run['value_bits']}-bit values")
     if run.get("warmup_steps") is not None:

@@ -113,6 +113,7 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         **({"flush_at_end": config["flush_at_end"]} if "flush_at_end" in config else {}),
         **({"batchnorm_warmup": config["batchnorm_warmup"]} if "batchnorm_warmup" in config else {}),
         **({"error_feedback_decay": config["error_feedback_decay"]} if "error_feedback_decay" in config else {}),
+        **({"outer_momentum": config["outer_momentum"]} if "outer_momentum" in config else {}),
         compression_monitor=False,
     )
 

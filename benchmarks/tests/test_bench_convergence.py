@@ -475,6 +475,22 @@ def test_exchange_and_value_dtype_are_passed_to_the_strategy() -> None:
     assert _sparse_strategy(config).sparse_state.config.exchange == "auto"  # a run saved before exchanges existed
 
 
+def test_every_variant_reaches_the_strategy() -> None:
+    from benchmarks.convergence import _sparse_strategy
+    from benchmarks.convergence.runs import parse_variant
+
+    base = {"compressor": "topk", "density": 0.01, "mode": "update"}
+    spec = "sync_every=4,outer=nesterov,outer_momentum=0.8,value_bits=2,warmup=0,flush=2,ef_decay=0.9,bn_warmup=0"
+    variant = parse_variant(spec)
+    settings = _sparse_strategy({**base, **variant}).sparse_state.config
+    for name, value in variant.items():
+        assert getattr(settings, name) == value, name
+    delayed = parse_variant("sync_every=4,delay=1,fragments=2,split=contiguous")
+    settings = _sparse_strategy({**base, **delayed}).sparse_state.config
+    for name, value in delayed.items():
+        assert getattr(settings, name) == value, name
+
+
 @pytest.mark.dist
 def test_convergence_variants_and_library_peers(tmp_path: Path) -> None:
     """--variants (local steps, an outer step, coded values, no warm-up) and the DiLoCo, torchft and DeMo
