@@ -36,7 +36,7 @@ def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
             "optimizers": [save_one(_inner(o)) for o in strategy.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in strategy.lr_scheduler_configs],
             "global_step": trainer.global_step,
-            "batches_that_stepped": loop._batches_that_stepped,
+            "batches_that_stepped": loop.on_save_checkpoint()["_batches_that_stepped"],
         }
 
     def load(state: dict[str, Any]) -> None:
@@ -51,7 +51,7 @@ def trainer_recovery(strategy: Any, sharded: bool = False) -> FrontEndState:
         else:
             progress = loop.manual_optimization.optim_step_progress
         progress.total.ready = progress.total.completed = int(state["global_step"])
-        loop._batches_that_stepped = int(state["batches_that_stepped"])
+        loop.on_load_checkpoint({"_batches_that_stepped": int(state["batches_that_stepped"])})
 
     return save, load
 

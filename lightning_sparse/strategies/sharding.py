@@ -293,14 +293,22 @@ def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
         if groups is None:  # torch before per-parameter meshes: one group or none
             one = getattr(state, "_fsdp_param_group", None)
             groups = [] if one is None else [one]
+        # torch's setters where it has them (one group a unit); before them, the groups' attributes
+        public = len(groups) == 1 and hasattr(m, "set_custom_all_gather") and hasattr(m, "set_custom_reduce_scatter")
         for g in groups:
             gather, scatter = getattr(g, "_all_gather_comm", None), getattr(g, "_reduce_scatter_comm", None)
             if gather is None or scatter is None:
                 continue
-            if not isinstance(gather, _CountedAllGather):
-                g._all_gather_comm = _CountedAllGather(getattr(gather, "inner", gather))
-            if not isinstance(scatter, _CountedReduceScatter):
-                g._reduce_scatter_comm = _CountedReduceScatter(getattr(scatter, "inner", scatter))
+            # a wrapper from an earlier call (another class object) is unwrapped, not wrapped again
+            gather, scatter = (
+                _CountedAllGather(getattr(gather, "inner", gather)),
+                _CountedReduceScatter(getattr(scatter, "inner", scatter)),
+            )
+            if public:
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
+            else:
+                g._all_gather_comm, g._reduce_scatter_comm = gather, scatter
             counted = True
     if counted and telemetry.group_bytes is None:
         telemetry.group_bytes = 0.0
