@@ -253,6 +253,34 @@ def test_sent_plus_residual_is_g_plus_old_residual(grad_dtype: str, value_bits: 
             assert state.telemetry.last.sent_numel == sum(compressor.k_for(m.numel, 0.05) for m in sparse) + small
 
 
+@pytest.mark.parametrize("chunk", [4, 64, 512])
+def test_a_bucket_at_once_picks_what_each_tensor_picks(chunk: int) -> None:
+    """The wire's selection of a bucket's tensors in one ``torch.topk`` (``ChunkRows``) picks, tensor by tensor,
+    what ``ChunkTopK.select`` picks: tensors of one row or less, of whole and partial rows, sent whole, and
+    small tensors between them."""
+    from lightning_sparse.wire.batched import ChunkRows
+    from lightning_sparse.wire.context import BucketPlan, Member
+
+    compressor = ChunkTopK(chunk=chunk)
+    sizes = [3 * chunk + 1, chunk, chunk - 1, 7, 2 * chunk, 5 * chunk + chunk // 2, 1]
+    sparse = [True, True, True, False, True, True, True]
+    members, offset = [], 0
+    for i, (n, s) in enumerate(zip(sizes, sparse, strict=True)):
+        members.append(Member(f"t{i}", i, offset, n, s))
+        offset += n
+    plan = BucketPlan(tuple(members), offset, "bucket")
+    gen = torch.Generator().manual_seed(chunk)
+    for density in (0.01, 0.3, 1.0):
+        ks = tuple(compressor.k_for(m.numel, density) for m in plan.sparse_members)
+        e = torch.randn(offset, generator=gen)
+        picks = ChunkRows.of(plan, ks, compressor, torch.device("cpu")).picks(e).sort().values
+        expected = [
+            compressor.select(e[m.offset : m.offset + m.numel], k, CTX) + m.offset
+            for m, k in zip(plan.sparse_members, ks, strict=True)
+        ]
+        assert torch.equal(picks, torch.cat(expected).sort().values), density
+
+
 # --------------------------------------------------------------------------- two processes
 @pytest.mark.dist
 def test_two_processes_conserve_and_agree(dist2) -> None:

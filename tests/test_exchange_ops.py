@@ -49,6 +49,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "update split value_bits=2": ("update", {"exchange": "split", "value_bits": 2}),
     "update countsketch": ("update", {"compressor": "countsketch"}),
     "update randomk": ("update", {"compressor": "randomk"}),
+    "update chunk_topk": ("update", {"compressor": "chunk_topk"}),
+    "update chunk_topk value_bits=2": ("update", {"compressor": "chunk_topk", "value_bits": 2}),
     "update sync_delay=1": ("update", {"sync_every": 2, "sync_delay": 1}),
     "update fragments=2": ("update", {"sync_every": 2, "fragments": 2}),
     "update offload_global": ("update", {"offload_global": True}),
@@ -57,6 +59,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gradient split": ("gradient", {"exchange": "split"}),
     "gradient countsketch": ("gradient", {"compressor": "countsketch"}),
     "gradient randomk": ("gradient", {"compressor": "randomk"}),
+    "gradient chunk_topk": ("gradient", {"compressor": "chunk_topk"}),
 }
 
 

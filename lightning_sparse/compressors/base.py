@@ -146,6 +146,29 @@ class Compressor(ABC):
         return hash((type(self).__name__, tuple(sorted(self.config().items()))))
 
 
+class ChunkedCompressor(Protocol):
+    """What a compressor choosing rows of ``chunk`` values declares (``at_once = "chunk"``): the wire lays a
+    bucket's tensors out as rows and picks every row's share in one ``torch.topk``.
+
+    Example:
+        >>> from lightning_sparse.compressors import ChunkTopK
+        >>> chunked: ChunkedCompressor = ChunkTopK(chunk=4)
+        >>> chunked.row_picks(10, 5)  # rows of 4, 4 and 2 values
+        (2, 2, 1)
+    """
+
+    chunk: int
+
+    def __hash__(self) -> int:
+        """Settings only: the wire keeps its layouts per compressor."""
+        ...
+
+    def row_picks(self, numel: int, k: int) -> tuple[int, ...]:
+        """How many of each row's values :meth:`Compressor.select` sends of ``k`` from ``numel`` (the last
+        row holds the rest)."""
+        ...
+
+
 class SketchCompressor(Protocol):
     """What a compressor of the ``"sketch"`` pattern declares: the wire sizes its tables and candidates,
     sketches and picks through these, one tensor at a time or (``at_once = "countsketch"``) a bucket at once.

@@ -91,6 +91,7 @@ class ChunkTopK(Compressor):
 
     name = "chunk_topk"
     pattern = "gather"
+    at_once = "chunk"
 
     def __init__(self, chunk: int = 4096) -> None:
         self.chunk = check_int("chunk", chunk, minimum=2)
@@ -102,6 +103,15 @@ class ChunkTopK(Compressor):
         rows = -(-numel // chunk)
         per_row = max(1, min(chunk, round(density * chunk)))
         return (rows - 1) * per_row + tail_count(per_row, numel - (rows - 1) * chunk, chunk)
+
+    def row_picks(self, numel: int, k: int) -> tuple[int, ...]:
+        """:class:`~lightning_sparse.compressors.base.ChunkedCompressor`: the picks of each row of :meth:`select`."""
+        chunk = self.chunk
+        if k >= numel:  # every value
+            return tuple(min(chunk, numel - start) for start in range(0, numel, chunk))
+        if numel <= chunk:
+            return (max(k, 0),)
+        return RowLayout.of(numel, k, chunk, torch.device("cpu")).counts
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
         n, chunk = p.numel(), self.chunk

@@ -4,24 +4,36 @@ On the bucket's flat residual ``p = g + e``: a threshold per member from a unifo
 magnitudes, set low enough that at least ``k`` entries pass; those in a fixed-capacity shortlist sorted
 by (member, magnitude descending); each member's first ``k`` there. Where one host read finds a member
 short or the shortlist full, the members are selected one by one: either way each member's exact top-``k``.
+A chunked compressor (``at_once = "chunk"``) needs neither: every member's rows in one ``torch.topk``
+(:class:`ChunkRows`), no host read.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import typing
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lightning_sparse._utils import RegionViews, all_finite, make_generator, mix_seed, scratch
+from lightning_sparse.compressors.base import ChunkedCompressor
 from lightning_sparse.compressors.topk import sample_rank
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 
-__all__ = ["BatchedLayout", "batched_topk", "eligible", "rank_shortlist", "residual_layout", "shortlist_sizes"]
+__all__ = [
+    "BatchedLayout",
+    "ChunkRows",
+    "batched_topk",
+    "eligible",
+    "rank_shortlist",
+    "residual_layout",
+    "shortlist_sizes",
+]
 
 #: draws per member for its threshold; aim for ``_ABOVE`` draws above the true threshold
 _DRAWS = (256, 4096)
@@ -74,7 +86,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
     on residuals that live with the bucket (no momentum correction, observer, sources or offloading)."""
     compressor = ctx.compressor
     return (
-        compressor.selects_at_once("topk")
+        (compressor.selects_at_once("topk") or compressor.selects_at_once("chunk"))
         and ctx.error_feedback
         and not ctx.momentum_correction
         and call.observe is None
@@ -200,6 +212,10 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     if e is None:
         return None
     torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
+    if ctx.compressor.selects_at_once("chunk"):
+        rows = ChunkRows.of(call.plan, tuple(ks), typing.cast(ChunkedCompressor, ctx.compressor), buffer.device)
+        at = rows.picks(e).sort().values[layout.space_order]
+        return BatchedSelection(at, at + layout.space_shift, e)
     if layout.one_by_one_on_cpu and buffer.device.type == "cpu":
         # see CPU_ONE_BY_ONE
         return BatchedSelection(at := _one_by_one(ctx, call, layout, e), at + layout.space_shift, e)
@@ -226,6 +242,70 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
         picked = ranked[starts.index_select(0, layout.pick_member).add_(layout.local_k)]
         at = picked.sort().values[layout.space_order]
     return BatchedSelection(at, at + layout.space_shift, e)
+
+
+@dataclass
+class ChunkRows:
+    """A bucket's sparse members as rows of ``chunk`` values, for a chunked compressor's picks in one ``torch.topk``;
+    made once per (plan, ks, compressor, device).
+
+    Each member's rows follow the last one's (its last row padded), so entry ``i`` of a member whose rows start at
+    row ``r`` sits at ``r * chunk + i``; the small tensors' entries go past the rows, to ``spare`` slots.
+
+    Example:
+        >>> from lightning_sparse.compressors import ChunkTopK
+        >>> from lightning_sparse.wire.context import BucketPlan, Member
+        >>> plan = BucketPlan((Member("w", 1, 0, 10, True), Member("b", 2, 10, 2, False)), 12, "w, b")
+        >>> rows = ChunkRows.of(plan, (5,), ChunkTopK(chunk=4), torch.device("cpu"))
+        >>> e = torch.tensor([0.5, -3.0, 2.0, 0.1, 4.0, -0.2, 1.5, 0.3, -0.7, 0.9, 8.0, 9.0])
+        >>> rows.rows, rows.width, rows.picks(e).sort().values.tolist()  # the small tensor (8, 9) is not a row
+        (3, 2, [1, 2, 4, 6, 9])
+    """
+
+    rows: int
+    chunk: int
+    width: int  # picks a row takes from the topk (the largest share of any row)
+    dest: Tensor  # int32, per entry of the bucket: its place in the rows (or a spare slot)
+    row_start: Tensor  # (rows, 1): the bucket offset of each row's first value
+    keep: Tensor | None  # the kept picks' positions among rows x width (None: all)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(plan: BucketPlan, ks: tuple[int, ...], compressor: ChunkedCompressor, device: torch.device) -> ChunkRows:
+        chunk = compressor.chunk
+        picks = [compressor.row_picks(m.numel, k) for m, k in zip(plan.sparse_members, ks, strict=True)]
+        width = max(max(p) for p in picks)
+        rows = sum(len(p) for p in picks)
+        dest = torch.empty(plan.numel, dtype=torch.int32)
+        starts: list[int] = []
+        keep: list[int] = []
+        row, spare = 0, rows * chunk
+        sparse = iter(picks)
+        for m in plan.members:
+            if not m.sparse:
+                dest[m.offset : m.offset + m.numel] = torch.arange(spare, spare + m.numel, dtype=torch.int32)
+                spare += m.numel
+                continue
+            counts = next(sparse)
+            dest[m.offset : m.offset + m.numel] = torch.arange(row * chunk, row * chunk + m.numel, dtype=torch.int32)
+            for j, count in enumerate(counts):
+                starts.append(m.offset + j * chunk)
+                keep += range((row + j) * width, (row + j) * width + count)
+            row += len(counts)
+        kept = None if len(keep) == rows * width else torch.tensor(keep, dtype=torch.int64, device=device)
+        row_start = torch.tensor(starts, dtype=torch.int64, device=device).unsqueeze(1)
+        return ChunkRows(rows, chunk, width, dest.to(device), row_start, kept)
+
+    def picks(self, e: Tensor) -> Tensor:
+        """Bucket offsets of every row's largest ``|e|`` (``e``: the bucket's flat residual), member by member in
+        buffer order, unsorted within a member."""
+        size = self.rows * self.chunk
+        a = scratch("batched.chunk_rows", size + e.numel(), torch.float32, e.device).fill_(-1.0)  # below every |e|
+        a.index_put_((self.dest,), e.abs())
+        # sorted where a row keeps fewer than it picked: its first picks are its largest
+        top = torch.topk(a[:size].view(self.rows, self.chunk), self.width, dim=1, sorted=self.keep is not None)
+        at = top.indices.add_(self.row_start).view(-1)
+        return at if self.keep is None else at.index_select(0, self.keep)
 
 
 def rank_shortlist(
