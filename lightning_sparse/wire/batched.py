@@ -81,19 +81,21 @@ def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple
     return plan.residual_layout
 
 
-def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members can be selected at once: exact top-k with plain error feedback
-    on residuals that live with the bucket (no momentum correction, observer, sources or offloading)."""
-    compressor = ctx.compressor
-    return (
-        (compressor.selects_at_once("topk") or compressor.selects_at_once("chunk"))
-        and ctx.error_feedback
+def eligible(ctx: WireContext, call: BucketCall) -> str | None:
+    """The rule (``"topk"``, ``"chunk"``) by which ``call``'s sparse members can be selected at once, with plain
+    error feedback on residuals that live with the bucket (no momentum correction, observer, sources or
+    offloading); None where they cannot."""
+    if not (
+        ctx.error_feedback
         and not ctx.momentum_correction
         and call.observe is None
         and not call.sources
         and ctx.memory.home is None
-        and bool(call.plan.sparse_members)
-    )
+        and call.plan.sparse_members
+    ):
+        return None
+    compressor = ctx.compressor
+    return "topk" if compressor.selects_at_once("topk") else "chunk" if compressor.selects_at_once("chunk") else None
 
 
 @dataclass
@@ -199,9 +201,10 @@ class BatchedSelection:
     residual: Tensor
 
 
-def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSelection | None:
+def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int], rule: str = "topk") -> BatchedSelection | None:
     """Accumulate ``p = g + e`` into the bucket's flat residual and pick every sparse member's top-``k``
-    of ``|p|``. None, with nothing changed, where an input is not finite (the per-tensor path handles it)."""
+    of ``|p|`` (``rule="chunk"``: every row's share, :class:`ChunkRows`). None, with nothing changed, where an
+    input is not finite (the per-tensor path handles it)."""
     buffer = call.buffer
     layout = BatchedLayout.of(call.plan, tuple(ks), buffer.device)
     if not call.inputs_finite:
@@ -212,7 +215,7 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int]) -> BatchedSe
     if e is None:
         return None
     torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
-    if ctx.compressor.selects_at_once("chunk"):
+    if rule == "chunk":
         rows = ChunkRows.of(call.plan, tuple(ks), typing.cast(ChunkedCompressor, ctx.compressor), buffer.device)
         at = rows.picks(e).sort().values[layout.space_order]
         return BatchedSelection(at, at + layout.space_shift, e)

@@ -287,9 +287,9 @@ class _Queue:
         self._comm = comm
         calls, self.calls = self.calls, []
         self.flushes += 1
-        old = [k for k, (_, _, used) in self.buffers.items() if used < self.flushes - _KEEP_FLUSHES]
-        for k in old:
-            del self.buffers[k]
+        for k, (_, _, used) in list(self.buffers.items()):
+            if used < self.flushes - _KEEP_FLUSHES:
+                del self.buffers[k]
         groups: dict[tuple[str, torch.dtype, torch.device], list[_Queued]] = {}
         for call in calls:
             groups.setdefault((call.kind, call.tensor.dtype, call.tensor.device), []).append(call)
@@ -305,9 +305,13 @@ def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
     world = comm.world
     # all-gather: each rank's parts side by side, one row per rank after the collective; all-to-all: chunk j
     # of every call side by side in row j (what goes to rank j); all-reduce: the parts end to end, in place
-    rows = [c.tensor.reshape(world if kind == "all-to-all" else 1, -1) for c in calls]
-    widths = [r.shape[1] for r in rows]
-    merged, output = _merged_buffers(kind, calls, rows, comm)
+    height = world if kind == "all-to-all" else 1
+    rows: list[Tensor] = []
+    widths: list[int] = []
+    for c in calls:
+        rows.append(c.tensor.reshape(height, -1))
+        widths.append(rows[-1].shape[1])
+    merged, output = _merged_buffers(kind, calls, rows, sum(widths), comm)
     future = _ISSUE[kind](output.view(-1), merged, comm.group)
     start = 0
     for call, width in zip(calls, widths, strict=True):
@@ -330,16 +334,21 @@ def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
     future.add_done_callback(done)
 
 
-def _merged_buffers(kind: str, calls: list[_Queued], rows: list[Tensor], comm: Collectives) -> tuple[Tensor, Tensor]:
+def _merged_buffers(
+    kind: str, calls: list[_Queued], rows: list[Tensor], width: int, comm: Collectives
+) -> tuple[Tensor, Tensor]:
     """What a coalesced collective sends (flat: one bucket's message goes as it did alone) and receives into
     (an all-reduce: what it sends; else ``(world, width)``), made once per group of callers' outputs."""
     queue = comm.queue
     first = rows[0]
     if kind == "all-reduce" and len(rows) == 1:
         return first.reshape(-1), first.reshape(-1)  # in place
-    key = (kind, *((c.output.data_ptr(), c.output.numel(), c.output.dtype, c.output.device) for c in calls))
+    parts: list[object] = [kind]
+    for c in calls:  # a loop, not a generator: no Python call per caller
+        out = c.output
+        parts += (out.data_ptr(), out.numel(), out.dtype, out.device)
+    key = tuple(parts)
     found = queue.buffers.get(key)
-    width = sum(r.shape[1] for r in rows)
     if found is None:
         send = first.new_empty(first.shape[0] * width)
         receive = send if kind == "all-reduce" else first.new_empty(comm.world, width)

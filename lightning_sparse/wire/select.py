@@ -80,8 +80,9 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
     With ``settle`` the residuals keep what is not sent (``sent + e_new == p``); without, all of ``p``, and
     the caller settles what was finally sent. A non-finite input sends NaN and keeps its residual.
     """
-    if batched.eligible(ctx, call):
-        picked = batched.batched_topk(ctx, call, ks)
+    rule = batched.eligible(ctx, call)
+    if rule:
+        picked = batched.batched_topk(ctx, call, ks, rule)
         if picked is not None:
             exact_, sent_ = batched.select_values(picked.residual, picked.at, vdtype, keep=settle)
             return Selection(picked.coords, exact_, sent_, [], flat=picked.residual, at=picked.at)
