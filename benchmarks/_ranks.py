@@ -26,25 +26,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def checkout_env(env: dict[str, str]) -> dict[str, str]:
+def checkout_env(env: dict[str, str], package: Path | None = None) -> dict[str, str]:
     """A copy of ``env`` with the checkout first on ``PYTHONPATH``: a process started with it finds
-    the ``benchmarks`` package from any working directory."""
-    paths = [str(CHECKOUT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    the ``benchmarks`` package from any working directory. With ``package`` (a folder holding a
+    ``lightning_sparse``, e.g. one from :func:`benchmarks._revs.extract`) before it, the process
+    imports that package rather than the checkout's."""
+    first = [] if package is None else [str(package)]
+    paths = [*first, str(CHECKOUT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def run_ranks(cmds: list[list[str]], env: dict[str, str], logs: list[Path], timeout: float) -> tuple[list[int], bool]:
+def run_ranks(
+    cmds: list[list[str]], env: dict[str, str], logs: list[Path], timeout: float, package: Path | None = None
+) -> tuple[list[int], bool]:
     """Run one process per command (the checkout on their ``PYTHONPATH``), each writing its output to
     its log; wait at most ``timeout`` seconds for all of them and kill those still running then (a
-    hung collective).
+    hung collective). With ``package``, they import ``lightning_sparse`` from that folder (see
+    :func:`checkout_env`) and start in their log's folder (``python -m`` puts the working directory
+    first on the path, and the checkout's package would come from there).
 
     Returns the exit codes and whether the deadline passed.
     """
-    env = checkout_env(env)
+    env = checkout_env(env, package)
     procs = []
     for cmd, path in zip(cmds, logs, strict=True):
+        cwd = None if package is None else path.parent
         with open(path, "w") as log:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd))
     deadline = time.monotonic() + timeout
     timed_out = False
     try:

@@ -3,6 +3,7 @@
     python -m benchmarks step --bandwidth 1gbit --world-size 2 --params 25e6
     python -m benchmarks step --bandwidth none            # unshaped loopback
     python -m benchmarks step --bandwidth 100mbit --latency 1ms --compressors topk randomk
+    python -m benchmarks step --rev bfb574b --bandwidth none --compressors topk --modes update gradient
 
 The ranks run a communication-bound model (an MLP of square layers, about ``--params``
 parameters, small batches) inside a private network namespace whose loopback is rate-limited
@@ -34,6 +35,16 @@ own, for the warm-up steps plus two (PowerSGD compresses from its third step), w
 its peer, or the timeout) and is left out of the timed run; the others join it. Should a probed
 peer still bring the timed run down, the run is repeated without the peers, and they are reported
 as failed with that reason. The ranks' output is shown after they finish (its tail on a failure).
+
+``--rev REV`` compares the package as it is at a git revision (``bfb574b`` or later) with the
+working tree's: the package at REV is extracted from git (``git archive``, as ``python -m
+benchmarks identical`` does) and the same runs are launched under the old package and under the
+working tree's in turn, ``--rounds`` launches of each (old, new, old, new, ...: a busy machine
+slows both alike); only ``lightning_sparse`` comes from REV, the driver and the worker are the
+working tree's, and each rank checks which package it imported. It prints per run the median step
+under each code (the median over its launches of each launch's median), new / old (below 1: the
+new code is faster) and the bytes each rank sent per step under each (equal when both send the
+same messages). Not with ``--peers`` or ``--unshaped-baseline``.
 """
 
 from benchmarks.step.cli import run
@@ -49,7 +60,7 @@ from benchmarks.step.options import (
     parse_params,
     parse_rate,
 )
-from benchmarks.step.report import failed_row, format_table
+from benchmarks.step.report import failed_row, format_old_new, format_table, old_new_rows
 from benchmarks.step.worker import model_shape, worker
 
 __all__ = [
@@ -62,8 +73,10 @@ __all__ = [
     "describe_link",
     "failed_row",
     "failure_reason",
+    "format_old_new",
     "format_table",
     "model_shape",
+    "old_new_rows",
     "parse_latency",
     "parse_params",
     "parse_rate",

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._json import write_json
-from benchmarks._ranks import free_port
+from benchmarks._ranks import CHECKOUT, free_port
+from benchmarks._revs import extract
 from benchmarks.peers import Peer
 from benchmarks.step.launcher import _launch
 from benchmarks.step.link import ShapedLink, describe_link
 from benchmarks.step.options import DENSE, parse_latency, parse_params, parse_rate
-from benchmarks.step.report import failed_row, format_table
+from benchmarks.step.report import failed_row, format_old_new, format_table, old_new_rows
 from benchmarks.step.worker import worker
 
 
@@ -37,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if not 0 < args.density <= 1:
         raise ValueError(f"--density={args.density} is not allowed: expected a number in (0, 1]")
+    if args.rev is not None:
+        if args.peers or args.unshaped_baseline:
+            raise ValueError("--rev is not allowed with --peers or --unshaped-baseline: it compares the package's runs")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds={args.rounds} is not allowed: expected >= 1")
     if args.fallback == "time":
         # the timed steps come after the trial (warm-up step, trial, the step that decides)
         from lightning_sparse import TimedFallback
@@ -54,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.probe_timeout <= 0:
         raise ValueError(f"--probe-timeout={args.probe_timeout} is not allowed: expected a number of seconds > 0")
     wrap: Callable[[list[str]], list[str]] = (lambda cmd: cmd) if link is None else link.wrap
+    if args.rev is not None:
+        return _old_against_new(args, link, wrap, describe_link(rate, delay))
     baseline: dict[str, Any] | None = None
     if getattr(args, "unshaped_baseline", False) and link is not None:
         # the same runs on the unshaped loopback, in the same invocation: each run's compute floor
@@ -108,4 +116,29 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result))
     if args.json:
         write_json(args.json, result)
+    return 0
+
+
+def _old_against_new(
+    args: argparse.Namespace, link: ShapedLink | None, wrap: Callable[[list[str]], list[str]], described: str
+) -> int:
+    """``--rev``: the same runs under the package at ``args.rev`` (extracted from git) and under the
+    working tree's, launched in turn (old, new, old, new, ...: a busy machine slows both alike), the
+    driver and the worker the working tree's; prints the table and writes the figures."""
+    results: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory() as tmp, link if link is not None else contextlib.nullcontext():
+        commit = extract(args.rev, Path(tmp, "old"))
+        for launch in range(args.rounds):
+            for side, package in (("old", Path(tmp, "old")), ("new", CHECKOUT)):
+                print(f"step: launch {launch + 1} of {args.rounds} under the {side} code ...", file=sys.stderr)
+                logs = Path(tmp) / f"{side}{launch}"
+                path = logs / "result.json"
+                why = _launch(args, logs, wrap, free_port(), ["--peers"], result_path=path, package=package)
+                if why is not None:
+                    raise RuntimeError(f"the benchmark ranks failed under the {side} code: {why}")
+                results[side].append({**json.loads(path.read_text()), "link": described})
+    print(format_old_new(commit, results["old"], results["new"]))
+    if args.json:
+        rows = old_new_rows(results["old"], results["new"])
+        write_json(args.json, {"rev": commit, "link": described, "rows": rows, **results})
     return 0

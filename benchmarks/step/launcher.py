@@ -23,8 +23,10 @@ def _launch(
     timeout: float | None = None,
     result_path: Path | None = None,
     echo: bool = False,
+    package: Path | None = None,
 ) -> str | None:
-    """Run the ranks (``extra``: worker arguments after the forwarded ones, which they override).
+    """Run the ranks (``extra``: worker arguments after the forwarded ones, which they override); with
+    ``package``, under the ``lightning_sparse`` in that folder (the worker checks it imported that one).
 
     Each rank's output goes to a file under ``logs``, replayed to stderr with ``echo`` (its tail
     when the ranks fail). Returns None when every rank exited cleanly, else a short reason (see
@@ -47,6 +49,8 @@ def _launch(
         forwarded += ["--threads", str(args.threads)]
     if args.no_dense:
         forwarded.append("--no-dense")
+    if package is not None:
+        forwarded += ["--package-root", str(package)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logs.mkdir(parents=True, exist_ok=True)
     cmds, paths = [], []
@@ -57,7 +61,7 @@ def _launch(
         cmds.append(wrap(cmd))
         paths.append(logs / f"rank{rank}.log")
     limit = args.timeout if timeout is None else min(timeout, args.timeout)
-    codes, timed_out = run_ranks(cmds, env, paths, limit)
+    codes, timed_out = run_ranks(cmds, env, paths, limit, package)
     outputs = [path.read_text(errors="replace") for path in paths]
     ok = not timed_out and all(code == 0 for code in codes)
     for rank, text in enumerate(outputs):

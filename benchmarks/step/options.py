@@ -149,6 +149,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "floor); dense DDP then runs unshaped only",
     )
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense DDP run (ratios then absent)")
+    parser.add_argument(
+        "--rev",
+        default=None,
+        metavar="REV",
+        help="compare with the package as it is at this git revision (bfb574b or later): the same runs under the "
+        "old package and under the working tree's, alternating, their step times side by side (no --peers, "
+        "no --unshaped-baseline)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="with --rev: launches of each code, alternating (default: %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run first (bucket rebuild, caches)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
@@ -159,3 +170,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--package-root", default=None, help=argparse.SUPPRESS)  # where lightning_sparse must come from

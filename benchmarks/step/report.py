@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from benchmarks.step.options import DENSE, FALLBACKS
@@ -24,14 +25,21 @@ def failed_row(name: str, status: str) -> dict[str, Any]:
     }
 
 
+def _setup(result: dict[str, Any]) -> str:
+    """What was measured: the ranks, the link, the model, the batch and the sparse runs' settings."""
+    return (
+        f"{result['world_size']} ranks on {result['link']}; MLP {result['layers']} x "
+        f"{result['width']}^2 = {result['params'] / 1e6:.1f}M parameters, batch {result['batch_size']} per rank, "
+        f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; "
+        f"fallback_to_dense {FALLBACKS[result.get('fallback', 'bytes')]!r}"
+    )
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The figures as a markdown table, with a header line saying what was measured."""
     lines = [
-        f"step time: {result['world_size']} ranks on {result['link']}; MLP {result['layers']} x "
-        f"{result['width']}^2 = {result['params'] / 1e6:.1f}M parameters, batch {result['batch_size']} per rank, "
-        f"{result['threads']} torch thread(s) per rank; density {result['density']:g}; "
-        f"fallback_to_dense {FALLBACKS[result.get('fallback', 'bytes')]!r}; median and mean of "
-        f"{result['steps']} steps after {result['warmup']} untimed; torch {result['torch']}",
+        f"step time: {_setup(result)}; median and mean of {result['steps']} steps after {result['warmup']} "
+        f"untimed; torch {result['torch']}",
         "",
         "| run | median step s | mean step s | dense / run (means) | MB sent per rank per step "
         "| MB on the wire per rank per step | peak MB of one step | compression ratio | hook ms per step "
@@ -85,4 +93,56 @@ def format_table(result: dict[str, Any]) -> str:
             f"- {name}: sparse {1e3 * d['sparse_s']:.1f} ms, dense {1e3 * d['dense_s']:.1f} ms -> {d['choice']}"
             for name, d in timed
         ]
+    return "\n".join(lines)
+
+
+def old_new_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run, the figures of the launches under the old code (``old``: their results) and under the new
+    (``new``): each launch's median step, the median of those, new / old (below 1: the new code is faster)
+    and the median bytes each rank sent per step.
+
+    Example:
+        >>> launch = lambda s: {"runs": [{"name": "topk", "median_s": s, "bytes_per_step": 8.0}]}
+        >>> row, = old_new_rows([launch(2.0), launch(4.0)], [launch(1.5), launch(1.5)])
+        >>> row["old_s"], row["new_s"], row["new_over_old"], row["new_bytes_per_step"]
+        (3.0, 1.5, 0.5, 8.0)
+    """
+    names = list(dict.fromkeys(r["name"] for result in (*old, *new) for r in result["runs"]))
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {"name": name}
+        for side, results in (("old", old), ("new", new)):
+            found = [r for result in results for r in result["runs"] if r["name"] == name and r["median_s"] is not None]
+            row[f"{side}_launches_s"] = [r["median_s"] for r in found]
+            row[f"{side}_s"] = statistics.median(row[f"{side}_launches_s"]) if found else None
+            row[f"{side}_bytes_per_step"] = statistics.median(r["bytes_per_step"] for r in found) if found else None
+        row["new_over_old"] = None if not row["old_s"] or row["new_s"] is None else row["new_s"] / row["old_s"]
+        rows.append(row)
+    return rows
+
+
+def format_old_new(commit: str, old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
+    """The figures of the launches under the package at ``commit`` (``old``) and under the working tree's
+    (``new``) as a markdown table, one row per run, with a header line saying what was measured."""
+    first = new[0]
+    lines = [
+        f"step time under the package at {commit[:7]} (old) and the working tree's (new), {len(old)} launches of "
+        f"each, alternating: {_setup(first)}; per launch the median of {first['steps']} steps after "
+        f"{first['warmup']} untimed, then the median over the launches; torch {first['torch']}",
+        "",
+        "| run | old median step s | new median step s | new / old | old MB sent per rank per step "
+        "| new MB sent per rank per step | launches' medians s, old; new |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+
+    def figure(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
+    for r in old_new_rows(old, new):
+        launches = "; ".join(", ".join(f"{t:.3f}" for t in r[f"{side}_launches_s"]) or "-" for side in ("old", "new"))
+        ratio = "-" if r["new_over_old"] is None else f"{r['new_over_old']:.2f}"
+        lines.append(
+            f"| {r['name']} | {figure(r['old_s'])} | {figure(r['new_s'])} | {ratio} "
+            f"| {figure(r['old_bytes_per_step'], 1e6, 2)} | {figure(r['new_bytes_per_step'], 1e6, 2)} | {launches} |"
+        )
     return "\n".join(lines)

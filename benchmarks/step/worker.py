@@ -7,6 +7,7 @@ import math
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks._json import write_json
@@ -29,12 +30,43 @@ def _step(model: Any, opt: Any, exchange: Any, x: Any, y: Any) -> None:
         exchange.hold_local()
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()  # DDP waits for every bucket's future (callbacks' collectives included)
-    if exchange is not None:
-        model.gradients_ready(exchange.state)  # a timed fallback's plain DDP step averages here
+    # a timed fallback's plain DDP step averages here (Replicas; at revisions before it DDP's hook did)
+    gradients_ready = getattr(model, "gradients_ready", None)
+    if exchange is not None and gradients_ready is not None:
+        gradients_ready(exchange.state)
     opt.step()
     if exchange is not None:
         exchange.exchange()
     opt.zero_grad(set_to_none=False)
+
+
+def _update_model(module: Any, strategy: Any) -> Any:
+    """Update mode's model, bound to the strategy's exchange, as the package at hand builds it:
+    ``Replicas``, or DDP with ``update_comm_hook`` (which kept each rank's own gradient) at the
+    revisions before it, such as ``bfb574b``: under ``--rev`` this worker runs the old package too."""
+    try:
+        from lightning_sparse.exchange.replicas import Replicas
+    except ImportError:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from lightning_sparse.exchange.hook import update_comm_hook  # removed with Replicas
+
+        model = DistributedDataParallel(module, init_sync=False, **strategy._ddp_kwargs)
+        strategy.update_exchange.bind(model.module.named_parameters(), process_group=model.process_group)
+        model.register_comm_hook(strategy.sparse_state, update_comm_hook)
+        return model
+    model = Replicas(module, init_sync=False)  # no DDP: each rank keeps its own gradient
+    strategy.update_exchange.bind(model.module.named_parameters(), process_group=model.process_group)
+    return model
+
+
+def _check_package(root: str) -> None:
+    """Refuse to run (``RuntimeError``) unless the imported ``lightning_sparse`` lies under ``root``."""
+    import lightning_sparse
+
+    imported = Path(lightning_sparse.__file__).resolve()
+    if Path(root).resolve() not in imported.parents:
+        raise RuntimeError(f"imported lightning_sparse from {imported}, expected it under {root}")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -45,8 +77,9 @@ def worker(args: argparse.Namespace) -> int:
 
     from benchmarks.compressors import parse_compressor
     from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
-    from lightning_sparse.exchange.replicas import Replicas
 
+    if getattr(args, "package_root", None):
+        _check_package(args.package_root)
     world = args.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
@@ -102,9 +135,8 @@ def worker(args: argparse.Namespace) -> int:
             )
             state = strategy.sparse_state
             exchange = strategy.update_exchange
-            if exchange is not None:  # update mode builds no DDP: each rank keeps its own gradient
-                model = Replicas(make_model(), init_sync=False)
-                exchange.bind(model.module.named_parameters(), process_group=model.process_group)
+            if exchange is not None:
+                model = _update_model(make_model(), strategy)
             else:
                 model = DistributedDataParallel(make_model(), init_sync=False, **strategy._ddp_kwargs)
                 state.bind(model.module.named_parameters(), process_group=model.process_group)

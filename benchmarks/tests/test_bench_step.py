@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks._ranks import CHECKOUT, checkout_env
 from benchmarks.step import (
     DENSE,
     ShapedLink,
+    add_arguments,
     describe_link,
     failed_row,
     failure_reason,
+    format_old_new,
     format_table,
     model_shape,
+    old_new_rows,
     parse_latency,
     parse_params,
     parse_rate,
+    run,
 )
 
 
@@ -281,6 +289,49 @@ def test_table_compares_each_run_with_its_unshaped_self() -> None:
     table = format_table(result)
     assert "| delay 1 | 0.525 | 0.500 | 1.05x | 2.10x | 0.50x |" in table
     assert "(unshaped dense DDP, the compute floor: 0.250 s)" in table
+
+
+def test_old_new_table_takes_the_median_over_launches() -> None:
+    setup = {
+        "world_size": 2, "link": describe_link(1e9, 0.0), "layers": 2, "width": 10, "params": 220, "batch_size": 4,
+        "threads": 1, "density": 0.01, "steps": 3, "warmup": 2, "torch": "x",
+    }  # fmt: skip
+
+    def launch(topk_s: float | None, dense_s: float = 1.0) -> dict:
+        return {**setup, "runs": [
+            {"name": DENSE, "median_s": dense_s, "bytes_per_step": 880.0},
+            {"name": "sparse_ddp topk (update)", "median_s": topk_s, "bytes_per_step": 88e4 if topk_s else None},
+        ]}  # fmt: skip
+
+    old = [launch(0.5), launch(0.7), launch(0.6, dense_s=3.0)]
+    new = [launch(0.3), launch(0.4), launch(0.2)]
+    dense, topk = old_new_rows(old, new)
+    assert (dense["old_s"], dense["new_s"], dense["new_over_old"]) == (1.0, 1.0, 1.0)
+    assert topk["old_launches_s"] == [0.5, 0.7, 0.6] and topk["old_s"] == 0.6 and topk["new_s"] == 0.3
+    assert topk["new_over_old"] == pytest.approx(0.5)
+    table = format_old_new("0123456789abcdef", old, new)
+    assert "package at 0123456 (old) and the working tree's (new), 3 launches of each" in table
+    assert (
+        "| sparse_ddp topk (update) | 0.600 | 0.300 | 0.50 | 0.88 | 0.88 | 0.500, 0.700, 0.600; 0.300, 0.400, 0.200 |"
+        in table
+    )
+    # a run that could not be timed under the old code
+    table = format_old_new("0123456", [launch(None)], [launch(0.2)])
+    assert "| sparse_ddp topk (update) | - | 0.200 | - | - | 0.88 | -; 0.200 |" in table
+
+
+def test_checkout_env_puts_another_package_first(tmp_path: Path) -> None:
+    env = checkout_env({"PYTHONPATH": "/elsewhere"}, tmp_path)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), str(CHECKOUT), "/elsewhere"]
+
+
+def test_rev_refuses_the_peers() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="--rev is not allowed with --peers"):
+        run(parser.parse_args(["--rev", "HEAD", "--peers", "fp16"]))
+    with pytest.raises(ValueError, match="--rounds=0 is not allowed"):
+        run(parser.parse_args(["--rev", "HEAD", "--rounds", "0"]))
 
 
 @pytest.mark.slow
