@@ -350,15 +350,16 @@ def _merged_buffers(
     key = tuple(parts)
     found = queue.buffers.get(key)
     if found is None:
-        send = first.new_empty(first.shape[0] * width)
+        # one caller's own tensor goes as it is: only several are joined into a buffer
+        send = first.new_empty(first.shape[0] * width) if len(rows) > 1 else first.reshape(-1)
         receive = send if kind == "all-reduce" else first.new_empty(comm.world, width)
         found = (send, receive, 0)
     send, receive, _ = found
     queue.buffers[key] = (send, receive, queue.flushes)
     if len(rows) > 1:
         torch.cat(rows, dim=1, out=send.view(-1, width))
-    elif kind != "all-reduce":
-        send = first.reshape(-1)  # the caller's own tensor goes as it is
+    else:
+        send = first.reshape(-1)
     return send, receive
 
 
