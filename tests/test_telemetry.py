@@ -523,6 +523,7 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
     "compact_indices": {"compact_indices": False},
     "sync_every": {"sync_every": 4},
     "outer_optimizer": {"outer_optimizer": "nesterov"},
+    "outer_momentum": {"outer_optimizer": "nesterov", "outer_momentum": 0.8},
     "value_bits": {"value_bits": 2},
     "find_unused_parameters": {"find_unused_parameters": True},
     "static_graph": {"static_graph": True},
@@ -552,7 +553,8 @@ def test_summary_header_names_every_setting_that_differs_from_its_default(monkey
         if name == "fault_tolerant" and importlib.util.find_spec("torchft") is None:
             continue  # it needs the optional package
         config = SparseConfig(**kwargs)
-        also = [n for n in ("sync_every", "fragments") if n in kwargs and n != name]  # what the setting needs
+        # what the setting needs
+        also = [n for n in ("sync_every", "fragments", "outer_optimizer") if n in kwargs and n != name]
         assert list(changed_settings(config)) == [*also, name], name
         assert f"{name}=" in fit_title(config, 5, 0, 2).split("; ")[1], name
     config = SparseConfig(sync_every=4, value_bits=2, outer_optimizer="nesterov", compressor="rtopk", density=0.001)
