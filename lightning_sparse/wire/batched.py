@@ -303,8 +303,9 @@ class ChunkRows:
         """Bucket offsets of every row's largest ``|e|`` (``e``: the bucket's flat residual), member by member in
         buffer order, unsorted within a member."""
         size = self.rows * self.chunk
-        a = scratch("batched.chunk_rows", size + e.numel(), torch.float32, e.device).fill_(-1.0)  # below every |e|
-        a.index_put_((self.dest,), e.abs())
+        a = scratch("batched.chunk_rows", size + e.numel(), torch.float32, e.device)
+        a[:size].fill_(-1.0)  # the padding: below every |e| (the spare slots are never read)
+        a.index_put_((self.dest,), torch.abs(e, out=scratch("batched.chunk_abs", e.numel(), torch.float32, e.device)))
         # sorted where a row keeps fewer than it picked: its first picks are its largest
         top = torch.topk(a[:size].view(self.rows, self.chunk), self.width, dim=1, sorted=self.keep is not None)
         at = top.indices.add_(self.row_start).view(-1)

@@ -350,17 +350,15 @@ def _merged_buffers(
     key = tuple(parts)
     found = queue.buffers.get(key)
     if found is None:
-        # one caller's own tensor goes as it is: only several are joined into a buffer
-        send = first.new_empty(first.shape[0] * width) if len(rows) > 1 else first.reshape(-1)
-        receive = send if kind == "all-reduce" else first.new_empty(comm.world, width)
-        found = (send, receive, 0)
-    send, receive, _ = found
-    queue.buffers[key] = (send, receive, queue.flushes)
-    if len(rows) > 1:
-        torch.cat(rows, dim=1, out=send.view(-1, width))
-    else:
-        send = first.reshape(-1)
-    return send, receive
+        # several callers' tensors are joined into a buffer; one caller's goes as it is
+        joined = first.new_empty(first.shape[0] * width) if len(rows) > 1 else first.reshape(-1)
+        found = (joined, joined if kind == "all-reduce" else first.new_empty(comm.world, width), 0)
+    joined, receive, _ = found
+    queue.buffers[key] = (joined, receive, queue.flushes)
+    if len(rows) == 1:
+        return first.reshape(-1), receive
+    torch.cat(rows, dim=1, out=joined.view(-1, width))
+    return joined, receive
 
 
 def completed(value: T) -> Future[T]:
