@@ -53,6 +53,8 @@ class CallProfile:
         #: package file -> calls of its functions; -> calls into it from another file (or from outside the package)
         self.files: Counter[str] = Counter()
         self.entries: Counter[str] = Counter()
+        #: ``file:function`` -> calls of it
+        self.functions: Counter[str] = Counter()
         #: calls from a function of one package file to a function of another (returns not counted)
         self.moves = 0
 
@@ -99,6 +101,7 @@ class CallProfile:
         callee = name[len(self.package) :]
         self.package_calls["call"] += 1
         self.files[callee] += 1
+        self.functions[f"{callee}:{frame.f_code.co_qualname}"] += 1
         caller = self._file(frame.f_back)
         if caller != callee:
             self.entries[callee] += 1
@@ -112,6 +115,7 @@ class CallProfile:
             "package": dict(self.package_calls),
             "files": dict(self.files.most_common()),
             "entries": dict(self.entries.most_common()),
+            "functions": dict(self.functions.most_common()),
             "moves": self.moves,
             "complete": self.done,
         }

@@ -105,6 +105,8 @@ class SparseState:
         self._names: dict[int, str] = {}
         self._params: list[Tensor] = []
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
+        #: the buckets' routes over the wire (sizes only), by plan, density, dtype and group size
+        self.routes: dict[tuple[Any, ...], Any] = {}
 
     @property
     def step_exchange(self) -> SparseState:
@@ -149,7 +151,8 @@ class SparseState:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(process_group=None, _names={}, _params=[], _plans={}, skips=None, _loss_scale=None, backward=None)
+        unbound: dict[str, Any] = {"_names": {}, "_params": [], "_plans": {}, "routes": {}, "_loss_scale": None}
+        state.update(unbound, process_group=None, skips=None, backward=None)
         state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
         return state
 
@@ -168,7 +171,7 @@ class SparseState:
         trainable = [(name, p) for name, p in named_parameters if p.requires_grad or not trainable_only]
         self._names = {id(p): name for name, p in trainable}
         self._params = [p for _, p in trainable]
-        self._plans = {}
+        self._plans, self.routes = {}, {}
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)

@@ -6,6 +6,7 @@ Compression is per parameter (``k = round(density * numel)``, at least 1): resul
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,22 +89,20 @@ def bucket_rounds(
     timed = state.timed_fallback
     past_warmup = state.step >= config.warmup_steps
     if sparse and past_warmup:
-        density = schedule.density(state.step)
-        ks = compressor.ks_for(plan.sparse_numels, density)
+        route = _route(state, buffer, plan, schedule.density(state.step))
+        ks = route.ks
         kind = timed.kind(state.step) if timed is not None else SPARSE
         if kind == TRIAL_DENSE:
             method = "dense (timing trial)"
         elif kind == DENSE:
             counters.fallback_buckets = 1
             method = "dense (timed fallback)"
-        elif config.byte_rule and not sparse_is_cheaper(state, buffer, sparse, ks):
+        elif config.byte_rule and not route.cheaper:
             counters.fallback_buckets = 1
             method = "dense (fallback)"
         else:
             send_sparse = True
-            method = compressor.name or type(compressor).__name__
-            if _exchange_of(state, buffer, sparse, ks) == "split":
-                method += " (split)"  # what exchange="auto" picked
+            method = route.method
     where = f"the exchange of {plan.label} ({method}) at optimizer step {state.optimizer_step}"
     if state.optimizer_step != state.step:
         where += f" (exchange {state.step})"
@@ -147,11 +146,40 @@ def sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member, 
     return sparse_pays(wire, state.world_size, sum(numels) * buffer.element_size())
 
 
-def _exchange_of(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> str | None:
-    ctx = state.wire
-    if ctx.compressor.pattern != "gather":
-        return None
-    return GATHER.exchange_for(ctx, ks, [m.numel for m in sparse], ctx.vdtype(buffer).itemsize)
+@dataclass(frozen=True)
+class Route:
+    """How a bucket's sparse members cross the wire at one density, from sizes and settings only.
+
+    Args:
+        ks: the coordinates sent of each sparse member.
+        cheaper: whether that moves fewer bytes than sending them dense (True where the byte rule is off).
+        method: the compressor's name, and ``" (split)"`` where the split exchange carries it.
+    """
+
+    ks: list[int]
+    cheaper: bool
+    method: str
+
+
+def _route(state: SparseState, buffer: Tensor, plan: BucketPlan, density: float) -> Route:
+    """The bucket's :class:`Route` at ``density`` (made once per plan, density, dtype and group size)."""
+    key = (plan, density, buffer.dtype, state.world_size)
+    routes = state.routes
+    route = routes.get(key) if type(density) is float else None  # a schedule's own number type: each time
+    if route is None:
+        ctx, sparse = state.wire, plan.sparse_members
+        ks = ctx.compressor.ks_for(plan.sparse_numels, density)
+        method = ctx.compressor.name or type(ctx.compressor).__name__
+        if ctx.compressor.pattern == "gather":
+            vbytes = ctx.vdtype(buffer).itemsize
+            if GATHER.exchange_for(ctx, ks, [m.numel for m in sparse], vbytes) == "split":
+                method += " (split)"  # what exchange="auto" picked
+        route = Route(ks, not state.config.byte_rule or sparse_is_cheaper(state, buffer, sparse, ks), method)
+        if type(density) is float:
+            if len(routes) >= 4096:  # a schedule of ever new densities: the oldest go
+                routes.clear()
+            routes[key] = route
+    return route
 
 
 def _average(state: SparseState, buffer: Tensor, parts: list[Pending], where: str) -> Future[Average]:

@@ -9,7 +9,7 @@ class. It sees the exchange's state only through :class:`WireContext` and :class
 - :mod:`~lightning_sparse.wire.comm` - the collectives, each counted where it is issued;
 - :mod:`~lightning_sparse.wire.context` - what the wire code is given, and the :class:`Average` it returns;
 - :mod:`~lightning_sparse.wire.message` / :mod:`~lightning_sparse.wire.indexcode` - message coding;
-- :mod:`~lightning_sparse.wire.select` - selection with error feedback;
+- :mod:`~lightning_sparse.wire.select` - selection with error feedback, and the small tensors sent whole;
 - :mod:`~lightning_sparse.wire.split` - the split exchange;
 - :mod:`~lightning_sparse.wire.patterns` - the patterns (gather, shared, sketch, dense).
 """

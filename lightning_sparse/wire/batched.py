@@ -94,8 +94,8 @@ def eligible(ctx: WireContext, call: BucketCall) -> str | None:
         and call.plan.sparse_members
     ):
         return None
-    compressor = ctx.compressor
-    return "topk" if compressor.selects_at_once("topk") else "chunk" if compressor.selects_at_once("chunk") else None
+    rule = ctx.at_once
+    return rule if rule in ("topk", "chunk") else None
 
 
 @dataclass

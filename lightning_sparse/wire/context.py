@@ -119,6 +119,12 @@ class WireContext:
     def world_size(self) -> int:
         return self.comm.world
 
+    @functools.cached_property
+    def at_once(self) -> str | None:
+        """The bucket-at-once rule that picks exactly what the compressor picks (its ``at_once``), or None."""
+        rule = self.compressor.at_once
+        return rule if rule is not None and self.compressor.selects_at_once(rule) else None
+
     def vdtype(self, buffer: Tensor) -> torch.dtype:
         """The dtype the values of ``buffer`` are selected in (float32 under ``value_bits``)."""
         if self.value_bits is not None:

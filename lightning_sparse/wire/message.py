@@ -133,6 +133,14 @@ class MessageLayout:
     header: bool = False
     value_bits: int | None = None
 
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def of(
+        n: int, capacity: int, value_dtype: torch.dtype, compact: bool, header: bool = False, bits: int | None = None
+    ) -> MessageLayout:
+        """The layout of these fields, made once: its sizes are worked out at its first message only."""
+        return MessageLayout(n, capacity, value_dtype, compact, header, bits)
+
     @functools.cached_property
     def coding(self) -> str:
         if self.compact and rice_capacity_bytes(self.n, self.capacity) < _INDEX_BYTES * self.capacity:

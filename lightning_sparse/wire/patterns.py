@@ -25,11 +25,10 @@ from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
 from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
-from lightning_sparse.wire.select import flush_residuals, select_sorted, settle
+from lightning_sparse.wire.select import all_gather_message, flush_residuals, launch_small, select_sorted, settle
 from lightning_sparse.wire.shared import select_shared
 from lightning_sparse.wire.sketch import eligible as sketch_at_once
 from lightning_sparse.wire.sketch import launch_sketch
-from lightning_sparse.wire.small import all_gather_message, launch_small
 from lightning_sparse.wire.split import launch_split, split_wire_bytes
 from lightning_sparse.wire.stats import ring_all_gather_bytes, ring_all_reduce_bytes
 
@@ -151,7 +150,7 @@ def _choose(
 def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Pending:
     world = ctx.world_size
     space = SparseSpace.of(call.plan)
-    layout = MessageLayout(space.numel, sum(ks), vdtype, ctx.compact_indices, value_bits=ctx.value_bits)
+    layout = MessageLayout.of(space.numel, sum(ks), vdtype, ctx.compact_indices, bits=ctx.value_bits)
     coded = ctx.value_bits is not None
     sel = select_sorted(ctx, call, ks, vdtype, settle=not coded)
     out = scratch(f"gather.message.{call.plan.label}", layout.size, torch.uint8, call.buffer.device)

@@ -36,7 +36,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
         >>> [eligible(WireContext(c, True, 0.0, None, 0, "auto", True, None, True), call) for c in (RandomK(), TopK())]
         [True, False]
     """
-    return ctx.compressor.selects_at_once("randomk") and bool(call.plan.sparse_members)
+    return ctx.at_once == "randomk" and bool(call.plan.sparse_members)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
     with the bucket, and the size limits :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`."""
     compressor = ctx.compressor
     sparse = call.plan.sparse_members
-    if not compressor.selects_at_once("countsketch") or not sparse:
+    if ctx.at_once != "countsketch" or not sparse:
         return False
     rows = typing.cast(SketchCompressor, compressor).rows
     if ctx.momentum_correction or call.sources or (ctx.error_feedback and ctx.memory.home is not None):

@@ -86,8 +86,8 @@ def split_layouts(
     send, keep = split_capacities(n, k, world)
     largest = Regions(n, world).largest
     return (
-        MessageLayout(largest, send, vdtype, compact, header=True, value_bits=value_bits),
-        MessageLayout(largest, keep, vdtype, compact, header=True, value_bits=value_bits),
+        MessageLayout.of(largest, send, vdtype, compact, True, value_bits),
+        MessageLayout.of(largest, keep, vdtype, compact, True, value_bits),
     )
 
 
