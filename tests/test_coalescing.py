@@ -116,7 +116,7 @@ def _buffers_worker(rank: int, world: int, settings: dict[str, Any]) -> dict[str
     from lightning_sparse.wire import comm
 
     calls: list[tuple[str, int, int]] = []
-    real = {"all_gather": comm.all_gather, "all_reduce": comm.all_reduce}
+    real = {"all_gather": comm.all_gather, "all_reduce": comm.all_reduce, "all_to_all": comm.all_to_all}
 
     def gather(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Any:
         calls.append(("all-gather", output.data_ptr(), tensor.data_ptr()))
@@ -126,16 +126,20 @@ def _buffers_worker(rank: int, world: int, settings: dict[str, Any]) -> dict[str
         calls.append(("all-reduce", tensor.data_ptr(), tensor.data_ptr()))
         return real["all_reduce"](tensor, group)
 
-    comm.all_gather, comm.all_reduce = gather, reduce  # type: ignore[assignment]
+    def to_all(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Any:
+        calls.append(("all-to-all", output.data_ptr(), tensor.data_ptr()))
+        return real["all_to_all"](output, tensor, group)
+
+    comm.all_gather, comm.all_reduce, comm.all_to_all = gather, reduce, to_all  # type: ignore[assignment]
     try:
         trained = _train(rank, settings, True, steps=8)
     finally:
-        comm.all_gather, comm.all_reduce = real["all_gather"], real["all_reduce"]  # type: ignore[assignment]
+        comm.all_gather, comm.all_reduce, comm.all_to_all = real.values()  # type: ignore[assignment]
     return {"calls": calls, "per_exchange": trained["per_exchange"]}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["topk", "topk-2bit"])
+@pytest.mark.parametrize("name", ["topk", "topk-2bit", "split"])
 def test_a_steady_exchange_sends_and_receives_in_the_same_buffers(dist2: Any, name: str) -> None:
     # what a CUDA graph over the exchange needs: the same addresses at every steady-state step
     settings, _ = SETTINGS[name]

@@ -234,10 +234,13 @@ class MessageLayout:
             return decode_index_rows(index, self.n, self.capacity, count), values
         return self._int32_coords(index, count), values
 
-    def pack_rows(self, coords: Tensor, values: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    def pack_rows(
+        self, coords: Tensor, values: Tensor, counts: Tensor, out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """:meth:`pack_arriving` of a batch of messages with a header, the counts on the device: row ``r``
         of ``coords`` / ``values`` (``(rows, capacity)``) holds its ``counts[r]`` pairs first. Each
         message is byte for byte what :meth:`pack` writes; the arriving values are zero past the counts.
+        ``out``: the ``(rows, size)`` uint8 buffer to write them into (or a new one).
 
         Example:
             >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)
@@ -252,7 +255,10 @@ class MessageLayout:
         if width != self.capacity:
             raise ValueError(f"pack_rows: rows of {width} pairs, not the capacity {self.capacity}")
         valid = torch.arange(width, device=coords.device) < counts.unsqueeze(1)
-        out = torch.zeros(rows, self.size, dtype=torch.uint8, device=coords.device)
+        if out is None:
+            out = torch.zeros(rows, self.size, dtype=torch.uint8, device=coords.device)
+        else:
+            out.zero_()
         out[:, :4].view(torch.int32).copy_(counts.unsqueeze(1))
         at = self._values_at
         bits = self.value_bits

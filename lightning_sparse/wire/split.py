@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse._utils import scratch
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, Pending, WireContext
@@ -168,11 +169,14 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     # stage 1: each owner gets this rank's pairs in its region (fixed-size chunks, one all-to-all)
     at = table.clamp(max=picks - 1)  # the padding reads the last pick; pack_rows ignores it
     sending = regions.local(sel.coords)[at]
-    outgoing, arriving = first.pack_rows(sending, sel.sent[at], per_owner)
+    # the bucket's buffers, made once (its exchange is applied before its next starts)
+    label = call.plan.label
+    outgoing = scratch(f"split.outgoing.{label}", world * first.size, torch.uint8, device).view(world, first.size)
+    outgoing, arriving = first.pack_rows(sending, sel.sent[at], per_owner, outgoing)
     if bits is not None:  # what the owner receives is what the codes stand for
         padded = torch.cat([sel.sent, sel.sent.new_zeros(1)])  # the padding writes zeros to the spare
         sel.sent = padded.index_put_((table.view(-1),), arriving.view(-1))[:picks]
-    incoming = torch.empty_like(outgoing)
+    incoming = scratch(f"split.incoming.{label}", outgoing.numel(), outgoing.dtype, device).view(outgoing.shape)
     # waited for on this thread, stage 2 issued right after (see SketchPattern)
     first_round = ctx.comm.all_to_all(incoming, outgoing, counters)
     # counted without a host read: picks past a crowded owner's chunk count too
@@ -184,14 +188,17 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     local, values, _ = first.unpack_counted_rows(incoming)
     chosen_local, chosen_sums = _owner_choice(local, values, largest, second.capacity)
     mine = chosen_local < largest
-    message, chosen = second.pack_rows(chosen_local[None], quantize(chosen_sums, vdtype)[None], mine.sum()[None])
+    message = scratch(f"split.message.{label}", second.size, torch.uint8, device).view(1, second.size)
+    message, chosen = second.pack_rows(
+        chosen_local[None], quantize(chosen_sums, vdtype)[None], mine.sum()[None], message
+    )
     chosen = chosen[0]
     rounding = None
     if ctx.error_feedback and (chosen.dtype != torch.float32 or bits is not None):
         # the sum's rounding stays in its owner's residual; the padding adds -0.0, which changes nothing
         diff = torch.where(mine, (chosen_sums - chosen.float()).nan_to_num(0.0, 0.0, 0.0), -0.0)
         rounding = (torch.where(mine, regions.to_space(chosen_local, rank), 0), diff, mine)
-    gathered = torch.empty(world, second.size, dtype=torch.uint8, device=device)
+    gathered = scratch(f"split.received.{label}", world * second.size, torch.uint8, device).view(world, second.size)
     issued = futures(ctx.comm.all_gather(gathered.view(-1), message.view(-1), counters))
 
     received: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
