@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_sparse  # noqa: F401  (registers the strategy names)
 import lightning_sparse.wire.comm as comm
 from lightning_sparse import SparseDDPStrategy, SparseFSDPStrategy
-from lightning_sparse.exchange.ft import FaultTolerantUpdate
+from lightning_sparse.exchange.ft import ReplicaCommit
+from lightning_sparse.exchange.update import UpdateExchange
 
 DIM, HIDDEN = 16, 32
 
@@ -72,24 +73,26 @@ class Progress(L.Callback):
             f.write(f"{trainer.global_step}\n")
 
 
-def _watch_rollbacks(update: FaultTolerantUpdate, checks: list[bool]) -> None:
+def _watch_rollbacks(update: UpdateExchange, checks: list[bool]) -> None:
     """Wrap the exchange: where it rolls back, compare the state after with the state before. With
     ``sync_delay`` the exchange rolls back where it arrives, steps after its launch: then the global
     model is as at the launch and each residual holds all the process had not had averaged at the
     launch (``e = view - global`` there: conservation with nothing sent)."""
     original = update.exchange
+    commit = update.commit
+    assert isinstance(commit, ReplicaCommit)
     launch: dict[str, dict[str, torch.Tensor]] = {}
 
     def exchange(params: Any = None) -> None:
-        before_rollbacks = update.rollbacks
+        before_rollbacks = commit.rollbacks
         views = {n: p.detach().clone() for n, p in update._params.items()}
         glob = update.global_values()
         residuals = {n: update.state.memory.get(n).clone() for n in update._params if n in update.state.memory}
-        awaiting = update._awaiting
+        awaiting = commit._awaiting
         original(params)
-        if update._awaiting is not None and update._awaiting is not awaiting:  # launched here (sync_delay)
+        if commit._awaiting is not None and commit._awaiting is not awaiting:  # launched here (sync_delay)
             launch.update(views=views, glob=glob)
-        elif update.rollbacks > before_rollbacks and awaiting is not None:  # rolled back where it arrived
+        elif commit.rollbacks > before_rollbacks and awaiting is not None:  # rolled back where it arrived
             now_glob = update.global_values()
             same = all(torch.equal(launch["glob"][n], now_glob[n]) for n in update._params)
             for n in update._params:
@@ -98,7 +101,7 @@ def _watch_rollbacks(update: FaultTolerantUpdate, checks: list[bool]) -> None:
                     unsent = launch["views"][n] - launch["glob"][n]
                     same &= torch.allclose(e.view_as(unsent), unsent, rtol=0, atol=1e-6)
             checks.append(bool(same))
-        elif update.rollbacks > before_rollbacks:
+        elif commit.rollbacks > before_rollbacks:
             same = all(torch.equal(views[n], p) for n, p in update._params.items())
             now_glob = update.global_values()
             same &= all(torch.equal(glob[n], now_glob[n]) for n in update._params)
@@ -156,10 +159,11 @@ def fabric_main(cfg: dict[str, Any], group: int) -> None:
         model, optimizer = fabric.setup(module.net, torch.optim.AdamW(module.net.parameters(), lr=1e-2))
     loader = fabric.setup_dataloaders(DataLoader(data(4096, seed=7), batch_size=16, shuffle=True))
     update = strategy.update_exchange
-    assert isinstance(update, FaultTolerantUpdate)
+    assert update is not None and isinstance(update.commit, ReplicaCommit)
+    ft = update.commit
     steps: list[int] = []
     path = f"progress_g{group}_r{fabric.global_rank}.txt"
-    while update.steps < cfg["max_steps"]:
+    while update.steps < cfg["max_steps"]:  # the documented Fabric loop
         for x, y in loader:
             if module.step_sleep:
                 time.sleep(module.step_sleep)
@@ -167,10 +171,10 @@ def fabric_main(cfg: dict[str, Any], group: int) -> None:
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            steps.append(update.steps)
+            steps.append(ft.steps)
             with open(path, "a") as f:
-                f.write(f"{update.steps}\n")
-            if update.steps >= cfg["max_steps"]:
+                f.write(f"{ft.steps}\n")
+            if ft.steps >= cfg["max_steps"]:
                 break
     strategy.global_model()
     val = data(512, seed=99)
@@ -180,12 +184,12 @@ def fabric_main(cfg: dict[str, Any], group: int) -> None:
         "params": _local(model),
         "steps": steps,
         "val_loss": loss_value,
-        "global_step": update.steps,
-        "commits": update.commits,
-        "rollbacks": update.rollbacks,
-        "heals": update.heals,
-        "quorum_seconds": update.quorum_seconds,
-        "participants": update.participants,
+        "global_step": ft.steps,
+        "commits": ft.commits,
+        "rollbacks": ft.rollbacks,
+        "heals": ft.heals,
+        "quorum_seconds": ft.quorum_seconds,
+        "participants": ft.participants,
         "rollback_checks": [],
         "bytes": strategy.sparse_state.telemetry.total.sent_bytes,
     }
@@ -241,7 +245,7 @@ def main() -> None:
         class Watch(L.Callback):
             def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
                 update = trainer.strategy.update_exchange  # type: ignore[attr-defined]
-                assert isinstance(update, FaultTolerantUpdate)
+                assert isinstance(update.commit, ReplicaCommit)
                 _watch_rollbacks(update, checks)
 
         trainer.callbacks.append(Watch())  # type: ignore[attr-defined]
@@ -251,7 +255,7 @@ def main() -> None:
     with torch.no_grad():  # under FSDP2 the processes of a group gather their shards together here
         loss = nn.functional.mse_loss(module.net(val.tensors[0]), val.tensors[1]).item()
     update = strategy.update_exchange
-    ft = update if isinstance(update, FaultTolerantUpdate) else None
+    ft = update.commit if update is not None and isinstance(update.commit, ReplicaCommit) else None
     result = {
         "params": _local(module),
         "steps": progress.steps,

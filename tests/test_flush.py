@@ -137,10 +137,11 @@ def test_flush_is_for_update_mode_and_sparse_strategies() -> None:
 
 
 def test_flush_in_rounds_is_refused_under_fault_tolerance() -> None:
-    from lightning_sparse.exchange.ft import FaultTolerantUpdate
+    from lightning_sparse.exchange.ft import ReplicaCommit
     from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
 
-    exchange = FaultTolerantUpdate(SparseState(compress="update"))
+    exchange = UpdateExchange(SparseState(compress="update"), commit=ReplicaCommit())
     with pytest.raises(ValueError, match="flush_residuals\\(rounds=4\\) is not allowed with fault_tolerant=True"):
         exchange.flush_residuals(4)
     exchange.flush_residuals()  # not joined to any group yet: nothing to hand over

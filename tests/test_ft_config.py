@@ -87,15 +87,15 @@ def test_sparse_fsdp_under_fault_tolerance_refuses_a_shard_size(shell: type) -> 
 
 def test_fault_tolerant_strategies_build_their_exchange_on_torchft(ft_env: None) -> None:
     pytest.importorskip("torchft")
-    from lightning_sparse.exchange.ft import FaultTolerantUpdate
+    from lightning_sparse.exchange.ft import ReplicaCommit
 
     for shell in (SparseDDPStrategy, FabricSparseDDPStrategy, SparseFSDPStrategy, FabricSparseFSDPStrategy):
         strategy = shell(fault_tolerant=True, sync_every=4, value_bits=2, min_replicas=2, quorum_timeout=5.0)
         update = strategy.update_exchange
-        assert isinstance(update, FaultTolerantUpdate)
-        assert (update.min_replicas, update.quorum_timeout, update.active) == (2, 5.0, True)
+        assert type(update) is UpdateExchange and isinstance(update.commit, ReplicaCommit)
+        assert (update.commit.min_replicas, update.commit.quorum_timeout, update.active) == (2, 5.0, True)
     off = SparseCore(SparseConfig(sync_every=4))
-    assert type(off.update) is UpdateExchange  # fault_tolerant=False: the exchange as it was
+    assert off.update is not None and off.update.commit is None  # fault_tolerant=False: the exchange as it was
 
 
 def test_the_sampler_shards_over_every_group_then_the_rank_inside(ft_env: None) -> None:

@@ -98,7 +98,7 @@ def label_exchange(strategy: Any) -> None:
     import torch
 
     update = strategy._core.update
-    for attr in ("exchange", "_wait", "_complete"):
+    for attr in ("exchange", "_wait", "land_due" if hasattr(update, "land_due") else "_complete"):
         original = getattr(update, attr)
 
         @functools.wraps(original)

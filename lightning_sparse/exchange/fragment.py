@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from lightning_sparse.wire.memory import ErrorFeedback
 from lightning_sparse.wire.stats import Counters
 
 __all__ = [
-    "Bucket", "Fragment", "InFlight", "ShapedResiduals", "bucket_parts", "check_fragments", "count_local",
+    "Bucket", "Commit", "Fragment", "InFlight", "bucket_parts", "check_fragments", "count_local",
     "decay_residuals", "drop_nonfinite", "fragments_of", "progress", "split_fragments",
 ]  # fmt: skip
 
@@ -166,30 +166,6 @@ class Bucket:
         return True
 
 
-class ShapedResiduals:
-    """Each parameter's residual in the parameter's shape, made once per residual (a view costs an operator).
-
-    Example:
-        >>> shaped, e = ShapedResiduals(), torch.zeros(6)
-        >>> [v.shape for v in shaped.of(["w"], [e], [torch.ones(2, 3)])]
-        [torch.Size([2, 3])]
-        >>> shaped.of(["w"], [e], [torch.ones(2, 3)])[0] is shaped.of(["w"], [e], [e])[0]
-        True
-    """
-
-    def __init__(self) -> None:
-        self._held: dict[str, tuple[Tensor, Tensor]] = {}
-
-    def of(self, names: list[str], residuals: list[Tensor], params: list[Tensor]) -> list[Tensor]:
-        shaped, held = [], self._held
-        for name, e, p in zip(names, residuals, params, strict=True):
-            found = held.get(name)
-            if found is None or found[0] is not e:
-                found = held[name] = (e, e.view_as(p))
-            shaped.append(found[1])
-        return shaped
-
-
 class Fragment:
     """A part of the model that syncs on its own: its buckets (global copy, flat progress) and place in the cycle.
 
@@ -293,6 +269,22 @@ class InFlight:
         self.buckets = buckets
         self.futures = futures
         self.left = left
+
+
+class Commit(Protocol):
+    """What decides, among groups that may fail, whether an exchange counts: asked before each optimizer step,
+    around each exchange, where an exchange in flight arrives and at the hand-over (fault tolerance:
+    :class:`~lightning_sparse.exchange.ft.ReplicaCommit`). ``exchange``: the exchange it is given to."""
+
+    exchange: Any
+
+    @property
+    def steps(self) -> int: ...
+    def before_step(self) -> None: ...
+    def close(self) -> None: ...
+    def run_exchange(self, exchange: Callable[[], None]) -> None: ...
+    def commits_flight(self, flight: InFlight) -> bool: ...
+    def run_flush(self, rounds: int | None, flush: Callable[[], None]) -> None: ...
 
 
 def check_fragments(count: int, tensors: int, holder: str) -> None:

@@ -1,4 +1,4 @@
-"""Update-mode exchanges among replica groups (one job each) on torchft: a quorum per exchange, rollback, healing."""
+"""The commit of update-mode exchanges among replica groups (one job each) on torchft: quorum, rollback, healing."""
 
 from __future__ import annotations
 
@@ -7,24 +7,21 @@ import copy
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from lightning_sparse.exchange.fragment import InFlight
 from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, group_store, require_torchft, torchft_manager
 from lightning_sparse.exchange.ft_guard import Guard
 from lightning_sparse.exchange.ft_status import gist, no_commit, no_quorum
-from lightning_sparse.exchange.outer import OuterStep
-from lightning_sparse.exchange.state import SparseState
-from lightning_sparse.exchange.update import DEFAULT_BUCKET_BYTES, UpdateExchange
+from lightning_sparse.exchange.update import UpdateExchange
 from lightning_sparse.wire import Collectives
 
-__all__ = ["FaultTolerantUpdate", "FrontEndState"]
+__all__ = ["FrontEndState", "ReplicaCommit"]
 
 #: a process's first quorum waits ``quorum_timeout``, at least this many seconds: the others may still be starting
 STARTUP_FLOOR_S = 20.0
@@ -32,35 +29,32 @@ STARTUP_FLOOR_S = 20.0
 FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
 
 
-class FaultTolerantUpdate(UpdateExchange):
-    """The update exchange of one replica group among the live groups, on torchft.
+class ReplicaCommit:
+    """The commit of one replica group's update exchange among the live groups, on torchft: what torchft's
+    ``Manager`` is to its streaming DiLoCo fragments.
 
     Before each exchange it asks torchft's Lighthouse for a quorum of the live groups (a group behind heals from a
     healthy one, its residual zero); process ``r`` of each group exchanges with process ``r`` of the others, and an
-    exchange that does not commit everywhere (``should_commit``) is rolled back.
+    exchange that does not commit everywhere (``should_commit``) is rolled back
+    (:meth:`UpdateExchange.snapshot <lightning_sparse.exchange.update.UpdateExchange.snapshot>` / ``restore``).
+    An :class:`~lightning_sparse.exchange.update.UpdateExchange` given it as ``commit`` calls it before its
+    optimizer step, around its exchange, where an exchange in flight arrives and at the hand-over.
 
     Args:
-        state: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
-        bucket_bytes: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
-        outer_step: as for :class:`~lightning_sparse.exchange.update.UpdateExchange`.
         min_replicas: the fewest replica groups an exchange runs with; with fewer the group waits.
         quorum_timeout: seconds a quorum, a collective or a recovery may take.
 
     Example:
-        >>> exchange = FaultTolerantUpdate(SparseState(compressor="topk", density=0.5), min_replicas=2)
-        >>> exchange.active, exchange.commits, exchange.rollbacks
-        (True, 0, 0)
+        >>> from lightning_sparse.exchange.state import SparseState
+        >>> commit = ReplicaCommit(min_replicas=2)
+        >>> exchange = UpdateExchange(SparseState(compressor="topk", density=0.5), commit=commit)
+        >>> exchange.active, commit.commits, commit.rollbacks, commit.exchange is exchange
+        (True, 0, 0, True)
     """
 
-    def __init__(
-        self,
-        state: SparseState,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        outer_step: OuterStep | None = None,
-        min_replicas: int = 1,
-        quorum_timeout: float = 60.0,
-    ) -> None:
-        super().__init__(state, bucket_bytes, outer_step)
+    def __init__(self, min_replicas: int = 1, quorum_timeout: float = 60.0) -> None:
+        #: the exchange it commits (set by the exchange it is given to)
+        self.exchange: UpdateExchange | None = None
         self.min_replicas = int(min_replicas)
         self.quorum_timeout = float(quorum_timeout)
         #: the front end's part of the healing state (optimizer states, step counters)
@@ -86,20 +80,21 @@ class FaultTolerantUpdate(UpdateExchange):
         self._where = (0, 1)  # this process's rank and size in its group
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
+        state = self.__dict__.copy()
         state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None, _guard=None, _join=None)
         return state
+
+    @property
+    def _update(self) -> UpdateExchange:
+        if self.exchange is None:
+            raise RuntimeError("ReplicaCommit: give it to an UpdateExchange (commit=) before it exchanges")
+        return self.exchange
 
     @property
     def steps(self) -> int:
         """Optimizer steps this group has taken; a healing group takes a healthy one's, so a Fabric loop
         ``while update.steps < max_steps`` ends with the others."""
         return self._steps
-
-    @property
-    def active(self) -> bool:
-        """Always: the group exchanges with the other groups, whatever its own size."""
-        return True
 
     def start(
         self, group: dist.ProcessGroup | None, group_rank: int, group_world: int, front_end: FrontEndState | None = None
@@ -156,12 +151,13 @@ class FaultTolerantUpdate(UpdateExchange):
         return f"replica group {self._group_id()} (process {rank} of {world}) at its step {self._steps}"
 
     def _due(self) -> bool:
-        h = self.state.config.sync_every
-        return not self.state.cycle or any(v + 1 >= h for v in self.state.cycle.values())
+        state = self._update.state
+        h = state.config.sync_every
+        return not state.cycle or any(v + 1 >= h for v in state.cycle.values())
 
     @torch.no_grad()
-    def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
-        """Before an optimizer step at which an exchange is due (and the first): the quorum, then the view."""
+    def before_step(self) -> None:
+        """Before an optimizer step at which an exchange is due (and the first): the quorum."""
         if self.manager is None and self._join is not None:
             self._join_groups()
         if self.manager is not None and self._quorum_at != self._steps and (self._quorum_at is None or self._due()):
@@ -170,14 +166,13 @@ class FaultTolerantUpdate(UpdateExchange):
             if not self._due():
                 # the first step, not an exchange's: nothing to commit (the state is served until fetched)
                 self._open = False
-        super().hold_local(params)
 
     def _quorum(self) -> None:
         """A quorum of at least ``min_replicas`` live groups within ``quorum_timeout``; then the collectives
         go through torchft's process group among them."""
         manager = self.manager
         began = time.perf_counter()
-        self._complete()  # before the process group reconfigures
+        self._update.land_due()  # before the process group reconfigures
         patience = self.quorum_timeout if self._met else max(self.quorum_timeout, STARTUP_FLOOR_S)
         deadline = time.monotonic() + patience
         with self._waiting("a quorum", patience + 2 * self.quorum_timeout):
@@ -200,7 +195,7 @@ class FaultTolerantUpdate(UpdateExchange):
         self._open = True
         self.participants = manager.num_participants()
         rank = manager.participating_rank()
-        self.state.use_collectives(Collectives(self._pg, self.participants), 0 if rank is None else rank)
+        self._update.state.use_collectives(Collectives(self._pg, self.participants), 0 if rank is None else rank)
 
     def _commit(self) -> bool:
         self._open = False
@@ -211,17 +206,18 @@ class FaultTolerantUpdate(UpdateExchange):
                 raise no_commit(self.env, self._group_id(), self._steps, error) from error
 
     @torch.no_grad()
-    def exchange(self, params: Iterable[Tensor] | None = None) -> None:
-        """After the optimizer step: the exchange among the quorum (committed everywhere, or rolled back)."""
+    def run_exchange(self, exchange: Callable[[], None]) -> None:
+        """After the optimizer step: ``exchange`` among the quorum (committed everywhere, or rolled back)."""
         self._steps += 1
         if not self._open:
-            super().exchange(params)
+            exchange()
             return
-        saved = self.snapshot()
-        flights = len(self.in_flight)
-        error = self._attempt("its exchange's collectives", lambda: super(FaultTolerantUpdate, self).exchange(params))
-        if error is None and len(self.in_flight) > flights:  # sync_delay: committed where it arrives
-            self._awaiting, self._open = self.in_flight[-1], False
+        update = self._update
+        saved = update.snapshot()
+        flights = len(update.in_flight)
+        error = self._attempt("its exchange's collectives", exchange)
+        if error is None and len(update.in_flight) > flights:  # sync_delay: committed where it arrives
+            self._awaiting, self._open = update.in_flight[-1], False
             return
         if error is None and self.manager.current_step() == 0:
             # before the first commit: the first group serves its state (init_sync) only until then, so this
@@ -251,32 +247,35 @@ class FaultTolerantUpdate(UpdateExchange):
         rollback()
         cause = gist(error) if error is not None else "another group's collective failed"
         warnings.warn(
-            f"lightning_sparse: replica group {self._group_id()}'s exchange {self.state.step + 1} did not "
+            f"lightning_sparse: replica group {self._group_id()}'s exchange {self._update.state.step + 1} did not "
             f"commit ({cause}); rolled back: {what}. A group that died or stalled longer than quorum_timeout is "
             "dropped; the next exchange runs with the new quorum.",
             stacklevel=2,
         )
         return False
 
-    def _land(self, flight: InFlight) -> None:
-        """An exchange in flight arrives: committed, or nothing of it applied and ``e = u`` (conserved)."""
+    def commits_flight(self, flight: InFlight) -> bool:
+        """An exchange in flight arrives: whether it is applied (committed), or nothing of it is and ``e = u``
+        (conserved)."""
         if flight is not self._awaiting:
-            super()._land(flight)
-            return
+            return True
         self._awaiting = None
         error = self._attempt("its exchange's collectives", lambda: _arrive(flight))
+        memory = self._update.state.memory
 
         def rollback() -> None:
             for bucket in flight.buckets:
-                bucket.put_residuals(bucket.pending_buffer(), self.state.memory)
-                self.state.memory.unstage(bucket.names)
+                bucket.put_residuals(bucket.pending_buffer(), memory)
+                memory.unstage(bucket.names)
 
-        if self._settle(error, rollback, "its sent part back in the residuals, global model and outer step unchanged"):
-            super()._land(flight)
+        return self._settle(
+            error, rollback, "its sent part back in the residuals, global model and outer step unchanged"
+        )
 
     @torch.no_grad()
-    def flush_residuals(self, rounds: int | None = None) -> None:
-        """The exact hand-over among the live groups, committed or rolled back (the residuals then kept)."""
+    def run_flush(self, rounds: int | None, flush: Callable[[], None]) -> None:
+        """The exact hand-over (``flush``) among the live groups, committed or rolled back (the residuals then
+        kept)."""
         if rounds is not None:
             raise ValueError(
                 f"flush_residuals(rounds={rounds!r}) is not allowed with fault_tolerant=True: expected rounds=None "
@@ -284,36 +283,38 @@ class FaultTolerantUpdate(UpdateExchange):
             )
         if self.manager is None:
             return
+        update = self._update
         try:
             self._quorum()
         except RuntimeError as missed:
-            self.hold_global()
+            update.hold_global()
             warnings.warn(
                 f"lightning_sparse: replica group {self._group_id()} kept its residuals at the hand-over: "
                 f"{gist(missed)}. The global model is as the last exchange left it.",
                 stacklevel=3,
             )
             return
-        saved = self.snapshot()
-        error = self._attempt("the hand-over's collectives", lambda: super(FaultTolerantUpdate, self).flush_residuals())
+        saved = update.snapshot()
+        error = self._attempt("the hand-over's collectives", flush)
 
         def rollback() -> None:
             self._rollback(saved)
-            self.hold_global()
+            update.hold_global()
 
         self._settle(error, rollback, "the residuals kept, the global model as the last exchange left it")
 
     def _rollback(self, saved: dict[str, Any]) -> None:
         self._awaiting = None
-        self.restore(saved)
+        self._update.restore(saved)
 
     def _state_dict(self) -> dict[str, Any]:
         """What a group that heals from this one receives (copies: served while this group goes on)."""
-        sparse = self.state.state_dict(copy=True)
+        update = self._update
+        sparse = update.state.state_dict(copy=True)
         sparse["residuals"], sparse["velocity"] = {}, {}
         return {
-            "global": self.global_values(cpu=True),
-            "outer": copy.deepcopy(self.outer_step.state_dict()),
+            "global": update.global_values(cpu=True),
+            "outer": copy.deepcopy(update.outer_step.state_dict()),
             "sparse": sparse,
             "steps": self._steps,
             "front_end": copy.deepcopy(self.front_end[0]()) if self.front_end is not None else {},
@@ -332,10 +333,11 @@ class FaultTolerantUpdate(UpdateExchange):
                 "group; its unsent progress (residual) starts again at zero.",
                 stacklevel=2,
             )
-        self.state.load_state_dict(received["sparse"])
-        self.state.memory.clear()
-        self.outer_step.load_state_dict(received["outer"])
-        self.load_global_values(received["global"])
+        update = self._update
+        update.state.load_state_dict(received["sparse"])
+        update.state.memory.clear()
+        update.outer_step.load_state_dict(received["outer"])
+        update.load_global_values(received["global"])
         self._steps = int(received["steps"])
         self._quorum_at = self._steps
         if self.front_end is not None:

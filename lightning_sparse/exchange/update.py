@@ -6,7 +6,6 @@ Conservation, exactly, per parameter and rank: ``sent + e_new == e_old + delta``
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,9 +18,9 @@ from torch.futures import Future
 from lightning_sparse._utils import all_finite
 from lightning_sparse.exchange.fragment import (
     Bucket,
+    Commit,
     Fragment,
     InFlight,
-    ShapedResiduals,
     bucket_parts,
     check_fragments,
     count_local,
@@ -31,6 +30,7 @@ from lightning_sparse.exchange.fragment import (
     progress,
     split_fragments,
 )
+from lightning_sparse.exchange.global_model import GlobalModel
 from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
 from lightning_sparse.exchange.nonfinite import NonfiniteUpdates
 from lightning_sparse.exchange.outer import AddAverage, OuterStep, StagedAverage
@@ -39,6 +39,7 @@ from lightning_sparse.exchange.step import bucket_rounds
 from lightning_sparse.wire import Average
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together
+from lightning_sparse.wire.memory import ShapedResiduals
 
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
@@ -46,13 +47,14 @@ DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES = 1024 * 1024 * 1024, 25 * 1024 * 102
 _CPU = torch.device("cpu")  # where offloaded global copies live
 
 
-class UpdateExchange:
+class UpdateExchange(GlobalModel):
     """One rank's update mode: after each optimizer step its fragments that are due send part of the unsent progress.
 
     Args:
         state: the shared :class:`~lightning_sparse.exchange.state.SparseState`, bound by :meth:`bind`.
         bucket_bytes: the most float32 bytes per exchanged bucket (a larger parameter gets its own).
         outer_step: what the global parameters do with the average (default: ``AddAverage``).
+        commit: what decides, among groups that may fail, whether an exchange counts (fault tolerance).
 
     Example:
         >>> from lightning_sparse import SparseState
@@ -63,9 +65,16 @@ class UpdateExchange:
     """
 
     def __init__(
-        self, state: SparseState, bucket_bytes: int = DEFAULT_BUCKET_BYTES, outer_step: OuterStep | None = None
+        self,
+        state: SparseState,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        outer_step: OuterStep | None = None,
+        commit: Commit | None = None,
     ) -> None:
         self.state = state
+        self.commit = commit
+        if commit is not None:
+            commit.exchange = self
         self.bucket_bytes = int(bucket_bytes)
         self.outer_step = AddAverage() if outer_step is None else outer_step
         #: called on entering a timed fallback's plain DDP steps (the strategy averages optimizer states)
@@ -119,9 +128,20 @@ class UpdateExchange:
         return tuple(self._in_flight)
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps taken; under a commit, the replica groups' count (a healing group takes a healthy one's),
+        so a Fabric loop ``while update.steps < max_steps`` ends with the others."""
+        return self.commit.steps if self.commit is not None else self.state.optimizer_step
+
+    def close(self) -> None:
+        """Leave the replica groups of the commit, if any (torchft's servers end)."""
+        if self.commit is not None:
+            self.commit.close()
+
+    @property
     def active(self) -> bool:
-        """Whether there is anything to exchange (more than one process)."""
-        return self.state.world_size > 1
+        """Whether there is anything to exchange (more than one process, or other groups to commit with)."""
+        return self.commit is not None or self.state.world_size > 1
 
     def name_of(self, param: Tensor) -> str | None:
         """The name ``param`` (a parameter, or an alias of one) is exchanged under; None: not exchanged."""
@@ -135,6 +155,8 @@ class UpdateExchange:
     @torch.no_grad()
     def hold_local(self, params: Iterable[Tensor] | None = None) -> None:
         """Put this rank's view ``global + e`` of ``params`` (default: all) in the module, before its forward."""
+        if self.commit is not None:
+            self.commit.before_step()
         if self.nonfinite.stop is not None:  # max_nonfinite_steps consecutive non-finite exchanges: here
             raise self.nonfinite.stop
         if not self.active:
@@ -172,7 +194,7 @@ class UpdateExchange:
     def hold_global(self, params: Iterable[Tensor] | None = None) -> None:
         """Put the global values of ``params`` back in the module, the view's progress folded into ``e`` first."""
         if self._in_flight:
-            self._complete()  # the exchanges in flight arrive first (every rank is here together)
+            self.land_due()  # the exchanges in flight arrive first (every rank is here together)
         names = [n for n in self._names_of(params) if n in self._local]
         memory = self.state.memory
         for name in names:
@@ -213,6 +235,11 @@ class UpdateExchange:
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:
         """After an optimizer step on ``params``: send, average, keep the rest (every rank at the same point)."""
+        if self.commit is not None:
+            return self.commit.run_exchange(lambda: self._exchange(params))
+        self._exchange(params)
+
+    def _exchange(self, params: Iterable[Tensor] | None) -> None:
         if not self.active:
             return
         state = self.state
@@ -229,7 +256,7 @@ class UpdateExchange:
         memory = state.memory
         h = state.config.sync_every
         group = tuple(names)
-        self._complete(group)  # exchanges launched sync_delay steps ago arrive
+        self.land_due(group)  # exchanges launched sync_delay steps ago arrive
         fragments = self._fragments.get(group)
         if fragments is None:
             fragments = self._fragments[group] = fragments_of(names, self._params, state.config)
@@ -290,7 +317,8 @@ class UpdateExchange:
         self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
 
     @torch.no_grad()
-    def _complete(self, group: tuple[str, ...] | None = None) -> None:  # sync_delay: those due land (None: all)
+    def land_due(self, group: tuple[str, ...] | None = None) -> None:
+        """The exchanges in flight of ``group`` that are due arrive (None: all; every rank at the same point)."""
         keep: list[InFlight] = []
         for flight in self._in_flight:
             if group is not None:
@@ -306,6 +334,8 @@ class UpdateExchange:
 
     def _land(self, flight: InFlight) -> None:
         """Apply an exchange in flight (:meth:`Bucket.land <lightning_sparse.exchange.fragment.Bucket.land>`)."""
+        if self.commit is not None and not self.commit.commits_flight(flight):
+            return
         for bucket, future in zip(flight.buckets, flight.futures, strict=True):
             average = self._wait(future)
             plan = self.state.plan(bucket.delta, bucket.params)
@@ -327,57 +357,18 @@ class UpdateExchange:
     @torch.no_grad()
     def flush_residuals(self, rounds: int | None = None) -> None:
         """Add the mean of the processes' residuals to the global model, and empty them (``rounds``: in rounds)."""
+        if self.commit is not None:
+            return self.commit.run_flush(rounds, self._flush_exactly)
         if not self.active:
             return
         if rounds is not None:
             return flush_in_rounds(self, rounds)
+        self._flush_exactly()
+
+    def _flush_exactly(self) -> None:
         self.hold_global()
         flush_exactly(self.state, self._params)
         self._synced.clear()
-
-    def global_values(self, cpu: bool = False) -> dict[str, Tensor]:
-        """Copies of the global model's values, by name (``cpu``: in CPU memory)."""
-        values = {n: self._global[n] if n in self._local else p for n, p in self._params.items()}
-        return {n: (v.detach().cpu() if cpu else v.detach()).clone() for n, v in values.items()}
-
-    @torch.no_grad()
-    def load_global_values(self, values: dict[str, Tensor]) -> None:
-        """Make ``values`` the global model, held in the module; exchanges in flight are dropped."""
-        self._in_flight = []
-        for name, p in self._params.items():
-            value = values[name].to(p.device)
-            p.copy_(value)
-            g = self._global.get(name)
-            if g is not None and g.shape == p.shape:
-                g.copy_(value)
-            self._synced[name] = p._version
-            self._local.discard(name)
-
-    def snapshot(self) -> dict[str, Any]:
-        """What :meth:`restore` puts back (copies): this rank's views, the global model, the outer step, the state."""
-        return {
-            "views": {n: p.detach().clone() for n, p in self._params.items()},
-            "global": self.global_values(),
-            "local": set(self._local),
-            "outer": copy.deepcopy(self.outer_step.state_dict()),
-            "sparse": self.state.state_dict(copy=True),
-        }
-
-    @torch.no_grad()
-    def restore(self, saved: dict[str, Any]) -> None:
-        """Go back to a :meth:`snapshot` (an exchange that did not commit everywhere); nothing stays in flight."""
-        self._in_flight = []
-        self.state.load_state_dict(saved["sparse"])
-        self.outer_step.load_state_dict(saved["outer"])
-        for name, p in self._params.items():
-            g = self._global.get(name)
-            if g is None or g.shape != p.shape:
-                g = self._global[name] = torch.empty_like(p)
-            g.copy_(saved["global"][name])
-            if name in saved["local"]:
-                p.copy_(saved["views"][name])
-                self._local.add(name)
-        self._hold_global([n for n in self._params if n not in saved["local"]])
 
     @property
     def nonfinite_updates(self) -> int:

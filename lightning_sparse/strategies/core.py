@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.batchnorm import GlobalBatchNorm
-from lightning_sparse.exchange.ft import FaultTolerantUpdate, FrontEndState
+from lightning_sparse.exchange.ft import FrontEndState, ReplicaCommit
 from lightning_sparse.exchange.handover import reset_optimizer_states
 from lightning_sparse.exchange.hook import sparse_comm_hook
 from lightning_sparse.exchange.outer import outer_step_for
@@ -118,10 +118,8 @@ class SparseCore:
             default = OFFLOAD_BUCKET_BYTES if offload else DEFAULT_BUCKET_BYTES
             cap = default if config.bucket_cap_mb is None else int(config.bucket_cap_mb * 1024 * 1024)
             outer = outer_step_for(config.outer_factory)
-            if config.fault_tolerant:
-                self.update = FaultTolerantUpdate(self.state, cap, outer, config.min_replicas, config.quorum_timeout)
-            else:
-                self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer)
+            commit = ReplicaCommit(config.min_replicas, config.quorum_timeout) if config.fault_tolerant else None
+            self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer, commit=commit)
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         #: update mode builds no DistributedDataParallel (but for a fault-tolerant group's own average)
         self.replicated = self.update is not None and not config.fault_tolerant
@@ -170,8 +168,8 @@ class SparseCore:
             self.state.bind(named_parameters, process_group=process_group)
             return
         self.update.bind(named_parameters, process_group=process_group, aliases=aliases)
-        if isinstance(self.update, FaultTolerantUpdate):
-            self.update.start(*(job or (process_group, rank, world_size)), front_end=recovery)
+        if isinstance(self.update.commit, ReplicaCommit):
+            self.update.commit.start(*(job or (process_group, rank, world_size)), front_end=recovery)
         if module is not None and self.batchnorm is not None:
             self.batchnorm.attach(module, self.state.step)
         if optimizers is not None:

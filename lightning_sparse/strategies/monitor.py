@@ -178,7 +178,7 @@ class CompressionMonitor(Callback):
             interval, steps, state.telemetry.total, norm, state.measure_unsent_ratio(), inside
         )
         update = getattr(trainer.strategy, "update_exchange", None)
-        replicas = getattr(update, "replica_figures", None)
+        replicas = getattr(getattr(update, "commit", None), "replica_figures", None)
         if replicas is not None:  # fault_tolerant: groups in the last quorum, rollbacks, heals
             figures.update(replicas())
         if update is not None:  # update mode: the tensor updates this rank dropped as non-finite

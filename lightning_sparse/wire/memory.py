@@ -295,3 +295,27 @@ def _on_cpu(t: Tensor, copy: bool) -> Tensor:
 
 def _loaded(state: dict[str, Tensor], device: torch.device | None) -> dict[str, Tensor]:
     return {name: t.detach().to(device=device, dtype=torch.float32).reshape(-1).clone() for name, t in state.items()}
+
+
+class ShapedResiduals:
+    """Each parameter's residual in the parameter's shape, made once per residual (a view costs an operator).
+
+    Example:
+        >>> shaped, e = ShapedResiduals(), torch.zeros(6)
+        >>> [v.shape for v in shaped.of(["w"], [e], [torch.ones(2, 3)])]
+        [torch.Size([2, 3])]
+        >>> shaped.of(["w"], [e], [torch.ones(2, 3)])[0] is shaped.of(["w"], [e], [e])[0]
+        True
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def of(self, names: list[str], residuals: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+        shaped, held = [], self._held
+        for name, e, p in zip(names, residuals, params, strict=True):
+            found = held.get(name)
+            if found is None or found[0] is not e:
+                found = held[name] = (e, e.view_as(p))
+            shaped.append(found[1])
+        return shaped
