@@ -221,6 +221,51 @@ def test_outer_step_plugs_in_without_touching_the_wire(dist2) -> None:
     )
 
 
+def _hand_over_worker(rank: int, world: int) -> dict[str, Any]:
+    """Train with a Nesterov outer step, then hand over in 2 exchanges under it and, from the same snapshot,
+    under the default outer step."""
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
+
+    torch.manual_seed(0)
+    named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
+    state = SparseState(compressor="topk", density=0.05, min_numel=1000, compress="update", warmup_steps=0)
+    nesterov = OptimizerStep(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+    exchange = UpdateExchange(state, outer_step=nesterov)
+    exchange.bind(named)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        exchange.hold_local()
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(torch.randn(p.shape, generator=gen))
+        exchange.exchange()
+    saved = exchange.snapshot()
+    momentum = {k: v["state"][0]["momentum_buffer"].clone() for k, v in nesterov.state_dict().items()}
+    exchange.flush_residuals(rounds=2)
+    under_nesterov = exchange.global_values()
+    after = {k: v["state"][0]["momentum_buffer"] for k, v in nesterov.state_dict().items()}
+    exchange.restore(saved)
+    exchange.outer_step = AddAverage()
+    exchange.flush_residuals(rounds=2)
+    return {
+        "nesterov": under_nesterov,
+        "plain": exchange.global_values(),
+        "before": saved["global"],
+        "momentum_kept": momentum.keys() == after.keys() and all(torch.equal(momentum[k], after[k]) for k in after),
+    }
+
+
+def test_the_hand_over_adds_what_it_delivers_without_an_outer_optimizer_step(dist2) -> None:
+    # the hand-over delivers the unsent progress as the exact one does: no outer learning rate and no
+    # momentum carried past the last training exchange, whatever the outer step
+    for r in dist2.run(_hand_over_worker):
+        assert r["momentum_kept"]
+        assert any(not torch.equal(r["before"][n], r["plain"][n]) for n in SHAPES)  # it moved the model
+        for n in SHAPES:
+            assert torch.equal(r["nesterov"][n], r["plain"][n])
+
+
 @pytest.mark.parametrize("shell", ["trainer", "fabric"])
 def test_outer_step_instance_is_an_outer_optimizer(shell: str) -> None:
     """``outer_optimizer`` takes an OuterStep of one's own: the strategy's exchange applies that very object."""

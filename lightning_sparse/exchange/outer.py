@@ -37,6 +37,12 @@ class OuterStep:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def hand_over(self, average: Average, target: Tensor) -> None:
+        """Apply an average of the end-of-fit hand-over's exchanges, which deliver what the processes have not
+        sent yet: added as it is, as the exact hand-over adds the mean residual (no outer learning rate, no
+        momentum carried past the last training exchange), the chosen coordinates scaled as :meth:`apply` would."""
+        average.add_to(target, chosen_scale_of(getattr(self, "chosen_scale", "parties"), average.parties))
+
 
 def parties_scale(parties: int) -> float:
     """``chosen_scale="parties"``: half the number of parties, at least 1."""

@@ -314,7 +314,10 @@ class UpdateExchange(GlobalModel):
     def _apply_average(self, bucket: Bucket, average: Any) -> None:
         if self.offload:  # applied on the device, as without offloading, then copied back
             average = StagedAverage(average, bucket.delta.device)
-        self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
+        if self.due_now:  # the hand-over's exchanges (flush_in_rounds)
+            self.outer_step.hand_over(average, bucket.glob)
+        else:
+            self.outer_step.apply(average, bucket.glob, tuple(bucket.names))
 
     @torch.no_grad()
     def land_due(self, group: tuple[str, ...] | None = None) -> None:
