@@ -123,15 +123,15 @@ def test_presets_by_name_and_by_call_in_every_front_end() -> None:
         fabric = Fabric(accelerator="cpu", devices=2, strategy=f"sparse_ddp_{name}")
         for strategy in (trainer.strategy, fabric.strategy):
             config = strategy.sparse_state.config  # type: ignore[attr-defined]
-            assert {k: getattr(config, k) for k in settings if k != "outer_optimizer"} == {
-                k: v for k, v in settings.items() if k != "outer_optimizer"
-            }
+            got = {k: getattr(config, k) for k in settings if k not in ("outer_optimizer", "density")}
+            assert got == {k: v for k, v in settings.items() if k not in ("outer_optimizer", "density")}
+            assert config.schedule.density(0) == settings.get("density", 0.01)
     # a preset with arguments on top, in the FSDP2 front ends too
     strategy = lightning_sparse.SparseFSDPStrategy.preset("4000x", shard_size=2, density=0.02)
     config = strategy.sparse_state.config
     assert (config.sync_every, config.value_bits, config.flush_at_end) == (16, 2, 4)
     assert config.schedule.density(0) == 0.02
-    assert lightning_sparse.FabricSparseFSDPStrategy.preset("1000x").sparse_state.config.sync_every == 4
+    assert lightning_sparse.FabricSparseFSDPStrategy.preset("1000x").sparse_state.config.sync_every == 8
     with pytest.raises(
         ValueError,
         match=r"preset='10x' is not allowed: expected one of \['1000x', '2000x', '4000x', '8000x', '10000x'\]",
