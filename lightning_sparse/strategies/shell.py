@@ -73,8 +73,9 @@ class SparseShell:
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
-            >>> SparseDDPStrategy.preset("1000x", density=0.02).sparse_state.config.sync_every
-            4
+            >>> config = SparseDDPStrategy.preset("1000x", density=0.01).sparse_state.config
+            >>> config.sync_every, config.schedule.density(0)
+            (8, 0.01)
         """
         return cls(**{**preset_settings(name), **arguments})
 
