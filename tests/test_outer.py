@@ -53,6 +53,15 @@ class ChosenScaled(OuterStep):
         target.add_(step)
 
 
+def _random_step(exchange: Any, named: list[tuple[str, torch.nn.Parameter]], gen: torch.Generator) -> None:
+    """One optimizer step of random progress on every parameter, then the exchange."""
+    exchange.hold_local()
+    with torch.no_grad():
+        for _, p in named:
+            p.add_(torch.randn(p.shape, generator=gen))
+    exchange.exchange()
+
+
 def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str, Any]:
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
@@ -68,11 +77,7 @@ def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str
     gen = torch.Generator().manual_seed(100 + rank)
     globals_ = []
     for _ in range(2):
-        exchange.hold_local()
-        with torch.no_grad():
-            for _, p in named:
-                p.add_(torch.randn(p.shape, generator=gen))
-        exchange.exchange()
+        _random_step(exchange, named, gen)
         globals_.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
     return {"received": getattr(outer, "received", []), "globals": globals_}
 
@@ -235,11 +240,7 @@ def _hand_over_worker(rank: int, world: int) -> dict[str, Any]:
     exchange.bind(named)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
-        exchange.hold_local()
-        with torch.no_grad():
-            for _, p in named:
-                p.add_(torch.randn(p.shape, generator=gen))
-        exchange.exchange()
+        _random_step(exchange, named, gen)
     saved = exchange.snapshot()
     momentum = {k: v["state"][0]["momentum_buffer"].clone() for k, v in nesterov.state_dict().items()}
     exchange.flush_residuals(rounds=2)
