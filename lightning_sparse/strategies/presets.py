@@ -1,6 +1,6 @@
 """Named points of the compression frontier: a bandwidth budget instead of five arguments.
 
-Each preset exchanges the top of each tensor (2 % or 1 %) in 2-bit values every ``sync_every`` steps with a
+Each preset exchanges the top of each tensor (2 % to 0.8 %) in 2-bit values every ``sync_every`` steps with a
 Nesterov outer step and decayed error feedback (SparseLoCo's), and hands over in a few exchanges at the end of fit.
 The name is its byte reduction against dense DDP (``docs/results.md``, "Presets").
 """
@@ -13,13 +13,14 @@ __all__ = ["PRESETS", "preset_settings"]
 
 _OUTER = {"outer_optimizer": "nesterov", "value_bits": 2, "warmup_steps": 0}
 _DECAYED = {**_OUTER, "error_feedback_decay": 0.9}
+_LONG = {"sync_every": 32, **_OUTER, "error_feedback_decay": 0.8, "flush_at_end": 1}  # the long cycles
 #: the presets, by name: the settings each one sets
 PRESETS: dict[str, dict[str, Any]] = {
     "1000x": {"sync_every": 8, "density": 0.02, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
     "2000x": {"sync_every": 8, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
     "4000x": {"sync_every": 16, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 4},
-    "8000x": {"sync_every": 32, **_DECAYED, "flush_at_end": 2},
-    "10000x": {"sync_every": 40, **_OUTER, "error_feedback_decay": 0.8, "flush_at_end": 1},
+    "8000x": dict(_LONG),
+    "10000x": {**_LONG, "density": 0.008},
 }
 
 
