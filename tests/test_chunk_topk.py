@@ -281,6 +281,35 @@ def test_a_bucket_at_once_picks_what_each_tensor_picks(chunk: int) -> None:
         assert torch.equal(picks, torch.cat(expected).sort().values), density
 
 
+def test_on_a_cpu_a_bucket_with_a_large_tensor_goes_one_tensor_at_a_time(monkeypatch: Any) -> None:
+    """A CPU bucket holding a tensor of at least ``CPU_ONE_BY_ONE`` values is selected tensor by tensor (no rows
+    laid out), the same picks as the bucket at once."""
+    from lightning_sparse.wire import batched
+    from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, WireContext
+    from lightning_sparse.wire.memory import ErrorFeedback
+    from lightning_sparse.wire.stats import Counters
+
+    compressor = ChunkTopK(chunk=4096)
+    big = batched.CPU_ONE_BY_ONE + 5000
+    plan = BucketPlan(
+        (Member("w", 1, 0, big, True), Member("b", 2, big, 30, False), Member("v", 3, big + 30, 9000, True)),
+        big + 9030,
+        "w .. v",
+    )
+    ks = [compressor.k_for(m.numel, 0.01) for m in plan.sparse_members]
+    buffer = torch.randn(plan.numel, generator=torch.Generator().manual_seed(4))
+    calls: list[int] = []
+    original = batched._one_by_one
+    monkeypatch.setattr(batched, "_one_by_one", lambda *a: calls.append(1) or original(*a))
+    ctx = WireContext(compressor, True, 0.0, None, 0, "allgather", True, None, True, memory=ErrorFeedback())
+    selection = batched.batched_topk(
+        ctx, BucketCall(buffer.clone(), plan, 0, Counters(), inputs_finite=True), ks, "chunk"
+    )
+    assert selection is not None and calls == [1]
+    at_once = batched.ChunkRows.of(plan, tuple(ks), compressor, torch.device("cpu")).picks(buffer)
+    assert torch.equal(selection.at.sort().values, at_once.sort().values)
+
+
 # --------------------------------------------------------------------------- two processes
 @pytest.mark.dist
 def test_two_processes_conserve_and_agree(dist2) -> None:

@@ -8,6 +8,7 @@ A compressor decides *which* coordinates of a flat tensor ``p`` (gradient plus r
 
 from __future__ import annotations
 
+import functools
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -132,8 +133,7 @@ class Compressor(ABC):
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments, for checkpoints, logs and cross-rank consistency checks."""
-        params = inspect.signature(type(self).__init__).parameters
-        return {n: getattr(self, n) for n in params if n != "self" and hasattr(self, n)}
+        return {n: getattr(self, n) for n in _init_args(type(self)) if hasattr(self, n)}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -144,6 +144,12 @@ class Compressor(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.config().items()))))
+
+
+@functools.cache
+def _init_args(cls: type[Compressor]) -> tuple[str, ...]:
+    """The names of ``cls``'s constructor arguments (read once per class: the wire hashes compressors per step)."""
+    return tuple(n for n in inspect.signature(cls).parameters)
 
 
 class ChunkedCompressor(Protocol):

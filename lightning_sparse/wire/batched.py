@@ -215,13 +215,13 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int], rule: str = 
     if e is None:
         return None
     torch._foreach_add_(layout.residual_views.of(e), layout.input_views.of(buffer))
+    if layout.one_by_one_on_cpu and buffer.device.type == "cpu":
+        # see CPU_ONE_BY_ONE; the chunked rule too: the same picks, without laying the rows out
+        return BatchedSelection(at := _one_by_one(ctx, call, layout, e), at + layout.space_shift, e)
     if rule == "chunk":
         rows = ChunkRows.of(call.plan, tuple(ks), typing.cast(ChunkedCompressor, ctx.compressor), buffer.device)
         at = rows.picks(e).sort().values[layout.space_order]
         return BatchedSelection(at, at + layout.space_shift, e)
-    if layout.one_by_one_on_cpu and buffer.device.type == "cpu":
-        # see CPU_ONE_BY_ONE
-        return BatchedSelection(at := _one_by_one(ctx, call, layout, e), at + layout.space_shift, e)
     n = layout.numel
     a = scratch("batched.abs", n + 1, torch.float32, buffer.device)
     torch.abs(e, out=a[:n])
