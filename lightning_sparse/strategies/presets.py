@@ -19,8 +19,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "1000x": {"sync_every": 8, "density": 0.02, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
     "2000x": {"sync_every": 8, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
     "4000x": {"sync_every": 16, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 4},
-    "8000x": dict(_LONG),
-    "10000x": {**_LONG, "density": 0.008},
+    "8000x": {**_LONG, "outer_momentum": 0.8},
+    "10000x": {**_LONG, "density": 0.008, "outer_momentum": 0.85},
 }
 
 
