@@ -12,7 +12,7 @@ import torch
 
 from lightning_sparse import AdaptiveDensity, ConstantDensity, SparseDDPStrategy, WarmupDensity
 from lightning_sparse.exchange.state import Member, SparseState
-from lightning_sparse.exchange.step import sparse_is_cheaper
+from lightning_sparse.exchange.step import bucket, sparse_is_cheaper
 from lightning_sparse.schedules import as_schedule, k_for, topk_energy
 from lightning_sparse.wire import Collectives
 
@@ -23,6 +23,31 @@ def test_constant_density_and_as_schedule() -> None:
     assert [s.density(t) for t in (0, 1, 10**6)] == [0.02, 0.02, 0.02]
     assert isinstance(as_schedule(0.3), ConstantDensity) and as_schedule(0.3).density(5) == 0.3
     assert as_schedule(s) is s
+
+
+def test_a_constant_density_is_read_and_a_subclass_asked() -> None:
+    """The exchange reads a ConstantDensity's ``constant``; a subclass with its own density() is asked each step,
+    and a schedule that does not observe has no step to end."""
+    assert ConstantDensity(0.02).constant == 0.02 and WarmupDensity().constant is None
+    asked: list[int] = []
+
+    class Halving(ConstantDensity):
+        def density(self, step: int) -> float:
+            asked.append(step)
+            return 0.02 / 2**step
+
+        def end_step(self, step: int) -> int:
+            raise AssertionError("end_step of a schedule that does not observe")
+
+    assert Halving(0.02).constant is None
+    state = SparseState(density=Halving(0.02), warmup_steps=1, min_numel=1, fallback_to_dense=False)
+    w = torch.nn.Parameter(torch.zeros(4096))
+    state.bind([("w", w)])
+    sent = []
+    for _ in range(3):  # the first is the dense warm-up
+        bucket(state, torch.randn(4096), state.plan(torch.zeros(4096), [w])).wait()
+        sent.append(state.telemetry.last.sent_numel)
+    assert asked == [1, 2] and sent[1:] == [41, 20] and state.step == 3
 
 
 def test_warmup_exponential_documented_values() -> None:

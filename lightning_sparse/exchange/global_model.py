@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = ["GlobalModel"]
+
+CPU = torch.device("cpu")  # where offloaded global copies live
 
 
 class GlobalModel:
@@ -29,14 +32,24 @@ class GlobalModel:
     # view, each parameter's version when it last got its global value, and the exchanges in flight
     state: Any
     outer_step: Any
+    offload: bool
     _params: dict[str, Tensor]
     _global: dict[str, Tensor]
     _local: set[str]
     _synced: dict[str, int]
     _in_flight: list[Any]
 
-    def _hold_global(self, names: Any) -> None:
-        raise NotImplementedError
+    def _place(self, p: Tensor) -> tuple[torch.device, bool]:
+        """Where ``p``'s global copy lives, and whether it is pinned."""
+        return (CPU, p.is_cuda) if self.offload else (p.device, False)
+
+    def _hold_global(self, names: Iterable[str]) -> None:
+        """Put the global values of ``names`` in the module."""
+        for name in names:
+            p = self._params[name]
+            p.copy_(self._global[name])
+            self._synced[name] = p._version
+            self._local.discard(name)
 
     def global_values(self, cpu: bool = False) -> dict[str, Tensor]:
         """Copies of the global model's values, by name (``cpu``: in CPU memory)."""

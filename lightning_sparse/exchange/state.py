@@ -145,6 +145,11 @@ class SparseState:
         return self._plain_ddp
 
     @property
+    def shares_gradients(self) -> bool:
+        """Update mode: whether this step's gradients cross the wire (a plain DDP step, fp16's overflow check)."""
+        return self._plain_ddp or self.skips is not None
+
+    @property
     def last_loss_scale(self) -> float | None:
         """The gradient scaler's loss scale at the last step's start (gradient mode under fp16)."""
         return self._last_loss_scale
@@ -237,7 +242,8 @@ class SparseState:
         if self.config.error_feedback and interval > 0 and self.step % interval == 0:
             self.telemetry.residual_norm = self.memory.norm_sq() ** 0.5
             self.telemetry.residual_norm_step = self.step
-        schedule_bytes = self.schedule.end_step(self.step)  # after the step's collectives, on this thread
+        # after the step's collectives, on this thread; only a schedule that observes has a step to end
+        schedule_bytes = self.schedule.end_step(self.step) if self.schedule.observes else 0
         if schedule_bytes:
             counters = Counters()
             count_all_gather(counters, self.world_size, schedule_bytes)

@@ -89,7 +89,8 @@ def bucket_rounds(
     timed = state.timed_fallback
     past_warmup = state.step >= config.warmup_steps
     if sparse and past_warmup:
-        route = _route(state, buffer, plan, schedule.density(state.step))
+        density = schedule.constant
+        route = _route(state, buffer, plan, schedule.density(state.step) if density is None else density)
         ks = route.ks
         kind = timed.kind(state.step) if timed is not None else SPARSE
         if kind == TRIAL_DENSE:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from lightning_sparse.exchange.fragment import (
     progress,
     split_fragments,
 )
-from lightning_sparse.exchange.global_model import GlobalModel
+from lightning_sparse.exchange.global_model import CPU, GlobalModel
 from lightning_sparse.exchange.handover import average_optimizer_states, flush_exactly, flush_in_rounds
 from lightning_sparse.exchange.nonfinite import NonfiniteUpdates
 from lightning_sparse.exchange.outer import AddAverage, OuterStep, StagedAverage
@@ -44,7 +44,7 @@ from lightning_sparse.wire.memory import ShapedResiduals
 __all__ = ["UpdateExchange", "average_optimizer_states", "split_fragments"]
 
 DEFAULT_BUCKET_BYTES, OFFLOAD_BUCKET_BYTES = 1024 * 1024 * 1024, 25 * 1024 * 1024  # float32 bytes a bucket; offloaded
-_CPU = torch.device("cpu")  # where offloaded global copies live
+_T = TypeVar("_T")
 
 
 class UpdateExchange(GlobalModel):
@@ -77,12 +77,16 @@ class UpdateExchange(GlobalModel):
             commit.exchange = self
         self.bucket_bytes = int(bucket_bytes)
         self.outer_step = AddAverage() if outer_step is None else outer_step
+        #: the global copy lives in CPU memory (``offload_global``)
+        self.offload = bool(state.config.offload_global)
         #: called on entering a timed fallback's plain DDP steps (the strategy averages optimizer states)
         self.on_dense: Callable[[], None] | None = None
         self.nonfinite = NonfiniteUpdates()
         #: called with the names of dropped non-finite updates (the strategy resets their optimizer state)
         self.on_nonfinite: Callable[[list[str]], None] | None = None
         self.due_now = False  # every fragment is due at the next exchange (flush_in_rounds)
+        #: an optimizer step is under way (:meth:`step`): a forward in it is not an evaluation
+        self.stepping = False
         self._unbind()
 
     def _unbind(self) -> None:
@@ -173,7 +177,7 @@ class UpdateExchange(GlobalModel):
         for name in names:
             p = self._params[name]
             g = self._global.get(name)
-            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != (_CPU if offload else p.device):
+            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != (CPU if offload else p.device):
                 home, pin = self._place(p)  # (the device above is its home, inline: no call a tensor)
                 self._global[name] = g = torch.empty(p.shape, dtype=p.dtype, device=home, pin_memory=pin)
                 self._synced.pop(name, None)
@@ -215,22 +219,17 @@ class UpdateExchange(GlobalModel):
             self.nonfinite.found(name)
         return seg
 
-    @property
-    def offload(self) -> bool:
-        """Whether the global copy lives in CPU memory (``offload_global``)."""
-        return bool(self.state.config.offload_global)
-
-    def _place(self, p: Tensor) -> tuple[torch.device, bool]:
-        if self.offload:
-            return _CPU, p.is_cuda
-        return p.device, False
-
-    def _hold_global(self, names: Iterable[str]) -> None:
-        for name in names:
-            p = self._params[name]
-            p.copy_(self._global[name])
-            self._synced[name] = p._version
-            self._local.discard(name)
+    def step(self, optimizer_step: Callable[[], _T], optimizer: Any) -> _T:
+        """Run ``optimizer_step`` (a step of ``optimizer``) on this rank's view, then the exchange; its output."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.hold_local(params)
+        self.stepping = True
+        try:
+            output = optimizer_step()
+        finally:
+            self.stepping = False
+        self.exchange(params)
+        return output
 
     @torch.no_grad()
     def exchange(self, params: Iterable[Tensor] | None = None) -> None:

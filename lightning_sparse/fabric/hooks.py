@@ -50,7 +50,7 @@ class FabricHooks(SparseShell):
         if module.training and torch.is_grad_enabled():
             update.hold_local()
             self._graph_pending = True
-        elif not self._graph_pending and not self._in_optimizer_step:
+        elif not self._graph_pending and not update.stepping:
             self._core.global_model(together=False)  # evaluation sees the global model
 
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -59,13 +59,14 @@ class FabricHooks(SparseShell):
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The optimizer step, then (update mode) the exchange."""
-        strategy = super()
-        self._gradients_ready()
+        strategy, core = super(), self._core
+        if core.replicas is not None and core.state.shares_gradients:  # (inline: the step's path stays short)
+            core.replicas.gradients_ready(core.state)
 
         def step() -> Any:
             return strategy.optimizer_step(optimizer, **kwargs)  # type: ignore[attr-defined]
 
-        output = self._sparse_step(optimizer, step)
+        output = self._gradient_step(step) if core.update is None else core.update.step(step, optimizer)
         self._graph_pending = False
         return output
 

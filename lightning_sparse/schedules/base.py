@@ -26,6 +26,8 @@ class DensitySchedule(ABC):
 
     #: whether the hook calls :meth:`observe` with every sparse tensor (it costs a pass over p)
     observes: ClassVar[bool] = False
+    #: the density of every step, where it never changes: the hook reads it instead of calling :meth:`density`
+    constant: float | None = None
 
     @abstractmethod
     def density(self, step: int) -> float:
@@ -73,6 +75,8 @@ class ConstantDensity(DensitySchedule):
 
     def __init__(self, density: float = 0.01) -> None:
         self._density = check_density("density", density)
+        if type(self).density is ConstantDensity.density:  # (a subclass's own density() is asked)
+            self.constant = self._density
 
     def density(self, step: int) -> float:
         return self._density

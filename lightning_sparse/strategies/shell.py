@@ -36,7 +36,6 @@ class SparseShell:
     strategy_name = "sparse_ddp"
     #: the names the strategy registers (``strategies.core.STRATEGY_NAMES`` or ``FSDP_NAMES``)
     _names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
-    _in_optimizer_step: bool = False
     # provided by the front end's strategy
     global_rank: int
     world_size: int
@@ -143,31 +142,11 @@ class SparseShell:
             checkpoint, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device, now, weights_only
         )
 
-    def _gradients_ready(self) -> None:
-        """After the backward, on every process: a timed fallback's plain DDP step or fp16 AMP's overflow agreement
-        (update mode)."""
-        core = self._core
-        if core.replicas is not None:
-            steps = core.state
-            if steps.plain_ddp or steps.skips is not None:
-                core.replicas.gradients_ready(core.state)
-
-    def _sparse_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
-        """Run the optimizer ``step``; in update mode on this rank's view, then the exchange."""
-        update = self._core.update
-        if update is None:
-            output = step()
-            state = self._core.state
-            skips = state.skips
-            if skips is not None:  # fp16 AMP: a skipped step gives back what it took from the residuals
-                skips.after_step(state.memory, state.velocity)
-            return output
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        update.hold_local(params)
-        self._in_optimizer_step = True
-        try:
-            output = step()
-        finally:
-            self._in_optimizer_step = False
-        update.exchange(params)
+    def _gradient_step(self, step: Callable[[], Any]) -> Any:
+        """Gradient mode's optimizer ``step``: under fp16 AMP a skipped step gives back what it took from the
+        residuals. (Update mode's is :meth:`UpdateExchange.step`.)"""
+        output = step()
+        state = self._core.state
+        if state.skips is not None:
+            state.skips.after_step(state.memory, state.velocity)
         return output

@@ -103,17 +103,18 @@ class TrainerHooks(SparseShell):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        strategy = super()
+        strategy, core = super(), self._core
 
         def ready() -> Any:
             output = closure()
-            self._gradients_ready()
+            if core.replicas is not None and core.state.shares_gradients:  # a plain DDP step, fp16's overflow check
+                core.replicas.gradients_ready(core.state)
             return output
 
         def step() -> Any:
             return strategy.optimizer_step(optimizer, ready, model, **kwargs)  # type: ignore[attr-defined]
 
-        return self._sparse_step(optimizer, step)
+        return self._gradient_step(step) if core.update is None else core.update.step(step, optimizer)
 
     # every rank is at these points together
     on_validation_start = _global_model_first("on_validation_start")
