@@ -18,6 +18,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 from _dist import DistPool  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the process pool starts processes: it is a ``dist`` test, marked or not."""
+    for item in items:
+        if "dist2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dist)
+
+
 @pytest.fixture(scope="session")
 def dist2():
     """Two processes in a gloo process group; ``dist2.run(fn, **kwargs)`` returns per-rank results."""

@@ -150,14 +150,15 @@ def test_flat_residuals_are_the_residuals() -> None:
 def _update_worker(rank: int, world: int, at_once: bool, settings: dict[str, Any]) -> dict[str, Any]:
     from lightning_sparse.exchange import fragment
 
-    saved = batched.eligible, fragment.Bucket.progress
-    if not at_once:  # the worker process outlives this test: put both back after it
+    saved = batched.eligible, fragment.Bucket.progress, selection._launch_coded_at_once
+    if not at_once:  # the worker process outlives this test: put them back after it
         batched.eligible = lambda ctx, call: False  # type: ignore[assignment]
         fragment.Bucket.progress = lambda self, *args: None  # type: ignore[assignment,method-assign]
+        selection._launch_coded_at_once = lambda *args: None  # the small tensors' codes member by member
     try:
         return _update_run(rank, settings)
     finally:
-        batched.eligible, fragment.Bucket.progress = saved  # type: ignore[method-assign]
+        batched.eligible, fragment.Bucket.progress, selection._launch_coded_at_once = saved  # type: ignore[method-assign]
 
 
 def _update_run(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
@@ -194,8 +195,14 @@ def _update_run(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"sync_every": 2, "sync_delay": 1}, {"value_dtype": "bfloat16"}, {"exchange": "split", "value_bits": 2}],
-    ids=["default", "delay", "bf16 values", "split 2-bit"],
+    [
+        {},
+        {"sync_every": 2, "sync_delay": 1},
+        {"value_dtype": "bfloat16"},
+        {"value_bits": 2},
+        {"exchange": "split", "value_bits": 2},
+    ],
+    ids=["default", "delay", "bf16 values", "2-bit", "split 2-bit"],
 )
 def test_the_update_exchange_at_once_equals_one_tensor_at_a_time(dist2: Any, settings: dict[str, Any]) -> None:
     flat = dist2.run(_update_worker, at_once=True, settings=dict(settings))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -269,10 +270,38 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
         return None
     values.add_(e[at])  # flushed: g + e
     call.counters.sent_numel += values.numel()
+
+    def keep(sent: Tensor) -> None:
+        e.index_copy_(0, at, quant.remainder(values, sent))  # sent + e_new == g + e_old, exactly
+
+    return _launch_coded(ctx, call, at, values, keep)
+
+
+def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Member, ...], values: Tensor) -> Pending:
+    """The small tensors of a sparse send with ``value_bits``: coded, all-gathered (codes of different
+    scales do not add up in an all-reduce), each rank keeping its rounding error in its residuals
+    (``sent + e_new == g + e_old`` exactly). A non-finite member keeps its residual."""
+
+    def keep(sent: Tensor) -> None:
+        if not ctx.error_feedback:
+            return
+        pos = 0
+        for m in members:
+            exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
+            pos += m.numel
+            if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
+                ctx.memory.accumulate(m.name, quant.remainder(exact, got))
+
+    return _launch_coded(ctx, call, _member_views(call.plan, members).positions(values.device), values, keep)
+
+
+def _launch_coded(ctx: WireContext, call: BucketCall, at: Tensor, values: Tensor, keep: Callable[..., None]) -> Pending:
+    """Code ``values`` (the bucket's coordinates ``at``) in ``value_bits``, ``keep(sent)`` the rounding error and
+    all-gather the codes; the average is added at ``at`` in rank order (identical bits on every rank)."""
     bits = typing.cast(int, ctx.value_bits)
     world, n = ctx.world_size, values.numel()
     message, sent = quant.pack(values, bits)
-    e.index_copy_(0, at, quant.remainder(values, sent))  # sent + e_new == g + e_old, exactly
+    keep(sent)
     gathered, issued = all_gather_message(ctx, call, message, "small.received")
 
     def apply(out: Tensor) -> None:
@@ -281,33 +310,5 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
         for r in range(world):  # in rank order, as into ``out`` itself: identical bits on every rank
             total.add_(parts[r], alpha=1.0 / world)
         out.index_copy_(0, at, total)
-
-    return Pending(issued, apply)
-
-
-def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Member, ...], values: Tensor) -> Pending:
-    """The small tensors of a sparse send with ``value_bits``: coded, all-gathered (codes of different
-    scales do not add up in an all-reduce), each rank keeping its rounding error in its residuals
-    (``sent + e_new == g + e_old`` exactly). A non-finite member keeps its residual."""
-    bits = typing.cast(int, ctx.value_bits)
-    world, n = ctx.world_size, values.numel()
-    message, sent = quant.pack(values, bits)
-    if ctx.error_feedback:
-        pos = 0
-        for m in members:
-            exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
-            pos += m.numel
-            if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
-                ctx.memory.accumulate(m.name, quant.remainder(exact, got))
-    gathered, issued = all_gather_message(ctx, call, message, "small.received")
-
-    def apply(out: Tensor) -> None:
-        parts = quant.unpack_rows(gathered.view(world, message.numel()), n, bits)
-        for r in range(world):  # in rank order: identical bits on every rank
-            part = parts[r]
-            pos = 0
-            for m in members:
-                out[m.offset : m.offset + m.numel].add_(part[pos : pos + m.numel].to(out.dtype), alpha=1.0 / world)
-                pos += m.numel
 
     return Pending(issued, apply)
