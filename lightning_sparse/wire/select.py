@@ -179,10 +179,11 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
     flush_residuals(ctx, call, members)
     buffer = call.buffer
     # one operator for all of them, through their positions
-    values = torch.index_select(buffer, 0, views.positions(buffer.device), out=views.message(buffer))
+    at = views.positions(buffer.device)
+    values = torch.index_select(buffer, 0, at, out=views.message(buffer))
     call.counters.sent_numel += values.numel()
     if coded:
-        return _launch_coded_members(ctx, call, members, values.clone())
+        return _launch_coded_members(ctx, call, members, at, values.clone())
     issued = futures(ctx.comm.all_reduce(values, call.counters))
 
     def apply(out: Tensor) -> None:
@@ -277,10 +278,13 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
     return _launch_coded(ctx, call, at, values, keep)
 
 
-def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Member, ...], values: Tensor) -> Pending:
-    """The small tensors of a sparse send with ``value_bits``: coded, all-gathered (codes of different
-    scales do not add up in an all-reduce), each rank keeping its rounding error in its residuals
-    (``sent + e_new == g + e_old`` exactly). A non-finite member keeps its residual."""
+def _launch_coded_members(
+    ctx: WireContext, call: BucketCall, members: tuple[Member, ...], at: Tensor, values: Tensor
+) -> Pending:
+    """The small tensors of a sparse send with ``value_bits`` (``values``, at the bucket's coordinates ``at``):
+    coded, all-gathered (codes of different scales do not add up in an all-reduce), each rank keeping its
+    rounding error in its residuals (``sent + e_new == g + e_old`` exactly). A non-finite member keeps its
+    residual."""
 
     def keep(sent: Tensor) -> None:
         if not ctx.error_feedback:
@@ -292,10 +296,12 @@ def _launch_coded_members(ctx: WireContext, call: BucketCall, members: tuple[Mem
             if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
                 ctx.memory.accumulate(m.name, quant.remainder(exact, got))
 
-    return _launch_coded(ctx, call, _member_views(call.plan, members).positions(values.device), values, keep)
+    return _launch_coded(ctx, call, at, values, keep)
 
 
-def _launch_coded(ctx: WireContext, call: BucketCall, at: Tensor, values: Tensor, keep: Callable[..., None]) -> Pending:
+def _launch_coded(
+    ctx: WireContext, call: BucketCall, at: Tensor, values: Tensor, keep: Callable[[Tensor], None]
+) -> Pending:
     """Code ``values`` (the bucket's coordinates ``at``) in ``value_bits``, ``keep(sent)`` the rounding error and
     all-gather the codes; the average is added at ``at`` in rank order (identical bits on every rank)."""
     bits = typing.cast(int, ctx.value_bits)
