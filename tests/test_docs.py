@@ -36,7 +36,7 @@ COMMANDS = {
     # README / getting started: the two set-up commands
     'pip install torch==2.13.0 && pip install -e ".[examples]" && python examples/train_digits.py': ".ci/run",
     'pip install torch==2.13.0 && pip install -e ".[dev]" && ruff check . && ruff format --check . && mypy '
-    "&& python -m pytest && python -m pytest --doctest-modules lightning_sparse": ".ci/run",
+    "&& python -m pytest -n 2 --dist loadfile && python -m pytest --doctest-modules lightning_sparse": ".ci/run",
     'pip install -e ".[docs]" && mkdocs build --strict': ".ci/run",
     # Lightning CLI
     "python examples/cli.py fit --config examples/configs/topk.yaml": (
