@@ -17,23 +17,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 from _dist import DistPool  # noqa: E402
 
-#: the test files that take longest (most of their time in launched runs), longest first: they start first, so
-#: that under ``-n 2 --dist loadfile`` both pytest processes end together (a stale entry costs time, not results)
-LONGEST_FIRST = (
-    "test_ft.py", "test_trainer_dist.py", "test_docs.py", "test_examples.py", "test_fsdp_trainer.py",
-    "test_flush.py", "test_stalls.py", "test_ft_bounds.py", "test_handover.py", "test_resize.py",
-    "test_exchange_dist.py", "test_local_steps_trainer.py", "test_reliability.py", "test_bench_convergence.py",
-)  # fmt: skip
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the process pool starts processes: it is a ``dist`` test, marked or not. The longest
-    files go first (:data:`LONGEST_FIRST`), the others keep their order."""
+    """A test that uses the process pool starts processes: it is a ``dist`` test, marked or not."""
     for item in items:
         if "dist2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.dist)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
