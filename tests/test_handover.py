@@ -84,7 +84,7 @@ def test_a_rank_nonfinite_at_every_step_ends_the_fit_naming_it(tmp_path: Path) -
         run_trainer(cfg, tmp_path, timeout=180)
     log = (tmp_path / "log.txt").read_text()
     assert "FloatingPointError: lightning_sparse: rank 1's optimizer update was not finite at 3 consecutive" in log
-    assert re.search(r"consecutive exchanges, the last at step \d+", log), str(failed.value)[-2000:]
+    assert re.search(r"consecutive exchanges, the last after optimizer step \d+", log), str(failed.value)[-2000:]
 
 
 @pytest.mark.dist

@@ -13,7 +13,7 @@ class NonfiniteUpdates:
 
     Example:
         >>> n = NonfiniteUpdates()
-        >>> n.settle(rank=0, step=4, limit=0), n.updates, n.streak
+        >>> n.settle(rank=0, steps=4, limit=0), n.updates, n.streak
         ([], 0, 0)
     """
 
@@ -29,7 +29,11 @@ class NonfiniteUpdates:
         self.updates += 1
         self.pending.append(name)
 
-    def settle(self, rank: int, step: int, limit: int) -> list[str]:
+    def settle(self, rank: int, steps: int, limit: int) -> list[str]:
+        """The names dropped since the last call; warns (and arms :attr:`stop`) where there are any.
+        ``steps``: the optimizer steps this rank has taken, which the messages name (an update is found
+        non-finite where its progress is folded in, at an exchange or before an evaluation, which under
+        ``sync_every`` can be several steps after it went so)."""
         names, self.pending = self.pending, []
         if not names:
             self.streak = 0
@@ -40,17 +44,18 @@ class NonfiniteUpdates:
         if limit and self.streak >= limit:
             self.stop = FloatingPointError(
                 f"lightning_sparse: rank {rank}'s optimizer update was not finite at {self.streak} consecutive "
-                f"exchanges, the last at step {step} ({shown}): its loss or gradients are NaN or infinite at every "
-                f"step (max_nonfinite_steps={limit}; 0 never stops). Under plain DDP every parameter would be NaN."
+                f"exchanges, the last after optimizer step {steps} ({shown}): its loss or gradients are NaN or "
+                f"infinite at every step (max_nonfinite_steps={limit}; 0 never stops). Under plain DDP every parameter "
+                "would be NaN."
             )
         n = self.exchanges
         if n & (n - 1) == 0:
             warnings.warn(
-                f"lightning_sparse: rank {rank}'s optimizer step made {shown} non-finite at step {step} ({n} time(s) "
-                f"so far, {self.updates} tensor update(s) in all, logged as sparse/nonfinite_updates): that update is "
-                "dropped, the rank's view of them is put back to the global model and its optimizer state for them "
-                f"is reset, so its next finite gradient counts again. {limit or 'No number of'} consecutive "
-                "non-finite exchanges stop the fit (max_nonfinite_steps).",
+                f"lightning_sparse: rank {rank}'s optimizer step made {shown} non-finite, found after "
+                f"optimizer step {steps} ({n} time(s) so far, {self.updates} tensor update(s) in all, logged as "
+                "sparse/nonfinite_updates): that update is dropped, the rank's view of them is put back to the global "
+                "model and its optimizer state for them is reset, so its next finite gradient counts again. "
+                f"{limit or 'No number of'} consecutive non-finite exchanges stop the fit (max_nonfinite_steps).",
                 stacklevel=4,
             )
         return names

@@ -382,7 +382,7 @@ class UpdateExchange(GlobalModel):
         nonfinite = self.nonfinite
         if not (nonfinite.pending or nonfinite.streak):
             return  # nothing dropped, now or at the last exchange
-        names = nonfinite.settle(self.state.rank, self.state.step, self.state.config.max_nonfinite_steps)
+        names = nonfinite.settle(self.state.rank, self.state.optimizer_step, self.state.config.max_nonfinite_steps)
         if names:
             self._hold_global([n for n in names if n in self._local])
             if self.on_nonfinite is not None:

@@ -173,7 +173,7 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
     world = ctx.world_size
     coded = bits is not None and quant.coded_members_pay(world, views.numel, bits, call.buffer.element_size())
     if coded:
-        at_once = _launch_coded_at_once(ctx, call, members)
+        at_once = _launch_coded_at_once(ctx, call, members, views)
         if at_once is not None:
             return at_once
     flush_residuals(ctx, call, members)
@@ -251,9 +251,12 @@ def _views_of(members: tuple[Member, ...]) -> _MemberViews:
     return _MemberViews(members)
 
 
-def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending | None:
-    """:func:`_launch_coded_members` on the bucket's flat residual, to the same bits; None (nothing done)
-    without error feedback, for a buffer that is not float32, offloaded residuals or a non-finite value."""
+def _launch_coded_at_once(
+    ctx: WireContext, call: BucketCall, members: tuple[Member, ...], views: _MemberViews
+) -> Pending | None:
+    """:func:`_launch_coded_members` on the bucket's flat residual, to the same bits (``views``: the members');
+    None (nothing done) without error feedback, for a buffer that is not float32, offloaded residuals or a
+    non-finite value."""
     buffer = call.buffer
     if not ctx.error_feedback or buffer.dtype != torch.float32 or ctx.memory.home is not None:
         return None
@@ -261,7 +264,6 @@ def _launch_coded_at_once(ctx: WireContext, call: BucketCall, members: tuple[Mem
     named = {name for name, _ in layout if name is not None}
     if any(m.name not in named for m in members):
         return None
-    views = _member_views(call.plan, members)
     at = views.positions(buffer.device)
     values = buffer[at]
     if not call.inputs_finite and not all_finite(values):
