@@ -74,7 +74,8 @@ class AddAverage(OuterStep):
     Args:
         chosen_scale: the factor of the coordinates each party chose on its own (gather compressors):
             ``"parties"`` (:func:`parties_scale`) or a number > 0 (1: the plain average). A coordinate one
-            party chose arrives divided by the number of parties; this makes up for it.
+            party chose arrives divided by the number of parties; this makes up for it. Where the parties'
+            choices overlap much (high densities above 2 parties) it overshoots: 1 there.
 
     Example:
         >>> AddAverage().chosen_scale, AddAverage(chosen_scale=1.0).state_dict()
