@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from lightning_sparse._utils import free_port  # below the ephemeral ports: see its docstring
+
+__all__ = ["CHECKOUT", "checkout_env", "free_port", "run_ranks"]
+
 #: the checkout that holds this package (it is not installed): the processes a benchmark starts
 #: with ``python -m benchmarks ...`` import it from there
 CHECKOUT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no socket holds right now (for ``MASTER_PORT``; another process
-    may take it before it is used).
-
-    Example:
-        >>> 0 < free_port() < 65536
-        True
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def checkout_env(env: dict[str, str], package: Path | None = None) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import random
 import socket
 import sys
 import threading
@@ -230,8 +231,41 @@ def _end_at_exit() -> None:
         _EXIT.group = None
 
 
+#: the ports :func:`free_port` picks from start here, below the kernel's ephemeral ones
+_FIXED_PORTS = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' ports from (Linux's default where it is not readable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``."""
+    """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``.
+
+    Picked at random below the kernel's ephemeral ports where there are any: a port from the kernel
+    (bind to 0) is one it also gives outgoing connections, so another process's connection (a test's
+    process group running beside this one) could take it before the process group's store binds it.
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    low, _ = _ephemeral_ports()
+    pick = random.SystemRandom()  # not the seeded global generator: two processes seeded alike pick alike
+    for _ in range(64 if low - _FIXED_PORTS > 1000 else 0):
+        port = pick.randrange(_FIXED_PORTS, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
