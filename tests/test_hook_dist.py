@@ -366,8 +366,8 @@ def _timed_fallback_worker(rank: int, world: int, slow: str) -> dict[str, Any]:
     real_all_reduce = comm.all_reduce
 
     def slow_all_reduce(t: torch.Tensor, group: Any = None) -> Any:
-        if t.numel() == numel:  # a whole bucket sent dense
-            time.sleep(0.05)
+        if t.numel() == numel:  # a whole bucket sent dense; well above the sparse way's own time on a busy machine
+            time.sleep(0.15)
         return real_all_reduce(t, group)
 
     state = SparseState(
