@@ -235,14 +235,13 @@ def _end_at_exit() -> None:
 _FIXED_PORTS = 20000
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel takes outgoing connections' ports from (Linux's default where it is not readable)."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default where it is not readable)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = map(int, f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
@@ -256,7 +255,7 @@ def free_port() -> int:
         >>> 0 < free_port() < 65536
         True
     """
-    low, _ = _ephemeral_ports()
+    low = _ephemeral_low()
     pick = random.SystemRandom()  # not the seeded global generator: two processes seeded alike pick alike
     for _ in range(64 if low - _FIXED_PORTS > 1000 else 0):
         port = pick.randrange(_FIXED_PORTS, low)
