@@ -76,6 +76,12 @@ COMMANDS = {
     "python -m benchmarks parties --parties 2 4 8 --json parties.json": (
         "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
     ),
+    "python -m benchmarks parties --parties 4 8 2 --json count_gpt.json": (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
+    ),
+    "python -m benchmarks parties --parties 16 --only default every4 --json count_gpt16.json": (
+        "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows"
+    ),
     "python -m benchmarks parties --parties 2 4 8 --variants 'diloco4={\"diloco\": 4}' 'diloco16={\"diloco\": 16}' "
     "--json diloco.json": "benchmarks/tests/test_bench_parties.py::test_parties_bench_runs_dense_and_sparse_rows",
     "python -m benchmarks parties --task text --parties 2 4 8 --variants 'diloco16={\"diloco\": 16}' "

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sparse.exchange.outer import AddAverage, OptimizerStep, OuterStep, chosen_scale_of, parties_scale
+from lightning_sparse.exchange.outer import AddAverage, OptimizerStep, OuterStep, chosen_scale_of
 from lightning_sparse.wire import Average
 
 pytestmark = pytest.mark.dist
@@ -85,11 +85,11 @@ def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str
 def test_chosen_coordinates_are_scaled_and_tensors_sent_whole_are_not(dist4) -> None:
     """``chosen_scale``: the coordinates each rank chose on its own (top-k of ``w``) arrive times the
     factor, exactly; ``b``, below ``min_numel`` and sent whole by every rank, arrives as it is; so
-    does the warm-up's dense exchange; "parties" is half the number of ranks (2 for 4). The runs
-    start alike, so their first sparse exchanges average the same sends."""
+    does the warm-up's dense exchange. The runs start alike, so their first sparse exchanges average
+    the same sends."""
     w = SHAPES["w"][0] * SHAPES["w"][1]
     plain = dist4.run(_chosen_worker, chosen_scale=1.0)
-    for setting, factor in (("parties", 2.0), (3.0, 3.0)):
+    for setting, factor in ((2.0, 2.0), (3.0, 3.0)):
         runs = dist4.run(_chosen_worker, chosen_scale=setting)
         for r in range(4):
             assert torch.equal(runs[r]["globals"][-1], runs[0]["globals"][-1])  # one global model
@@ -103,9 +103,10 @@ def test_chosen_coordinates_are_scaled_and_tensors_sent_whole_are_not(dist4) -> 
             assert torch.equal(first[w:], unscaled[w:])
 
 
-def test_the_default_outer_step_scales_the_chosen_coordinates_by_half_the_parties(dist4) -> None:
-    """At 4 parties the default outer step is ``AddAverage(chosen_scale="parties")``: its global
-    model follows the one that adds the chosen coordinates twice, not the plain average's."""
+def test_the_default_outer_step_takes_the_count_rule(dist4) -> None:
+    """At 4 parties the default outer step is ``AddAverage(chosen_scale="parties")``, the count rule: its
+    global model follows that one (a coordinate one or two of the ranks chose: twice the average), not
+    the plain average's."""
     default = dist4.run(_chosen_worker, chosen_scale="default")
     scaled = dist4.run(_chosen_worker, chosen_scale="parties")
     plain = dist4.run(_chosen_worker, chosen_scale=1.0)
@@ -117,8 +118,8 @@ def test_the_default_outer_step_scales_the_chosen_coordinates_by_half_the_partie
 
 
 def test_an_outer_optimizer_scales_the_chosen_coordinates_as_the_default_does(dist4) -> None:
-    """``OptimizerStep`` (``outer_optimizer="nesterov"``, a class) takes the default's ``chosen_scale``, half the
-    parties: SGD at learning rate 1, which adds its negated gradient, follows the scaled sum, not the plain one."""
+    """``OptimizerStep`` (``outer_optimizer="nesterov"``, a class) takes the default's ``chosen_scale``, the
+    count rule: SGD at learning rate 1, which adds its negated gradient, follows the scaled sum, not the plain one."""
     sgd = dist4.run(_chosen_worker, chosen_scale="sgd")
     scaled = dist4.run(_chosen_worker, chosen_scale="parties")
     plain = dist4.run(_chosen_worker, chosen_scale=1.0)
@@ -129,6 +130,61 @@ def test_an_outer_optimizer_scales_the_chosen_coordinates_as_the_default_does(di
         assert (got - other).abs().max() > 1e-2
 
 
+def _count_worker(rank: int, world: int, chosen_scale: float | str, layout: str, exchange: str) -> list[torch.Tensor]:
+    """Two steps of masked random progress; ``layout`` "same": every rank the same progress; "three": ranks
+    0-2 the same on the even coordinates of ``w``, rank 3 its own on the odd ones."""
+    from lightning_sparse.exchange.state import SparseState
+    from lightning_sparse.exchange.update import UpdateExchange
+
+    torch.manual_seed(0)
+    named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
+    state = SparseState(
+        compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update", exchange=exchange
+    )
+    outer = ChosenScaled(chosen_scale)
+    exchange_ = UpdateExchange(state, outer_step=outer)
+    exchange_.bind(named)
+    alike = layout == "same" or rank < 3
+    gen = torch.Generator().manual_seed(100 if alike else 103)
+    odd = torch.arange(SHAPES["w"][0] * SHAPES["w"][1]).remainder(2).view(SHAPES["w"]).bool()
+    mask = {"w": torch.ones(SHAPES["w"]) if layout == "same" else (odd if not alike else ~odd).float(), "b": 1.0}
+    for _ in range(2):
+        exchange_.hold_local()
+        with torch.no_grad():
+            for name, p in named:
+                p.add_(torch.randn(p.shape, generator=gen) * mask[name])
+        exchange_.exchange()
+    return outer.received
+
+
+def test_the_count_rule_averages_over_the_parties_that_chose_a_coordinate(dist4) -> None:
+    """``chosen_scale="parties"`` above 2 parties: a coordinate ``c`` parties chose gets their sum over
+    ``max(c, 2)``. Where every rank chose the same coordinates that is the plain average, to the bit (the
+    x N/2 rule would double it); where three ranks chose a coordinate and one chose others, the three's
+    average there and half the one's value elsewhere. The split exchange, whose sums carry no count, takes
+    x N/2."""
+    w = SHAPES["w"][0] * SHAPES["w"][1]
+    same = dist4.run(_count_worker, chosen_scale="parties", layout="same", exchange="allgather")
+    same_plain = dist4.run(_count_worker, chosen_scale=1.0, layout="same", exchange="allgather")
+    three = dist4.run(_count_worker, chosen_scale="parties", layout="three", exchange="allgather")
+    three_plain = dist4.run(_count_worker, chosen_scale=1.0, layout="three", exchange="allgather")
+    for r in range(4):
+        got, plain = same[r][1], same_plain[r][1]
+        assert 0 < plain[:w].count_nonzero() < w
+        assert torch.equal(got, plain)
+        got, plain = three[r][1], three_plain[r][1]
+        odd = torch.arange(w).remainder(2).bool()
+        chosen_by_one, chosen_by_three = odd & (plain[:w] != 0), ~odd & (plain[:w] != 0)
+        assert chosen_by_one.any() and chosen_by_three.any()
+        assert torch.equal(got[:w][chosen_by_one], plain[:w][chosen_by_one] * 2)  # 1 of 4 chose: x 4/2
+        assert torch.allclose(got[:w][chosen_by_three], plain[:w][chosen_by_three] * 4 / 3, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[w:], plain[w:])  # sent whole by every rank: the average
+    split = dist4.run(_count_worker, chosen_scale="parties", layout="three", exchange="split")
+    split_half = dist4.run(_count_worker, chosen_scale=2.0, layout="three", exchange="split")
+    for r in range(4):
+        assert torch.equal(split[r][1], split_half[r][1])
+
+
 def test_chosen_scale_is_checked() -> None:
     assert AddAverage().chosen_scale == "parties"  # the default
 
@@ -136,7 +192,7 @@ def test_chosen_scale_is_checked() -> None:
     for bad in (0, -1.0, float("inf"), "twice", True):
         with pytest.raises(ValueError, match="chosen_scale=.* is not allowed"):
             AddAverage(chosen_scale=bad)  # type: ignore[arg-type]
-    assert [parties_scale(n) for n in (2, 3, 16)] == [1.0, 1.5, 8.0]
+    assert [chosen_scale_of("parties", n) for n in (1, 2, 3, 16)] == [1.0, 1.0, "count", "count"]
 
 
 def test_outer_momentum_sets_the_nesterov_outer_steps_momentum_and_is_checked() -> None:

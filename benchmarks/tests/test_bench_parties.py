@@ -141,6 +141,6 @@ def test_parties_bench_runs_the_probes_and_the_plain_average(tmp_path: Path) -> 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["parties"]["2"]
-    assert rows["plain"]["val_loss"] == rows["default"]["val_loss"]  # N/2 = 1 at 2 parties
+    assert rows["plain"]["val_loss"] == rows["default"]["val_loss"]  # the count rule is the plain average at 2 parties
     for name in ("cx", "cl", "half"):
         assert math.isfinite(rows[name]["val_loss"]) and rows[name]["val_loss"] != rows["default"]["val_loss"], name

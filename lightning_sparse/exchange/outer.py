@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sparse.wire import Average
+from lightning_sparse.wire.context import BY_COUNT
 
 
 class OuterStep:
@@ -44,14 +45,17 @@ class OuterStep:
         average.add_to(target, chosen_scale_of(getattr(self, "chosen_scale", "parties"), average.parties))
 
 
-def parties_scale(parties: int) -> float:
-    """``chosen_scale="parties"``: half the number of parties, at least 1."""
-    return max(1.0, parties / 2)
+def chosen_scale_of(setting: float | str, parties: int) -> float | str:
+    """What :meth:`Average.add_to <lightning_sparse.wire.Average.add_to>` takes for a ``chosen_scale`` setting
+    in an exchange among ``parties`` processes: ``"parties"`` is the count rule above 2 parties, 1 at 2.
 
-
-def chosen_scale_of(setting: float | str, parties: int) -> float:
-    """The factor of an exchange among ``parties`` processes for a ``chosen_scale`` setting."""
-    return parties_scale(parties) if setting == "parties" else float(setting)
+    Example:
+        >>> chosen_scale_of("parties", 2), chosen_scale_of("parties", 4), chosen_scale_of(3, 4)
+        (1.0, 'count', 3.0)
+    """
+    if setting == "parties":
+        return BY_COUNT if parties > 2 else 1.0
+    return float(setting)
 
 
 def check_chosen_scale(value: object) -> float | str:
@@ -72,10 +76,11 @@ class AddAverage(OuterStep):
     """Add the average into the global parameters, at the coordinates sent: update mode's default outer step.
 
     Args:
-        chosen_scale: the factor of the coordinates each party chose on its own (gather compressors):
-            ``"parties"`` (:func:`parties_scale`) or a number > 0 (1: the plain average). A coordinate one
-            party chose arrives divided by the number of parties; this makes up for it. Where the parties'
-            choices overlap much (high densities above 2 parties) it overshoots: 1 there.
+        chosen_scale: how the coordinates each party chose on its own arrive (gather compressors):
+            ``"parties"``, the count rule (a coordinate ``c`` of the ``N`` parties chose gets their sum divided
+            by ``max(c, 2)``: the plain average at 2 parties and where every party chose it, twice it where
+            one of 4 did; the split exchange, whose sums carry no count, multiplies the average by
+            ``max(1, N/2)``), or a number > 0 that multiplies the average (1: the plain average).
 
     Example:
         >>> AddAverage().chosen_scale, AddAverage(chosen_scale=1.0).state_dict()
@@ -95,8 +100,8 @@ class OptimizerStep(OuterStep):
 
     Args:
         factory: makes an optimizer from a list of parameters (an optimizer class, a partial).
-        chosen_scale: as :class:`AddAverage`'s (the same default, N/2 above 2 parties), applied to the
-            optimizer's gradient; 1 is DiLoCo's plain average (what density 1 above 2 parties wants).
+        chosen_scale: as :class:`AddAverage`'s (the same default, the count rule), applied to the
+            optimizer's gradient; 1 is DiLoCo's plain average.
 
     Example:
         >>> step = OptimizerStep(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
@@ -145,7 +150,7 @@ class StagedAverage:
         self.device = device
         self.parties = average.parties
 
-    def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
+    def add_to(self, out: Tensor, chosen_scale: float | str = 1.0) -> Tensor:
         staged = out.to(self.device, copy=True)
         self.average.add_to(staged, chosen_scale)
         out.copy_(staged)

@@ -179,7 +179,7 @@ class Pending:
     ``dense`` returns it as the bucket's buffer instead. ``settle`` takes what was sent out of this rank's
     residuals where that is known only once the collectives arrived; :class:`Average` calls it once, before
     the first ``apply``. ``chosen``: each rank chose its own coordinates; ``apply(out, scale)`` then adds
-    ``scale`` times the average.
+    ``scale`` times the average, or with ``scale`` :data:`BY_COUNT` the count rule.
     """
 
     futures: list[Issued]
@@ -187,6 +187,11 @@ class Pending:
     dense: Callable[[], Tensor] | None = None
     settle: Callable[[], None] | None = None
     chosen: bool = False
+
+
+#: the count rule for the chosen coordinates: a coordinate ``c`` parties chose gets their sum / ``max(c, 2)``
+#: (the split exchange, whose owners send sums without counts: x ``max(1, N/2)``)
+BY_COUNT = "count"
 
 
 class Average:
@@ -222,10 +227,13 @@ class Average:
             issued.wait()
         self.waits = []
 
-    def add_to(self, out: Tensor, chosen_scale: float = 1.0) -> Tensor:
+    def add_to(self, out: Tensor, chosen_scale: float | str = 1.0) -> Tensor:
         """Add the average into ``out`` (flat, laid out like the bucket; only the coordinates sent are
-        touched) and return ``out``. ``chosen_scale``: the factor of the parts of :attr:`Pending.chosen`."""
+        touched) and return ``out``. ``chosen_scale``: the factor of the parts of :attr:`Pending.chosen`, or
+        :data:`BY_COUNT` (the same as 1 among at most 2 parties)."""
         self.settle()
+        if chosen_scale == BY_COUNT and self.parties <= 2:
+            chosen_scale = 1.0
         for part in self.parts:
             if part.chosen and chosen_scale != 1.0:
                 part.apply(out, chosen_scale)

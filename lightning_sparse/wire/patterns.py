@@ -23,7 +23,7 @@ from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.compressors import CompressContext
 from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
-from lightning_sparse.wire.context import BucketCall, Member, Pending, WireContext
+from lightning_sparse.wire.context import BY_COUNT, BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import all_gather_message, flush_residuals, launch_small, select_sorted, settle
 from lightning_sparse.wire.shared import select_shared
@@ -161,13 +161,20 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
     call.counters.sent_numel += sel.coords.numel()
     gathered, issued = all_gather_message(ctx, call, message, "gather.received")
 
-    def apply(out: Tensor, scale: float = 1.0) -> None:
+    def apply(out: Tensor, scale: float | str = 1.0) -> None:
         # rank by rank: one index_add_ of all of them would add a coordinate's values in any order on CUDA
         coords, values = layout.unpack_rows(gathered.view(world, layout.size))
         at = space.to_bucket(coords.view(-1)).view(world, -1)
         values = values.to(out.dtype)
+        if scale == BY_COUNT:  # each value / max(c, 2): 0.5 exactly where one or two parties chose it
+            chose = scratch(f"gather.count.{call.plan.label}", out.numel(), out.dtype, out.device).zero_()
+            chose.index_add_(0, at.view(-1), torch.ones((), dtype=out.dtype, device=out.device).expand(at.numel()))
+            values = values * chose[at].clamp_(min=2.0).reciprocal_()
+            for r in range(world):
+                out.index_add_(0, at[r], values[r])
+            return
         for r in range(world):
-            out.index_add_(0, at[r], values[r], alpha=scale / world)
+            out.index_add_(0, at[r], values[r], alpha=float(scale) / world)
 
     return Pending(issued, apply, chosen=True)
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_sparse._utils import scratch
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.comm import Rounds, futures, wait
-from lightning_sparse.wire.context import BucketCall, Pending, WireContext
+from lightning_sparse.wire.context import BY_COUNT, BucketCall, Pending, WireContext
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import Selection, select_sorted, settle
 from lightning_sparse.wire.stats import ring_all_gather_bytes
@@ -240,9 +240,10 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
                     if e is not None:
                         e.index_add_(0, idx, diff[part])
 
-    def apply(out: Tensor, scale: float = 1.0) -> None:
+    def apply(out: Tensor, scale: float | str = 1.0) -> None:
         _, coords, vals, real = receive()
-        alpha = scale / world
+        # the owners' sums carry no count of the parties in them: the count rule takes max(1, N/2) here
+        alpha = (max(1.0, world / 2) if scale == BY_COUNT else float(scale)) / world
         # owners' coordinates are disjoint; the padding adds a zero that changes nothing (-0.0, or 0.0 if alpha < 0)
         vals = torch.where(real, vals.to(out.dtype), -0.0 if alpha >= 0 else 0.0)
         out.index_add_(0, space.to_bucket(coords.view(-1)), vals.view(-1), alpha=alpha)
