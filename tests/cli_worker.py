@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 SHORT_FIT = [
-    "--trainer.max_steps=9",  # past the first exchange of every config (the "1000x" preset: step 8)
+    "--trainer.max_steps=9",  # past the first exchange of every config (the "1000x" preset's: step 4)
     "--trainer.limit_train_batches=3",
     "--trainer.limit_val_batches=1",
     "--trainer.num_sanity_val_steps=0",

@@ -131,7 +131,7 @@ def test_presets_by_name_and_by_call_in_every_front_end() -> None:
     config = strategy.sparse_state.config
     assert (config.sync_every, config.value_bits, config.flush_at_end) == (16, 2, 4)
     assert config.schedule.density(0) == 0.02
-    assert lightning_sparse.FabricSparseFSDPStrategy.preset("1000x").sparse_state.config.sync_every == 8
+    assert lightning_sparse.FabricSparseFSDPStrategy.preset("1000x").sparse_state.config.sync_every == 4
     with pytest.raises(
         ValueError,
         match=r"preset='10x' is not allowed: expected one of \['1000x', '2000x', '4000x', '8000x', '10000x'\]",

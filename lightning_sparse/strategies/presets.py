@@ -1,6 +1,6 @@
 """Named points of the compression frontier: a bandwidth budget instead of five arguments.
 
-Each preset exchanges the top of each tensor (2 % to 0.8 %) in 2-bit values every ``sync_every`` steps with a
+Each preset exchanges the top of each tensor (1 % to 0.8 %) in 2-bit values every ``sync_every`` steps with a
 Nesterov outer step and decayed error feedback (SparseLoCo's), and hands over in a few exchanges at the end of fit.
 The name is its byte reduction against dense DDP (``docs/results.md``, "Presets").
 """
@@ -16,7 +16,7 @@ _DECAYED = {**_OUTER, "error_feedback_decay": 0.9}
 _LONG = {"sync_every": 32, **_OUTER, "error_feedback_decay": 0.8, "flush_at_end": 1}  # the long cycles
 #: the presets, by name: the settings each one sets
 PRESETS: dict[str, dict[str, Any]] = {
-    "1000x": {"sync_every": 8, "density": 0.02, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
+    "1000x": {"sync_every": 4, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
     "2000x": {"sync_every": 8, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 8},
     "4000x": {"sync_every": 16, **_DECAYED, "outer_momentum": 0.8, "flush_at_end": 4},
     "8000x": {**_LONG, "outer_momentum": 0.8},

@@ -72,9 +72,9 @@ class SparseShell:
 
         Example:
             >>> from lightning_sparse import SparseDDPStrategy
-            >>> config = SparseDDPStrategy.preset("1000x", density=0.01).sparse_state.config
+            >>> config = SparseDDPStrategy.preset("1000x", density=0.02).sparse_state.config
             >>> config.sync_every, config.schedule.density(0)
-            (8, 0.01)
+            (4, 0.02)
         """
         return cls(**{**preset_settings(name), **arguments})
 
