@@ -53,27 +53,44 @@ class ChosenScaled(OuterStep):
         target.add_(step)
 
 
-def _random_step(exchange: Any, named: list[tuple[str, torch.nn.Parameter]], gen: torch.Generator) -> None:
-    """One optimizer step of random progress on every parameter, then the exchange."""
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def _random_step(
+    exchange: Any,
+    named: Named,
+    gen: torch.Generator,
+    masks: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """One optimizer step of random progress on every parameter (times its mask, where given), then the exchange."""
     exchange.hold_local()
     with torch.no_grad():
-        for _, p in named:
-            p.add_(torch.randn(p.shape, generator=gen))
+        for name, p in named:
+            step = torch.randn(p.shape, generator=gen)
+            p.add_(step if masks is None or name not in masks else step * masks[name])
     exchange.exchange()
 
 
-def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str, Any]:
+def _bound_exchange(outer: OuterStep | None, exchange: str = "auto") -> tuple[Any, Named]:
+    """An update exchange (top-k 5 %, ``b`` sent whole) bound to the same fresh parameters on every rank."""
     from lightning_sparse.exchange.state import SparseState
     from lightning_sparse.exchange.update import UpdateExchange
 
     torch.manual_seed(0)
     named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
-    state = SparseState(compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update")
+    state = SparseState(
+        compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update", exchange=exchange
+    )
+    update = UpdateExchange(state, outer_step=outer)  # None: the default outer step
+    update.bind(named)
+    return update, named
+
+
+def _chosen_worker(rank: int, world: int, chosen_scale: float | str) -> dict[str, Any]:
     outer = ChosenScaled(chosen_scale) if chosen_scale not in ("default", "sgd") else None
     if chosen_scale == "sgd":  # an outer optimizer with its default chosen_scale: SGD at lr 1 adds its gradient
         outer = OptimizerStep(functools.partial(torch.optim.SGD, lr=1.0))
-    exchange = UpdateExchange(state, outer_step=outer)  # None: the default outer step
-    exchange.bind(named)
+    exchange, named = _bound_exchange(outer)
     gen = torch.Generator().manual_seed(100 + rank)
     globals_ = []
     for _ in range(2):
@@ -133,27 +150,14 @@ def test_an_outer_optimizer_scales_the_chosen_coordinates_as_the_default_does(di
 def _count_worker(rank: int, world: int, chosen_scale: float | str, layout: str, exchange: str) -> list[torch.Tensor]:
     """Two steps of masked random progress; ``layout`` "same": every rank the same progress; "three": ranks
     0-2 the same on the even coordinates of ``w``, rank 3 its own on the odd ones."""
-    from lightning_sparse.exchange.state import SparseState
-    from lightning_sparse.exchange.update import UpdateExchange
-
-    torch.manual_seed(0)
-    named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
-    state = SparseState(
-        compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update", exchange=exchange
-    )
     outer = ChosenScaled(chosen_scale)
-    exchange_ = UpdateExchange(state, outer_step=outer)
-    exchange_.bind(named)
+    update, named = _bound_exchange(outer, exchange)
     alike = layout == "same" or rank < 3
     gen = torch.Generator().manual_seed(100 if alike else 103)
     odd = torch.arange(SHAPES["w"][0] * SHAPES["w"][1]).remainder(2).view(SHAPES["w"]).bool()
-    mask = {"w": torch.ones(SHAPES["w"]) if layout == "same" else (odd if not alike else ~odd).float(), "b": 1.0}
+    masks = None if layout == "same" else {"w": (~odd if alike else odd).float()}
     for _ in range(2):
-        exchange_.hold_local()
-        with torch.no_grad():
-            for name, p in named:
-                p.add_(torch.randn(p.shape, generator=gen) * mask[name])
-        exchange_.exchange()
+        _random_step(update, named, gen, masks)
     return outer.received
 
 
@@ -218,16 +222,10 @@ def test_outer_momentum_sets_the_nesterov_outer_steps_momentum_and_is_checked() 
 def _worker(rank: int, world: int, alpha: float | None) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_sparse.exchange.state import SparseState
-    from lightning_sparse.exchange.update import UpdateExchange
-
-    torch.manual_seed(0)
-    named = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in SHAPES.items()]
-    params = [p for _, p in named]
-    state = SparseState(compressor="topk", density=0.05, min_numel=1000, fallback_to_dense=False, compress="update")
     outer = AddAverage() if alpha is None else ScaledAdd(alpha)
-    exchange = UpdateExchange(state, outer_step=outer)
-    exchange.bind(named)
+    exchange, named = _bound_exchange(outer)
+    state = exchange.state
+    params = [p for _, p in named]
     gen = torch.Generator().manual_seed(100 + rank)
     steps = []
     for _ in range(3):
