@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import random
 import socket
@@ -168,6 +169,27 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: Any, world_size: int, d
         t.copy_(flat[pos : pos + t.numel()].view_as(t))
         pos += t.numel()
     return flat.numel() * flat.element_size()
+
+
+def check_same_everywhere(settings: dict[str, Any], group: Any, world_size: int) -> None:
+    """Raise ValueError, naming each difference, unless every process of ``group`` has the same ``settings``."""
+    mine = json.dumps(settings, sort_keys=True, default=str)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    if any(g != gathered[0] for g in gathered):
+        first = json.loads(gathered[0])
+        diffs = []
+        for rank, g in enumerate(gathered):
+            other = json.loads(g)
+            diffs += [
+                f"{k}: rank 0 has {v!r}, rank {rank} has {other.get(k)!r}"
+                for k, v in first.items()
+                if other.get(k) != v
+            ]
+        raise ValueError(
+            "SparseDDPStrategy is configured differently across ranks; every rank must use the same "
+            "settings or the collectives would hang or mix mismatched data. Differences: " + "; ".join(diffs)
+        )
 
 
 def end_process_group(exit_code: int | None = None) -> None:

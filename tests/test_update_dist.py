@@ -347,11 +347,11 @@ def _replicas_worker(rank: int, world: int) -> dict[str, Any]:
     net(x).square().sum().backward()
     expected = [p.grad.clone() for p in net.parameters()]
     exchange = core.state
-    exchange._plain_ddp = True  # the timed fallback's plain DDP step: the gradients are averaged
+    exchange.plain_ddp = True  # the timed fallback's plain DDP step: the gradients are averaged
     try:
         averaged = backward()
     finally:
-        exchange._plain_ddp = False
+        exchange.plain_ddp = False
     again = backward()
     return {
         "start": start,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse._utils import stable_key
+from lightning_sparse._utils import check_same_everywhere, stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.amp import SkippedSteps
@@ -87,6 +86,10 @@ class SparseState:
         self.schedule: DensitySchedule = copy.deepcopy(config.schedule)
         #: the timed fallback of this rank's exchange (a copy of the config's), None where it is off
         self.timed_fallback: TimedFallback | None = copy.deepcopy(config.timed_fallback)
+        #: the timed fallback times whole steps (update mode, ``sync_every`` 1) up to :meth:`mark_end`
+        self.times_whole_steps = (
+            self.timed_fallback is not None and config.compress == "update" and config.sync_every == 1
+        )
         #: optimizer steps this rank finished exchanging (saved in checkpoints)
         self.step = 0
         #: optimizer steps this rank finished, with or without an exchange
@@ -98,8 +101,10 @@ class SparseState:
         #: update mode: optimizer steps since the last exchange, per group of parameters
         self.cycle: dict[str, int] = {}
         self.backward: Any = None  # gradient mode: the hook's BackwardBatch of the backward pass under way
-        self._in_step = False
-        self._plain_ddp = False
+        #: a step is open (begun, its last bucket not exchanged yet)
+        self.in_step = False
+        #: update mode with a timed fallback: this step is a plain DDP step
+        self.plain_ddp = False
         self._loss_scale: Callable[[], float] | None = None
         self._last_loss_scale: float | None = None
         self._names: dict[int, str] = {}
@@ -120,34 +125,14 @@ class SparseState:
         return self
 
     @property
-    def rank(self) -> int:
-        """This rank in the process group the state is bound to (0 before :meth:`bind`)."""
-        return self.wire.rank
-
-    @property
-    def world_size(self) -> int:
-        """The processes of that group (1 before :meth:`bind`)."""
-        return self.wire.comm.world
-
-    @property
     def parameters(self) -> list[Tensor]:
         """The parameters the state is bound to, in the order :meth:`bind` got them."""
         return self._params
 
     @property
-    def in_step(self) -> bool:
-        """Whether a step is open (begun, its last bucket not exchanged yet)."""
-        return self._in_step
-
-    @property
-    def plain_ddp(self) -> bool:
-        """Update mode with a timed fallback: whether this step is a plain DDP step."""
-        return self._plain_ddp
-
-    @property
     def shares_gradients(self) -> bool:
         """Update mode: whether this step's gradients cross the wire (a plain DDP step, fp16's overflow check)."""
-        return self._plain_ddp or self.skips is not None
+        return self.plain_ddp or self.skips is not None
 
     @property
     def last_loss_scale(self) -> float | None:
@@ -159,6 +144,7 @@ class SparseState:
         unbound: dict[str, Any] = {"_names": {}, "_params": [], "_plans": {}, "routes": {}, "_loss_scale": None}
         state.update(unbound, process_group=None, skips=None, backward=None)
         state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
+        state["world_size"] = 1
         return state
 
     def bind(
@@ -184,7 +170,7 @@ class SparseState:
             rank, world = 0, 1
         self.use_collectives(Collectives(process_group, world), rank)
         if check_consistency and self.world_size > 1:
-            self._check_consistency()
+            check_same_everywhere(self.fingerprint(), self.process_group, self.world_size)
         first = trainable[0][1] if trainable else None
         device = first.device if first is not None else torch.device("cpu")
         self.schedule.setup(self.wire, device, first.dtype if first is not None else torch.float32)
@@ -196,6 +182,8 @@ class SparseState:
         """Exchange through ``comm`` (this rank's counted collectives) as rank ``rank``."""
         #: what the wire code works with on this rank (settings, stores, counted collectives)
         self.wire = wire_context(self.config, comm, rank, memory=self.memory, velocity=self.velocity)
+        #: this rank in the process group the state is bound to (0 before :meth:`bind`), and its processes
+        self.rank, self.world_size = rank, comm.world
 
     def use_scaler(self, scaler: Any, rescale_residuals: bool) -> None:
         """fp16 AMP: ``scaler``'s skipped steps change nothing; ``rescale_residuals``: follow its loss scale."""
@@ -204,7 +192,7 @@ class SparseState:
 
     def begin(self) -> None:
         """Open an optimizer step: before its first bucket (a timed update-mode step: before its forward)."""
-        self._in_step = True
+        self.in_step = True
         if self.skips is not None:
             self.skips.begin()
         if self._loss_scale is not None:  # the residuals carry the loss scale: follow it (powers of 2: exact)
@@ -224,20 +212,20 @@ class SparseState:
 
     def begin_timed(self) -> tuple[bool, bool]:
         """Open the step before its forward (timed, update mode): whether it is plain DDP, and the first of them."""
-        if self._in_step:
-            return self._plain_ddp, False
+        if self.in_step:
+            return self.plain_ddp, False
         self.begin()
         timed = self.timed_fallback
         dense = timed is not None and timed.kind(self.step) in (DENSE, TRIAL_DENSE)
-        entering = dense and not self._plain_ddp
-        self._plain_ddp = dense
+        entering = dense and not self.plain_ddp
+        self.plain_ddp = dense
         return dense, entering
 
     def close(self) -> None:
         """Close the open step after its last bucket: the schedule's and telemetry's end, the counters on."""
-        if not self._in_step:
+        if not self.in_step:
             return
-        self._in_step = False
+        self.in_step = False
         interval = self.residual_norm_interval
         if self.config.error_feedback and interval > 0 and self.step % interval == 0:
             self.telemetry.residual_norm = self.memory.norm_sq() ** 0.5
@@ -257,12 +245,6 @@ class SparseState:
         self.telemetry.end_step()
         self.optimizer_step += 1
 
-    @property
-    def times_whole_steps(self) -> bool:
-        """Whether the timed fallback times whole steps (update mode, ``sync_every`` 1) up to :meth:`mark_end`."""
-        c = self.config
-        return self.timed_fallback is not None and c.compress == "update" and c.sync_every == 1
-
     def mark_end(self) -> None:
         """The optimizer step's exchange is over (the timed fallback's window closes here)."""
         timed = self.timed_fallback
@@ -275,23 +257,6 @@ class SparseState:
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank, with the step and the parameter names."""
         return {**self.config.fingerprint(), "step": self.step, "parameters": sorted(self._names.values())}
-
-    def _check_consistency(self) -> None:
-        mine = json.dumps(self.fingerprint(), sort_keys=True, default=str)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=self.process_group)
-        if any(g != gathered[0] for g in gathered):
-            first = json.loads(gathered[0])
-            diffs = []
-            for rank, g in enumerate(gathered):
-                other = json.loads(g)
-                for key in first:
-                    if other.get(key) != first[key]:
-                        diffs.append(f"{key}: rank 0 has {first[key]!r}, rank {rank} has {other.get(key)!r}")
-            raise ValueError(
-                "SparseDDPStrategy is configured differently across ranks; every rank must use the same "
-                "settings or the collectives would hang or mix mismatched data. Differences: " + "; ".join(diffs)
-            )
 
     def plan(self, buffer: Tensor, params: list[Tensor]) -> BucketPlan:
         """The (cached) layout of a bucket, from its parameters in buffer order."""
