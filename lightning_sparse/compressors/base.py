@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import make_generator, mix_seed
+from lightning_sparse._utils import bad_argument, make_generator, mix_seed
 
 #: the communication patterns the hook knows (``lightning_sparse.wire.PATTERNS``)
 Pattern = str
@@ -104,14 +106,8 @@ class Compressor(ABC):
         unique indices; ``"shared"``: the same on every rank (from ``ctx.shared_generator`` and the sizes only)."""
 
     def k_for(self, numel: int, density: float) -> int:
-        """How many coordinates this compressor sends of a tensor of ``numel`` elements at ``density`` (at most
-        ``numel``, from the sizes and settings only: every rank sends the same number).
-
-        Example:
-            >>> from lightning_sparse.compressors import TopK
-            >>> TopK().k_for(10_000, 0.01)
-            100
-        """
+        """How many of ``numel`` coordinates this compressor sends at ``density``: from the sizes and settings only,
+        so every rank sends the same number."""
         return k_for(numel, density)
 
     def ks_for(self, numels: tuple[int, ...], density: float) -> list[int]:
@@ -167,12 +163,9 @@ class ChunkedCompressor(Protocol):
 
     def __hash__(self) -> int:
         """Settings only: the wire keeps its layouts per compressor."""
-        ...
 
     def row_picks(self, numel: int, k: int) -> tuple[int, ...]:
-        """How many of each row's values :meth:`Compressor.select` sends of ``k`` from ``numel`` (the last
-        row holds the rest)."""
-        ...
+        """How many of each row's values :meth:`Compressor.select` sends of ``k`` (the last row holds the rest)."""
 
 
 class SketchCompressor(Protocol):
@@ -190,31 +183,31 @@ class SketchCompressor(Protocol):
 
     def __hash__(self) -> int:
         """Settings only: the wire keeps its layouts per compressor."""
-        ...
 
     def table_shape(self, numel: int, k: int) -> tuple[int, int]:
         """``(rows, cols)`` of the table of a tensor of ``numel`` elements sending ``k``."""
-        ...
 
     def num_candidates(self, numel: int, k: int) -> int:
         """How many candidates the second round sums."""
-        ...
 
     def truncation(self, device: torch.device) -> float:
         """The local pre-truncation in effect on ``device`` (0: none)."""
-        ...
 
     def sketch(self, p: Tensor, k: int, ctx: CompressContext, table: Tensor) -> None:
         """Add this rank's ``p`` into ``table`` (``rows x cols``, float32)."""
-        ...
 
     def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
         """The candidates in the summed ``table``: the same on every rank."""
-        ...
 
     def pick(self, sums: Tensor, k: int) -> Tensor:
         """Positions of the ``k`` candidates applied, from their summed values."""
-        ...
+
+
+def check_number(name: str, value: object, allowed: str, accept: Callable[[float], bool]) -> float:
+    """``value`` as a float if it is a finite number (not a bool) that ``accept`` takes, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not accept(value):
+        raise bad_argument(name, value, allowed)
+    return float(value)
 
 
 def register_compressor(cls: type[Compressor]) -> type[Compressor]:

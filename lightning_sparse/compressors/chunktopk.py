@@ -23,6 +23,12 @@ def tail_count(per_row: int, tail: int, chunk: int) -> int:
     return max(1, min(tail, round(per_row * tail / chunk)))
 
 
+def _sent(numel: int, chunk: int, per_row: int) -> int:
+    """What rows of ``chunk`` send of ``numel`` values at ``per_row`` a full row."""
+    rows = -(-numel // chunk)
+    return (rows - 1) * per_row + tail_count(per_row, numel - (rows - 1) * chunk, chunk)
+
+
 @dataclass(frozen=True)
 class RowLayout:
     """How :class:`ChunkTopK` picks ``k`` of ``numel`` values in ``rows`` rows of ``chunk``: ``per_row`` picks a row
@@ -45,18 +51,14 @@ class RowLayout:
     @functools.lru_cache(maxsize=1024)
     def of(numel: int, k: int, chunk: int, device: torch.device) -> RowLayout:
         rows = -(-numel // chunk)
-        tail = numel - (rows - 1) * chunk
-
-        def sent(per_row: int) -> int:  # what ChunkTopK.k_for gives for so many a full row
-            return (rows - 1) * per_row + tail_count(per_row, tail, chunk)
-
         # the most per full row that sends at most k, then one more in the first rows for the rest
         low, high = 0, chunk
         while low < high:
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if sent(mid) <= k else (low, mid - 1)
-        extra = k - sent(low)
-        counts = tuple([low + 1] * extra + [low] * (rows - 1 - extra) + [tail_count(low, tail, chunk)])
+            low, high = (mid, high) if _sent(numel, chunk, mid) <= k else (low, mid - 1)
+        extra = k - _sent(numel, chunk, low)
+        tail = tail_count(low, numel - (rows - 1) * chunk, chunk)
+        counts = tuple([low + 1] * extra + [low] * (rows - 1 - extra) + [tail])
         per_row = max(counts)
         keep = None
         if any(c != per_row for c in counts):
@@ -100,9 +102,7 @@ class ChunkTopK(Compressor):
         chunk = self.chunk
         if numel <= chunk:
             return super().k_for(numel, density)
-        rows = -(-numel // chunk)
-        per_row = max(1, min(chunk, round(density * chunk)))
-        return (rows - 1) * per_row + tail_count(per_row, numel - (rows - 1) * chunk, chunk)
+        return _sent(numel, chunk, max(1, min(chunk, round(density * chunk))))
 
     def row_picks(self, numel: int, k: int) -> tuple[int, ...]:
         """:class:`~lightning_sparse.compressors.base.ChunkedCompressor`: the picks of each row of :meth:`select`."""

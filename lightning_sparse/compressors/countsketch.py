@@ -14,14 +14,14 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_int, scratch
-from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+from lightning_sparse.compressors.base import CompressContext, Compressor, check_number, register_compressor
 from lightning_sparse.compressors.sketch_hashes import (
     SketchHashes,
-    all_buckets,
     buckets,
     estimates_at_least,
-    estimates_at_least_segments,
     grid,
+    heavy_blocks,
+    heavy_segments,
     median_of_rows,
     segments,
 )
@@ -32,12 +32,6 @@ AUTO_P1_CPU = 10.0
 _CHUNK = 1 << 17  # on CPU, per-block work goes in chunks that stay in cache
 _DIRECT = 1 << 20  # up to rows * numel = _DIRECT, candidates come from all the estimates at once
 _LONG_BLOCK = 1 << 14  # blocks at least this long go one by one with slice-adds, shorter ones by segments
-
-
-def _number(name: str, value: object, minimum: float, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise bad_argument(name, value, allowed)
-    return float(value)
 
 
 @register_compressor
@@ -69,26 +63,20 @@ class CountSketch(Compressor):
         self.rows = check_int("rows", rows, minimum=1, maximum=99)
         if self.rows % 2 == 0:
             raise bad_argument("rows", rows, "expected an odd integer between 1 and 99")
-        self.width = _number("width", width, 1e-9, "expected a finite number > 0")
-        self.p2 = _number("p2", p2, 1.0, "expected a finite number >= 1")
+        self.width = check_number("width", width, "expected a finite number > 0", lambda v: v >= 1e-9)
+        self.p2 = check_number("p2", p2, "expected a finite number >= 1", lambda v: v >= 1.0)
         if p1 != "auto":
             allowed = "expected 'auto', 0 (no pre-truncation) or a finite number >= 1"
-            value = _number("p1", p1, 0.0, allowed)
-            if 0.0 < value < 1.0:
-                raise bad_argument("p1", p1, allowed)
-            p1 = value
+            p1 = check_number("p1", p1, allowed, lambda v: v == 0.0 or v >= 1.0)
         self.p1 = p1
 
     def table_shape(self, numel: int, k: int) -> tuple[int, int]:
-        """``(rows, cols)`` of the table for a tensor of ``numel`` elements sending ``k``."""
         return self.rows, max(1, min(numel, math.ceil(self.width * k)))
 
     def num_candidates(self, numel: int, k: int) -> int:
-        """How many candidates the second round sums: ``ceil(p2 * k)``, at most numel."""
         return min(numel, max(k, math.ceil(self.p2 * k)))
 
     def truncation(self, device: torch.device) -> float:
-        """The ``p1`` in effect on ``device`` (0: the whole of p is sketched)."""
         if self.p1 == "auto":
             return AUTO_P1_CPU if device.type == "cpu" else 0.0
         return float(self.p1)
@@ -99,18 +87,10 @@ class CountSketch(Compressor):
         gen = ctx.shared_generator(torch.device("cpu"))  # host draws: identical on any device
         shifts = torch.randint(0, cols, (self.rows, blocks), generator=gen)
         signs = torch.randint(0, 2, (self.rows, blocks), generator=gen).mul_(2).sub_(1).float()
-        return SketchHashes(
-            cols=cols,
-            numel=numel,
-            shifts=shifts.tolist(),
-            signs=signs.tolist(),
-            shifts_t=shifts.to(device),
-            signs_t=signs.to(device),
-            generator=gen,
-        )
+        return SketchHashes(cols, numel, shifts.tolist(), signs.tolist(), shifts.to(device), signs.to(device), gen)
 
     def sketch(self, p: Tensor, k: int, ctx: CompressContext, table: Tensor) -> None:
-        """Add this rank's ``p`` (or its top ``p1 * k``) into ``table`` (``rows x cols``, float32)."""
+        """Add this rank's ``p`` (or its top ``p1 * k``) into ``table``."""
         d = p.numel()
         rows, cols = table.shape
         if rows != self.rows:
@@ -123,16 +103,13 @@ class CountSketch(Compressor):
             threshold = sample_threshold(p, m, n, ctx.local_generator(p.device), margin=0.0)
             if not threshold > 0:  # mostly zeros: sketching everything adds only the non-zeros
                 threshold = None
-        if cols >= _LONG_BLOCK:  # long blocks: shifted slice-adds, no index tensors at all
-            _sketch_slices(table, h, p, threshold)
-        else:  # many short blocks: a few scatter-adds over segments of many blocks each
-            _sketch_segments(table, h, p, threshold)
+        # long blocks: shifted slice-adds, no index tensors at all; many short ones: scatter-adds over segments
+        (_sketch_slices if cols >= _LONG_BLOCK else _sketch_segments)(table, h, p, threshold)
 
     def estimates(self, table: Tensor, h: SketchHashes, idx: Tensor) -> Tensor:
         """Median-over-rows estimates of the sketched vector at the coordinates ``idx``."""
         bucket, signs = buckets(h, idx)
-        values = table.gather(1, bucket).mul_(signs)
-        return median_of_rows(list(values.unbind(0)))
+        return median_of_rows(list(table.gather(1, bucket).mul_(signs).unbind(0)))
 
     def candidates(self, table: Tensor, numel: int, k: int, ctx: CompressContext) -> Tensor:
         """Sorted indices of the ``num_candidates`` largest estimates; the same on every rank (summed table)."""
@@ -142,7 +119,7 @@ class CountSketch(Compressor):
             return torch.arange(numel, device=table.device)
         h = self.hashes(ctx, numel, cols, table.device)
         if rows * numel <= _DIRECT:  # small tensors: every estimate at once, in bounded memory
-            bucket, signs = all_buckets(h)
+            bucket, signs = grid(h, 0, h.blocks, numel)
             values = torch.cat([table, table], dim=1).gather(1, bucket).mul_(signs)
             est = median_of_rows(list(values.unbind(0))).abs_()
             return torch.topk(est, c, sorted=False).indices.sort().values
@@ -151,11 +128,11 @@ class CountSketch(Compressor):
         if float(magnitude.max()) == 0.0:  # nothing was sketched: any c coordinates will do
             return torch.arange(c, device=table.device)
         tau = self._sample_tau(table, h, c)
+        heavy = heavy_blocks if cols >= _LONG_BLOCK else heavy_segments
         for _ in range(4):
             if not tau > 0:
                 break
-            search = estimates_at_least if cols >= _LONG_BLOCK else estimates_at_least_segments
-            found, magnitudes = search(table, magnitude, h, tau)
+            found, magnitudes = estimates_at_least(heavy(table, magnitude, h, tau), tau, table.device)
             if found.numel() >= c:
                 return _largest_in_order(found, magnitudes, c)
             tau *= 0.25
@@ -189,7 +166,7 @@ class CountSketch(Compressor):
 
     @staticmethod
     def pick(sums: Tensor, k: int) -> Tensor:
-        """Positions of the ``k`` largest ``|sums|`` (the exact summed values at the candidates)."""
+        """Positions of the ``k`` largest ``|sums|``."""
         if k >= sums.numel():
             return torch.arange(sums.numel(), device=sums.device)
         return torch.topk(sums.float().abs(), k, sorted=False).indices

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import bad_argument, check_int
-from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+from lightning_sparse._utils import check_int
+from lightning_sparse.compressors.base import CompressContext, Compressor, check_number, register_compressor
 from lightning_sparse.compressors.topk import finish_exactly_k, indices_at_least, sample_threshold
 
 
@@ -32,14 +32,9 @@ class DGC(Compressor):
     pattern = "gather"
 
     def __init__(self, sample_fraction: float = 0.01, lower: float = 0.8, rounds: int = 10) -> None:
-        if isinstance(sample_fraction, bool) or not isinstance(sample_fraction, (int, float)):
-            raise bad_argument("sample_fraction", sample_fraction, "expected a number in (0, 1]")
-        if not 0.0 < float(sample_fraction) <= 1.0:
-            raise bad_argument("sample_fraction", sample_fraction, "expected a number in (0, 1]")
-        if isinstance(lower, bool) or not isinstance(lower, (int, float)) or not 0.0 < float(lower) < 1.0:
-            raise bad_argument("lower", lower, "expected a number in (0, 1)")
-        self.sample_fraction = float(sample_fraction)
-        self.lower = float(lower)
+        fraction_allowed = "expected a number in (0, 1]"
+        self.sample_fraction = check_number("sample_fraction", sample_fraction, fraction_allowed, lambda v: 0 < v <= 1)
+        self.lower = check_number("lower", lower, "expected a number in (0, 1)", lambda v: 0 < v < 1)
         self.rounds = check_int("rounds", rounds, minimum=0, maximum=1000)
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:

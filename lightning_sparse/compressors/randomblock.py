@@ -8,19 +8,6 @@ from torch import Tensor
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 
 
-def block_indices(d: int, k: int, start: int, device: torch.device) -> Tensor:
-    """The block ``[start, start + k)`` of ``[0, d)``, wrapping around the end of the tensor.
-
-    Example:
-        >>> block_indices(10, 4, 8, torch.device("cpu"))
-        tensor([8, 9, 0, 1])
-    """
-    idx = torch.arange(start, start + k, device=device)
-    if start + k > d:
-        idx[d - start :] -= d
-    return idx
-
-
 @register_compressor
 class RandomBlock(Compressor):
     """Random-block sparsification (Eghlidi & Jaggi): every rank sends the same block of ``k`` coordinates at an
@@ -41,4 +28,7 @@ class RandomBlock(Compressor):
             return torch.arange(d, device=p.device)
         # drawn on the CPU whatever the device: one number, no device sync
         start = int(torch.randint(0, d, (1,), generator=ctx.shared_generator(torch.device("cpu"))))
-        return block_indices(d, k, start, p.device)
+        idx = torch.arange(start, start + k, device=p.device)
+        if start + k > d:  # wrapped around the end
+            idx[d - start :] -= d
+        return idx

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,40 +128,35 @@ class SubsetLayout:
         (the picks come out as offsets)."""
         if len(members) >= 1 << (63 - _MEMBER_SHIFT):
             raise ValueError(f"{len(members)} tensors are too many for one draw")
-        parts: list[tuple[np.ndarray, ...]] = []
-        picks, last, pick_member, lowest = [], [], [], []
+        member, counter, mods, bases, picks, last, pick_member, lowest = ([] for _ in range(8))
         start = 0
         for i, (_, offset, d, k) in enumerate(members):
             k = min(k, d)
             m = draws_needed(d, k)
-            n = d if m is None else m
+            n = d if m is None else m  # every coordinate once, or m draws
             j = np.arange(n, dtype=np.int64)
-            parts.append(
-                (
-                    np.full(n, i, dtype=np.int64),
-                    (j.astype(np.uint64) * np.uint64(_WEYL) & np.uint64(_M32)).astype(np.int64),
-                    np.full(n, 1 if m is None else d, dtype=np.int64),  # every coordinate once, or draws
-                    offset + (j if m is None else np.zeros(n, dtype=np.int64)),
-                )
-            )
+            member.append(np.full(n, i, dtype=np.int64))
+            counter.append((j.astype(np.uint64) * np.uint64(_WEYL) & np.uint64(_M32)).astype(np.int64))
+            mods.append(np.full(n, 1 if m is None else d, dtype=np.int64))
+            bases.append(offset + (j if m is None else np.zeros(n, dtype=np.int64)))
             picks.append(np.arange(start, start + k, dtype=np.int64))
             last.append(start + k - 1)
             pick_member.append(np.full(k, i, dtype=np.int64))
             lowest.append(offset + np.arange(k, dtype=np.int64))
             start += n
 
-        def long(arrays: list[np.ndarray]) -> Tensor:
+        def long(arrays: list[Any]) -> Tensor:
             return torch.from_numpy(np.concatenate(arrays).astype(np.int64)).to(device)
 
-        member_of = long([part[0] for part in parts])
+        member_of = long(member)
         keys = [[(key & _M32) ^ salt for key, _, _, _ in members] for salt in _LANE_SALTS]
         return SubsetLayout(
             count=sum(p.size for p in picks),
             keys=torch.tensor(keys, dtype=torch.int64, device=device),
             member_of=member_of,
-            counter=long([part[1] for part in parts]),
-            mods=torch.stack([long([part[2] for part in parts]), torch.full_like(member_of, 1 << 32)]),
-            bases=torch.stack([long([part[3] for part in parts]), member_of << _MEMBER_SHIFT]),
+            counter=long(counter),
+            mods=torch.stack([long(mods), torch.full_like(member_of, 1 << 32)]),
+            bases=torch.stack([long(bases), member_of << _MEMBER_SHIFT]),
             picks=long(picks),
             last=torch.tensor(last, dtype=torch.int64, device=device),
             pick_member=long(pick_member),

@@ -6,8 +6,7 @@ import math
 
 from torch import Tensor
 
-from lightning_sparse._utils import bad_argument
-from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
+from lightning_sparse.compressors.base import CompressContext, Compressor, check_number, register_compressor
 from lightning_sparse.compressors.randomk import random_subset
 from lightning_sparse.compressors.topk import exact_topk_indices
 
@@ -32,11 +31,7 @@ class RTopK(Compressor):
     pattern = "gather"
 
     def __init__(self, r_factor: float = 4.0) -> None:
-        if isinstance(r_factor, bool) or not isinstance(r_factor, (int, float)):
-            raise bad_argument("r_factor", r_factor, "expected a finite number >= 1")
-        if not (math.isfinite(r_factor) and r_factor >= 1.0):
-            raise bad_argument("r_factor", r_factor, "expected a finite number >= 1")
-        self.r_factor = float(r_factor)
+        self.r_factor = check_number("r_factor", r_factor, "expected a finite number >= 1", lambda v: v >= 1.0)
 
     def select(self, p: Tensor, k: int, ctx: CompressContext) -> Tensor:
         d = p.numel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,12 +11,9 @@ from torch import Tensor
 
 from lightning_sparse._utils import scratch
 
-__all__ = [
-    "SketchHashes", "all_buckets", "buckets", "estimates_at_least", "estimates_at_least_segments", "grid",
-    "median_of_rows", "segments",
-]  # fmt: skip
-
 _SEGMENT = 1 << 17  # coordinates per segment of short blocks handled at once
+#: coordinates that may be heavy: (first coordinate of a block or segment, their offsets, each row's values there)
+Heavy = tuple[int, Tensor, list[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -62,11 +60,6 @@ def grid(h: SketchHashes, b0: int, b1: int, n: int) -> tuple[Tensor, Tensor]:
     return bucket, signs
 
 
-def all_buckets(h: SketchHashes) -> tuple[Tensor, Tensor]:
-    """:func:`grid` of every coordinate."""
-    return grid(h, 0, h.blocks, h.numel)
-
-
 def buckets(h: SketchHashes, idx: Tensor) -> tuple[Tensor, Tensor]:
     """The ``(rows, n)`` buckets and signs of the coordinates ``idx``."""
     block = torch.div(idx, h.cols, rounding_mode="floor")
@@ -93,19 +86,23 @@ def median_of_rows(values: list[Tensor]) -> Tensor:
     return torch.stack(values).median(dim=0).values
 
 
-def estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> tuple[Tensor, Tensor]:
-    """Every coordinate with ``|median estimate| >= tau``, with that magnitude: that needs ``|table| >= tau``
-    in a majority of rows, so counting heavy buckets shortlists a superset; only it gets estimates."""
-    rows, cols = magnitude.shape
-    need = (rows - 1) // 2 + 1
-    # counting from base = 2**bits - need, "count >= need" is the top bit: a shift, not a compare
+def _majority(rows: int) -> tuple[int, int]:
+    """``(bits, base)``: counting from ``base``, a count of a majority of ``rows`` or more is the ``bits`` bit set
+    (a shift, not a compare)."""
     bits = rows.bit_length()
-    base = (1 << bits) - need
+    return bits, (1 << bits) - ((rows - 1) // 2 + 1)
+
+
+def heavy_blocks(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> Iterator[Heavy]:
+    """The coordinates that may have ``|median estimate| >= tau``, block by block (shifted slices), with their
+    rows' values: that needs ``|table| >= tau`` in a majority of rows, so counting heavy buckets shortlists a
+    superset; only it gets estimates."""
+    rows, cols = magnitude.shape
+    bits, base = _majority(rows)
     heavy = scratch("countsketch.heavy", magnitude.numel(), torch.bool, magnitude.device).view(rows, cols)
     torch.ge(magnitude, tau, out=heavy)
     heavy = heavy.view(torch.uint8)
     count = scratch("countsketch.count", cols, torch.uint8, magnitude.device)
-    found_parts, magnitude_parts = [], []
     for b in range(h.blocks):
         start = b * cols
         length = min(cols, h.numel - start)
@@ -130,19 +127,20 @@ def estimates_at_least(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: f
             if wrap < offsets.numel():
                 torch.index_select(table[r], 0, offsets[wrap:] - (cols - s), out=v[wrap:])
             values.append(v.neg_() if h.signs[r][b] < 0 else v)
-        est = median_of_rows(values).abs_()
-        found, est = _keep_at_least(offsets, est, tau)
-        found_parts.append(found.add_(start))
-        magnitude_parts.append(est)
-    return _joined(found_parts, magnitude_parts, magnitude.device)
+        yield start, offsets, values
 
 
-def _joined(found: list[Tensor], magnitude: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
-    """The candidates found in every block, and their estimated magnitudes (empty when none)."""
+def estimates_at_least(heavy: Iterable[Heavy], tau: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The coordinates of ``heavy`` whose ``|median estimate| >= tau``, and that magnitude."""
+    found, magnitudes = [], []
+    for start, offsets, values in heavy:
+        kept, est = _keep_at_least(offsets, median_of_rows(values).abs_(), tau)
+        found.append(kept.add_(start))
+        magnitudes.append(est)
     if not found:
         empty = torch.empty(0, device=device)
         return empty.long(), empty
-    return torch.cat(found), torch.cat(magnitude)
+    return torch.cat(found), torch.cat(magnitudes)
 
 
 def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Tensor]:
@@ -155,25 +153,15 @@ def _keep_at_least(offsets: Tensor, est: Tensor, tau: float) -> tuple[Tensor, Te
     return offsets[keep], est[keep]
 
 
-def estimates_at_least_segments(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> tuple[Tensor, Tensor]:
-    """:func:`estimates_at_least` for short blocks: a segment's heavy-bucket counts in one gather."""
-    rows, cols = magnitude.shape
-    need = (rows - 1) // 2 + 1
-    bits = rows.bit_length()
-    base = (1 << bits) - need
+def heavy_segments(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> Iterator[Heavy]:
+    """:func:`heavy_blocks` for short blocks: a segment's heavy-bucket counts in one gather."""
+    bits, base = _majority(magnitude.shape[0])
     heavy = torch.ge(magnitude, tau).to(torch.uint8)
     heavy2 = torch.cat([heavy, heavy], dim=1)
     table2 = torch.cat([table, table], dim=1)
-    found_parts, magnitude_parts = [], []
     for b0, b1, start, n in segments(h):
         bucket, signs = grid(h, b0, b1, n)
         cnt = heavy2.gather(1, bucket).sum(0, dtype=torch.uint8)
         offsets = cnt.add_(base).bitwise_right_shift_(bits).view(torch.bool).nonzero().squeeze(1)
-        if offsets.numel() == 0:
-            continue
-        values = table2.gather(1, bucket[:, offsets]).mul_(signs[:, offsets])
-        est = median_of_rows(list(values.unbind(0))).abs_()
-        found, est = _keep_at_least(offsets, est, tau)
-        found_parts.append(found.add_(start))
-        magnitude_parts.append(est)
-    return _joined(found_parts, magnitude_parts, magnitude.device)
+        if offsets.numel():
+            yield start, offsets, list(table2.gather(1, bucket[:, offsets]).mul_(signs[:, offsets]).unbind(0))

@@ -1,7 +1,6 @@
-"""Top-k: send the k coordinates of largest magnitude, with a fast exact selection.
+"""Top-k: the k coordinates of largest magnitude, found fast and exactly.
 
-Also the threshold machinery the other magnitude selectors share (:func:`indices_at_least`,
-:func:`top_by_magnitude`).
+Also the threshold machinery the other magnitude selectors share.
 """
 
 from __future__ import annotations
@@ -23,22 +22,25 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def indices_at_least(p: Tensor, threshold: float) -> Tensor:
-    """Sorted int64 indices of the entries with ``|p| >= threshold`` (one pass over ``p``)."""
+    """Sorted int64 indices of the entries with ``|p| >= threshold`` (one pass over ``p``; on CPU through NumPy)."""
     d = p.numel()
     if d == 0:
         return torch.empty(0, dtype=torch.long, device=p.device)
-    if p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES and p.is_contiguous():
-        return _indices_at_least_numpy(p, threshold)
-    chunk = _CHUNK if p.device.type == "cpu" else d
-    a = scratch("shortlist.abs", min(chunk, d), p.dtype, p.device)
-    mask = scratch("shortlist.mask", min(chunk, d), torch.bool, p.device)
+    chunk = min(_CHUNK if p.device.type == "cpu" else d, d)
+    a = scratch("shortlist.abs", chunk, p.dtype, p.device)
+    mask = scratch("shortlist.mask", chunk, torch.bool, p.device)
+    numpy = p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES and p.is_contiguous()
+    if numpy:
+        x, a_np, mask_np = p.detach().numpy(), a.numpy(), mask.numpy()
     parts = []
     for start in range(0, d, chunk):
-        part = p[start : start + chunk]
-        n = part.numel()
-        torch.abs(part, out=a[:n])
-        torch.ge(a[:n], threshold, out=mask[:n])
-        idx = mask[:n].nonzero().squeeze(1)
+        n = min(chunk, d - start)
+        if numpy:
+            np.greater_equal(np.abs(x[start : start + n], out=a_np[:n]), threshold, out=mask_np[:n])
+            idx = torch.from_numpy(np.flatnonzero(mask_np[:n]))
+        else:
+            torch.ge(torch.abs(p[start : start + n], out=a[:n]), threshold, out=mask[:n])
+            idx = mask[:n].nonzero().squeeze(1)
         if idx.numel():
             parts.append(idx.add_(start) if start else idx)
     if not parts:
@@ -46,35 +48,8 @@ def indices_at_least(p: Tensor, threshold: float) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _indices_at_least_numpy(p: Tensor, threshold: float) -> Tensor:
-    """:func:`indices_at_least` for CPU tensors through NumPy (same result, same order)."""
-    x = p.detach().numpy()
-    d = x.size
-    chunk = min(_CHUNK, d)
-    a = scratch("shortlist.abs", chunk, p.dtype, p.device).numpy()
-    mask = scratch("shortlist.mask", chunk, torch.bool, p.device).numpy()
-    parts = []
-    for start in range(0, d, chunk):
-        part = x[start : start + chunk]
-        n = part.size
-        np.abs(part, out=a[:n])
-        np.greater_equal(a[:n], threshold, out=mask[:n])
-        idx = np.flatnonzero(mask[:n])
-        if idx.size:
-            parts.append(idx + start if start else idx)
-    if not parts:
-        return torch.empty(0, dtype=torch.long)
-    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
-
-
 def top_by_magnitude(p: Tensor, candidates: Tensor, k: int, magnitudes: Tensor | None = None) -> Tensor:
-    """The ``k`` entries of ``candidates`` (indices into ``p``) with the largest ``|p|`` (or ``magnitudes``).
-
-    Example:
-        >>> import torch
-        >>> top_by_magnitude(torch.tensor([0.5, -4.0, 1.0, 3.0]), torch.tensor([0, 2, 3]), 2).sort().values
-        tensor([2, 3])
-    """
+    """The ``k`` entries of ``candidates`` (indices into ``p``) with the largest ``|p|`` (or ``magnitudes``)."""
     if candidates.numel() == k:
         return candidates
     if magnitudes is None:
