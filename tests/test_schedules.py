@@ -330,7 +330,7 @@ def test_adaptive_state_round_trips_and_pickles() -> None:
     s.observe(1, "b", "w", torch.randn(20_000))
     s.end_step(1)
     clone = pickle.loads(pickle.dumps(s))
-    assert clone._group is None and clone._pending is None
+    assert clone._ctx.comm.group is None and clone._pending is None
     assert clone.density(2) == s.density(2) and clone.state_dict() == s.state_dict()
     # measured network figures travel with the state and are reused on resume
     lb = AdaptiveDensity()

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse._utils import bad_argument, check_density, check_int
 from lightning_sparse.compressors import TopK
+from lightning_sparse.compressors.base import check_number
 from lightning_sparse.schedules.base import DensitySchedule
 from lightning_sparse.schedules.energy import topk_energy
 from lightning_sparse.schedules.link import measure_link
@@ -80,10 +80,9 @@ class AdaptiveDensity(DensitySchedule):
         self.candidates = check_int("candidates", candidates, minimum=1)
         if self.candidates == 1 and self.max_density != self.min_density:
             raise bad_argument("candidates", candidates, "expected an integer >= 2 when min_density < max_density")
-        self.c0 = _check_positive("c0", c0)
-        self.c1 = _check_positive("c1", c1)
-        self.alpha = _check_positive("alpha", alpha)
-        self.beta = _check_positive("beta", beta)
+        self.c0, self.c1, self.alpha, self.beta = (
+            _check_positive(name, value) for name, value in (("c0", c0), ("c1", c1), ("alpha", alpha), ("beta", beta))
+        )
         if cost_model == "bits" and (c0 is None or c0 <= 0):
             raise bad_argument(
                 "c0",
@@ -134,11 +133,6 @@ class AdaptiveDensity(DensitySchedule):
         state["_ctx"] = dataclasses.replace(self._ctx, comm=Collectives())
         return state
 
-    @property
-    def _group(self) -> dist.ProcessGroup | None:
-        """The process group the statistics are gathered over (None until set up, and once pickled)."""
-        return self._ctx.comm.group
-
     def density(self, step: int) -> float:
         self._resolve()
         return self._density
@@ -171,15 +165,12 @@ class AdaptiveDensity(DensitySchedule):
         return {"alpha": alpha, "beta": beta}
 
     def setup(self, ctx: WireContext, device: torch.device, grad_dtype: torch.dtype) -> None:
-        self._ctx = ctx
-        self._grad_dtype = grad_dtype
-        self._rows, self._sizes, self._pending = {}, {}, None
-        self._ks = {}  # the counts are the compressor's (Compressor.k_for)
+        self._ctx, self._grad_dtype = ctx, grad_dtype
+        self._rows, self._sizes, self._pending, self._ks = {}, {}, None, {}
         world = ctx.world_size
-        needs_measure = self.cost_model == "latency_bandwidth" and (self.alpha is None or self.beta is None)
-        if needs_measure and world > 1:
-            if self._measured is None or self._measured.get("world_size") != world:
-                self._measured = measure_link(ctx.comm, ctx.compressor.pattern, device)
+        measured = self._measured is not None and self._measured.get("world_size") == world
+        if self.cost_model == "latency_bandwidth" and None in (self.alpha, self.beta) and world > 1 and not measured:
+            self._measured = measure_link(ctx.comm, ctx.compressor.pattern, device)
 
     def observe(self, step: int, bucket: str, name: str, p: Tensor) -> None:
         if step % self.interval:
@@ -190,13 +181,11 @@ class AdaptiveDensity(DensitySchedule):
             k_for = self._ctx.compressor.k_for
             ks = self._ks[d] = [k_for(d, x) for x in self.grid]
         e = topk_energy(p, ks)
-        row = self._rows.get(bucket)
-        if row is None:
-            self._rows[bucket] = e
-            self._sizes[bucket] = [d]
+        if bucket in self._rows:
+            self._rows[bucket].add_(e)
         else:
-            row.add_(e)
-            self._sizes[bucket].append(d)
+            self._rows[bucket] = e
+        self._sizes.setdefault(bucket, []).append(d)
 
     def end_step(self, step: int) -> int:
         self._resolve()
@@ -208,12 +197,10 @@ class AdaptiveDensity(DensitySchedule):
         layout = [(b, tuple(self._sizes[b])) for b in labels]
         self._rows, self._sizes = {}, {}
         comm = self._ctx.comm
-        future = None
+        gathered, future = local, None
         if comm.world > 1:
             gathered = torch.empty(comm.world * local.numel(), dtype=local.dtype, device=local.device)
             future = comm.all_gather(gathered, local)
-        else:
-            gathered = local
         self._pending = (step, layout, gathered, future)
         return local.numel() * local.element_size() if future is not None else 0
 
@@ -270,7 +257,6 @@ class AdaptiveDensity(DensitySchedule):
         vbytes, gbytes = (ctx.value_dtype or self._grad_dtype).itemsize, self._grad_dtype.itemsize
         ks, sizes = list(ks), list(sizes)
         wire = bucket_wire_bytes(ctx, ks, sizes, vbytes)
-        dense_wire = ring_all_reduce_bytes(world, sum(sizes) * gbytes)
         if self.cost_model == "bits":
             assert self.c0 is not None
             # c1 None: the bits this rank hands to the collectives (a 2-rank ring moves each byte once)
@@ -280,7 +266,7 @@ class AdaptiveDensity(DensitySchedule):
             sparse, dense = self.c0 + payload, self.c0 + 8 * gbytes * sum(sizes)
         else:
             alpha, beta = self._alpha_beta()
-            sparse, dense = alpha + beta * wire, alpha + beta * dense_wire
+            sparse, dense = alpha + beta * wire, alpha + beta * ring_all_reduce_bytes(world, sum(sizes) * gbytes)
         falls_back = ctx.byte_rule and not sparse_pays(wire, world, sum(sizes) * gbytes)
         return sparse, dense if falls_back else None
 
@@ -296,8 +282,4 @@ def _check_positive(name: str, value: Any) -> float | None:
     if value is None:
         return None
     allowed = "expected None or a finite number > 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_argument(name, value, allowed)
-    if value < 0 or (value == 0 and name != "c0"):
-        raise bad_argument(name, value, allowed)
-    return float(value)
+    return check_number(name, value, allowed, lambda v: v > 0 or (v == 0 and name == "c0"))

@@ -14,7 +14,6 @@ from lightning_sparse.config import SparseConfig
 from lightning_sparse.wire import (
     GATHER,
     Collectives,
-    WireContext,
     bucket_wire_bytes,
     quant,
     ring_all_gather_bytes,
@@ -62,36 +61,8 @@ def exchange_cost(
         >>> exchange_cost(config, [1_000_000], world_size=8, step=0)  # warm-up
         (7000000.0, 'dense')
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} is not allowed: expected an int >= 1.")
-    sizes = [int(n) for n in numels]
-    if any(n < 0 for n in sizes):
-        raise ValueError(f"numels={list(numels)!r} is not allowed: expected numbers of elements >= 0.")
-    step = config.warmup_steps if step is None else step
-    itemsize = dtype.itemsize
-    dense = ring_all_reduce_bytes(world_size, sum(sizes) * itemsize)
-    sparse = [n for n in sizes if n >= config.min_numel and n > 0]  # as SparseState.plan marks members
-    small = sum(sizes) - sum(sparse)
-    if not sparse or step < config.warmup_steps:
-        return dense, "dense"
-    ctx = wire_context(config, Collectives(None, world_size))
-    density = config.schedule.density(step)
-    ks = ctx.compressor.ks_for(tuple(sparse), density)
-    vbytes = ctx.vdtype(torch.empty(0, dtype=dtype)).itemsize
-    wire = bucket_wire_bytes(ctx, ks, sparse, vbytes)
-    if ctx.byte_rule and not sparse_pays(wire, world_size, sum(sparse) * itemsize):
-        return dense, "dense"
-    pattern = ctx.compressor.pattern
-    how = GATHER.exchange_for(ctx, ks, sparse, vbytes) if pattern == "gather" else pattern
-    return wire + _small_tensors_bytes(ctx, small, itemsize), how
-
-
-def _small_tensors_bytes(ctx: WireContext, numel: int, itemsize: int) -> float:
-    """Bytes of a sparse bucket's tensors below ``min_numel``: all-reduced, or all-gathered as codes."""
-    world, bits = ctx.world_size, ctx.value_bits
-    if numel and bits is not None and coded_members_pay(world, numel, bits, itemsize):
-        return ring_all_gather_bytes(world, quant.message_bytes(numel, bits))
-    return ring_all_reduce_bytes(world, numel * itemsize)
+    wire, how, _ = _exchange(config, numels, world_size, dtype, step)
+    return wire, how
 
 
 def exchange_collectives(
@@ -112,37 +83,7 @@ def exchange_collectives(
         >>> exchange_collectives(SparseConfig(compressor="countsketch"), [1_000_000, 1000], world_size=8)
         2
     """
-    return _collectives(config, numels, world_size, dtype, exchange_cost(config, numels, world_size, dtype, step)[1])
-
-
-def _collectives(config: SparseConfig, numels: Sequence[int], world_size: int, dtype: torch.dtype, how: str) -> int:
-    """:func:`exchange_collectives` of an exchange sent as ``how`` (what :func:`exchange_cost` answered)."""
-    if world_size <= 1:
-        return 0
-    if how == "dense":
-        return 1
-    sizes = [int(n) for n in numels]
-    small = sum(n for n in sizes if n < config.min_numel or n == 0)
-    ctx = wire_context(config, Collectives(None, world_size))
-    vdtype = ctx.vdtype(torch.empty(0, dtype=dtype))
-    coded_small = (
-        bool(small)
-        and ctx.value_bits is not None
-        and coded_members_pay(world_size, small, ctx.value_bits, dtype.itemsize)
-    )
-    # per round, the (kind, dtype) of each call; the small tensors join the pattern's last round
-    rounds: list[set[tuple[str, torch.dtype]]]
-    if how == "allgather":
-        rounds = [{("all-gather", torch.uint8)}]
-    elif how == "split":
-        rounds = [{("all-to-all", torch.uint8)}, {("all-gather", torch.uint8)}]
-    elif how == "shared":
-        rounds = [{("all-reduce", vdtype)}]
-    else:  # sketch: the tables (float32), then the exact values at the candidates
-        rounds = [{("all-reduce", torch.float32)}, {("all-reduce", vdtype)}]
-    if small:
-        rounds[-1].add(("all-gather", torch.uint8) if coded_small else ("all-reduce", dtype))
-    return sum(len(r) for r in rounds)
+    return _exchange(config, numels, world_size, dtype, step)[2]
 
 
 def exchange_time(
@@ -169,5 +110,46 @@ def exchange_time(
         raise ValueError(f"bandwidth={bandwidth!r} is not allowed: expected bytes per second > 0.")
     if not round_trip >= 0:
         raise ValueError(f"round_trip={round_trip!r} is not allowed: expected seconds >= 0.")
-    wire, how = exchange_cost(config, numels, world_size, dtype, step)
-    return _collectives(config, numels, world_size, dtype, how) * round_trip + wire / bandwidth
+    wire, _, collectives = _exchange(config, numels, world_size, dtype, step)
+    return collectives * round_trip + wire / bandwidth
+
+
+def _exchange(
+    config: SparseConfig, numels: Sequence[int], world_size: int, dtype: torch.dtype, step: int | None
+) -> tuple[float, str, int]:
+    """:func:`exchange_cost`'s bytes and way of sending, and :func:`exchange_collectives`."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is not allowed: expected an int >= 1.")
+    sizes = [int(n) for n in numels]
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"numels={list(numels)!r} is not allowed: expected numbers of elements >= 0.")
+    step = config.warmup_steps if step is None else step
+    itemsize = dtype.itemsize
+    dense = ring_all_reduce_bytes(world_size, sum(sizes) * itemsize), "dense", int(world_size > 1)
+    sparse = [n for n in sizes if n >= config.min_numel and n > 0]  # as SparseState.plan marks members
+    small = sum(sizes) - sum(sparse)
+    if not sparse or step < config.warmup_steps:
+        return dense
+    ctx = wire_context(config, Collectives(None, world_size))
+    ks = ctx.compressor.ks_for(tuple(sparse), config.schedule.density(step))
+    vdtype = ctx.vdtype(torch.empty(0, dtype=dtype))
+    wire = bucket_wire_bytes(ctx, ks, sparse, vdtype.itemsize)
+    if ctx.byte_rule and not sparse_pays(wire, world_size, sum(sparse) * itemsize):
+        return dense
+    pattern = ctx.compressor.pattern
+    how = GATHER.exchange_for(ctx, ks, sparse, vdtype.itemsize) if pattern == "gather" else pattern
+    # a sparse bucket's tensors below min_numel join the last round: all-reduced, or all-gathered as codes
+    gather = ("all-gather", torch.uint8)
+    small_call, small_wire = ("all-reduce", dtype), ring_all_reduce_bytes(world_size, small * itemsize)
+    bits = ctx.value_bits
+    if small and bits is not None and coded_members_pay(world_size, small, bits, itemsize):
+        small_call, small_wire = gather, ring_all_gather_bytes(world_size, quant.message_bytes(small, bits))
+    # per round, the (kind, dtype) of each call
+    rounds = {
+        "allgather": [{gather}],
+        "split": [{("all-to-all", torch.uint8)}, {gather}],
+        "shared": [{("all-reduce", vdtype)}],
+    }.get(how, [{("all-reduce", torch.float32)}, {("all-reduce", vdtype)}])  # sketch: tables, then the candidates
+    if small:
+        rounds[-1].add(small_call)
+    return wire + small_wire, how, sum(len(r) for r in rounds) if world_size > 1 else 0

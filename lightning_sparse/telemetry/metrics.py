@@ -9,15 +9,10 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_sparse._utils import check_int
 from lightning_sparse.wire.stats import Counters
 
 __all__ = ["BytesSent", "CompressTime", "CompressionRatio", "Density", "MessageRatio", "ResidualNorm", "WireBytes"]
-
-
-def _check_steps(steps: int) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} is not allowed: expected an integer >= 1.")
-    return steps
 
 
 class _CounterMetric(Metric):
@@ -34,10 +29,6 @@ class _CounterMetric(Metric):
             self.add_state(name, default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
         for name in self._float_states:
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def _state(self, name: str) -> Tensor:
-        state: Tensor = getattr(self, name)
-        return state
 
     def _add(self, **values: float) -> None:
         for name, value in values.items():
@@ -113,10 +104,11 @@ class _PerStepMetric(_CounterMetric):
 
     def update(self, counters: Counters, steps: int = 1) -> None:
         """Add the counters of ``steps`` optimizer steps."""
-        self._add(**{self._total: getattr(counters, self._counter)}, steps=_check_steps(steps))
+        self._add(**{self._total: getattr(counters, self._counter)}, steps=check_int("steps", steps, minimum=1))
 
     def compute(self) -> Tensor:
-        return self._scale * self._state(self._total).double() / self._state("steps").clamp(min=1).double()
+        total, steps = (getattr(self, name).double() for name in (self._total, "steps"))
+        return self._scale * total / steps.clamp(min=1)
 
 
 class BytesSent(_PerStepMetric):

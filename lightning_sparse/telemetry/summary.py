@@ -38,13 +38,6 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _describe_value(value: Any) -> str:
-    """A setting's value as the title shows it: ``repr``, or the import path of classes and factories."""
-    if callable(value):
-        return str(describe_callable(value))
-    return repr(value)
-
-
 def changed_settings(config: SparseConfig) -> dict[str, str]:
     """The settings of ``config`` that differ from their defaults, as text, in declaration order (but the mode,
     compressor and density)."""
@@ -57,7 +50,8 @@ def changed_settings(config: SparseConfig) -> dict[str, str]:
         if f.name == "value_dtype":  # normalised to a torch dtype: compare with the default's
             default = resolve_value_dtype(default)
         if default is dataclasses.MISSING or type(value) is not type(default) or value != default:
-            out[f.name] = _describe_value(value)
+            # classes and factories by their import path
+            out[f.name] = str(describe_callable(value)) if callable(value) else repr(value)
     return out
 
 
@@ -75,9 +69,8 @@ def _ratio(ratio: float, dense: float, sent: float) -> str:
     return "-" if (dense == 0) != (sent == 0) else f"{ratio:.1f}x"
 
 
-def _diff(now: dict[str, Counters], start: dict[str, Counters] | None) -> dict[str, Counters]:
+def _diff(now: dict[str, Counters], start: dict[str, Counters]) -> dict[str, Counters]:
     """The counters accumulated since ``start``, leaving out rows with nothing in them."""
-    start = start or {}
     out = {}
     for name, c in now.items():
         d = c - start[name] if name in start else c.copy()
@@ -123,15 +116,16 @@ class CompressionSummary:
         title: str = "Sparse communication",
     ) -> CompressionSummary:
         """The figures accumulated in ``telemetry`` since the snapshot ``start`` (None: all of them)."""
-        total = telemetry.total - start.total if start is not None else telemetry.total.copy()
+        start = start if start is not None else Telemetry()
+        total = telemetry.total - start.total
         notes = []
         if telemetry.wait_seconds or telemetry.peak_step_wire_bytes:
-            waited = telemetry.wait_seconds - (start.wait_seconds if start is not None else 0.0)
+            waited = telemetry.wait_seconds - start.wait_seconds
             notes.append(
                 f"The largest step's exchange moved {format_bytes(telemetry.peak_step_wire_bytes)} through this rank; "
                 f"waiting for exchanges took {waited:.2f} s."
             )
-        methods = _diff(telemetry.methods, start.methods if start is not None else None)
+        methods = _diff(telemetry.methods, start.methods)
         flush = methods.get(FLUSH_METHOD)
         if flush is not None and total.wire_bytes:
             notes.append(
@@ -148,7 +142,7 @@ class CompressionSummary:
                 "wire bytes; dense DDP needs none, so their dense wire is 0."
             )
         if telemetry.group_bytes is not None:
-            inside = telemetry.group_bytes - ((start.group_bytes or 0.0) if start is not None else 0.0)
+            inside = telemetry.group_bytes - (start.group_bytes or 0.0)
             notes.append(
                 f"Inside this process's group (FSDP2's all-gathers and reduce-scatters, not in the table): "
                 f"{format_bytes(inside)} moved through it."
@@ -157,17 +151,14 @@ class CompressionSummary:
         return cls(
             title=title,
             methods=methods,
-            groups=_diff(telemetry.groups, start.groups if start is not None else None),
+            groups=_diff(telemetry.groups, start.groups),
             total=total,
             step_seconds=step_seconds,
             notes=notes,
         )
 
     def _cells(self, c: Counters) -> list[str]:
-        if self.step_seconds:
-            share = f"{100.0 * c.compress_seconds / self.step_seconds:.1f}%"
-        else:
-            share = "-"
+        share = f"{100.0 * c.compress_seconds / self.step_seconds:.1f}%" if self.step_seconds else "-"
         return [
             str(c.buckets),
             format_bytes(c.dense_wire_bytes),
