@@ -42,14 +42,9 @@ def k_for(numel: int, density: float) -> int:
 
 @dataclass(frozen=True)
 class CompressContext:
-    """What a compressor may know about the tensor it compresses.
-
-    Args:
-        step: the optimizer step (counts synchronised steps only; identical on all ranks).
-        key: a stable 32-bit key of the parameter name (identical on all ranks).
-        rank: this process's rank.
-        world_size: number of processes exchanging.
-        seed: the strategy's seed.
+    """What a compressor may know about the tensor it compresses: the optimizer ``step`` (synchronised steps only) and
+    a stable 32-bit ``key`` of the parameter name, both the same on every rank; this process's ``rank``, the
+    ``world_size`` exchanging and the strategy's ``seed``.
 
     Example:
         >>> import torch
@@ -145,7 +140,7 @@ class Compressor(ABC):
 @functools.cache
 def _init_args(cls: type[Compressor]) -> tuple[str, ...]:
     """The names of ``cls``'s constructor arguments (read once per class: the wire hashes compressors per step)."""
-    return tuple(n for n in inspect.signature(cls).parameters)
+    return tuple(inspect.signature(cls).parameters)
 
 
 class ChunkedCompressor(Protocol):

@@ -11,9 +11,6 @@ from torch import Tensor
 from lightning_sparse._utils import check_int, scratch
 from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 
-#: what the padding of the last, partial row holds: below every magnitude, so it is never picked
-_PAD = -1.0
-
 
 def tail_count(per_row: int, tail: int, chunk: int) -> int:
     """Picks of a last row of ``tail`` values when a full row of ``chunk`` gives ``per_row``: its share in
@@ -126,7 +123,7 @@ class ChunkTopK(Compressor):
         a = scratch("chunk_topk.abs", size, p.dtype, p.device)
         torch.abs(p, out=a[:n])
         if size > n:
-            a[n:].fill_(_PAD)
+            a[n:].fill_(-1.0)  # the last row's padding: below every magnitude, never picked
         # sorted where a row keeps fewer than it picked: its first picks are its largest
         top = torch.topk(a.view(layout.rows, chunk), layout.per_row, dim=1, sorted=layout.keep is not None)
         idx = top.indices.add_(layout.offsets).view(-1)

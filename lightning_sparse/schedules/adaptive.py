@@ -84,25 +84,17 @@ class AdaptiveDensity(DensitySchedule):
             _check_positive(name, value) for name, value in (("c0", c0), ("c1", c1), ("alpha", alpha), ("beta", beta))
         )
         if cost_model == "bits" and (c0 is None or c0 <= 0):
-            raise bad_argument(
-                "c0",
-                c0,
-                "expected a per-message overhead in bits > 0 with cost_model='bits' (with c0 = 0 the rule "
-                "argmax ||Top_k(p)||^2 / (c1*k) degenerates to k = 1)",
-            )
-        given = {"c0": c0, "c1": c1, "alpha": alpha, "beta": beta}
-        own, other = (("c0", "c1"), ("alpha", "beta")) if cost_model == "bits" else (("alpha", "beta"), ("c0", "c1"))
-        for name in other:
-            if given[name] is not None:
-                allowed = f"expected None with cost_model={cost_model!r} (it has {own[0]} and {own[1]})"
-                raise bad_argument(name, given[name], allowed)
+            allowed = "expected a per-message overhead in bits > 0 with cost_model='bits' (with c0 = 0 the rule "
+            raise bad_argument("c0", c0, allowed + "argmax ||Top_k(p)||^2 / (c1*k) degenerates to k = 1)")
+        others = {"alpha": alpha, "beta": beta} if cost_model == "bits" else {"c0": c0, "c1": c1}
+        for name, value in others.items():
+            if value is not None:
+                own = "alpha and beta" if "c0" in others else "c0 and c1"
+                raise bad_argument(name, value, f"expected None with cost_model={cost_model!r} (it has {own})")
         self.initial_density = check_density("initial_density", initial_density)
         self.interval = check_int("interval", interval, minimum=1)
-        g = self.candidates
-        ratio = self.max_density / self.min_density
-        self.grid: tuple[float, ...] = tuple(
-            self.min_density * ratio ** (j / (g - 1)) if g > 1 else self.min_density for j in range(g)
-        )
+        g, ratio = self.candidates, self.max_density / self.min_density
+        self.grid = tuple(self.min_density * ratio ** (j / (g - 1)) if g > 1 else self.min_density for j in range(g))
 
         # state (saved)
         self._density = self.initial_density
@@ -217,9 +209,8 @@ class AdaptiveDensity(DensitySchedule):
         per_rank = gathered.reshape(world, len(layout), g).cpu().tolist()
         energy = [[0.0] * g for _ in layout]
         for rank_rows in per_rank:  # summed in rank order: identical bits on every rank
-            for b, row in enumerate(rank_rows):
-                for j in range(g):
-                    energy[b][j] += row[j]
+            for total, row in zip(energy, rank_rows, strict=True):
+                total[:] = [e + x for e, x in zip(total, row, strict=True)]
         self._density = self.choose(layout, energy)
         self._decided_step = step + 1
 
@@ -238,12 +229,9 @@ class AdaptiveDensity(DensitySchedule):
                 ks = [compressor.k_for(d, density) for d in sizes]
                 sparse_cost, dense_cost = self.message_costs(ks, sizes)
                 if dense_cost is not None:  # the strategy would send this bucket dense
-                    gain += row[-1]
-                    cost += dense_cost
-                else:
-                    # random-k (shared coordinates) sends a uniform k-subset: expected energy k/d * ||p||^2
-                    gain += row[-1] * sum(ks) / sum(sizes) if shared else row[j]
-                    cost += sparse_cost
+                    gain, cost = gain + row[-1], cost + dense_cost
+                else:  # random-k (shared coordinates) sends a uniform k-subset: expected energy k/d * ||p||^2
+                    gain, cost = gain + (row[-1] * sum(ks) / sum(sizes) if shared else row[j]), cost + sparse_cost
             ratio = gain / cost
             if ratio > best_ratio:
                 best, best_ratio = density, ratio

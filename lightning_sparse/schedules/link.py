@@ -23,8 +23,7 @@ def measure_link(comm: Collectives, pattern: str, device: torch.device) -> dict[
     fitted, on every rank together. Returns ``{"alpha", "beta", "world_size"}``."""
     world = comm.world
     gather = pattern == "gather"
-    medians = []
-    xs = []
+    medians, xs = [], []
     for nbytes in _MEASURE_BYTES:
         if gather:
             msg = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -45,8 +44,7 @@ def measure_link(comm: Collectives, pattern: str, device: torch.device) -> dict[
     # the slowest rank sets the pace of a collective; max is exact, so all ranks agree bit for bit
     t = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
-    ts = t.cpu().tolist()
-    alpha, beta = fit_line(xs, ts)
+    alpha, beta = fit_line(xs, t.cpu().tolist())
     return {"alpha": alpha, "beta": beta, "world_size": world}
 
 
