@@ -70,10 +70,8 @@ class RowLayout:
 class ChunkTopK(Compressor):
     """Chunked top-k (the selection of SparseLoCo and DeMo, without DeMo's DCT): the tensor is viewed as rows of
     ``chunk`` values and each row sends its ``round(density * chunk)`` largest ``|p|``, all rows in one
-    ``torch.topk``; the last, partial row sends its share (at least one).
-
-    Args:
-        chunk: values per row, >= 2 (SparseLoCo's 4096; DeMo's 32 of every 64 is ``chunk=64, density=0.5``).
+    ``torch.topk``; the last, partial row sends its share (at least one). ``chunk`` >= 2: SparseLoCo's 4096; DeMo's
+    32 of every 64 is ``chunk=64, density=0.5``.
 
     Example:
         >>> import torch

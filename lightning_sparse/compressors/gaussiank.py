@@ -49,10 +49,7 @@ class GaussianK(Compressor):
     """Gaussian-k sparsification (Shi et al., "Understanding Top-k Sparsification in Distributed Deep Learning"): a
     threshold ``|mu| + sigma * Phi^-1(1 - k / 2d)`` as if ``p`` were Gaussian, refined up to ``rounds`` times while
     the count is outside ``[2k/3, 4k/3]`` (refitting a normal tail to the count, not the authors' fixed steps),
-    then trimmed or padded to the top-``k`` of ``|p|``.
-
-    Args:
-        rounds: refinement rounds of the threshold (0: the Gaussian estimate only).
+    then trimmed or padded to the top-``k`` of ``|p|`` (``rounds=0``: the Gaussian estimate only).
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy

@@ -14,10 +14,7 @@ from lightning_sparse.compressors.topk import exact_topk_indices
 @register_compressor
 class RTopK(Compressor):
     """rTop-k sparsification (Barnes, Inan, Isik, Ozgur): a random ``k`` (per rank) of the ``r = ceil(r_factor * k)``
-    largest ``|p|``; values and indices all-gathered.
-
-    Args:
-        r_factor: ``r / k``, a number >= 1.
+    largest ``|p|`` (``r_factor >= 1``); values and indices all-gathered.
 
     Example:
         >>> import torch

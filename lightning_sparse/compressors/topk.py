@@ -125,10 +125,8 @@ def finish_exactly_k(p: Tensor, k: int, threshold: float, candidates: Tensor, lo
 
 @register_compressor
 class TopK(Compressor):
-    """Top-k sparsification: each rank sends its ``k`` largest-magnitude coordinates of gradient + residual.
-
-    Args:
-        fast: the sample-threshold shortlist selection (exact); ``False`` always calls ``torch.topk``.
+    """Top-k sparsification: each rank sends its ``k`` largest-magnitude coordinates of gradient + residual, found
+    exactly by a sample-threshold shortlist (``fast=False``: always by ``torch.topk``).
 
     Example:
         >>> from lightning_sparse import SparseDDPStrategy

@@ -63,10 +63,7 @@ class DensitySchedule(ABC):
 
 
 class ConstantDensity(DensitySchedule):
-    """The same density at every step.
-
-    Args:
-        density: fraction of coordinates sent, in (0, 1].
+    """The same ``density`` (the fraction of coordinates sent, in (0, 1]) at every step.
 
     Example:
         >>> ConstantDensity(0.001).density(step=0)

@@ -10,8 +10,6 @@ __all__ = ["loss_against_bytes"]
 
 
 def _number(value: object) -> float | None:
-    if value is None or value == "":
-        return None
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
