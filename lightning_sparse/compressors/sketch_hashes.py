@@ -43,12 +43,8 @@ class SketchHashes:
 def segments(h: SketchHashes) -> list[tuple[int, int, int, int]]:
     """``(first block, end block, first coordinate, length)`` of runs of about ``_SEGMENT`` coordinates."""
     per = max(1, _SEGMENT // h.cols)
-    out = []
-    for b0 in range(0, h.blocks, per):
-        b1 = min(h.blocks, b0 + per)
-        start = b0 * h.cols
-        out.append((b0, b1, start, min(b1 * h.cols, h.numel) - start))
-    return out
+    bounds = [(b0, min(h.blocks, b0 + per)) for b0 in range(0, h.blocks, per)]
+    return [(b0, b1, b0 * h.cols, min(b1 * h.cols, h.numel) - b0 * h.cols) for b0, b1 in bounds]
 
 
 def grid(h: SketchHashes, b0: int, b1: int, n: int) -> tuple[Tensor, Tensor]:
