@@ -21,7 +21,6 @@ from lightning_sparse.wire import (
     sparse_pays,
 )
 from lightning_sparse.wire.context import wire_context
-from lightning_sparse.wire.quant import coded_members_pay
 
 __all__ = ["exchange_collectives", "exchange_cost", "exchange_time"]
 
@@ -142,7 +141,7 @@ def _exchange(
     gather = ("all-gather", torch.uint8)
     small_call, small_wire = ("all-reduce", dtype), ring_all_reduce_bytes(world_size, small * itemsize)
     bits = ctx.value_bits
-    if small and bits is not None and coded_members_pay(world_size, small, bits, itemsize):
+    if small and bits is not None and quant.coded_members_pay(world_size, small, bits, itemsize):
         small_call, small_wire = gather, ring_all_gather_bytes(world_size, quant.message_bytes(small, bits))
     # per round, the (kind, dtype) of each call
     rounds = {
