@@ -5,13 +5,14 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import os
 import random
 import socket
 import sys
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -46,6 +47,13 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise bad_argument(name, value, "expected True or False")
     return value
+
+
+def check_number(name: str, value: object, allowed: str, accept: Callable[[float], bool]) -> float:
+    """``value`` as a float if it is a finite number (not a bool) that ``accept`` takes, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not accept(value):
+        raise bad_argument(name, value, allowed)
+    return float(value)
 
 
 def check_density(name: str, value: Any) -> float:

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import bad_argument, make_generator, mix_seed
+from lightning_sparse._utils import make_generator, mix_seed
 
 #: the communication patterns the hook knows (``lightning_sparse.wire.PATTERNS``)
 Pattern = str
@@ -196,13 +194,6 @@ class SketchCompressor(Protocol):
 
     def pick(self, sums: Tensor, k: int) -> Tensor:
         """Positions of the ``k`` candidates applied, from their summed values."""
-
-
-def check_number(name: str, value: object, allowed: str, accept: Callable[[float], bool]) -> float:
-    """``value`` as a float if it is a finite number (not a bool) that ``accept`` takes, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not accept(value):
-        raise bad_argument(name, value, allowed)
-    return float(value)
 
 
 def register_compressor(cls: type[Compressor]) -> type[Compressor]:

@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import bad_argument, check_int, scratch
-from lightning_sparse.compressors.base import CompressContext, Compressor, check_number, register_compressor
+from lightning_sparse._utils import bad_argument, check_int, check_number, scratch
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 from lightning_sparse.compressors.sketch_hashes import (
     SketchHashes,
     buckets,

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import check_int
-from lightning_sparse.compressors.base import CompressContext, Compressor, check_number, register_compressor
+from lightning_sparse._utils import check_int, check_number
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 from lightning_sparse.compressors.topk import finish_exactly_k, indices_at_least, sample_threshold
 
 

@@ -6,7 +6,8 @@ import math
 
 from torch import Tensor
 
-from lightning_sparse.compressors.base import CompressContext, Compressor, check_number, register_compressor
+from lightning_sparse._utils import check_number
+from lightning_sparse.compressors.base import CompressContext, Compressor, register_compressor
 from lightning_sparse.compressors.randomk import random_subset
 from lightning_sparse.compressors.topk import exact_topk_indices
 

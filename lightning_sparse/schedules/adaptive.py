@@ -11,9 +11,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import bad_argument, check_density, check_int
+from lightning_sparse._utils import bad_argument, check_density, check_int, check_number
 from lightning_sparse.compressors import TopK
-from lightning_sparse.compressors.base import check_number
 from lightning_sparse.schedules.base import DensitySchedule
 from lightning_sparse.schedules.energy import topk_energy
 from lightning_sparse.schedules.link import measure_link
