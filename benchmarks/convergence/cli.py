@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SETTINGS",
         help="local steps, outer optimizer, coded values, warm-up exchanges and a density warm-up of the sparse "
         "runs, one variant each: 'sync_every=16,outer=nesterov,value_bits=2,warmup=0,density_start=0.1,"
-        "density_steps=40,delay=1,fragments=4'; 'density=0.0025' replaces the run's density ('': none) "
+        "density_steps=40,delay=1,fragments=4'; 'density=0.0025' replaces the run's density; 'outer_lr=1.0' sets the "
+        "Nesterov outer step's learning rate ('': none) "
         "(default: one plain variant)",
     )
     parser.add_argument(

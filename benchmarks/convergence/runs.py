@@ -75,9 +75,10 @@ VARIANT_KEYS = {
     "flush": "flush_at_end",  # the end-of-fit hand-over: 0 none, R that many exchanges (default: exact)
     "ef_decay": "error_feedback_decay",  # SparseLoCo's decayed error feedback (default 1: none)
     "outer_momentum": "outer_momentum",  # the Nesterov outer step's momentum (default: DiLoCo's 0.9)
+    "outer_lr": "outer_lr",  # the Nesterov outer step's learning rate (default: DiLoCo's 0.7)
     "bn_warmup": "batchnorm_warmup",  # a BatchNorm model's density warm-up in steps (0: off; default 40)
 }
-_FLOAT_KEYS = {"density", "density_start", "ef_decay", "outer_momentum"}
+_FLOAT_KEYS = {"density", "density_start", "ef_decay", "outer_momentum", "outer_lr"}
 _TEXT_KEYS = {"outer", "split"}
 
 
@@ -164,8 +165,8 @@ def run_label(run: dict[str, Any]) -> str:
     if run.get("sync_every", 1) != 1:
         extra.append(f"every {run['sync_every']} steps")
     if run.get("outer_optimizer"):
-        momentum = f" (momentum {run['outer_momentum']:g})" if run.get("outer_momentum") is not None else ""
-        extra.append(f"{run['outer_optimizer']} outer{momentum}")
+        settings = [f"{k} {run[f'outer_{k}']:g}" for k in ("lr", "momentum") if run.get(f"outer_{k}") is not None]
+        extra.append(f"{run['outer_optimizer']} outer" + (f" ({', '.join(settings)})" if settings else ""))
     if run.get("value_bits"):
         extra.append(f"{run['value_bits']}-bit values")
     if run.get("warmup_steps") is not None:

@@ -104,7 +104,7 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         exchange=config.get("exchange") or "auto",
         value_dtype=config.get("value_dtype"),
         sync_every=config.get("sync_every", 1),
-        outer_optimizer=config.get("outer_optimizer"),
+        outer_optimizer=_outer(config),
         value_bits=config.get("value_bits"),
         warmup_steps=config.get("warmup_steps", 1),
         sync_delay=config.get("sync_delay", 0),
@@ -113,9 +113,27 @@ def _sparse_strategy(config: dict[str, Any]) -> Any:
         **({"flush_at_end": config["flush_at_end"]} if "flush_at_end" in config else {}),
         **({"batchnorm_warmup": config["batchnorm_warmup"]} if "batchnorm_warmup" in config else {}),
         **({"error_feedback_decay": config["error_feedback_decay"]} if "error_feedback_decay" in config else {}),
-        **({"outer_momentum": config["outer_momentum"]} if "outer_momentum" in config else {}),
+        **(
+            {"outer_momentum": config["outer_momentum"]}
+            if "outer_momentum" in config and "outer_lr" not in config
+            else {}
+        ),
         compression_monitor=False,
     )
+
+
+def _outer(config: dict[str, Any]) -> Any:
+    """The run's ``outer_optimizer``: with an ``outer_lr``, the Nesterov outer step at that learning rate."""
+    if "outer_lr" not in config:
+        return config.get("outer_optimizer")
+    if config.get("outer_optimizer") != "nesterov":
+        raise ValueError("outer_lr sets the learning rate of outer=nesterov")
+    import functools
+
+    import torch
+
+    momentum = config.get("outer_momentum", 0.9)
+    return functools.partial(torch.optim.SGD, lr=config["outer_lr"], momentum=momentum, nesterov=True)
 
 
 def _demo(model: Any) -> tuple[Any, CollectiveCounter]:
