@@ -67,7 +67,7 @@ def quantize_rows(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
 
 
 def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
-    """The float32 values ``codes`` and ``scales`` stand for (the same on every rank).
+    """The float32 values ``codes`` and ``scales`` stand for (the same on every rank; 2-D: a message a row).
 
     Example:
         >>> import torch
@@ -78,10 +78,7 @@ def dequantize(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
         ([1.0, -1.0, 0.0, 1.0], True)
     """
     step = scales.float() / levels(bits)
-    if codes.dim() == 2:  # one message per row (their scales a row each)
-        return codes.float() * step.repeat_interleave(CHUNK, dim=1)[:, : codes.shape[1]]
-    n = codes.numel()
-    return (codes.float().view(-1) * step.repeat_interleave(CHUNK)[:n]) if n else codes.float()
+    return codes.float() * step.repeat_interleave(CHUNK, dim=-1)[..., : codes.shape[-1]]
 
 
 def remainder(exact: Tensor, sent: Tensor) -> Tensor:
@@ -121,15 +118,7 @@ def pack(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
 
 
 def unpack_rows(messages: Tensor, count: int, bits: int) -> Tensor:
-    """The float32 values of :func:`pack` messages of ``count`` values, one a row (as an all-gather leaves
-    them): ``(rows, count)``.
-
-    Example:
-        >>> import torch
-        >>> message, d = pack(torch.tensor([0.6, -0.9, 0.01, 1.0]), bits=2)
-        >>> torch.equal(unpack_rows(torch.stack([message, message]), 4, bits=2)[1], d)
-        True
-    """
+    """The float32 values of :func:`pack` messages of ``count`` values, a message a row: ``(rows, count)``."""
     at = scale_bytes(count)
     codes = unpack_codes(messages[:, at : at + code_bytes(count, bits)], count, bits)
     return dequantize(codes, messages[:, :at].view(torch.bfloat16), bits)
@@ -137,26 +126,18 @@ def unpack_rows(messages: Tensor, count: int, bits: int) -> Tensor:
 
 def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
     """Write int8 codes (in ``[-L, L]``) into ``out`` (uint8, :func:`code_bytes` long), ``8 // bits`` per byte."""
-    per = 8 // bits
-    n = codes.numel()
-    u = (codes.to(torch.int16) + levels(bits)).to(torch.uint8)  # offset to [0, 2L]
-    padded = torch.zeros(code_bytes(n, bits) * per, dtype=torch.uint8, device=codes.device)
-    padded[:n] = u
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    # the codes of a byte occupy disjoint bits, so their sum is their bitwise or
-    torch.sum(padded.view(-1, per) << shifts, dim=1, dtype=torch.uint8, out=out)
+    pack_code_rows(codes[None], None, bits, out[None])
 
 
-def pack_code_rows(codes: Tensor, valid: Tensor, bits: int, out: Tensor) -> None:
-    """:func:`pack_codes` of every row of ``codes`` (``(rows, n)``) into ``out`` (``(rows, code_bytes(n))``
-    uint8), only where ``valid``: byte for byte what :func:`pack_codes` of each row's valid codes writes.
+def pack_code_rows(codes: Tensor, valid: Tensor | None, bits: int, out: Tensor) -> None:
+    """:func:`pack_codes` of every row of ``codes`` (``(rows, n)``) into ``out`` (``(rows, code_bytes(n))``),
+    only where ``valid``: byte for byte what :func:`pack_codes` of each row's valid codes writes.
 
     Example:
         >>> import torch
         >>> codes = torch.tensor([[1, -1, 0, 1], [0, 1, 0, 0]], dtype=torch.int8)
-        >>> out = torch.empty(2, 1, dtype=torch.uint8)
+        >>> out, one = torch.empty(2, 1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
         >>> pack_code_rows(codes, torch.tensor([[True] * 4, [True, True, False, False]]), 2, out)
-        >>> one = torch.empty(1, dtype=torch.uint8)
         >>> pack_codes(codes[1, :2], 2, one)
         >>> torch.equal(out[1], one), torch.equal(unpack_codes(out, 4, 2)[0], codes[0])
         (True, True)
@@ -165,8 +146,9 @@ def pack_code_rows(codes: Tensor, valid: Tensor, bits: int, out: Tensor) -> None
     rows, n = codes.shape
     u = (codes.to(torch.int16) + levels(bits)).to(torch.uint8)  # offset to [0, 2L]
     padded = torch.zeros(rows, code_bytes(n, bits) * per, dtype=torch.uint8, device=codes.device)
-    padded[:, :n] = torch.where(valid, u, 0)
+    padded[:, :n] = u if valid is None else torch.where(valid, u, 0)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    # the codes of a byte occupy disjoint bits, so their sum is their bitwise or
     out.copy_(torch.sum(padded.view(rows, -1, per) << shifts, dim=2, dtype=torch.uint8))
 
 
