@@ -22,21 +22,7 @@ from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
 from lightning_sparse.wire.select import Selection, nonfinite_members, select_sorted
 
-__all__ = ["SharedLayout", "eligible", "select_shared"]
-
-
-def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members are drawn at once: a random-k compressor and a sparse member.
-
-    Example:
-        >>> from lightning_sparse.compressors import RandomK, TopK
-        >>> from lightning_sparse.wire.stats import Counters
-        >>> from lightning_sparse.wire.context import Member
-        >>> call = BucketCall(torch.zeros(64), BucketPlan((Member("w", 1, 0, 64, True),), 64, "w"), 0, Counters())
-        >>> [eligible(WireContext(c, True, 0.0, None, 0, "auto", True, None, True), call) for c in (RandomK(), TopK())]
-        [True, False]
-    """
-    return ctx.at_once == "randomk" and bool(call.plan.sparse_members)
+__all__ = ["SharedLayout", "add_to_residuals", "select_shared"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +76,7 @@ class SharedLayout:
 
 def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Selection:
     """:func:`~lightning_sparse.wire.select.select_sorted` (with ``settle``) for the shared pattern:
-    every sparse member at once where :func:`eligible`.
+    every sparse member at once where the compressor is random-k.
 
     Example:
         >>> from lightning_sparse.compressors import RandomK
@@ -103,10 +89,10 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
         >>> torch.equal(sel.coords, RandomK().select(call.buffer, 10, ctx.compress_context(5, plan.members[0])))
         True
     """
-    if not eligible(ctx, call):
-        return select_sorted(ctx, call, ks, vdtype, settle=True)
     buffer, plan = call.buffer, call.plan
     sparse = plan.sparse_members
+    if ctx.at_once != "randomk" or not sparse:
+        return select_sorted(ctx, call, ks, vdtype, settle=True)
     layout = SharedLayout.of(plan, tuple(ks), buffer.device)
     at = draw_subsets(layout.subsets, ctx.seed, call.step)  # bucket offsets, buffer order
     if layout.space_order is not None:
@@ -139,7 +125,7 @@ def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
                 part.copy_(nan.expand_as(part))
     local = _local(layout, at) if ctx.error_feedback or ctx.momentum_correction else []
     if ctx.error_feedback:
-        _keep_unsent(ctx, layout, local, exact, sent, bad or [False] * len(sparse))
+        _keep_unsent(ctx, layout, local, exact, sent, bad)
     if ctx.momentum_correction:
         _mask_velocity(ctx, layout, local, bad)
     kept = ps if ps is not None and ctx.error_feedback else [None] * len(sparse)
@@ -172,14 +158,19 @@ def _accumulate(
     if e is None:  # offloaded: each residual staged on the device
         members = enumerate(zip(plan.sparse_members, inputs, strict=True))
         return None, [g if bad and bad[i] else ctx.memory.accumulate(m.name, g) for i, (m, g) in members]
-    views = layout.residual_views.of(e)
+    return e, add_to_residuals(layout.residual_views.of(e), inputs, bad)
+
+
+def add_to_residuals(views: list[Tensor], inputs: list[Tensor], bad: list[bool] | None) -> list[Tensor]:
+    """Add each member's input to its residual's view, but where the input is not finite (the residual stays
+    as it was); returns each member's ``p``: the view, or the input where it is not finite."""
     if bad is None:
         torch._foreach_add_(views, inputs)
-        return e, views
+        return views
     for v, g, b in zip(views, inputs, bad, strict=True):
-        if not b:  # a non-finite input leaves its residual as it was
+        if not b:
             v.add_(g)
-    return e, [g if b else v for v, g, b in zip(views, inputs, bad, strict=True)]
+    return [g if b else v for v, g, b in zip(views, inputs, bad, strict=True)]
 
 
 def _local(layout: SharedLayout, at: Tensor) -> list[Tensor]:
@@ -188,13 +179,13 @@ def _local(layout: SharedLayout, at: Tensor) -> list[Tensor]:
 
 
 def _keep_unsent(
-    ctx: WireContext, layout: SharedLayout, local: list[Tensor], exact: Tensor, sent: Tensor, bad: list[bool]
+    ctx: WireContext, layout: SharedLayout, local: list[Tensor], exact: Tensor, sent: Tensor, bad: list[bool] | None
 ) -> None:
     """After ``exact`` travelled as ``sent``, each finite member's residual keeps the rest, member by member
     (a non-finite member keeps all of it)."""
     parts = zip(layout.space_members, local, exact.split(layout.space_ks), sent.split(layout.space_ks), strict=True)
     for i, idx, values, q in parts:
-        if not bad[i]:
+        if not (bad and bad[i]):
             remainder = None if q.dtype == values.dtype else values - q.to(values.dtype)
             ctx.memory.keep_unsent(layout.names[i], idx, remainder)
 

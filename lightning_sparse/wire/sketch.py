@@ -32,8 +32,9 @@ from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Pending, WireContext
 from lightning_sparse.wire.message import quantize
 from lightning_sparse.wire.select import nonfinite_members
+from lightning_sparse.wire.shared import add_to_residuals
 
-__all__ = ["AT_ONCE_ENTRIES", "CPU_ONE_BY_ONE", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
+__all__ = ["AT_ONCE_ENTRIES", "SketchLayout", "eligible", "launch_sketch", "sketch_tables"]
 
 #: a bucket of more ``rows * numel`` sparse entries takes the per-tensor path
 AT_ONCE_ENTRIES = 1 << 26
@@ -59,7 +60,6 @@ class SketchLayout:
         (1000, 300, 40, (100, 100, 100, 100, 100, 100, 100, 100, 100, 100))
     """
 
-    rows: int
     numel: int  # sparse coordinates
     tables: int  # rows * sum of cols: the round-1 message
     k: int
@@ -71,9 +71,8 @@ class SketchLayout:
     cut_deepest: int
     seed_key: int  # the bucket's members, for the shared draws
     block_of: Tensor  # int32 (numel,): each coordinate's block
-    block_start: Tensor  # (blocks,) its first coordinate
     block_cols: Tensor  # (blocks,) its member's cols
-    block_wide: Tensor  # (rows, blocks): where row r of its member's doubled table starts, less block_start
+    block_wide: Tensor  # (rows, blocks): where row r of its member's doubled table starts, less the block's start
     unfold: Tensor  # int32 (2 * tables,): each slot of the doubled tables' slot in the tables
     block_member: Tensor  # (blocks,)
     member_numel: Tensor  # (S, 1), for the draws
@@ -95,7 +94,7 @@ class SketchLayout:
     input_views: RegionViews  # and of the bucket's input
     member_sizes: tuple[int, ...]  # every member's numel, buffer order (empty: the members leave gaps)
     sparse_regions: tuple[int, ...]  # the sparse members' positions among them
-    spans: tuple[tuple[int, int, int, int, int, int], ...]  # per member: q start, numel, c, first slot, k, first pick
+    spans: tuple[tuple[int, int, int, int, int], ...]  # per member: q start, numel, c, first slot, k
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
@@ -108,11 +107,10 @@ class SketchLayout:
         p1 = compressor.truncation(device)
         cuts = [math.ceil(p1 * k) for k in ks]
         starts = [sum(numels[:i]) for i in range(len(numels))]
-        block_start, block_cols, block_member, block_sizes, block_wide = [], [], [], [], []
+        block_cols, block_member, block_sizes, block_wide = [], [], [], []
         table = 0
         for i, (q, d, c) in enumerate(zip(starts, numels, cols, strict=True)):
             for b in range(-(-d // c)):
-                block_start.append(q + b * c)
                 block_sizes.append(min(c, d - b * c))
                 block_cols.append(c)
                 block_member.append(i)
@@ -138,15 +136,13 @@ class SketchLayout:
         ]
         firsts = [sum(cs[:i]) for i in range(len(cs))]
         tiled = all(m.offset == sum(o.numel for o in plan.members[:i]) for i, m in enumerate(plan.members))
-        picks = [sum(ks[:i]) for i in range(len(ks))]
 
         def long(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        blocks = long(list(range(len(block_start))))
+        blocks = long(list(range(len(block_cols))))
         cand_member = [i for i, c in enumerate(cs) for _ in range(c)]
         return SketchLayout(
-            rows=rows,
             numel=n,
             tables=table,
             k=sum(ks),
@@ -158,7 +154,6 @@ class SketchLayout:
             cut_deepest=max(cut_ranks) + 1,
             seed_key=mix_seed(len(sparse), *(m.key for m in sparse)),
             block_of=torch.repeat_interleave(blocks, long(block_sizes), output_size=n).to(torch.int32),
-            block_start=long(block_start),
             block_cols=long(block_cols),
             block_wide=torch.tensor(block_wide, dtype=torch.int64, device=device).t().contiguous(),
             unfold=unfold.to(device=device, dtype=torch.int32),
@@ -182,7 +177,7 @@ class SketchLayout:
             input_views=RegionViews(tuple((m.offset, m.numel) for m in sparse)),
             member_sizes=tuple(m.numel for m in plan.members) if tiled else (),
             sparse_regions=tuple(i for i, m in enumerate(plan.members) if m.sparse),
-            spans=tuple(zip(starts, numels, cs, firsts, ks, picks, strict=True)),
+            spans=tuple(zip(starts, numels, cs, firsts, ks, strict=True)),
         )
 
 
@@ -190,19 +185,14 @@ def eligible(ctx: WireContext, call: BucketCall) -> bool:
     """Whether ``call``'s sparse members can be sketched at once: a count-sketch compressor, fixed buckets
     (the hashes are drawn per bucket), no momentum correction or substituted inputs, residuals that live
     with the bucket, and the size limits :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`."""
-    compressor = ctx.compressor
     sparse = call.plan.sparse_members
-    if ctx.at_once != "countsketch" or not sparse:
+    if ctx.at_once != "countsketch" or not sparse or not ctx.fixed_buckets or ctx.momentum_correction:
         return False
-    rows = typing.cast(SketchCompressor, compressor).rows
-    if ctx.momentum_correction or call.sources or (ctx.error_feedback and ctx.memory.home is not None):
+    if call.sources or (ctx.error_feedback and ctx.memory.home is not None):
         return False
-    if not ctx.fixed_buckets:
-        return False
-    if rows * sum(m.numel for m in sparse) > AT_ONCE_ENTRIES:
-        return False
-    on_cpu = call.buffer.device.type == "cpu"
-    return not (on_cpu and rows * max(m.numel for m in sparse) > CPU_ONE_BY_ONE)
+    rows = typing.cast(SketchCompressor, ctx.compressor).rows
+    largest = max(m.numel for m in sparse) if call.buffer.device.type == "cpu" else 0
+    return rows * sum(m.numel for m in sparse) <= AT_ONCE_ENTRIES and rows * largest <= CPU_ONE_BY_ONE
 
 
 def _hashes(ctx: WireContext, call: BucketCall, layout: SketchLayout) -> tuple[Tensor, torch.Generator]:
@@ -286,7 +276,7 @@ def _candidates(layout: SketchLayout, a: Tensor, q: Tensor, gen: torch.Generator
 
 def _candidates_one_by_one(layout: SketchLayout, a: Tensor) -> Tensor:
     """:func:`_candidates` by a ``topk`` per member (where a shortlist fell short or overflowed)."""
-    return torch.cat([torch.topk(a[q0 : q0 + d], c).indices.add_(q0) for q0, d, c, _, _, _ in layout.spans])
+    return torch.cat([torch.topk(a[q0 : q0 + d], c).indices.add_(q0) for q0, d, c, _, _ in layout.spans])
 
 
 def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> list[Tensor]:
@@ -310,20 +300,15 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
         p = ctx.memory.flat(residual_layout(ctx, plan, buffer), buffer.device)
         assert p is not None  # eligible: the residuals live with the bucket
         views = layout.residual_views.of(p)
-        if bad is None:
-            torch._foreach_add_(views, inputs)
-        else:  # a non-finite input leaves its residual as it was
-            for v, g, b in zip(views, inputs, bad, strict=True):
-                if not b:
-                    v.add_(g)
+        ps = add_to_residuals(views, inputs, bad)
     else:
-        p, views = buffer, inputs
+        p, views, ps = buffer, inputs, inputs
     if call.observe is not None:  # as in select_sorted: every rank observes every member
-        for i, m in enumerate(plan.sparse_members):
-            call.observe(call.step, plan.label, m.name, inputs[i] if bad and bad[i] else views[i])
+        for m, pm in zip(plan.sparse_members, ps, strict=True):
+            call.observe(call.step, plan.label, m.name, pm)
     x = torch.cat(views).to(torch.float32)
     if bad is not None:  # sketch nothing there: the summed tables stay finite, every rank agrees
-        for (q0, d, _, _, _, _), b in zip(layout.spans, bad, strict=True):
+        for (q0, d, _, _, _), b in zip(layout.spans, bad, strict=True):
             if b:
                 x[q0 : q0 + d].zero_()
     # reused (no page faults of a fresh allocation); one per bucket, as update mode's rounds overlap
@@ -347,7 +332,7 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
     cand = _candidates(layout, a, q, gen).add_(layout.cand_shift)  # bucket offsets
     values = quantize(p[cand], vdtype)
     if bad is not None:  # NaN from a non-finite input: every rank skips the step alike
-        for (_, _, c, first, _, _), b in zip(layout.spans, bad, strict=True):
+        for (_, _, c, first, _), b in zip(layout.spans, bad, strict=True):
             if b:
                 values[first : first + c].fill_(float("nan"))
     counters.sent_numel += layout.k
@@ -367,7 +352,7 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
             return
         at, _ = pick()
         if bad is not None:
-            keep = [not b for (_, _, _, _, k, _), b in zip(layout.spans, bad, strict=True) for _ in range(k)]
+            keep = [not b for (_, _, _, _, k), b in zip(layout.spans, bad, strict=True) for _ in range(k)]
             at = at[torch.tensor(keep, device=at.device)]
         exact = p[at]
         keep_unsent(p, at, exact, quantize(exact, vdtype), coded=False)
