@@ -43,15 +43,7 @@ def quantize(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
 
 def quantize_rows(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """:func:`quantize` of every row of ``values`` (``(rows, n)``, each chunked on its own), in a fixed
-    number of operators: ``(codes (rows, n) int8, scales (rows, chunks) bfloat16)``.
-
-    Example:
-        >>> import torch
-        >>> v = torch.tensor([0.6, -0.9, 0.01, 1.0])
-        >>> codes, scales = quantize_rows(torch.stack([v, 2 * v]), bits=2)
-        >>> torch.equal(codes[1], quantize(v, 2)[0]), scales.shape
-        (True, torch.Size([2, 1]))
-    """
+    number of operators: ``(codes (rows, n) int8, scales (rows, chunks) bfloat16)``."""
     rows, n = values.shape
     chunks = (n + CHUNK - 1) // CHUNK
     padded = torch.zeros(rows, chunks * CHUNK, dtype=torch.float32, device=values.device)
@@ -131,17 +123,7 @@ def pack_codes(codes: Tensor, bits: int, out: Tensor) -> None:
 
 def pack_code_rows(codes: Tensor, valid: Tensor | None, bits: int, out: Tensor) -> None:
     """:func:`pack_codes` of every row of ``codes`` (``(rows, n)``) into ``out`` (``(rows, code_bytes(n))``),
-    only where ``valid``: byte for byte what :func:`pack_codes` of each row's valid codes writes.
-
-    Example:
-        >>> import torch
-        >>> codes = torch.tensor([[1, -1, 0, 1], [0, 1, 0, 0]], dtype=torch.int8)
-        >>> out, one = torch.empty(2, 1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
-        >>> pack_code_rows(codes, torch.tensor([[True] * 4, [True, True, False, False]]), 2, out)
-        >>> pack_codes(codes[1, :2], 2, one)
-        >>> torch.equal(out[1], one), torch.equal(unpack_codes(out, 4, 2)[0], codes[0])
-        (True, True)
-    """
+    only where ``valid``: byte for byte what :func:`pack_codes` of each row's valid codes writes."""
     per = 8 // bits
     rows, n = codes.shape
     u = (codes.to(torch.int16) + levels(bits)).to(torch.uint8)  # offset to [0, 2L]

@@ -76,19 +76,7 @@ class SharedLayout:
 
 def select_shared(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Selection:
     """:func:`~lightning_sparse.wire.select.select_sorted` (with ``settle``) for the shared pattern:
-    every sparse member at once where the compressor is random-k.
-
-    Example:
-        >>> from lightning_sparse.compressors import RandomK
-        >>> from lightning_sparse.wire.stats import Counters
-        >>> from lightning_sparse.wire.context import Member
-        >>> plan = BucketPlan((Member("w", 1, 0, 1000, True),), 1000, "w")
-        >>> ctx = WireContext(RandomK(), True, 0.0, None, 0, "auto", True, None, True)
-        >>> call = BucketCall(torch.randn(1000), plan, 5, Counters())
-        >>> sel = select_shared(ctx, call, [10], torch.float32)
-        >>> torch.equal(sel.coords, RandomK().select(call.buffer, 10, ctx.compress_context(5, plan.members[0])))
-        True
-    """
+    every sparse member at once where the compressor is random-k, each picking what it picks by itself."""
     buffer, plan = call.buffer, call.plan
     sparse = plan.sparse_members
     if ctx.at_once != "randomk" or not sparse:

@@ -230,20 +230,7 @@ def sketch_tables(
     ctx: WireContext, call: BucketCall, layout: SketchLayout, x: Tensor, tables: Tensor
 ) -> tuple[Tensor, torch.Generator]:
     """Add this rank's ``x`` (the sparse members' ``p``, float32) into ``tables``, pre-truncated as
-    ``p1`` says. Returns the hashes and the shared generator (see :func:`_hashes`).
-
-    Example:
-        >>> from lightning_sparse.compressors import CountSketch
-        >>> from lightning_sparse.wire.stats import Counters
-        >>> from lightning_sparse.wire.context import Member
-        >>> plan = BucketPlan((Member("w", 1, 0, 8, True),), 8, "w")
-        >>> ctx = WireContext(CountSketch(rows=1, p1=0), True, 0.0, None, 0, "auto", True, None, True)
-        >>> layout = SketchLayout.of(plan, (1,), ctx.compressor, torch.device("cpu"))
-        >>> tables = torch.zeros(layout.tables)
-        >>> _ = sketch_tables(ctx, BucketCall(torch.zeros(8), plan, 0, Counters()), layout, torch.ones(8), tables)
-        >>> float(tables.abs().sum())  # cols = 8: no collision, each coordinate alone in its bucket
-        8.0
-    """
+    ``p1`` says. Returns the hashes and the shared generator (see :func:`_hashes`)."""
     if layout.cut_draws:
         gen = make_generator(x.device, mix_seed(ctx.seed, _CUT_TAG, ctx.rank, call.step, layout.seed_key))
         a = x.abs()
@@ -290,10 +277,9 @@ def _sparse_parts(buffer: Tensor, plan: BucketPlan, layout: SketchLayout) -> lis
 def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
     """:meth:`SketchPattern.launch_rounds <lightning_sparse.wire.patterns.SketchPattern.launch_rounds>`
     for every sparse member of the bucket at once (where :func:`eligible`)."""
-    compressor = typing.cast(SketchCompressor, ctx.compressor)
     buffer, plan, counters, world = call.buffer, call.plan, call.counters, ctx.world_size
     vdtype = ctx.vdtype(buffer)
-    layout = SketchLayout.of(plan, tuple(ks), compressor, buffer.device)
+    layout = SketchLayout.of(plan, tuple(ks), typing.cast(SketchCompressor, ctx.compressor), buffer.device)
     bad = nonfinite_members(call)
     inputs = _sparse_parts(buffer, plan, layout)
     if ctx.error_feedback:
@@ -337,15 +323,14 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
                 values[first : first + c].fill_(float("nan"))
     counters.sent_numel += layout.k
     issued = futures(ctx.comm.all_reduce(values, counters))
-    picked: list[tuple[Tensor, Tensor]] = []
 
+    @functools.cache
     def pick() -> tuple[Tensor, Tensor]:
-        if not picked:  # per member the k largest |sums|: bucket offsets, sums
-            bits = values.to(torch.float32).abs().view(torch.int32)
-            key = layout.cand_base - bits  # member ascending, then magnitude descending
-            chosen = torch.sort(key).indices[layout.pick_slots]
-            picked.append((cand[chosen], values[chosen]))
-        return picked[0]
+        """Per member the k largest ``|sums|``: bucket offsets, sums."""
+        bits = values.to(torch.float32).abs().view(torch.int32)
+        key = layout.cand_base - bits  # member ascending, then magnitude descending
+        chosen = torch.sort(key).indices[layout.pick_slots]
+        return cand[chosen], values[chosen]
 
     def settle_residuals() -> None:  # what this rank contributed at the kept coordinates
         if not ctx.error_feedback:

@@ -9,6 +9,7 @@ Every tensor has a fixed size and the counts stay on the device: no host read.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -83,13 +84,10 @@ def split_capacities(n: int, k: int, world: int) -> tuple[int, int]:
 
 def split_layouts(
     n: int, k: int, world: int, vdtype: torch.dtype, compact: bool, value_bits: int | None = None
-) -> tuple[MessageLayout, MessageLayout]:
-    send, keep = split_capacities(n, k, world)
+) -> tuple[MessageLayout, ...]:
+    """The messages of the all-to-all and of the all-gather."""
     largest = Regions(n, world).largest
-    return (
-        MessageLayout.of(largest, send, vdtype, compact, True, value_bits),
-        MessageLayout.of(largest, keep, vdtype, compact, True, value_bits),
-    )
+    return tuple(MessageLayout.of(largest, c, vdtype, compact, True, value_bits) for c in split_capacities(n, k, world))
 
 
 def split_wire_bytes(
@@ -107,13 +105,7 @@ _MAGNITUDE_BITS = 0x7FFFFFFF
 
 def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: int) -> Tensor:
     """Positions of the selection by owner, ``(world, cap)``: row ``j`` holds owner ``j``'s positions
-    ascending, then ``owner.numel()``; the ``cap`` largest magnitudes (ties: the smaller position).
-
-    Example:
-        >>> owner = torch.tensor([0, 1, 0, 0, 1])
-        >>> _keep_largest_per_owner(owner, torch.tensor([1.0, 2.0, 3.0, 2.0, 1.0]), 3, 2).tolist()
-        [[2, 3], [1, 4], [5, 5]]
-    """
+    ascending, then ``owner.numel()``; the ``cap`` largest magnitudes (ties: the smaller position)."""
     count = owner.numel()
     # one sort by (owner, magnitude descending, position): non-negative floats' bits order as they do
     bits = magnitude.float().view(torch.int32).long()
@@ -129,15 +121,7 @@ def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: i
 def _owner_choice(local: Tensor, values: Tensor, end: int, keep: int) -> tuple[Tensor, Tensor]:
     """An owner's choice from what the ranks sent it (row ``r``: rank ``r``'s positions, ``end`` past
     its count, and their values): the ``keep`` largest sums (added in rank order; NaN the largest;
-    ties to the smaller position). ``(positions ascending, then end; their sums, then 0)``.
-
-    Example:
-        >>> local = torch.tensor([[2, 5, 9], [5, 7, 9]])  # 9: past rank 0's and rank 1's counts
-        >>> values = torch.tensor([[1.0, 2.0, 0.0], [-4.0, 1.0, 0.0]])
-        >>> chosen, sums = _owner_choice(local, values, end=9, keep=2)
-        >>> chosen.tolist(), sums.tolist()
-        ([2, 5], [1.0, -2.0])
-    """
+    ties to the smaller position). ``(positions ascending, then end; their sums, then 0)``."""
     local, order = torch.sort(local.view(-1), stable=True)  # by position, then rank: the padding last
     starts = torch.ones_like(local, dtype=torch.bool)
     torch.ne(local[1:], local[:-1], out=starts[1:])
@@ -201,18 +185,14 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     gathered = scratch(f"split.received.{label}", world * second.size, torch.uint8, device).view(world, second.size)
     issued = futures(ctx.comm.all_gather(gathered.view(-1), message.view(-1), counters))
 
-    received: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
-
+    @functools.cache
     def receive() -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Every owner's choice, decoded once: positions in its region (``largest`` past the count),
         coordinates and values (0 there), and which are real."""
-        if not received:
-            loc, vals, counts = second.unpack_counted_rows(gathered)
-            real = torch.arange(second.capacity, device=device) < counts.unsqueeze(1)
-            owners = torch.arange(world, device=device).unsqueeze(1)
-            coords = torch.where(real, regions.to_space(loc, owners), 0)
-            received.append((loc, coords, vals, real))
-        return received[0]
+        loc, vals, counts = second.unpack_counted_rows(gathered)
+        real = torch.arange(second.capacity, device=device) < counts.unsqueeze(1)
+        coords = torch.where(real, regions.to_space(loc, torch.arange(world, device=device).unsqueeze(1)), 0)
+        return loc, coords, vals, real
 
     def settle_residuals() -> None:
         if not (ctx.error_feedback or ctx.momentum_correction):
