@@ -1,4 +1,4 @@
-"""What the demo models share: cross-entropy training and validation, and gradient-norm clipping."""
+"""What the demo tasks share: data loading, cross-entropy training and validation, gradient-norm clipping."""
 
 from __future__ import annotations
 
@@ -7,6 +7,32 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class _DataModule(L.LightningDataModule):
+    """The (train, validation) TensorDatasets of :meth:`load`, made on the first ``setup``: training batches
+    of ``batch_size`` shuffled (the last short one dropped), validation batches of ``val_batch_size``."""
+
+    batch_size: int
+    val_batch_size = 256
+    train_set: TensorDataset | None = None
+    val_set: TensorDataset | None = None
+
+    def load(self) -> tuple[TensorDataset, TensorDataset]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self.load()
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None
+        return DataLoader(self.val_set, batch_size=self.val_batch_size)
 
 
 class _Classifier(L.LightningModule):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_sparse.demos._common import _Classifier
+from lightning_sparse.demos._common import _Classifier, _DataModule
 
 
 def load_digits_tensors(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -27,7 +26,7 @@ def load_digits_tensors(test_fraction: float = 0.2, seed: int = 0) -> tuple[Tens
     return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
 
 
-class DigitsDataModule(L.LightningDataModule):
+class DigitsDataModule(_DataModule):
     """Handwritten digits (1,797 8x8 images shipped with scikit-learn), split train/test.
 
     Args:
@@ -44,20 +43,9 @@ class DigitsDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.test_fraction = test_fraction
         self.seed = seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set, self.val_set = load_digits_tensors(self.test_fraction, self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=256)
+    def load(self) -> tuple[TensorDataset, TensorDataset]:
+        return load_digits_tensors(self.test_fraction, self.seed)
 
 
 class DigitsClassifier(_Classifier):

@@ -7,12 +7,11 @@ import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_sparse.demos._common import _Classifier, _NormClipping
+from lightning_sparse.demos._common import _Classifier, _DataModule, _NormClipping
 
 #: Standard-library modules whose source the text task trains on (present in Python 3.10-3.13).
 TEXT_TRAIN_FILES: tuple[str, ...] = (
@@ -94,11 +93,12 @@ def _window_starts(context: int, n_train: int, n_val: int, seed: int) -> tuple[T
     return train_codes, val_codes, train_start, torch.linspace(0, n_val_pos - 1, n_val).long()
 
 
-class _WindowDataModule(L.LightningDataModule):
-    """Windows of standard-library source drawn with a seed (``loader``), shuffled for training."""
+class _WindowDataModule(_DataModule):
+    """Windows of standard-library source drawn with a seed (``loader``)."""
 
-    #: validation batch size
     val_batch_size = 1024
+    #: ``loader(context, n_train, n_val, seed) -> (train, validation)``: the task's windows
+    loader: Callable[[int, int, int, int], tuple[TensorDataset, TensorDataset]]
 
     def __init__(self, batch_size: int, context: int, n_train: int, n_val: int, seed: int) -> None:
         super().__init__()
@@ -109,23 +109,9 @@ class _WindowDataModule(L.LightningDataModule):
         self.n_train = n_train
         self.n_val = n_val
         self.seed = seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
 
-    #: ``loader(context, n_train, n_val, seed) -> (train, validation)``: the task's windows
-    loader: Callable[[int, int, int, int], tuple[TensorDataset, TensorDataset]]
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set, self.val_set = type(self).loader(self.context, self.n_train, self.n_val, self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.val_batch_size)
+    def load(self) -> tuple[TensorDataset, TensorDataset]:
+        return type(self).loader(self.context, self.n_train, self.n_val, self.seed)
 
 
 class TextDataModule(_WindowDataModule):

@@ -12,14 +12,12 @@ from lightning_sparse.demos.digits import DigitsDataModule, load_digits_tensors
 
 def load_digit_images(size: int = 32, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """The scikit-learn digits as (train, test) TensorDatasets of ``1 x size x size`` images in [0, 1]."""
-    train, test = load_digits_tensors(test_fraction, seed)
+    train, test = (d.tensors for d in load_digits_tensors(test_fraction, seed))
 
     def images(x: Tensor) -> Tensor:
-        x = x.view(-1, 1, 8, 8)
-        return nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+        return nn.functional.interpolate(x.view(-1, 1, 8, 8), size=(size, size), mode="bilinear", align_corners=False)
 
-    (x, y), (x_test, y_test) = train.tensors, test.tensors
-    return TensorDataset(images(x), y), TensorDataset(images(x_test), y_test)
+    return TensorDataset(images(train[0]), train[1]), TensorDataset(images(test[0]), test[1])
 
 
 class DigitImagesDataModule(DigitsDataModule):
@@ -39,9 +37,8 @@ class DigitImagesDataModule(DigitsDataModule):
         super().__init__(batch_size, test_fraction, seed)
         self.size = size
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set, self.val_set = load_digit_images(self.size, self.test_fraction, self.seed)
+    def load(self) -> tuple[TensorDataset, TensorDataset]:
+        return load_digit_images(self.size, self.test_fraction, self.seed)
 
 
 class _BasicBlock(nn.Module):
