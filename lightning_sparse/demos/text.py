@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sysconfig
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,12 +38,8 @@ TEXT_VOCAB = len(TEXT_CHARS) + 1  # + "other" (tabs, non-ASCII)
 def stdlib_source(files: Sequence[str], stdlib: str | None = None) -> str:
     """The concatenated source of the standard-library ``files`` this Python ships (FileNotFoundError: none)."""
     root = stdlib or sysconfig.get_paths()["stdlib"]
-    parts = []
-    for name in files:
-        path = os.path.join(root, name)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                parts.append(f.read())
+    paths = [Path(root, name) for name in files]
+    parts = [path.read_text(encoding="utf-8") for path in paths if path.is_file()]
     if not parts:
         raise FileNotFoundError(f"none of {list(files)} found under the standard library directory {root!r}")
     return "\n".join(parts)

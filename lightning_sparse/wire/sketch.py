@@ -136,10 +136,7 @@ class SketchLayout:
         ]
         firsts = [sum(cs[:i]) for i in range(len(cs))]
         tiled = all(m.offset == sum(o.numel for o in plan.members[:i]) for i, m in enumerate(plan.members))
-
-        def long(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        long = functools.partial(torch.tensor, dtype=torch.int64, device=device)
         blocks = long(list(range(len(block_cols))))
         cand_member = [i for i, c in enumerate(cs) for _ in range(c)]
         return SketchLayout(
@@ -155,7 +152,7 @@ class SketchLayout:
             seed_key=mix_seed(len(sparse), *(m.key for m in sparse)),
             block_of=torch.repeat_interleave(blocks, long(block_sizes), output_size=n).to(torch.int32),
             block_cols=long(block_cols),
-            block_wide=torch.tensor(block_wide, dtype=torch.int64, device=device).t().contiguous(),
+            block_wide=long(block_wide).t().contiguous(),
             unfold=unfold.to(device=device, dtype=torch.int32),
             block_member=long(block_member),
             member_numel=long(numels).unsqueeze(1),
