@@ -123,14 +123,12 @@ class SketchLayout:
                 for i, c in enumerate(cols)
             ]
         )
-        n, total_c = sum(numels), sum(cs)
+        n = sum(numels)
         ratio = max(d / c for d, c in zip(numels, cs, strict=True))
         draws, ranks, capacity = shortlist_sizes(numels, cs, ratio, n)
         cutting = [0 < m < d for m, d in zip(cuts, numels, strict=True)]
-        cut_draws = 0
-        if any(cutting):
-            wanted = max(math.ceil(64 * d / m) for m, d, on in zip(cuts, numels, cutting, strict=True) if on)
-            cut_draws = min(_CUT_DRAWS[1], max(_CUT_DRAWS[0], wanted))
+        wanted = [math.ceil(64 * d / m) for m, d, on in zip(cuts, numels, cutting, strict=True) if on]
+        cut_draws = min(_CUT_DRAWS[1], max(_CUT_DRAWS[0], *wanted)) if wanted else 0
         cut_ranks = [
             sample_rank(cut_draws, m, d, 0.0) - 1 if on else 0 for m, d, on in zip(cuts, numels, cutting, strict=True)
         ]
@@ -143,7 +141,7 @@ class SketchLayout:
             numel=n,
             tables=table,
             k=sum(ks),
-            candidates=total_c,
+            candidates=sum(cs),
             capacity=capacity,
             draws=draws,
             deepest=max(ranks) + 1,
