@@ -22,7 +22,6 @@ from lightning_sparse.exchange.replicas import Replicas
 from lightning_sparse.fabric.fsdp import SparseFSDPStrategy
 from lightning_sparse.fabric.hooks import FabricHooks, _Filter, _State
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.ft_front import fabric_recovery
 from lightning_sparse.strategies.settings import with_settings
 
 __all__ = ["SparseDDPStrategy", "register_fabric_strategies"]
@@ -60,34 +59,17 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     def __init__(self, **settings: Any) -> None:
         fabric_args = self._take_settings(SparseDDPStrategy, settings)
         super().__init__(**fabric_args, start_method=self._core.config.start_method, **self._core.ddp_kwargs)
-        self._ddp_model: Module | None = None
+        self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
         self._backward_sync_control = _BackwardSyncOf()
-
-    @override
-    def setup_environment(self) -> None:
-        """Fabric's setup (``fabric.launch()``); the process group is ended at interpreter exit."""
-        self._start_processes(super().setup_environment)
 
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # Replicas too
         """Make the module data parallel and bind the sparse communication to it (any device)."""
         model = self._core.wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
-        scaler = getattr(self.precision, "scaler", None)
-        recovery = fabric_recovery(lambda: self._optimizers)
-        self._core.register_hook(
-            model, self.global_rank, self.world_size, self.root_device, scaler, lambda: self._optimizers, recovery
-        )
+        self._bind(model)
         self._watch_forward(model)
-        self._ddp_model = model
+        self._module = module
         return model
-
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Check the optimizer against the configuration."""
-        module: Any = self._ddp_model.module if self._ddp_model is not None else None
-        self._core.check_optimizers([optimizer], self.world_size, module)
-        self._optimizers.append(optimizer)
-        return super().setup_optimizer(optimizer)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -119,7 +101,7 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     def _restore(self, checkpoint: Any, path: _PATH, weights_only: bool | None) -> Any:
         """Take the sparse state out of a loaded checkpoint; this rank's own optimizer states into it."""
         if isinstance(checkpoint, dict) and CHECKPOINT_KEY in checkpoint:
-            self._restore_sparse(checkpoint, path, self._ddp_model is not None, weights_only)
+            self._restore_sparse(checkpoint, path, self._module is not None, weights_only)
         return checkpoint
 
 

@@ -22,15 +22,12 @@ from typing_extensions import override
 
 from lightning_sparse.fabric.hooks import FabricHooks, _Filter, _State
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.ft_front import fabric_recovery
 from lightning_sparse.strategies.sharding import (
     ShardedFront,
-    bind_shards,
     load_local_optimizer_states,
     local_tree,
     reshard,
     shard_module,
-    start_mesh,
     with_fsdp_settings,
 )
 
@@ -92,7 +89,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")`` mesh."""
-        self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
+        self._start_mesh(lambda: ParallelStrategy.setup_environment(self))
 
     def _parallelize(self, module: Module, mesh: Any) -> Module:
         if self._user_parallelize is not None:
@@ -114,9 +111,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         """Shard the module, materialize it, and bind the exchange to this process's shards."""
         module = super().setup_module(module)  # parallelize, then materialize what is on the meta device
-        scaler = getattr(self.precision, "scaler", None)
-        recovery = fabric_recovery(lambda: self._optimizers, sharded=True)
-        bind_shards(self._core, module, self.device_mesh, self.root_device, scaler, lambda: self._optimizers, recovery)
+        self._bind(module)
         self._watch_forward(module)
         self._module = module
         return module
@@ -138,13 +133,6 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         if not (module.training and torch.is_grad_enabled()):
             reshard(module)
 
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Check the optimizer against the configuration (known bad mixes are warned about)."""
-        self._core.check_optimizers([optimizer], int(self.device_mesh["replicate"].size()), self._module)
-        self._optimizers.append(optimizer)
-        return super().setup_optimizer(optimizer)
-
     def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
         # the optimizer states go to each process's own file: DCP's folder keeps one copy of each shard
         if storage_options is not None:
@@ -158,7 +146,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
         local = {k: local_tree(get_optimizer_state_dict(module, opt)) for k, opt in optimizers.items()}
         path = Path(self.broadcast(path))
-        entry = self._save_shards(path, local or None, self._io, None)
+        entry = self._save_sparse(path, local or None, None)
         rest = {k: v for k, v in state.items() if k not in optimizers}
         ModelParallelStrategy.save_checkpoint(self, path, {**rest, CHECKPOINT_KEY: entry}, filter=filter)
 

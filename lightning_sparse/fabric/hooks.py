@@ -12,6 +12,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_sparse.strategies.ft_front import fabric_recovery
 from lightning_sparse.strategies.shell import SparseShell
 
 __all__ = ["FabricHooks"]
@@ -37,6 +38,22 @@ class FabricHooks(SparseShell):
 
     # a training forward ran whose backward has not: its graph holds the rank's view
     _graph_pending: bool = False
+    #: the module the exchange is bound to, and the optimizers set up
+    _module: Module | None
+    _optimizers: list[Optimizer]
+    precision: Any
+
+    def _binding(self, sharded: bool = False) -> tuple[Any, Callable[[], list[Any]], Any]:
+        def optimizers() -> list[Any]:
+            return self._optimizers
+
+        return getattr(self.precision, "scaler", None), optimizers, fabric_recovery(optimizers, sharded)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check the optimizer against the configuration (known bad mixes are warned about)."""
+        self._core.check_optimizers([optimizer], self._exchange_size, self._module)
+        self._optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)  # type: ignore[misc]
 
     def _watch_forward(self, module: Module) -> None:
         """Update mode: the hook that chooses the model the module holds, before every other pre-forward hook."""

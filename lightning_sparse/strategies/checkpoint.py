@@ -52,9 +52,8 @@ def _write(record: dict[str, Any], file: str, io: CheckpointIO, storage_options:
     (Lightning's writer would serialize it into memory first)."""
     if type(io) is TorchCheckpointIO and storage_options is None and "://" not in file:
         os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
-        partial = f"{file}.partial"
-        torch.save(record, partial)
-        os.replace(partial, file)
+        torch.save(record, f"{file}.partial")
+        os.replace(f"{file}.partial", file)
     else:
         io.save_checkpoint(record, file, storage_options=storage_options)
 
@@ -99,9 +98,8 @@ class CheckpointPayload:
         ``optimizer_states`` (kept in update mode, each optimizer followed its own gradients): rank 0's are in the
         checkpoint itself unless ``rank0_in_checkpoint`` is False, the others' in their files.
         """
-        state = self.state
         keep_optimizers = self.update is not None and optimizer_states is not None
-        record: dict[str, Any] = {"rank": rank, "world_size": world_size, "state": state.state_dict(copy=False)}
+        record: dict[str, Any] = {"rank": rank, "world_size": world_size, "state": self.state.state_dict(copy=False)}
         if keep_optimizers and (rank != 0 or not rank0_in_checkpoint):
             record["optimizer_states"] = optimizer_states
         folder = rank_files_dir(path)
@@ -111,7 +109,7 @@ class CheckpointPayload:
             "world_size": world_size,
             "files": os.path.basename(folder),
             "step": record["state"]["step"],
-            "optimizer_keys": sorted(optimizer_states) if keep_optimizers and optimizer_states else [],
+            "optimizer_keys": sorted(optimizer_states or {}) if keep_optimizers else [],
             "rank0_in_checkpoint": rank0_in_checkpoint,
         }
         if self.update is not None:
@@ -148,7 +146,6 @@ class CheckpointPayload:
         saved_world = int(entry["world_size"])
         folder = _folder_of(path, entry)
         keys: list[str] = entry.get("optimizer_keys", [])
-        in_checkpoint = {k: checkpoint[k] for k in keys if k in checkpoint}
 
         def read(r: int) -> dict[str, Any]:
             file = _rank_file(folder, r, saved_world)
@@ -165,23 +162,23 @@ class CheckpointPayload:
                     f"{os.fspath(path)!r} from step {entry['step']}: a process did not finish writing that save."
                 )
             if r == 0 and keys and entry.get("rank0_in_checkpoint", True):
-                record["optimizer_states"] = in_checkpoint
+                record["optimizer_states"] = {k: checkpoint[k] for k in keys if k in checkpoint}
             return record
 
         if saved_world == world_size:
             record = read(rank)
-            mine = record["state"]
-            optimizers = record.get("optimizer_states")
+            mine, optimizers = record["state"], record.get("optimizer_states")
         else:
             mine, optimizers = self._mean_of_saved(read, saved_world, world_size)
         if optimizers:
             checkpoint.update(optimizers)  # this process's own optimizer states (rank 0's are there already)
-        mine = self._checked(mine)
-        self._pending = {"state": mine, "outer_step": entry.get("outer_step")}
+        self._pending = {"state": self._checked(mine), "outer_step": entry.get("outer_step")}
         if now:
             self.apply_pending(device)
 
-    def _mean_of_saved(self, read: Any, saved_world: int, world_size: int) -> tuple[dict[str, Any], Any]:
+    def _mean_of_saved(
+        self, read: Callable[[int], dict[str, Any]], saved_world: int, world_size: int
+    ) -> tuple[dict[str, Any], Any]:
         # every new process takes the mean of the old residuals: their total is kept
         rank_zero_warn(
             f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
@@ -207,10 +204,11 @@ class CheckpointPayload:
                 optimizers.add(record["optimizer_states"])
             if r == 0:
                 first = {k: v for k, v in state.items() if k not in sums}
-        mine = {**first, **{key: mean.result(saved_world) if mean.count else {} for key, mean in sums.items()}}
-        return mine, optimizers.result(optimizers.count) if optimizers.count else None
+        mine = {**first, **{key: mean.result() for key, mean in sums.items()}}
+        return mine, optimizers.result() if optimizers.count else None
 
     def _checked(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """The saved state, warning where it was written under another mode (its residuals dropped) or compressor."""
         state = self.state
         saved_mode = mine.get("compress", "gradient")
         if saved_mode != state.config.compress:
@@ -249,22 +247,23 @@ def read_rank_states(path: _PATH, entry: dict[str, Any] | None = None) -> list[d
     return [torch.load(_rank_file(folder, r, world_size), map_location="cpu") for r in range(world_size)]
 
 
-class _Mean:
-    """A running element-wise mean of states (see :func:`mean_states`); a missing dict key counts as zero."""
+def map_leaves(state: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``state`` with ``leaf`` applied to each leaf (dicts, lists and tuples walked, a tuple's type kept)."""
+    if isinstance(state, dict):
+        return {key: map_leaves(value, leaf) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [map_leaves(value, leaf) for value in state]
+        return type(state)(items) if isinstance(state, tuple) else items
+    return leaf(state)
 
-    def __init__(self, wide: bool = True) -> None:
-        self.total: Any = None
-        self.count = 0
-        #: sum in float64, else in each tensor's own dtype
-        self.wide = wide
 
-    def add(self, state: Any) -> None:
-        self.total = _summed(self.total, state) if self.count else _as_total(state, self.wide)
-        self.count += 1
-
-    def result(self, n: int) -> Any:
-        """The sums divided by ``n`` (missing entries count as zero)."""
-        return _divided(self.total, n)
+def mean_states(states: list[Any]) -> Any:
+    """The element-wise mean of structurally equal states: floating tensors averaged (in float64), anything else
+    taken from the first."""
+    mean = _Mean()
+    for state in states:
+        mean.add(state)
+    return mean.result()
 
 
 class _Sum:
@@ -275,14 +274,21 @@ class _Sum:
         self.value = tensor.detach().to(dtype=torch.float64 if wide else tensor.dtype, copy=True)
 
 
-def map_leaves(state: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``state`` with ``leaf`` applied to each leaf (dicts, lists and tuples walked, a tuple's type kept)."""
-    if isinstance(state, dict):
-        return {key: map_leaves(value, leaf) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        items = [map_leaves(value, leaf) for value in state]
-        return type(state)(items) if isinstance(state, tuple) else items
-    return leaf(state)
+class _Mean:
+    """A running element-wise mean of states, summed in float64 if ``wide``, else in each tensor's own dtype; a
+    missing dict key counts as zero."""
+
+    def __init__(self, wide: bool = True) -> None:
+        self.total: Any = None
+        self.count = 0
+        self.wide = wide
+
+    def add(self, state: Any) -> None:
+        self.total = _summed(self.total, state) if self.count else _as_total(state, self.wide)
+        self.count += 1
+
+    def result(self) -> Any:
+        return map_leaves(self.total, lambda x: x.value.div(self.count).to(x.dtype) if isinstance(x, _Sum) else x)
 
 
 def _as_total(state: Any, wide: bool) -> Any:
@@ -304,19 +310,6 @@ def _summed(total: Any, state: Any) -> Any:
 
 
 def _is_wide(total: dict[str, Any]) -> bool:
-    """Whether the sums in ``total`` are float64."""
+    """Whether the sums in ``total`` are float64 (True where there are none)."""
     sums = [v for v in total.values() if isinstance(v, _Sum)]
     return not sums or sums[0].value.dtype == torch.float64
-
-
-def _divided(total: Any, n: int) -> Any:
-    return map_leaves(total, lambda x: x.value.div(n).to(x.dtype) if isinstance(x, _Sum) else x)
-
-
-def mean_states(states: list[Any]) -> Any:
-    """The element-wise mean of structurally equal states: floating tensors averaged (in float64), anything else
-    taken from the first."""
-    mean = _Mean()
-    for state in states:
-        mean.add(state)
-    return mean.result(mean.count)

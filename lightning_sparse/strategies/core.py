@@ -36,7 +36,7 @@ from lightning_sparse.strategies.checkpoint import CheckpointPayload
 from lightning_sparse.strategies.ddp_args import check_ddp_kwargs
 from lightning_sparse.strategies.presets import PRESETS
 
-__all__ = ["FSDP_NAMES", "STRATEGY_NAMES", "SparseCore", "register_names", "wrap_in_ddp"]
+__all__ = ["FSDP_NAMES", "STRATEGY_NAMES", "SparseCore", "wrap_in_ddp"]
 
 #: the registered names, with their descriptions and fixed arguments (Trainer and Fabric registries)
 STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -60,39 +60,18 @@ STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
         for name, settings in PRESETS.items()
     ),
 )
-
-
-def wrap_in_ddp(
-    module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
-) -> DistributedDataParallel:
-    """``module`` in ``DistributedDataParallel``, built on the current CUDA stream (Lightning's side stream would
-    make every backward cross streams once per parameter).
-
-    Example:
-        >>> import torch.distributed as dist
-        >>> from lightning_sparse._utils import free_port
-        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        >>> wrap_in_ddp(torch.nn.Linear(2, 2), None, {}).module
-        Linear(in_features=2, out_features=2, bias=True)
-        >>> dist.destroy_process_group()
-    """
-    return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
-
-
 #: the name of ``sparse_fsdp`` (Trainer and Fabric registries)
 FSDP_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("sparse_fsdp", "FSDP2 inside groups, sparse exchange across", {}),
 )
 
 
-def register_names(
-    cls: type, registry: Any, names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
-) -> None:
-    """Register ``names`` for ``cls`` in a Trainer or Fabric strategy registry (idempotent)."""
-    for name, description, params in names:
-        if name in registry and registry[name].get("strategy") is cls:
-            continue
-        registry.register(name, cls, description=description, override=True, **params)
+def wrap_in_ddp(
+    module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
+) -> DistributedDataParallel:
+    """``module`` in ``DistributedDataParallel``, built on the current CUDA stream (Lightning's side stream would
+    make every backward cross streams once per parameter)."""
+    return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
 
 
 class SparseCore:

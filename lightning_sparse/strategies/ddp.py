@@ -15,7 +15,6 @@ from lightning_sparse._utils import check_bool
 from lightning_sparse.exchange.replicas import Replicas
 from lightning_sparse.strategies.advice import training_advice
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.settings import with_settings
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 
@@ -62,10 +61,6 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
         self.compression_monitor = compression_monitor
 
     @override
-    def setup_environment(self) -> None:
-        self._start_processes(super().setup_environment)
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._core.check_optimizers(self.optimizers, self.world_size, self.lightning_module)
@@ -76,12 +71,7 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning's DDPStrategy registers comm hooks only on CUDA; ours must run on every device
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        recovery = trainer_recovery(self)
-        self._core.register_hook(
-            self.model, self.global_rank, self.world_size, self.root_device, scaler, lambda: self.optimizers, recovery
-        )
+        self._bind(self.model)  # on every device (Lightning's DDPStrategy registers comm hooks only on CUDA)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

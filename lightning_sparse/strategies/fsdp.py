@@ -18,16 +18,13 @@ from typing_extensions import override
 
 from lightning_sparse._utils import check_bool
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.sharding import (
     FSDP_SETTINGS,
     ShardedFront,
-    bind_shards,
     load_local_optimizer_states,
     local_tree,
     reshard,
     shard_module,
-    start_mesh,
     with_fsdp_settings,
 )
 from lightning_sparse.strategies.trainer_hooks import TrainerHooks
@@ -96,7 +93,7 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._device_mesh = start_mesh(self, lambda: ParallelStrategy.setup_environment(self), self._shard_size)
+        self._start_mesh(lambda: ParallelStrategy.setup_environment(self))
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -106,8 +103,8 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self._shard_model(self.model)
         finish_sharded_setup(self, trainer)
-        self._bind()
-        self._core.check_optimizers(self.optimizers, int(self.device_mesh["replicate"].size()), self.model)
+        self._bind(self.model)
+        self._core.check_optimizers(self.optimizers, self._exchange_size, self.model)
 
     def _shard_model(self, module: torch.nn.Module) -> None:
         if shard_module(module, self.device_mesh["shard"], self.sharded_modules, module is self._sharded_here):
@@ -138,21 +135,13 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
     on_test_end = _reshard_after("on_test_end")
     on_predict_end = _reshard_after("on_predict_end")
 
-    def _bind(self) -> None:
-        assert self.model is not None
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        recovery = trainer_recovery(self, sharded=True)
-        bind_shards(
-            self._core, self.model, self.device_mesh, self.root_device, scaler, lambda: self.optimizers, recovery
-        )
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """The global model through ``torch.distributed.checkpoint``, each process's own state (its optimizer
         states too: the folder holds one copy of each shard) in its own file beside it."""
         optimizers = [local_tree(state) for state in checkpoint.pop("optimizer_states", [])]
         states = {"optimizer_states": optimizers} if optimizers else None
-        checkpoint[CHECKPOINT_KEY] = self._save_shards(filepath, states, self.checkpoint_io, storage_options)
+        checkpoint[CHECKPOINT_KEY] = self._save_sparse(filepath, states, storage_options)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

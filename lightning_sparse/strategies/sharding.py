@@ -2,85 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
 from lightning_sparse.config import setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
-from lightning_sparse.exchange.ft import FrontEndState
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY, map_leaves
-from lightning_sparse.strategies.core import FSDP_NAMES, SparseCore
+from lightning_sparse.strategies.core import FSDP_NAMES
 from lightning_sparse.strategies.settings import DDP_ONLY, T, setting_default, with_settings
 from lightning_sparse.strategies.shell import SparseShell
 from lightning_sparse.wire.stats import Telemetry
 
 __all__ = [
     "FSDP_SETTINGS",
-    "MESH_DIMS",
     "ShardedFront",
-    "bind_shards",
-    "check_mesh",
-    "check_sharding_arguments",
     "count_group_traffic",
     "load_local_optimizer_state",
     "load_local_optimizer_states",
     "local_tree",
-    "make_mesh",
-    "mesh_shape",
     "reshard",
     "shard_module",
     "sharding_units",
-    "start_mesh",
     "with_fsdp_settings",
 ]
 
 #: the settings of the exchange this strategy takes (DDP's own arguments do not apply)
 FSDP_SETTINGS = tuple(name for name in setting_names() if name not in DDP_ONLY)
 MESH_DIMS = ("replicate", "shard")
-
-
-def check_sharding_arguments(settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
-    """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode."""
-    compress, fallback_to_dense, momentum_correction, fault_tolerant = (
-        setting_default(settings, n) for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
-    )
-    if fault_tolerant is True and shard_size is not None:
-        raise ValueError(
-            f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
-            "one job, sharded across all its processes; the exchange runs across the jobs)"
-        )
-    if compress != "update":
-        raise ValueError(
-            f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
-            "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
-        )
-    if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
-        raise ValueError(
-            f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
-            "'bytes' or False (a timed fallback switches to DDP's plain steps)"
-        )
-    if momentum_correction:
-        raise ValueError(
-            f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
-            "(it is a gradient-mode setting)"
-        )
-    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
-        raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
-    if sharded_modules is not None and (
-        isinstance(sharded_modules, str)
-        or not all(isinstance(m, str) and m for m in sharded_modules)
-        or not sharded_modules
-    ):
-        raise ValueError(
-            f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
-            "names, or None"
-        )
 
 
 def with_fsdp_settings(base: type) -> Callable[[T], T]:
@@ -93,7 +46,7 @@ def with_fsdp_settings(base: type) -> Callable[[T], T]:
 
 
 class ShardedFront(SparseShell):
-    """What both ``sparse_fsdp`` front ends share as classes: their name, sharding arguments and shard size.
+    """What both ``sparse_fsdp`` front ends share: their name, sharding arguments, mesh, binding and checkpoints.
 
     Example:
         >>> from lightning_sparse import FabricSparseFSDPStrategy, SparseFSDPStrategy
@@ -104,10 +57,48 @@ class ShardedFront(SparseShell):
     strategy_name = "sparse_fsdp"
     _names = FSDP_NAMES
     device_mesh: Any  # the Lightning strategy's
+    _device_mesh: Any
+    num_processes: int
 
     def _take_sharding(self, settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
-        """Check the sharding arguments (:func:`check_sharding_arguments`) and keep them."""
-        check_sharding_arguments(settings, shard_size, sharded_modules)
+        """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode; keep them."""
+        compress, fallback_to_dense, momentum_correction, fault_tolerant = (
+            setting_default(settings, n)
+            for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
+        )
+        if fault_tolerant is True and shard_size is not None:
+            raise ValueError(
+                f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
+                "one job, sharded across all its processes; the exchange runs across the jobs)"
+            )
+        if compress != "update":
+            raise ValueError(
+                f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
+                "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
+            )
+        if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
+            raise ValueError(
+                f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
+                "'bytes' or False (a timed fallback switches to DDP's plain steps)"
+            )
+        if momentum_correction:
+            raise ValueError(
+                f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
+                "(it is a gradient-mode setting)"
+            )
+        if shard_size is not None and (
+            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
+        ):
+            raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
+        if sharded_modules is not None and (
+            isinstance(sharded_modules, str)
+            or not sharded_modules
+            or not all(isinstance(m, str) and m for m in sharded_modules)
+        ):
+            raise ValueError(
+                f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
+                "names, or None"
+            )
         self._shard_size: int | None = shard_size
         self.sharded_modules: list[str] | None = None if sharded_modules is None else list(sharded_modules)
 
@@ -116,63 +107,79 @@ class ShardedFront(SparseShell):
         """Processes per group (the mesh's ``"shard"`` dimension)."""
         return int(self.device_mesh["shard"].size())
 
-    def _save_shards(
-        self, path: _PATH, optimizer_states: dict[str, Any] | None, io: CheckpointIO, storage_options: Any
-    ) -> dict[str, Any]:
-        """Write this process's file beside the checkpoint at ``path``; the checkpoint's entry, with the mesh."""
-        entry = self._core.checkpoint.save(
-            path, self.global_rank, self.world_size, optimizer_states, io, storage_options, rank0_in_checkpoint=False
+    @property
+    def _exchange_size(self) -> int:
+        return int(self.device_mesh["replicate"].size())
+
+    def _start_mesh(self, setup: Callable[[], None]) -> None:
+        """``setup_environment``: ``setup`` (``ParallelStrategy``'s, which builds no mesh) and the process group,
+        then the ``("replicate", "shard")`` mesh: groups of ``shard_size`` processes (None: those of one node;
+        fault-tolerant: all the job's)."""
+
+        def start() -> None:
+            setup()
+            self._setup_distributed()  # type: ignore[attr-defined]
+
+        self._start_processes(start)
+        world_size = self.world_size
+        shard_size = world_size if self._core.config.fault_tolerant else self._shard_size or self.num_processes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if world_size % shard_size:
+            raise ValueError(
+                f"shard_size={shard_size} is not allowed with {world_size} processes: expected a divisor of the "
+                "number of processes"
+            )
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIMS
         )
-        entry["mesh"] = mesh_shape(self.device_mesh)
+
+    def _bind(self, module: Any) -> None:
+        """Bind the exchange to this process's shards of ``module``'s parameters, across ``"replicate"``."""
+        named = [(n, p) for n, p in module.named_parameters()]
+        # to_local().detach() shares the DTensor's storage (what the exchange writes, FSDP2 gathers next) outside
+        # autograd; the DTensors, which the optimizer holds, are the aliases
+        local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
+        core = self._core
+        count_group_traffic(module, core.state.telemetry)
+        replicate, shard = self.device_mesh["replicate"], self.device_mesh["shard"]
+        scaler, optimizers, recovery = self._binding(sharded=True)
+        core.bind(
+            local,
+            replicate.get_group(),
+            int(replicate.get_local_rank()),
+            int(replicate.size()),
+            self.root_device,
+            scaler,
+            optimizers=optimizers,
+            module=module,
+            aliases=named,
+            job=(shard.get_group(), int(shard.get_local_rank()), int(shard.size())),
+            recovery=recovery,
+        )
+
+    def _save_sparse(
+        self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any
+    ) -> dict[str, Any]:
+        """Write this process's file (with its optimizer states: DCP's folder keeps one copy of each shard) beside
+        the checkpoint at ``path``; the checkpoint's entry, with the mesh."""
+        entry = self._core.checkpoint.save(
+            path, self.global_rank, self.world_size, optimizer_states, self.checkpoint_io, storage_options, False
+        )
+        entry["mesh"] = [int(self.device_mesh[d].size()) for d in MESH_DIMS]
         return entry
 
     def _restore_shards(self, checkpoint: dict[str, Any], path: _PATH, weights_only: bool | None) -> None:
         """Restore this process's sparse state from a loaded ``checkpoint`` written on the same mesh."""
-        check_mesh(checkpoint.get(CHECKPOINT_KEY), mesh_shape(self.device_mesh), path)
+        entry, shape = checkpoint.get(CHECKPOINT_KEY), [int(self.device_mesh[d].size()) for d in MESH_DIMS]
+        if entry is None:
+            raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
+        if entry.get("mesh") != shape:
+            raise ValueError(
+                f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
+                f"is resumed on {shape}: SparseFSDPStrategy resumes on the same number of processes and shard_size"
+            )
         self._restore_sparse(checkpoint, path, True, weights_only)
-
-
-def start_mesh(strategy: Any, setup: Callable[[], None], shard_size: int | None) -> Any:
-    """A ``sparse_fsdp`` front end's ``setup_environment``: ``setup`` (``ParallelStrategy``'s, which builds no mesh)
-    and the process group, then the :func:`make_mesh` of ``shard_size`` (None: the processes of one node)."""
-
-    def start() -> None:
-        setup()
-        strategy._setup_distributed()
-
-    strategy._start_processes(start)
-    size = shard_size or strategy.num_processes
-    return make_mesh(strategy.root_device, strategy.world_size, size, strategy._core.config.fault_tolerant)
-
-
-def make_mesh(device: torch.device, world_size: int, shard_size: int, fault_tolerant: bool = False) -> Any:
-    """The ``("replicate", "shard")`` mesh; ``fault_tolerant``: one group of all the job's processes."""
-    if fault_tolerant:
-        shard_size = world_size
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if world_size % shard_size:
-        raise ValueError(
-            f"shard_size={shard_size} is not allowed with {world_size} processes: expected a divisor of the "
-            "number of processes"
-        )
-    return init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=MESH_DIMS)
-
-
-def mesh_shape(mesh: Any) -> list[int]:
-    """[groups, shard_size] of a mesh: what a checkpoint records and a resume must match."""
-    return [int(mesh[d].size()) for d in MESH_DIMS]
-
-
-def check_mesh(entry: Mapping[str, Any] | None, shape: list[int], path: _PATH) -> None:
-    """Refuse a checkpoint not written by ``sparse_fsdp``, or on another mesh (ValueError)."""
-    if entry is None:
-        raise ValueError(f"{str(path)!r} holds no lightning_sparse state: it was not written by SparseFSDPStrategy")
-    if entry.get("mesh") != shape:
-        raise ValueError(
-            f"the checkpoint {str(path)!r} was written on a mesh of {entry.get('mesh')} (groups, shard_size) and "
-            f"is resumed on {shape}: SparseFSDPStrategy resumes on the same number of processes and shard_size"
-        )
 
 
 def sharding_units(module: torch.nn.Module, sharded_modules: list[str]) -> list[torch.nn.Module]:
@@ -260,29 +267,27 @@ def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
     except ImportError:
         return False
 
-    class _CountedAllGather(AllGather):
+    class _Counted:
+        """An FSDP2 collective that records the bytes of its whole tensor (gathered or scattered) it moves."""
+
+        gathers: bool
+
         def __init__(self, inner: Any) -> None:
             self.inner = inner
 
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
-            size = dist.get_world_size(group)
-            telemetry.record_group((size - 1) / size * output_tensor.numel() * output_tensor.element_size())
-            return self.inner(output_tensor, input_tensor, group, async_op)
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+            whole, size = output_tensor if self.gathers else input_tensor, dist.get_world_size(group)
+            telemetry.record_group((size - 1) / size * whole.numel() * whole.element_size())
+            return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
 
-    class _CountedReduceScatter(ReduceScatter):
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
+    class _CountedAllGather(_Counted, AllGather):
+        gathers = True
 
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
-            size = dist.get_world_size(group)
-            telemetry.record_group((size - 1) / size * input_tensor.numel() * input_tensor.element_size())
-            return self.inner(output_tensor, input_tensor, group, op, async_op)
+    class _CountedReduceScatter(_Counted, ReduceScatter):
+        gathers = False
 
     counted = False
     for m in module.modules():
@@ -313,37 +318,6 @@ def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
     if counted and telemetry.group_bytes is None:
         telemetry.group_bytes = 0.0
     return counted
-
-
-def bind_shards(
-    core: SparseCore,
-    module: torch.nn.Module,
-    mesh: Any,
-    device: torch.device,
-    scaler: Any,
-    optimizers: Callable[[], list[Any]],
-    recovery: FrontEndState | None = None,
-) -> None:
-    """Bind the exchange to this process's shards of ``module``'s parameters, across ``"replicate"``."""
-    named = [(n, p) for n, p in module.named_parameters()]
-    # to_local().detach() shares the DTensor's storage (what the exchange writes, FSDP2 gathers next) outside
-    # autograd; the DTensors, which the optimizer holds, are the aliases
-    local = [(n, p.to_local().detach() if hasattr(p, "to_local") else p) for n, p in named]
-    count_group_traffic(module, core.state.telemetry)
-    replicate, shard = mesh["replicate"], mesh["shard"]
-    core.bind(
-        local,
-        replicate.get_group(),
-        int(replicate.get_local_rank()),
-        int(replicate.size()),
-        device,
-        scaler,
-        optimizers=optimizers,
-        module=module,
-        aliases=named,
-        job=(shard.get_group(), int(shard.get_local_rank()), int(shard.size())),
-        recovery=recovery,
-    )
 
 
 def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optimizer, dict[str, Any]]]) -> None:

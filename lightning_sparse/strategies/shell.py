@@ -16,7 +16,7 @@ from lightning_sparse._utils import end_process_group_at_exit, note_run_end
 from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
-from lightning_sparse.strategies.core import STRATEGY_NAMES, SparseCore, register_names
+from lightning_sparse.strategies.core import STRATEGY_NAMES, SparseCore
 from lightning_sparse.strategies.presets import preset_settings
 from lightning_sparse.strategies.settings import take_settings
 
@@ -36,7 +36,7 @@ class SparseShell:
     strategy_name = "sparse_ddp"
     #: the names the strategy registers (``strategies.core.STRATEGY_NAMES`` or ``FSDP_NAMES``)
     _names: tuple[tuple[str, str, dict[str, Any]], ...] = STRATEGY_NAMES
-    # provided by the front end's strategy
+    # the Lightning strategy's
     global_rank: int
     world_size: int
     root_device: torch.device
@@ -48,8 +48,12 @@ class SparseShell:
         self._core = SparseCore(config, ddp_kwargs=ddp_kwargs)
         return base_args
 
+    def setup_environment(self) -> None:
+        """The Lightning strategy's set-up (``fabric.launch()`` in Fabric)."""
+        self._start_processes(super().setup_environment)  # type: ignore[misc]
+
     def _start_processes(self, start: Callable[[], None]) -> None:
-        """Run ``start`` (``setup_environment``); the group it created ends at interpreter exit on every rank."""
+        """Run ``start``; the process group it created ends at interpreter exit on every rank."""
         created = not _distributed_is_initialized()
         start()
         end_process_group_at_exit(created=created)
@@ -66,6 +70,11 @@ class SparseShell:
         kwargs = {"num_replicas": self.world_size, "rank": self.global_rank}
         return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
+    @property
+    def _exchange_size(self) -> int:
+        """The number of processes the exchange runs across."""
+        return self.world_size
+
     @classmethod
     def preset(cls, name: str, **arguments: Any) -> Self:
         """The strategy at a preset of ``lightning_sparse.strategies.presets.PRESETS``, ``arguments`` on top.
@@ -81,7 +90,9 @@ class SparseShell:
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register the strategy's names with a Trainer or Fabric strategy registry (idempotent)."""
-        register_names(cls, strategy_registry, cls._names)
+        for name, description, params in cls._names:
+            if name not in strategy_registry or strategy_registry[name].get("strategy") is not cls:
+                strategy_registry.register(name, cls, description=description, override=True, **params)
 
     @property
     def sparse_state(self) -> SparseState:
@@ -127,6 +138,15 @@ class SparseShell:
             >>> SparseDDPStrategy(compress="gradient").end_fit()  # gradient mode: nothing to hand over
         """
         self._core.end_fit()
+
+    def _bind(self, model: Any) -> None:
+        """Bind the exchange to the model :meth:`SparseCore.wrap` made (and register DDP's hook in gradient mode)."""
+        core = self._core
+        core.register_hook(model, self.global_rank, self.world_size, self.root_device, *self._binding())
+
+    def _binding(self, sharded: bool = False) -> tuple[Any, Callable[[], list[Any]], Any]:
+        """The gradient scaler, the optimizers and the front end's part of a healing group's state."""
+        raise NotImplementedError
 
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any

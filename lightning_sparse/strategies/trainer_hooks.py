@@ -12,6 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_sparse._utils import check_int
 from lightning_sparse.strategies.checkpoint import CheckpointPayload
+from lightning_sparse.strategies.ft_front import trainer_recovery
 from lightning_sparse.strategies.monitor import CompressionMonitor
 from lightning_sparse.strategies.shell import SparseShell
 
@@ -91,6 +92,11 @@ class TrainerHooks(SparseShell):
 
     compression_monitor: bool
     is_global_zero: bool
+    optimizers: list[torch.optim.Optimizer]
+    precision_plugin: Any
+
+    def _binding(self, sharded: bool = False) -> tuple[Any, Callable[[], list[Any]], Any]:
+        return getattr(self.precision_plugin, "scaler", None), lambda: self.optimizers, trainer_recovery(self, sharded)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._core.hold_local()
