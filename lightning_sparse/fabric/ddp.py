@@ -1,7 +1,4 @@
-"""SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``, for a loop the user writes.
-
-Which model the module holds in such a loop: :class:`~lightning_sparse.fabric.hooks.FabricHooks`.
-"""
+"""SparseDDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_ddp")``, for a loop the user writes."""
 
 from __future__ import annotations
 
@@ -59,7 +56,6 @@ class SparseDDPStrategy(FabricHooks, DDPStrategy):
     def __init__(self, **settings: Any) -> None:
         fabric_args = self._take_settings(SparseDDPStrategy, settings)
         super().__init__(**fabric_args, start_method=self._core.config.start_method, **self._core.ddp_kwargs)
-        self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
         self._backward_sync_control = _BackwardSyncOf()
 

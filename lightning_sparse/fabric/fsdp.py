@@ -1,8 +1,4 @@
-"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``.
-
-FSDP2 replaces the module's parameters when it shards them: ``fabric.setup_module(model)`` first, then make the
-optimizer from ``model.parameters()`` and ``fabric.setup_optimizers(optimizer)``.
-"""
+"""SparseFSDPStrategy for Lightning Fabric: ``Fabric(strategy="sparse_fsdp")``."""
 
 from __future__ import annotations
 
@@ -39,8 +35,9 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
     """Fabric's sparse HSDP: FSDP2 inside each group of ``shard_size`` processes, the sparse exchange across.
 
     The Fabric counterpart of the Trainer's ``lightning_sparse.SparseFSDPStrategy``, the module sharded by
-    ``parallelize_fn(module, device_mesh)`` or by the strategy (``sharded_modules``). ``fabric.load`` with the keys
-    ``fabric.save`` had resumes exactly, on the same processes and ``shard_size``.
+    ``parallelize_fn(module, device_mesh)`` or by the strategy (``sharded_modules``), which replaces its parameters:
+    ``fabric.setup_module(model)`` first, then make the optimizer. ``fabric.load`` with the keys ``fabric.save`` had
+    resumes exactly, on the same processes and ``shard_size``.
 
     Args:
         shard_size: processes per group; None (default): the processes of one node.
@@ -73,7 +70,6 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         self._user_parallelize = parallelize_fn
         self._io = TorchCheckpointIO()  # for the processes' own files (the folder is DCP's)
         self._optimizers: list[Optimizer] = []
-        self._module: Module | None = None
 
     @property
     @override
@@ -88,7 +84,6 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Fabric's setup (``fabric.launch()``): the process group, then the ``("replicate", "shard")`` mesh."""
         self._start_mesh(lambda: ParallelStrategy.setup_environment(self))
 
     def _parallelize(self, module: Module, mesh: Any) -> Module:
@@ -142,12 +137,10 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         self._core.global_model()  # every process saves together
-        module = self._checkpoint_module(state)
-        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        module, optimizers, rest = self._split(state)
         local = {k: local_tree(get_optimizer_state_dict(module, opt)) for k, opt in optimizers.items()}
         path = Path(self.broadcast(path))
         entry = self._save_sparse(path, local or None, None)
-        rest = {k: v for k, v in state.items() if k not in optimizers}
         ModelParallelStrategy.save_checkpoint(self, path, {**rest, CHECKPOINT_KEY: entry}, filter=filter)
 
     def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
@@ -156,9 +149,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
                 self, path, state=state, strict=strict, weights_only=weights_only
             )
         path = Path(self.broadcast(path))
-        module = self._checkpoint_module(state)
-        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
-        rest = {k: v for k, v in state.items() if k not in optimizers}
+        module, optimizers, rest = self._split(state)
         metadata = _load_checkpoint(path=path, state=rest, strict=strict, weights_only=weights_only)
         state.update(rest)  # the metadata the caller asked for, loaded into ``rest``
         self._restore_shards(metadata, path, weights_only)
@@ -169,12 +160,14 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
         return metadata
 
     @staticmethod
-    def _checkpoint_module(state: dict[str, Any]) -> Module:
+    def _split(state: dict[str, Any]) -> tuple[Module, dict[str, Optimizer], dict[str, Any]]:
+        """The sharded module of a checkpoint's ``state`` (a Fabric-wrapped one's inner), its optimizers, the rest."""
         modules = [v for v in state.values() if isinstance(v, Module)]
         if len(modules) != 1:
             raise ValueError(
                 f"a checkpoint's state with {len(modules)} modules is not allowed with SparseFSDPStrategy: expected "
                 "one (the sharded model)"
             )
-        module = modules[0]
-        return getattr(module, "_forward_module", module)  # a Fabric-wrapped module: the sharded one
+        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        rest = {k: v for k, v in state.items() if k not in optimizers}
+        return getattr(modules[0], "_forward_module", modules[0]), optimizers, rest

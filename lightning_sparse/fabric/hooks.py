@@ -39,9 +39,12 @@ class FabricHooks(SparseShell):
     # a training forward ran whose backward has not: its graph holds the rank's view
     _graph_pending: bool = False
     #: the module the exchange is bound to, and the optimizers set up
-    _module: Module | None
+    _module: Module | None = None
     _optimizers: list[Optimizer]
     precision: Any
+    #: what ``fabric.save`` and ``fabric.load`` do in each front end (after the checks of the methods below)
+    _save_with_sparse: Callable[[_PATH, _State, Any, _Filter], None]
+    _load_with_sparse: Callable[[_PATH, Any, bool, bool | None], dict[str, Any]]
 
     def _binding(self, sharded: bool = False) -> tuple[Any, Callable[[], list[Any]], Any]:
         def optimizers() -> list[Any]:
@@ -109,12 +112,6 @@ class FabricHooks(SparseShell):
         """Load the global model and the rest of ``state``, and give this process its own sparse state back."""
         self._core.hold_global()  # what the module held is replaced: it becomes the global model
         return self._load_with_sparse(path, state, strict, weights_only)
-
-    def _save_with_sparse(self, path: _PATH, state: _State, storage_options: Any, filter: _Filter) -> None:
-        raise NotImplementedError
-
-    def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-        raise NotImplementedError
 
     def get_module_state_dict(self, module: Module) -> dict[str, Any | Tensor]:
         """The module's state with the global parameters (update mode)."""

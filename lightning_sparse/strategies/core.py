@@ -38,21 +38,19 @@ from lightning_sparse.strategies.presets import PRESETS
 
 __all__ = ["FSDP_NAMES", "STRATEGY_NAMES", "SparseCore", "wrap_in_ddp"]
 
+_UNUSED = (" with find_unused_parameters=True", {"find_unused_parameters": True})
 #: the registered names, with their descriptions and fixed arguments (Trainer and Fabric registries)
 STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("sparse_ddp", "sparse DDP (top-k 1% + error feedback), start_method 'popen'", {"start_method": "popen"}),
-    ("sparse_ddp_spawn", "sparse DDP, start_method 'spawn'", {"start_method": "spawn"}),
-    ("sparse_ddp_fork", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
-    ("sparse_ddp_notebook", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
-    (
-        "sparse_ddp_find_unused_parameters_true",
-        "sparse DDP with find_unused_parameters=True, start_method 'popen'",
-        {"start_method": "popen", "find_unused_parameters": True},
-    ),
-    (
-        "sparse_ddp_spawn_find_unused_parameters_true",
-        "sparse DDP with find_unused_parameters=True, start_method 'spawn'",
-        {"start_method": "spawn", "find_unused_parameters": True},
+    *(
+        (f"sparse_ddp{suffix}", f"sparse DDP{what}, start_method {method!r}", {"start_method": method, **fixed})
+        for suffix, method, (what, fixed) in (
+            ("", "popen", (" (top-k 1% + error feedback)", {})),
+            ("_spawn", "spawn", ("", {})),
+            ("_fork", "fork", ("", {})),
+            ("_notebook", "fork", ("", {})),
+            ("_find_unused_parameters_true", "popen", _UNUSED),
+            ("_spawn_find_unused_parameters_true", "spawn", _UNUSED),
+        )
     ),
     # the presets: sparse_ddp_1000x, ... (strategies.presets.PRESETS)
     *(
@@ -132,11 +130,10 @@ class SparseCore:
         job: tuple[dist.ProcessGroup | None, int, int] | None = None,
         recovery: FrontEndState | None = None,
     ) -> None:
-        """Bind the exchange to its parameters and process group, with the gradient scaler and, in update mode,
-        the optimizers and the ``module`` whose BatchNorm statistics :meth:`global_model` recomputes.
-        ``aliases``: the tensors the optimizers hold where they are not the exchanged ones (FSDP2's DTensors).
-        ``job``: the whole job's group, rank and size where it is not ``process_group`` (fault-tolerant FSDP2).
-        ``recovery``: the front end's part of a healing group's state."""
+        """Bind the exchange to its parameters and process group, with the gradient scaler and, in update mode, the
+        optimizers and the ``module`` whose BatchNorm statistics :meth:`global_model` recomputes. ``aliases``: the
+        tensors the optimizers hold in place of the exchanged ones (FSDP2's DTensors); ``job``: the whole job's
+        group, rank and size (fault-tolerant FSDP2); ``recovery``: the front end's part of a healing group's state."""
         if module is not None:
             self._warm_up_density(module)  # before a checkpoint's schedule state is applied to it
         self.checkpoint.apply_pending(device)
@@ -158,16 +155,15 @@ class SparseCore:
             update.on_nonfinite = lambda names: reset_optimizer_states(optimizers(), names, update.name_of)
 
     def _warm_up_density(self, module: torch.nn.Module) -> None:
-        """The density warm-up of ``batchnorm_warmup``: update mode, a model with BatchNorm, a constant density
-        carrying under ``BATCHNORM_SHARE`` of each step's progress."""
-        steps, config = self.state, self.config
-        schedule = steps.schedule
+        """``batchnorm_warmup``: update mode, a model with BatchNorm, a constant density carrying under
+        ``BATCHNORM_SHARE`` of each step's progress."""
+        config, schedule = self.config, self.state.schedule
         if self.update is None or not config.batchnorm_warmup or not isinstance(schedule, ConstantDensity):
             return
         density = schedule.density(0)
         if density / config.sync_every >= BATCHNORM_SHARE or density >= WARMUP_START or not has_batchnorm(module):
             return
-        steps.schedule = WarmupDensity(start=WARMUP_START, end=density, steps=config.batchnorm_warmup)
+        self.state.schedule = WarmupDensity(start=WARMUP_START, end=density, steps=config.batchnorm_warmup)
         rank_zero_info(
             f"lightning_sparse: the model has BatchNorm and {density / config.sync_every:g} of each step's "
             f"progress reaches the global model (density={density:g}, sync_every={config.sync_every}): the "
@@ -179,9 +175,7 @@ class SparseCore:
         self, module: torch.nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]
     ) -> torch.nn.Module:
         """``module`` made data parallel: in update mode :class:`Replicas` (no reducer), else :func:`wrap_in_ddp`."""
-        if self.replicated:
-            return Replicas(module, **ddp_kwargs)
-        return wrap_in_ddp(module, device_ids, ddp_kwargs)
+        return Replicas(module, **ddp_kwargs) if self.replicated else wrap_in_ddp(module, device_ids, ddp_kwargs)
 
     def register_hook(
         self,
@@ -197,8 +191,7 @@ class SparseCore:
         expected = Replicas if self.replicated else DistributedDataParallel
         if not isinstance(model, expected):
             raise RuntimeError(f"expected the model wrapped in {expected.__name__}, got {type(model).__name__}")
-        group = model.process_group
-        named = model.module.named_parameters()
+        named, group = model.module.named_parameters(), model.process_group
         self.bind(named, group, rank, world_size, device, scaler, optimizers, model.module, recovery=recovery)
         if isinstance(model, Replicas):
             self.replicas = model
@@ -206,11 +199,9 @@ class SparseCore:
             model.register_comm_hook(self.state, sparse_comm_hook)
 
     def check_optimizers(self, optimizers: list[Any], world_size: int, module: torch.nn.Module | None = None) -> None:
-        """Refuse an optimizer momentum under momentum correction; warn about combinations that train far from
-        dense."""
-        momentum = self.config.momentum_correction
-        if momentum:
-            check_no_optimizer_momentum(optimizers, momentum)
+        """Refuse an optimizer momentum under momentum correction; warn of combinations that train far from dense."""
+        if self.config.momentum_correction:
+            check_no_optimizer_momentum(optimizers, self.config.momentum_correction)
         if world_size > 1:
             for advice in training_advice(self.state, optimizers, module):
                 rank_zero_warn(f"lightning_sparse: {advice}")
@@ -252,10 +243,9 @@ class SparseCore:
         """Update mode: give the module the global parameters and BatchNorm statistics recomputed under them,
         averaged over the processes if ``together`` (every process calls it here)."""
         self.hold_global()
-        norms = self.batchnorm
+        norms, state = self.batchnorm, self.state
         if norms is None or not norms.attached:
             return
-        state = self.state
         world_size = state.world_size if together else 1
         norms.recompute(state.process_group, world_size, state.telemetry, state.step)
         if norms.fallback and world_size > 1 and not self._warned_batchnorm:

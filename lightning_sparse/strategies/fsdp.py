@@ -32,12 +32,21 @@ from lightning_sparse.strategies.trainer_hooks import TrainerHooks
 __all__ = ["FSDP_SETTINGS", "SparseFSDPStrategy", "finish_sharded_setup", "register_fsdp_strategy"]
 
 
-def _root_step(method: str, context: str) -> Callable[..., Any]:
-    """The strategy's ``method``: the LightningModule's, in the precision context, inside the root's forward."""
+def _root_step(method: str, context: str, hold_local: bool = False) -> Callable[..., Any]:
+    """The strategy's ``method``: the LightningModule's, in the precision context, inside the root unit's forward,
+    which starts every unit's all-gathers (a step may call a submodule), as Lightning's DDP runs it in DDP's."""
 
     def step(self: SparseFSDPStrategy, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        if hold_local:
+            self._core.hold_local()
+        module = self.lightning_module
+        assert module is not None
         with getattr(self.precision_plugin, context)():
-            return self._in_root(method, *args, **kwargs)
+            if isinstance(self.model, FSDPModule) and self.model is module:
+                return self._forward_redirection(module, module, method, *args, **kwargs)
+            return getattr(module, method)(*args, **kwargs)
 
     step.__name__ = step.__qualname__ = method
     return step
@@ -101,32 +110,13 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._shard_model(self.model)
+        if shard_module(self.model, self.device_mesh["shard"], self.sharded_modules, self.model is self._sharded_here):
+            self._sharded_here = self.model
         finish_sharded_setup(self, trainer)
         self._bind(self.model)
         self._core.check_optimizers(self.optimizers, self._exchange_size, self.model)
 
-    def _shard_model(self, module: torch.nn.Module) -> None:
-        if shard_module(module, self.device_mesh["shard"], self.sharded_modules, module is self._sharded_here):
-            self._sharded_here = module
-
-    # every step method runs inside the root unit's forward, which starts every unit's all-gathers (a step may
-    # call a submodule), as Lightning's DDP runs it inside DDP's forward
-    def _in_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.fsdp import FSDPModule
-
-        module = self.lightning_module
-        assert module is not None
-        if isinstance(self.model, FSDPModule) and self.model is module:
-            return self._forward_redirection(module, module, method, *args, **kwargs)
-        return getattr(module, method)(*args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._core.hold_local()
-        with self.precision_plugin.train_step_context():
-            return self._in_root("training_step", *args, **kwargs)
-
+    training_step = _root_step("training_step", "train_step_context", hold_local=True)
     validation_step = _root_step("validation_step", "val_step_context")
     test_step = _root_step("test_step", "test_step_context")
     predict_step = _root_step("predict_step", "predict_step_context")

@@ -57,12 +57,6 @@ def compression_figures(
 METRIC_NAMES = tuple(compression_figures(Counters(), 1, Counters(), 0.0))
 
 
-def find_sparse_state(trainer: pl.Trainer) -> SparseState | None:
-    """The sparse state of the Trainer's strategy, or None."""
-    state = getattr(trainer.strategy, "sparse_state", None)
-    return state if isinstance(state, SparseState) else None
-
-
 class CompressionMonitor(Callback):
     """Log the compression figures (:func:`compression_figures`) through ``pl_module.log`` and print a summary.
 
@@ -95,11 +89,10 @@ class CompressionMonitor(Callback):
         self.sync_dist = sync_dist
         self._state: SparseState | None = None
         self._fit_start: Telemetry | None = None
-        self._logged: Counters = Counters()
-        self._logged_steps = 0
+        #: the counters and steps at the last logged point, and at the epoch's start
+        self._logged: tuple[Counters, int] = (Counters(), 0)
+        self._epoch_start: tuple[Counters, int] = (Counters(), 0)
         self._logged_group_bytes = 0.0
-        self._epoch_start: Counters = Counters()
-        self._epoch_start_steps = 0
         self._step_seconds = 0.0
         self._batch_start: float | None = None
         self._saved_interval: int | None = None
@@ -108,7 +101,8 @@ class CompressionMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._state = find_sparse_state(trainer)
+        state = getattr(trainer.strategy, "sparse_state", None)
+        self._state = state if isinstance(state, SparseState) else None
         if self._state is None:
             rank_zero_warn(
                 f"CompressionMonitor logs the figures of SparseDDPStrategy, but the Trainer uses "
@@ -121,11 +115,8 @@ class CompressionMonitor(Callback):
             return
         telemetry = state.telemetry
         self._fit_start = copy.deepcopy(telemetry)
-        self._logged = telemetry.total.copy()
-        self._logged_steps = telemetry.steps
+        self._logged = self._epoch_start = (telemetry.total.copy(), telemetry.steps)
         self._logged_group_bytes = telemetry.group_bytes or 0.0
-        self._epoch_start = telemetry.total.copy()
-        self._epoch_start_steps = telemetry.steps
         self._step_seconds = 0.0
         # the residual norm costs a read of every residual: measured only when logging
         self._saved_interval = state.residual_norm_interval
@@ -142,28 +133,23 @@ class CompressionMonitor(Callback):
         if self._batch_start is not None:
             self._step_seconds += time.perf_counter() - self._batch_start
             self._batch_start = None
-        state = self._state
-        if state is None or self.logging_interval != "step":
-            return
-        telemetry = state.telemetry
-        if telemetry.steps <= self._logged_steps or not _should_update_logs(trainer):
-            return
-        self._log(trainer, pl_module, telemetry.total - self._logged, telemetry.steps - self._logged_steps, True)
-        self._logged = telemetry.total.copy()
-        self._logged_steps = telemetry.steps
+        if self._state is not None and self.logging_interval == "step":
+            telemetry, (logged, steps) = self._state.telemetry, self._logged
+            # where the Trainer writes step metrics to its loggers after this batch (every step if its internals moved)
+            connector = getattr(trainer, "_logger_connector", None)
+            if telemetry.steps > steps and getattr(connector, "should_update_logs", True):
+                self._log(trainer, pl_module, telemetry.total - logged, telemetry.steps - steps, True)
+                self._logged = (telemetry.total.copy(), telemetry.steps)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._state is not None:
-            self._epoch_start = self._state.telemetry.total.copy()
-            self._epoch_start_steps = self._state.telemetry.steps
+            self._epoch_start = (self._state.telemetry.total.copy(), self._state.telemetry.steps)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = self._state
-        if state is None or self.logging_interval != "epoch":
-            return
-        steps = state.telemetry.steps - self._epoch_start_steps
-        if steps > 0:
-            self._log(trainer, pl_module, state.telemetry.total - self._epoch_start, steps, False)
+        if self._state is not None and self.logging_interval == "epoch":
+            telemetry, (start, start_steps) = self._state.telemetry, self._epoch_start
+            if telemetry.steps > start_steps:
+                self._log(trainer, pl_module, telemetry.total - start, telemetry.steps - start_steps, False)
 
     def _log(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, interval: Counters, steps: int, on_step: bool
@@ -233,11 +219,3 @@ class CompressionMonitor(Callback):
         if state.timed_fallback is not None and state.timed_fallback.describe():
             summary.notes.append(str(state.timed_fallback.describe()))
         return summary
-
-
-def _should_update_logs(trainer: pl.Trainer) -> bool:
-    """Whether the Trainer writes step metrics to its loggers after this batch."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is None:  # pragma: no cover - Lightning internals moved; log every step
-        return True
-    return bool(connector.should_update_logs)

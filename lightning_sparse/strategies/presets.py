@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS", "preset_settings"]
+__all__ = ["PRESETS"]
 
 _OUTER = {"outer_optimizer": "nesterov", "value_bits": 2, "warmup_steps": 0}
 _DECAYED = {**_OUTER, "error_feedback_decay": 0.9}
@@ -22,10 +22,3 @@ PRESETS: dict[str, dict[str, Any]] = {
     "8000x": {**_LONG, "outer_momentum": 0.8},
     "10000x": {**_LONG, "density": 0.008, "outer_momentum": 0.85},
 }
-
-
-def preset_settings(name: str) -> dict[str, Any]:
-    """The settings of preset ``name`` (a copy), or ValueError naming the presets there are."""
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not allowed: expected one of {list(PRESETS)}.")
-    return dict(PRESETS[name])

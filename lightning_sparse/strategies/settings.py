@@ -11,34 +11,21 @@ import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 from lightning_sparse.config import SparseConfig
 
-__all__ = ["DDP_ONLY", "setting_default", "take_settings", "with_settings"]
+__all__ = ["DDP_ONLY", "take_settings", "with_settings"]
 
 #: the settings that are DDP's own, which the FSDP2 front ends do not take
 DDP_ONLY = frozenset({"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "start_method"})
-#: where a front end's docstring lists the settings, in its ``Args:``
-PLACEHOLDER = "{settings}"
 
 T = TypeVar("T", bound=type)
 
 
-def _fields(exclude: Iterable[str]) -> list[dataclasses.Field]:
-    skip = set(exclude)
-    return [f for f in dataclasses.fields(SparseConfig) if f.init and f.name not in skip]
-
-
-def setting_default(settings: dict[str, Any], name: str) -> Any:
-    """The value of setting ``name`` among a front end's keyword arguments, or its default.
-
-    Example:
-        >>> setting_default({"density": 0.1}, "density"), setting_default({}, "compress")
-        (0.1, 'update')
-    """
-    return settings[name] if name in settings else SparseConfig.__dataclass_fields__[name].default
+def _fields(exclude: Collection[str]) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(SparseConfig) if f.init and f.name not in exclude]
 
 
 def take_settings(cls: type, settings: dict[str, Any]) -> tuple[SparseConfig, dict[str, Any], dict[str, Any]]:
@@ -46,30 +33,18 @@ def take_settings(cls: type, settings: dict[str, Any]) -> tuple[SparseConfig, di
     and the rest (only with ``extra``, else TypeError)."""
     exclude, inherited, extra = cls._settings  # type: ignore[attr-defined]
     names = {f.name for f in _fields(exclude)}
-    base = {k: v for k, v in settings.items() if k in inherited}
     rest = {k: v for k, v in settings.items() if k not in names and k not in inherited}
     if rest and not extra:
-        name = next(iter(rest))
         raise TypeError(
-            f"{cls.__name__} got an unexpected keyword argument {name!r}: expected one of its own arguments or a "
-            f"setting ({', '.join(sorted(names))})."
+            f"{cls.__name__} got an unexpected keyword argument {next(iter(rest))!r}: expected one of its own "
+            f"arguments or a setting ({', '.join(sorted(names))})."
         )
+    base = {k: v for k, v in settings.items() if k in inherited}
     return SparseConfig(**{k: v for k, v in settings.items() if k in names}), base, rest
 
 
-def _entry(name: str, text: str, indent: str) -> str:
-    return textwrap.fill(
-        f"{name}: {' '.join(text.split())}",
-        width=112,
-        initial_indent=indent,
-        subsequent_indent=indent + "    ",
-        break_on_hyphens=False,
-        break_long_words=False,
-    )
-
-
 def with_settings(
-    exclude: Iterable[str] = (),
+    exclude: Collection[str] = (),
     docs: dict[str, str] | None = None,
     extra: str | None = None,
     inherit: tuple[type, Iterable[str]] | None = None,
@@ -95,20 +70,17 @@ def with_settings(
     """
 
     def decorate(cls: T) -> T:
-        init = cls.__init__  # type: ignore[misc]
-        hints = typing.get_type_hints(init)
-        config_hints = typing.get_type_hints(SparseConfig)
+        init, Param = cls.__init__, inspect.Parameter  # type: ignore[misc]
+        hints, config_hints = typing.get_type_hints(init), typing.get_type_hints(SparseConfig)
         fields = _fields(exclude)
-        own = list(inspect.signature(init).parameters.values())
-        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own]
-        kinds = inspect.Parameter
-        leading = [p for p in own if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
-        trailing = [p for p in own if p.kind is kinds.KEYWORD_ONLY]
-        params = [
-            *leading,
-            *(kinds(f.name, kinds.KEYWORD_ONLY, default=f.default, annotation=config_hints[f.name]) for f in fields),
-            *trailing,
+        own = [
+            p.replace(annotation=hints.get(p.name, p.annotation)) for p in inspect.signature(init).parameters.values()
         ]
+        params = [p for p in own if p.kind in (Param.POSITIONAL_ONLY, Param.POSITIONAL_OR_KEYWORD)]
+        params += [
+            Param(f.name, Param.KEYWORD_ONLY, default=f.default, annotation=config_hints[f.name]) for f in fields
+        ]
+        params += [p for p in own if p.kind is Param.KEYWORD_ONLY]
         base, inherited = (inherit[0], tuple(inherit[1])) if inherit is not None else (object, ())
         if inherited:
             base_init = base.__init__  # type: ignore[misc]
@@ -117,23 +89,24 @@ def with_settings(
             base_hints = typing.get_type_hints(only, globalns=base_init.__globals__)
             defaults = inspect.signature(base_init).parameters
             params += [
-                kinds(n, kinds.KEYWORD_ONLY, default=defaults[n].default, annotation=base_hints[n]) for n in inherited
+                Param(n, Param.KEYWORD_ONLY, default=defaults[n].default, annotation=base_hints[n]) for n in inherited
             ]
         if extra is not None:
-            params.append(kinds(extra, kinds.VAR_KEYWORD, annotation=Any))
+            params.append(Param(extra, Param.VAR_KEYWORD, annotation=Any))
         init.__signature__ = inspect.Signature(params, return_annotation=None)
         # jsonargparse reads the annotations too
         init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in params if p.name not in hints}}
         cls._settings = (frozenset(exclude), frozenset(inherited), extra is not None)  # type: ignore[attr-defined]
         doc = cls.__doc__ or ""
-        line = next((ln for ln in doc.splitlines() if ln.strip() == PLACEHOLDER), None)
+        line = next((ln for ln in doc.splitlines() if ln.strip() == "{settings}"), None)
         if line is None:
-            raise TypeError(f"{cls.__name__}'s docstring needs a line {PLACEHOLDER} in its Args")
+            raise TypeError(f"{cls.__name__}'s docstring needs a line {{settings}} in its Args")
         indent = line[: len(line) - len(line.lstrip())]
         words = {**{f.name: f.metadata["doc"] for f in fields}, **(docs or {})}
         origin = "Fabric" if base.__module__.startswith("lightning.fabric") else "Lightning"
         words.update({n: f"as in {origin}'s ``{base.__name__}``." for n in inherited})
-        entries = "\n".join(_entry(n, words[n], indent) for n in [*(f.name for f in fields), *inherited])
+        fill = textwrap.TextWrapper(112, indent, indent + "    ", break_long_words=False, break_on_hyphens=False).fill
+        entries = "\n".join(fill(f"{n}: {' '.join(words[n].split())}") for n in [*(f.name for f in fields), *inherited])
         cls.__doc__ = doc.replace(line, entries, 1)
         return cls
 

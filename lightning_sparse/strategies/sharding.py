@@ -10,11 +10,11 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
-from lightning_sparse.config import setting_names
+from lightning_sparse.config import SparseConfig, setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY, map_leaves
 from lightning_sparse.strategies.core import FSDP_NAMES
-from lightning_sparse.strategies.settings import DDP_ONLY, T, setting_default, with_settings
+from lightning_sparse.strategies.settings import DDP_ONLY, T, with_settings
 from lightning_sparse.strategies.shell import SparseShell
 from lightning_sparse.wire.stats import Telemetry
 
@@ -62,8 +62,9 @@ class ShardedFront(SparseShell):
 
     def _take_sharding(self, settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
         """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode; keep them."""
+        defaults = {name: field.default for name, field in SparseConfig.__dataclass_fields__.items()}
         compress, fallback_to_dense, momentum_correction, fault_tolerant = (
-            setting_default(settings, n)
+            {**defaults, **settings}[n]
             for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
         )
         if fault_tolerant is True and shard_size is not None:
@@ -220,15 +221,12 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
     ``ours``: this strategy sharded it in an earlier run. Returns whether it was sharded here."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
-    if sharded and ours:
-        return False  # fit, then validate
-    if sharded and sharded_modules:
-        raise ValueError(
-            f"sharded_modules={sharded_modules!r} is not allowed for a module that is sharded already (by "
-            "configure_model or a parallelize_fn): expected None"
-        )
-    if sharded:
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        if sharded_modules and not ours:  # (ours: fit, then validate)
+            raise ValueError(
+                f"sharded_modules={sharded_modules!r} is not allowed for a module that is sharded already (by "
+                "configure_model or a parallelize_fn): expected None"
+            )
         return False
     if not sharded_modules:
         raise TypeError(
@@ -237,9 +235,8 @@ def shard_module(module: torch.nn.Module, mesh: Any, sharded_modules: list[str] 
             "parallelize_fn with Fabric), or name the module classes to shard in "
             "SparseFSDPStrategy(sharded_modules=[...])"
         )
-    names = set(sharded_modules)
     found = {type(m).__name__ for m in module.modules()}
-    if not names & found:
+    if not set(sharded_modules) & found:
         raise ValueError(
             f"sharded_modules={sharded_modules!r} names no module of the model: its module classes are {sorted(found)}"
         )
@@ -258,14 +255,14 @@ def reshard(module: torch.nn.Module) -> None:
             m.reshard()
 
 
-def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
-    """Count the ring-model bytes of FSDP2's collectives for ``module`` into ``telemetry.group_bytes``; False where
-    this torch has no FSDP2 collectives to wrap."""
+def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> None:
+    """Count the ring-model bytes of FSDP2's collectives for ``module`` into ``telemetry.group_bytes`` (where this
+    torch has FSDP2 collectives to wrap)."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
     except ImportError:
-        return False
+        return
 
     class _Counted:
         """An FSDP2 collective that records the bytes of its whole tensor (gathered or scattered) it moves."""
@@ -296,8 +293,7 @@ def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
         state = m._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # torch before per-parameter meshes: one group or none
-            one = getattr(state, "_fsdp_param_group", None)
-            groups = [] if one is None else [one]
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
         # torch's setters where it has them (one group a unit); before them, the groups' attributes
         public = len(groups) == 1 and hasattr(m, "set_custom_all_gather") and hasattr(m, "set_custom_reduce_scatter")
         for g in groups:
@@ -305,10 +301,8 @@ def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
             if gather is None or scatter is None:
                 continue
             # a wrapper from an earlier call (another class object) is unwrapped, not wrapped again
-            gather, scatter = (
-                _CountedAllGather(getattr(gather, "inner", gather)),
-                _CountedReduceScatter(getattr(scatter, "inner", scatter)),
-            )
+            gather = _CountedAllGather(getattr(gather, "inner", gather))
+            scatter = _CountedReduceScatter(getattr(scatter, "inner", scatter))
             if public:
                 m.set_custom_all_gather(gather)
                 m.set_custom_reduce_scatter(scatter)
@@ -317,7 +311,6 @@ def count_group_traffic(module: torch.nn.Module, telemetry: Telemetry) -> bool:
             counted = True
     if counted and telemetry.group_bytes is None:
         telemetry.group_bytes = 0.0
-    return counted
 
 
 def load_local_optimizer_states(module: torch.nn.Module, pairs: list[tuple[Optimizer, dict[str, Any]]]) -> None:

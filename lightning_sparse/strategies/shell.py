@@ -17,7 +17,7 @@ from lightning_sparse.exchange.ft_env import shard_across_groups
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.update import UpdateExchange
 from lightning_sparse.strategies.core import STRATEGY_NAMES, SparseCore
-from lightning_sparse.strategies.presets import preset_settings
+from lightning_sparse.strategies.presets import PRESETS
 from lightning_sparse.strategies.settings import take_settings
 
 __all__ = ["SparseShell"]
@@ -49,11 +49,10 @@ class SparseShell:
         return base_args
 
     def setup_environment(self) -> None:
-        """The Lightning strategy's set-up (``fabric.launch()`` in Fabric)."""
         self._start_processes(super().setup_environment)  # type: ignore[misc]
 
     def _start_processes(self, start: Callable[[], None]) -> None:
-        """Run ``start``; the process group it created ends at interpreter exit on every rank."""
+        """Run ``start`` (``setup_environment``); the process group it created ends at interpreter exit everywhere."""
         created = not _distributed_is_initialized()
         start()
         end_process_group_at_exit(created=created)
@@ -71,8 +70,7 @@ class SparseShell:
         return shard_across_groups(kwargs, self._core.config.fault_tolerant)
 
     @property
-    def _exchange_size(self) -> int:
-        """The number of processes the exchange runs across."""
+    def _exchange_size(self) -> int:  # the processes the exchange runs across
         return self.world_size
 
     @classmethod
@@ -85,7 +83,9 @@ class SparseShell:
             >>> config.sync_every, config.schedule.density(0)
             (4, 0.02)
         """
-        return cls(**{**preset_settings(name), **arguments})
+        if name not in PRESETS:
+            raise ValueError(f"preset={name!r} is not allowed: expected one of {list(PRESETS)}.")
+        return cls(**{**PRESETS[name], **arguments})
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -130,13 +130,8 @@ class SparseShell:
         self._core.flush_residuals(rounds)
 
     def end_fit(self) -> None:
-        """After a Fabric loop's last optimizer step, on every process: :meth:`flush_residuals` as
-        ``flush_at_end`` says, then :meth:`global_model`.
-
-        Example:
-            >>> from lightning_sparse import SparseDDPStrategy
-            >>> SparseDDPStrategy(compress="gradient").end_fit()  # gradient mode: nothing to hand over
-        """
+        """After a Fabric loop's last optimizer step, on every process: :meth:`flush_residuals` as ``flush_at_end``
+        says, then :meth:`global_model` (gradient mode: nothing to hand over)."""
         self._core.end_fit()
 
     def _bind(self, model: Any) -> None:
@@ -144,9 +139,8 @@ class SparseShell:
         core = self._core
         core.register_hook(model, self.global_rank, self.world_size, self.root_device, *self._binding())
 
-    def _binding(self, sharded: bool = False) -> tuple[Any, Callable[[], list[Any]], Any]:
-        """The gradient scaler, the optimizers and the front end's part of a healing group's state."""
-        raise NotImplementedError
+    #: the gradient scaler, the optimizers and the front end's part of a healing group's state (Trainer or Fabric)
+    _binding: Callable[..., tuple[Any, Callable[[], list[Any]], Any]]
 
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any

@@ -142,13 +142,8 @@ class TrainerHooks(SparseShell):
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         if self._core.update is not None and not any(isinstance(cb, GlobalModelFirst) for cb in callbacks):
             callbacks.insert(0, GlobalModelFirst(self._core))
-        if not self.compression_monitor:
-            return
-        if (
-            trainer.state.fn == TrainerFn.FITTING
-            and not trainer.barebones
-            and not any(isinstance(cb, CompressionMonitor) for cb in callbacks)
-        ):
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.barebones
+        if self.compression_monitor and fitting and not any(isinstance(cb, CompressionMonitor) for cb in callbacks):
             callbacks.append(CompressionMonitor())
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
