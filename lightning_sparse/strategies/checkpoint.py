@@ -94,10 +94,8 @@ class CheckpointPayload:
         rank0_in_checkpoint: bool = True,
     ) -> dict[str, Any]:
         """Write this process's file beside ``path`` (no collective); return the checkpoint's entry.
-
-        ``optimizer_states`` (kept in update mode, each optimizer followed its own gradients): rank 0's are in the
-        checkpoint itself unless ``rank0_in_checkpoint`` is False, the others' in their files.
-        """
+        ``optimizer_states`` (kept in update mode: each optimizer followed its own gradients) go in the files, but
+        rank 0's, which are in the checkpoint itself unless ``rank0_in_checkpoint`` is False."""
         keep_optimizers = self.update is not None and optimizer_states is not None
         record: dict[str, Any] = {"rank": rank, "world_size": world_size, "state": self.state.state_dict(copy=False)}
         if keep_optimizers and (rank != 0 or not rank0_in_checkpoint):
@@ -204,7 +202,7 @@ class CheckpointPayload:
                 optimizers.add(record["optimizer_states"])
             if r == 0:
                 first = {k: v for k, v in state.items() if k not in sums}
-        mine = {**first, **{key: mean.result() for key, mean in sums.items()}}
+        mine = {**first, **{key: mean.result() if mean.count else {} for key, mean in sums.items()}}
         return mine, optimizers.result() if optimizers.count else None
 
     def _checked(self, mine: dict[str, Any]) -> dict[str, Any]:

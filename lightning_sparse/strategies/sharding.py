@@ -93,8 +93,8 @@ class ShardedFront(SparseShell):
             raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
         if sharded_modules is not None and (
             isinstance(sharded_modules, str)
-            or not sharded_modules
             or not all(isinstance(m, str) and m for m in sharded_modules)
+            or not sharded_modules
         ):
             raise ValueError(
                 f"sharded_modules={sharded_modules!r} is not allowed: expected a non-empty list of module class "
