@@ -145,9 +145,7 @@ class SparseFSDPStrategy(ShardedFront, FabricHooks, ModelParallelStrategy):
 
     def _load_with_sparse(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         if not isinstance(state, dict) or not state:  # a module alone: the global model only
-            return ModelParallelStrategy.load_checkpoint(
-                self, path, state=state, strict=strict, weights_only=weights_only
-            )
+            return ModelParallelStrategy.load_checkpoint(self, path, state, strict, weights_only)
         path = Path(self.broadcast(path))
         module, optimizers, rest = self._split(state)
         metadata = _load_checkpoint(path=path, state=rest, strict=strict, weights_only=weights_only)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -169,17 +170,10 @@ class CompressionMonitor(Callback):
             figures.update(replicas())
         if update is not None:  # update mode: the tensor updates this rank dropped as non-finite
             figures["sparse/nonfinite_updates"] = float(update.nonfinite_updates)
+        sync_dist = self.sync_dist if self.sync_dist is not None else not on_step
+        log = partial(pl_module.log, on_step=on_step, on_epoch=not on_step, sync_dist=sync_dist, batch_size=1)
         for name, value in figures.items():
-            pl_module.log(
-                name,
-                value,
-                on_step=on_step,
-                on_epoch=not on_step,
-                prog_bar=name in PROGRESS_BAR_NAMES,
-                logger=bool(trainer.loggers),
-                sync_dist=self.sync_dist if self.sync_dist is not None else not on_step,
-                batch_size=1,
-            )
+            log(name, value, prog_bar=name in PROGRESS_BAR_NAMES, logger=bool(trainer.loggers))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state = self._state

@@ -144,20 +144,10 @@ class ShardedFront(SparseShell):
         core = self._core
         count_group_traffic(module, core.state.telemetry)
         replicate, shard = self.device_mesh["replicate"], self.device_mesh["shard"]
+        group, rank, size = replicate.get_group(), int(replicate.get_local_rank()), int(replicate.size())
+        job = (shard.get_group(), int(shard.get_local_rank()), int(shard.size()))
         scaler, optimizers, recovery = self._binding(sharded=True)
-        core.bind(
-            local,
-            replicate.get_group(),
-            int(replicate.get_local_rank()),
-            int(replicate.size()),
-            self.root_device,
-            scaler,
-            optimizers=optimizers,
-            module=module,
-            aliases=named,
-            job=(shard.get_group(), int(shard.get_local_rank()), int(shard.size())),
-            recovery=recovery,
-        )
+        core.bind(local, group, rank, size, self.root_device, scaler, optimizers, module, named, job, recovery)
 
     def _save_sparse(
         self, path: _PATH, optimizer_states: dict[str, Any] | None, storage_options: Any
