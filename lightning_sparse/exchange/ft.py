@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sparse.exchange.fragment import InFlight
-from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, group_store, require_torchft, torchft_manager
+from lightning_sparse.exchange.ft_env import ReplicaGroupEnv, group_store, require_torchft
 from lightning_sparse.exchange.ft_guard import Guard
 from lightning_sparse.exchange.ft_status import gist, no_commit, no_quorum
 from lightning_sparse.exchange.update import UpdateExchange
@@ -30,15 +30,12 @@ FrontEndState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], N
 
 
 class ReplicaCommit:
-    """The commit of one replica group's update exchange among the live groups, on torchft: what torchft's
-    ``Manager`` is to its streaming DiLoCo fragments.
+    """The commit of one replica group's update exchange among the live groups, on torchft's ``Manager``.
 
     Before each exchange it asks torchft's Lighthouse for a quorum of the live groups (a group behind heals from a
     healthy one, its residual zero); process ``r`` of each group exchanges with process ``r`` of the others, and an
-    exchange that does not commit everywhere (``should_commit``) is rolled back
-    (:meth:`UpdateExchange.snapshot <lightning_sparse.exchange.update.UpdateExchange.snapshot>` / ``restore``).
-    An :class:`~lightning_sparse.exchange.update.UpdateExchange` given it as ``commit`` calls it before its
-    optimizer step, around its exchange, where an exchange in flight arrives and at the hand-over.
+    exchange that does not commit everywhere (``should_commit``) is rolled back. An
+    :class:`~lightning_sparse.exchange.update.UpdateExchange` given it as ``commit`` calls it.
 
     Args:
         min_replicas: the fewest replica groups an exchange runs with; with fewer the group waits.
@@ -59,19 +56,17 @@ class ReplicaCommit:
         self.quorum_timeout = float(quorum_timeout)
         #: the front end's part of the healing state (optimizer states, step counters)
         self.front_end: FrontEndState | None = None
+        #: optimizer steps this group has taken; a healing group takes a healthy one's
+        self.steps = 0
         #: exchanges committed, rolled back; recoveries from a peer; groups in the last quorum
-        self.commits = 0
-        self.rollbacks = 0
-        self.heals = 0
-        self.participants = 0
+        self.commits = self.rollbacks = self.heals = self.participants = 0
         #: seconds spent waiting for quorums
         self.quorum_seconds = 0.0
         self.manager: Any = None
-        self._join: tuple[int, int, str, int] | None = None  # how the Manager is built
         self.env: ReplicaGroupEnv | None = None
         self._pg: Any = None
-        self._store: Any = None
-        self._steps = 0
+        self._store: Any = None  # this group's torchft store (on its process 0), kept open
+        self._address: tuple[str, int] | None = None  # the store's, once started
         self._quorum_at: int | None = None
         self._open = False  # a quorum waits for its should_commit
         self._awaiting: InFlight | None = None  # sync_delay: the quorum's exchange, committed on arrival
@@ -81,7 +76,7 @@ class ReplicaCommit:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None, _guard=None, _join=None)
+        state.update(manager=None, _pg=None, _store=None, front_end=None, _awaiting=None, _guard=None, _address=None)
         return state
 
     @property
@@ -90,19 +85,13 @@ class ReplicaCommit:
             raise RuntimeError("ReplicaCommit: give it to an UpdateExchange (commit=) before it exchanges")
         return self.exchange
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps this group has taken; a healing group takes a healthy one's, so a Fabric loop
-        ``while update.steps < max_steps`` ends with the others."""
-        return self._steps
-
     def start(
         self, group: dist.ProcessGroup | None, group_rank: int, group_world: int, front_end: FrontEndState | None = None
     ) -> None:
         """Prepare to join the replica groups: this group's store and torchft's process group (the ``Manager``
         follows at the first quorum). ``front_end``: what a healing group takes besides the exchange's state."""
         self.front_end = front_end
-        if self._join is not None:
+        if self._address is not None:
             return
         require_torchft()
         from torchft.process_group import ProcessGroupGloo
@@ -114,18 +103,35 @@ class ReplicaCommit:
         os.environ.setdefault("RUST_LOG", "warn")
         self._store, host, port = group_store(group, group_rank, group_world)
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=self.quorum_timeout))
-        self._join = (group_rank, group_world, host, port)
+        self._address = (host, port)
 
     def _join_groups(self) -> None:
         """Build torchft's ``Manager`` at the first quorum, not at setup: its heartbeats count this group, and a
         group still setting up would hold the others' quorums."""
-        assert self._join is not None and self.env is not None
-        env, reach = self.env, "the Lighthouse and this group's torchft store"
+        from torchft.manager import Manager
+
+        assert self._address is not None and self.env is not None
+        env, (host, port), timeout = self.env, self._address, timedelta(seconds=self.quorum_timeout)
+        reach = "the Lighthouse and this group's torchft store"
         try:
             with self._waiting(reach, max(self.quorum_timeout, STARTUP_FLOOR_S)):
-                healing = (self._state_dict, self._load_state_dict)
-                self.manager = torchft_manager(
-                    env, self._pg, healing, self.min_replicas, self.quorum_timeout, self._join
+                self.manager = Manager(
+                    pg=self._pg,
+                    load_state_dict=self._load_state_dict,
+                    state_dict=self._state_dict,
+                    min_replica_size=self.min_replicas,
+                    use_async_quorum=False,
+                    timeout=timeout,
+                    quorum_timeout=timeout,
+                    connect_timeout=timeout,
+                    rank=self._where[0],
+                    world_size=self._where[1],
+                    store_addr=host,
+                    store_port=port,
+                    lighthouse_addr=env.lighthouse,
+                    replica_id=f"lightning_sparse_{env.group_id}",
+                    hostname=host,
+                    init_sync=True,
                 )
         except Exception as error:
             raise RuntimeError(
@@ -148,7 +154,7 @@ class ReplicaCommit:
 
     def _describe(self) -> str:
         rank, world = self._where
-        return f"replica group {self._group_id()} (process {rank} of {world}) at its step {self._steps}"
+        return f"replica group {self._group_id()} (process {rank} of {world}) at its step {self.steps}"
 
     def _due(self) -> bool:
         state = self._update.state
@@ -158,10 +164,10 @@ class ReplicaCommit:
     @torch.no_grad()
     def before_step(self) -> None:
         """Before an optimizer step at which an exchange is due (and the first): the quorum."""
-        if self.manager is None and self._join is not None:
+        if self.manager is None and self._address is not None:
             self._join_groups()
-        if self.manager is not None and self._quorum_at != self._steps and (self._quorum_at is None or self._due()):
-            self._quorum_at = self._steps
+        if self.manager is not None and self._quorum_at != self.steps and (self._quorum_at is None or self._due()):
+            self._quorum_at = self.steps
             self._quorum()
             if not self._due():
                 # the first step, not an exchange's: nothing to commit (the state is served until fetched)
@@ -185,7 +191,7 @@ class ReplicaCommit:
                         )
                     manager.start_quorum(timeout=timedelta(seconds=left))
                 except Exception as error:
-                    raise no_quorum(self.env, self._group_id(), self._steps, patience, error) from error
+                    raise no_quorum(self.env, self.steps, patience, error) from error
                 if manager.num_participants() >= self.min_replicas:
                     break
                 self._commit()  # too few groups: commit nothing, ask again
@@ -203,12 +209,12 @@ class ReplicaCommit:
             try:
                 return bool(self.manager.should_commit())
             except Exception as error:
-                raise no_commit(self.env, self._group_id(), self._steps, error) from error
+                raise no_commit(self.env, self.steps, error) from error
 
     @torch.no_grad()
     def run_exchange(self, exchange: Callable[[], None]) -> None:
         """After the optimizer step: ``exchange`` among the quorum (committed everywhere, or rolled back)."""
-        self._steps += 1
+        self.steps += 1
         if not self._open:
             exchange()
             return
@@ -316,7 +322,7 @@ class ReplicaCommit:
             "global": update.global_values(cpu=True),
             "outer": copy.deepcopy(update.outer_step.state_dict()),
             "sparse": sparse,
-            "steps": self._steps,
+            "steps": self.steps,
             "front_end": copy.deepcopy(self.front_end[0]()) if self.front_end is not None else {},
         }
 
@@ -324,10 +330,9 @@ class ReplicaCommit:
     def _load_state_dict(self, received: dict[str, Any]) -> None:
         """Heal from a healthy group's state; the residual starts at zero."""
         self._awaiting = None
-        behind = self._steps
-        if behind:
+        if self.steps:
             warnings.warn(
-                f"lightning_sparse: replica group {self._group_id()} was behind the quorum at its step {behind} "
+                f"lightning_sparse: replica group {self._group_id()} was behind the quorum at its step {self.steps} "
                 f"(the others at step {received['steps']}): the other groups dropped it (it stalled longer than "
                 f"quorum_timeout={self.quorum_timeout:g} s, or its exchange failed), so it healed from a healthy "
                 "group; its unsent progress (residual) starts again at zero.",
@@ -338,8 +343,8 @@ class ReplicaCommit:
         update.state.memory.clear()
         update.outer_step.load_state_dict(received["outer"])
         update.load_global_values(received["global"])
-        self._steps = int(received["steps"])
-        self._quorum_at = self._steps
+        self.steps = int(received["steps"])
+        self._quorum_at = self.steps
         if self.front_end is not None:
             self.front_end[1](received["front_end"])
         self.heals += 1

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-from types import ModuleType
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["FT_EXTRA", "ReplicaGroupEnv", "check_fault_tolerance", "group_store", "require_torchft", "torchft_manager"]
-
-#: how to install what ``fault_tolerant=True`` needs
-FT_EXTRA = "pip install 'lightning_sparse[ft]'"
+__all__ = ["ReplicaGroupEnv", "check_fault_tolerance", "group_store", "require_torchft", "shard_across_groups"]
 
 
-def require_torchft() -> ModuleType:
-    """torchft, imported; else ImportError naming the extra that installs it."""
+def require_torchft() -> None:
+    """Import torchft; without it, ImportError naming the extra that installs it."""
     try:
-        import torchft
+        import torchft  # noqa: F401
     except ImportError as error:
         raise ImportError(
             f"fault_tolerant=True needs torchft (torchft>=0.2, Linux), which is not installed ({error}); "
-            f"install the optional extra: {FT_EXTRA}"
+            "install the optional extra: pip install 'lightning_sparse[ft]'"
         ) from error
-    return torchft
 
 
 @dataclass(frozen=True)
@@ -40,13 +33,8 @@ class ReplicaGroupEnv:
 
     Example:
         >>> env = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3"}
-        >>> ReplicaGroupEnv.read(env).group_id
-        1
-        >>> try:
-        ...     ReplicaGroupEnv.read({})
-        ... except ValueError as error:
-        ...     "TORCHFT_LIGHTHOUSE" in str(error)
-        True
+        >>> ReplicaGroupEnv.read(env)
+        ReplicaGroupEnv(lighthouse='http://127.0.0.1:29510', group_id=1, num_groups=3)
     """
 
     lighthouse: str
@@ -70,10 +58,10 @@ class ReplicaGroupEnv:
                 f"TORCHFT_LIGHTHOUSE={lighthouse!r} is not allowed: expected an address like http://HOST:PORT."
             )
         num = _int_var(
-            env, "NUM_REPLICA_GROUPS", "the most replica groups there will be (the data is sharded over them)"
+            env, "NUM_REPLICA_GROUPS", "the most replica groups there will be (the data is sharded over them)", 1
         )
         group = _int_var(
-            env, "REPLICA_GROUP_ID", f"this replica group's number, 0 to NUM_REPLICA_GROUPS - 1 = {num - 1}"
+            env, "REPLICA_GROUP_ID", f"this replica group's number, 0 to NUM_REPLICA_GROUPS - 1 = {num - 1}", 0
         )
         if not 0 <= group < num:
             raise ValueError(
@@ -82,7 +70,7 @@ class ReplicaGroupEnv:
         return cls(lighthouse, group, num)
 
 
-def _int_var(env: Any, name: str, what: str) -> int:
+def _int_var(env: Any, name: str, what: str, minimum: int) -> int:
     raw = env.get(name, "")
     if raw == "":
         raise ValueError(f"fault_tolerant=True needs the environment variable {name}: {what}; it is not set.")
@@ -90,7 +78,7 @@ def _int_var(env: Any, name: str, what: str) -> int:
         value = int(raw)
     except ValueError:
         value = -1
-    if value < (1 if name == "NUM_REPLICA_GROUPS" else 0):
+    if value < minimum:
         raise ValueError(f"{name}={raw!r} is not allowed: expected a whole number ({what}).")
     return value
 
@@ -102,11 +90,6 @@ def check_fault_tolerance(
 
     Example:
         >>> check_fault_tolerance(False, 1, 60.0, "update", False)
-        >>> try:
-        ...     check_fault_tolerance(False, 0, 60.0, "update", False)
-        ... except ValueError as error:
-        ...     str(error).split(":")[0]
-        'min_replicas=0 is not allowed'
     """
     if not isinstance(fault_tolerant, bool):
         raise ValueError(f"fault_tolerant={fault_tolerant!r} is not allowed: expected True or False.")
@@ -156,37 +139,3 @@ def group_store(group: dist.ProcessGroup | None, group_rank: int, group_world: i
         source = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(port, src=source, group=group)
     return store, host, port[0]
-
-
-def torchft_manager(
-    env: ReplicaGroupEnv,
-    pg: Any,
-    healing: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
-    min_replicas: int,
-    timeout_s: float,
-    join: tuple[int, int, str, int],
-) -> Any:
-    """torchft's ``Manager`` of this process of a replica group (``healing``: the state a healing group
-    receives, and how it loads it; ``join``: the process's rank and size in its group, the store's host and port)."""
-    from torchft.manager import Manager
-
-    group_rank, group_world, host, port = join
-    timeout = timedelta(seconds=timeout_s)
-    return Manager(
-        pg=pg,
-        load_state_dict=healing[1],
-        state_dict=healing[0],
-        min_replica_size=min_replicas,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=group_rank,
-        world_size=group_world,
-        store_addr=host,
-        store_port=port,
-        lighthouse_addr=env.lighthouse,
-        replica_id=f"lightning_sparse_{env.group_id}",
-        hostname=host,
-        init_sync=True,
-    )

@@ -19,38 +19,36 @@ CHILD_GRACE_S = 3.0
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def children(pid: int | None = None) -> list[int]:
-    """The process ids of ``pid``'s children (default: this process's), from ``/proc`` (Linux).
+def children() -> list[int]:
+    """The process ids of this process's children, from ``/proc`` (Linux).
 
     Example:
-        >>> children() == children(os.getpid())
+        >>> all(isinstance(pid, int) for pid in children())
         True
     """
-    pid = os.getpid() if pid is None else pid
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(p) for p in f.read().split()]
-    return sorted(set(found))
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{os.getpid()}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                found.update(int(p) for p in f.read().split())
+    return sorted(found)
 
 
-def end_children(signum: int, grace: float = CHILD_GRACE_S) -> None:
-    """Send this process's children ``signum``; kill those still there after ``grace`` seconds."""
+def end_children(signum: int) -> None:
+    """Send this process's children ``signum``; kill those still there after :data:`CHILD_GRACE_S` seconds."""
     pids = children()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signum)
-    end = time.monotonic() + grace
+    _send(pids, signum)
+    end = time.monotonic() + CHILD_GRACE_S
     while pids and time.monotonic() < end:
         pids = [p for p in pids if _running(p)]
         time.sleep(0.05)
+    _send(pids, signal.SIGKILL)
+
+
+def _send(pids: list[int], signum: int) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
 
 
 def _running(pid: int) -> bool:
@@ -83,12 +81,11 @@ class Guard:
         self.where = where
         self._what: str | None = None
         self._deadline = 0.0
-        self._cause = ""
         self._lock = threading.Lock()
         self._leaving = False
         self._pipe: tuple[int, int] | None = None
         self._previous: dict[int, Any] = {}
-        self._previous_fd: int | None = None
+        self._previous_fd = -1
         self._stop = threading.Event()
 
     @property
@@ -98,8 +95,6 @@ class Guard:
 
     def install(self) -> None:
         """Catch SIGTERM and SIGINT and start the watchdog (from the main thread; elsewhere only the watchdog)."""
-        if self._pipe is not None:
-            return
         if threading.current_thread() is threading.main_thread():
             read, write = os.pipe()
             os.set_blocking(write, False)
@@ -117,22 +112,22 @@ class Guard:
         if self._pipe is None:
             return
         if threading.current_thread() is threading.main_thread():
-            signal.set_wakeup_fd(-1 if self._previous_fd is None else self._previous_fd)
+            signal.set_wakeup_fd(self._previous_fd)
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         with contextlib.suppress(OSError):
             os.write(self._pipe[1], b"\0")  # wakes the reader, which then ends
 
     @contextlib.contextmanager
-    def waiting(self, what: str, bound: float, cause: str = "") -> Iterator[None]:
+    def waiting(self, what: str, bound: float) -> Iterator[None]:
         """The process waits for ``what`` at most ``bound`` seconds (torchft's timeouts), then
-        :data:`WATCHDOG_GRACE_S` more; ``cause``: what the user can do."""
-        outer = (self._what, self._deadline, self._cause)
-        self._what, self._deadline, self._cause = what, time.monotonic() + bound + WATCHDOG_GRACE_S, cause
+        :data:`WATCHDOG_GRACE_S` more."""
+        outer = (self._what, self._deadline)
+        self._what, self._deadline = what, time.monotonic() + bound + WATCHDOG_GRACE_S
         try:
             yield
         finally:
-            self._what, self._deadline, self._cause = outer
+            self._what, self._deadline = outer
 
     def _read_signals(self) -> None:
         assert self._pipe is not None
@@ -152,7 +147,7 @@ class Guard:
                 self.leave(
                     0,
                     f"{what} did not end within the bound of torchft's timeouts plus {WATCHDOG_GRACE_S:g} s"
-                    f" (torchft did not honour its timeout); {self._cause or 'the other groups go on without it'}",
+                    " (torchft did not honour its timeout); the other groups go on without it",
                 )
 
     def leave(self, signum: int, why: str = "") -> None:
