@@ -326,7 +326,7 @@ def test_calls_nested_in_a_recorded_call_are_not_recorded() -> None:
         model(_batches(1)[0])
     model.eval()
     model(_batches(1)[0])
-    assert norms.kept == 2
+    assert len(norms.passes) == 2
 
 
 def test_keyword_inputs_and_dict_outputs_are_linked() -> None:
@@ -459,7 +459,7 @@ def test_a_layer_no_call_reaches_keeps_its_statistics_and_is_named() -> None:
     x = _batches(1)[0]
     model.bn.forward(model.lin.forward(x))
     model.unused.forward(model.lin.forward(x))
-    assert norms.kept == 0
+    assert norms.passes == []
     before = {k: v.clone() for k, v in model.state_dict().items()}
     norms.recompute(step=1)
     assert norms.fallback == ["bn", "unused"]

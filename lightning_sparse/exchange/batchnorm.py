@@ -72,8 +72,7 @@ class GlobalBatchNorm:
     def __init__(self, batches: int) -> None:
         self.batches = int(batches)
         self._module: nn.Module | None = None
-        self._norms: list[_BatchNorm] = []
-        self._names: dict[_BatchNorm, str] = {}
+        self._norms: dict[_BatchNorm, str] = {}  # the layers, and their names
         self._handles: list[RemovableHandle] = []
         self._passes: deque[list[_Entry]] = deque(maxlen=max(self.batches, 1))
         self._stack: list[tuple[nn.Module, _Entry | str]] = []
@@ -91,7 +90,7 @@ class GlobalBatchNorm:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(
-            _module=None, _norms=[], _names={}, _handles=[], _stack=[], _active=0, _reached=set(),
+            _module=None, _norms={}, _handles=[], _stack=[], _active=0, _reached=set(),
             _passes=deque(maxlen=max(self.batches, 1)),
         )  # fmt: skip
         return state
@@ -106,7 +105,7 @@ class GlobalBatchNorm:
             return True
         for handle in self._handles:
             handle.remove()
-        self._module, self._norms, self._names = module, [m for _, m in named], {m: n for n, m in named}
+        self._module, self._norms = module, {m: n for n, m in named}
         self._passes.clear()
         self._stack, self._active, self._ended = [], 0, False
         self._reached = set()
@@ -126,11 +125,6 @@ class GlobalBatchNorm:
         return self._module is not None
 
     @property
-    def kept(self) -> int:
-        """How many training forward passes are kept now."""
-        return len(self._passes)
-
-    @property
     def passes(self) -> list[list[_Entry]]:
         """The kept passes, oldest first: each the recorded calls of one training forward, in order."""
         return list(self._passes)
@@ -138,9 +132,8 @@ class GlobalBatchNorm:
     @property
     def links(self) -> int:
         """How many recorded inputs are links to an earlier call's output (in the kept passes)."""
-        return sum(1 for p in self._passes for e in p for v in _leaves((e.args, e.kwargs)) if isinstance(v, _Link))
+        return sum(isinstance(v, _Link) for p in self._passes for e in p for _, v in _leaves((e.args, e.kwargs)))
 
-    # ------------------------------------------------------------------ recording
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         patched = module.__dict__.get("forward")
         if patched is not None and getattr(patched, "__func__", None) is not type(module).forward:
@@ -177,9 +170,8 @@ class GlobalBatchNorm:
             if not current:
                 self._passes.pop()
             return
-        frame.outputs = [(path, weakref.ref(t), t._version) for path, t in _tensors(output)]
+        frame.outputs = [(path, weakref.ref(t), t._version) for path, t in _leaves(output)]
 
-    # ------------------------------------------------------------------ recomputing
     @torch.no_grad()
     def recompute(
         self,
@@ -205,7 +197,7 @@ class GlobalBatchNorm:
             self._replay(module)
             self.stale, self._replayed_at = False, version
             unreached = [m for m in self._norms if m not in self._reached]
-        self.fallback = [self._names[m] for m, n in zip(unreached, _tracked(unreached), strict=True) if n > 0]
+        self.fallback = [self._norms[m] for m, n in zip(unreached, _tracked(unreached), strict=True) if n > 0]
         if world_size > 1 and step is not None:
             self._fallback_step = step
         stats = [t for m in self._norms for t in (m.running_mean, m.running_var) if t is not None]
@@ -221,38 +213,36 @@ class GlobalBatchNorm:
         targets = {id(e.module): e.module for p in self._passes for e in p}.values()
         below = {id(m) for t in targets for m in t.modules()}
         under = [m for m in self._norms if id(m) in below]
-        saved = {m: _stats(m) for m in under}
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        saved = {m: [None if t is None else t.clone() for t in _stats(m)] for m in under}
         modes = {m: m.training for m in module.modules()}
         momenta = {m: m.momentum for m in self._norms}
         self._replaying = True
-        try:
-            module.eval()  # dropout and the like stay off; only BatchNorm gathers statistics
-            for m in under:
-                m.reset_running_stats()
-                m.momentum = None  # a plain average over the replayed batches
-                m.train()
-            for entries in self._passes:
-                outputs: list[Any] = []
-                for e in entries:
-                    args, kwargs = _resolve((e.args, e.kwargs), outputs)
-                    outputs.append(e.module(*args, **kwargs))
-        finally:
-            self._replaying = False
-            for layer, mode in modes.items():
-                layer.train(mode)
-            for norm, momentum in momenta.items():
-                norm.momentum = momentum
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.random.fork_rng(range(torch.cuda.device_count()), device_type="cuda"):
+            try:
+                module.eval()  # dropout and the like stay off; only BatchNorm gathers statistics
+                for m in under:
+                    m.reset_running_stats()
+                    m.momentum = None  # a plain average over the replayed batches
+                    m.train()
+                for entries in self._passes:
+                    outputs: list[Any] = []
+                    for e in entries:
+                        args, kwargs = _resolve((e.args, e.kwargs), outputs)
+                        outputs.append(e.module(*args, **kwargs))
+            finally:
+                self._replaying = False
+                for layer, mode in modes.items():
+                    layer.train(mode)
+                for norm, momentum in momenta.items():
+                    norm.momentum = momentum
         self._reached = set()
         for m, count in zip(under, _tracked(under), strict=True):
             if count > 0:
                 self._reached.add(m)
-            else:  # under a kept call's module, but not run by it
-                _restore(m, saved[m])
+            else:  # under a kept call's module, but not run by it: its statistics back
+                for t, s in zip(_stats(m), saved[m], strict=True):
+                    if t is not None and s is not None:
+                        t.copy_(s)
 
 
 def _tracked(norms: list[_BatchNorm]) -> list[int]:
@@ -261,14 +251,8 @@ def _tracked(norms: list[_BatchNorm]) -> list[int]:
     return torch.stack(counts).tolist() if len(counts) == len(norms) and counts else [1] * len(norms)
 
 
-def _stats(m: _BatchNorm) -> list[Tensor | None]:
-    return [None if t is None else t.clone() for t in (m.running_mean, m.running_var, m.num_batches_tracked)]
-
-
-def _restore(m: _BatchNorm, saved: list[Tensor | None]) -> None:
-    for t, s in zip((m.running_mean, m.running_var, m.num_batches_tracked), saved, strict=True):
-        if t is not None and s is not None:
-            t.copy_(s)
+def _stats(m: _BatchNorm) -> tuple[Tensor | None, ...]:
+    return m.running_mean, m.running_var, m.num_batches_tracked
 
 
 def _map(value: Any, fn: Callable[[Any, Path], Any], path: Path = ()) -> Any:
@@ -284,22 +268,16 @@ def _map(value: Any, fn: Callable[[Any, Path], Any], path: Path = ()) -> Any:
     return value
 
 
-def _tensors(value: Any, path: Path = ()) -> Iterator[tuple[Path, Tensor]]:
-    """Every tensor in ``value`` (a module's output: tuples, lists, dicts, ``ModelOutput``) with its path."""
-    if isinstance(value, Tensor):
+def _leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every tensor and link in ``value`` (tuples, lists, dicts, ``ModelOutput``) with its path, as :func:`_map`."""
+    if isinstance(value, (Tensor, _Link)):
         yield path, value
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _tensors(v, (*path, i))
+            yield from _leaves(v, (*path, i))
     elif isinstance(value, dict):
         for k, v in value.items():
-            yield from _tensors(v, (*path, k))
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    found: list[Any] = []
-    _map(value, lambda leaf, _: found.append(leaf))
-    return iter(found)
+            yield from _leaves(v, (*path, k))
 
 
 def _record(entries: list[_Entry], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
