@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import typing
 from typing import Any
 
@@ -17,11 +18,6 @@ from lightning_sparse.exchange.step import keep_gradient
 
 __all__ = ["REPLICA_ARGS", "Replicas", "broadcast_from_first"]
 
-#: the ``DistributedDataParallel`` arguments update mode takes (the reducer's own are accepted and ignored)
-REPLICA_ARGS = frozenset(
-    {"process_group", "broadcast_buffers", "forward_sync_buffers", "init_sync", "bucket_cap_mb"}
-    | {"find_unused_parameters", "static_graph", "gradient_as_bucket_view"}
-)
 _DEFAULT_BUCKET_MB = 25.0  # DDP's default
 
 
@@ -51,9 +47,7 @@ class Replicas(torch.nn.Module):
             the start too).
         init_sync: as in DDP: start every replica from rank 0's parameters (and buffers).
         bucket_cap_mb: the plain DDP steps' gradient buckets, as in DDP (None: 25).
-        find_unused_parameters: accepted for DDP's sake (no reducer waits for a gradient).
-        static_graph: accepted for DDP's sake.
-        gradient_as_bucket_view: accepted for DDP's sake.
+        find_unused_parameters, static_graph, gradient_as_bucket_view: accepted for DDP's sake (no reducer).
 
     Example:
         >>> from lightning_sparse._utils import free_port
@@ -81,16 +75,14 @@ class Replicas(torch.nn.Module):
         self.module = module
         group = dist.group.WORLD if process_group is None else process_group
         self.process_group = typing.cast(dist.ProcessGroup, group)
-        if forward_sync_buffers is not None:
-            self.sync_buffers, sync_buffers_at_start = bool(forward_sync_buffers), True
-        else:
-            self.sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
-            sync_buffers_at_start = self.sync_buffers
+        legacy = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.sync_buffers = legacy if forward_sync_buffers is None else bool(forward_sync_buffers)
+        sync_buffers_at_start = self.sync_buffers or forward_sync_buffers is not None
         self.bucket_bytes = int((_DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
         self._buckets: list[list[Tensor]] | None = None
         self._sync_each_forward = self.sync_buffers and any(True for _ in module.buffers())
         if init_sync:
-            start = [p for p in module.parameters()] + (list(module.buffers()) if sync_buffers_at_start else [])
+            start = list(module.parameters()) + (list(module.buffers()) if sync_buffers_at_start else [])
             broadcast_from_first(start, self.process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -105,11 +97,8 @@ class Replicas(torch.nn.Module):
             self._average(state)
         elif state.skips is not None:
             grads: list[Tensor] = [p.grad for p in self.module.parameters() if p.grad is not None] or [torch.empty(0)]
-            last: Future[Tensor] | None = None
-            for i, grad in enumerate(grads):
-                last = keep_gradient(state, grad, i == len(grads) - 1)
-            assert last is not None
-            last.wait()
+            futures = [keep_gradient(state, grad, i == len(grads) - 1) for i, grad in enumerate(grads)]
+            futures[-1].wait()
 
     def _average(self, state: SparseState) -> None:
         """The gradients averaged as DDP does, in its buckets (a missing gradient counts as zeros)."""
@@ -142,3 +131,7 @@ class Replicas(torch.nn.Module):
                 size += nbytes
             self._buckets = buckets
         return self._buckets
+
+
+#: the ``DistributedDataParallel`` arguments update mode takes (the reducer's own are accepted and ignored)
+REPLICA_ARGS = frozenset(inspect.signature(Replicas).parameters) - {"module"}
