@@ -80,10 +80,7 @@ class TimedFallback:
         self, process_group: dist.ProcessGroup | None, world_size: int, warmup_steps: int, device: torch.device
     ) -> None:
         """Bind to the process group (a restored choice is kept for the same world size)."""
-        self._group = process_group
-        self._device = device
-        self._world = world_size
-        self._warmup = warmup_steps
+        self._group, self._device, self._world, self._warmup = process_group, device, world_size, warmup_steps
         self._open = None
         self._reconcile()
 
@@ -116,10 +113,8 @@ class TimedFallback:
             return 0
         if self.choice is None and self.trial_start is None:
             self.trial_start = max(step, self._warmup)
-        sent = 0
         start = self.trial_start
-        if start is not None and step >= start + self.trial_length:
-            sent = self._decide(step)
+        sent = self._decide(step) if start is not None and step >= start + self.trial_length else 0
         trial = self._trial_offset(step)
         if trial is not None and trial % self.trial_steps:  # the first step of each half is not timed
             self._open = (DENSE if trial < self.trial_steps else SPARSE, self._now(), [])
@@ -169,21 +164,17 @@ class TimedFallback:
     def _decide(self, step: int) -> int:
         """Agree on the trial's medians (slowest rank's) and choose; returns bytes sent."""
         medians = [statistics.median(self.samples[k]) if self.samples[k] else float("inf") for k in (SPARSE, DENSE)]
-        sent = 0
-        if self._world is not None and self._world > 1:
-            # max is exact, so every rank ends with the same bits and the same choice
-            t = torch.tensor(medians, dtype=torch.float64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-            medians = t.cpu().tolist()
-            sent = t.numel() * t.element_size()
-        sparse_s, dense_s = medians
+        # max is exact, so every rank ends with the same bits and the same choice
+        t = torch.tensor(medians, dtype=torch.float64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        sparse_s, dense_s = t.cpu().tolist()
         self.choice = SPARSE if sparse_s <= dense_s else DENSE  # a tie keeps the smaller messages
         self.decisions.append(
             dict(step=step, sparse_s=sparse_s, dense_s=dense_s, choice=self.choice, trial_start=self.trial_start)
         )
         self.samples = {SPARSE: [], DENSE: []}
         self.trial_start = step + self.recheck_every if self.recheck_every else None
-        return sent
+        return t.numel() * t.element_size()
 
     def describe(self) -> str | None:
         """One line on the last choice, for summaries (None before the first)."""
