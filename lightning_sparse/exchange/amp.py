@@ -20,9 +20,9 @@ __all__ = ["SkippedSteps"]
 class SkippedSteps:
     """What the strategies do about the steps an fp16 gradient scaler skips.
 
-    Gradient mode: the residuals (and local momenta) are copied before the exchange takes from them, and put back
-    when the scaler skipped the step. Update mode: the ranks agree on an overflow after the backward (one all-reduce
-    of one number); on one anywhere every gradient is made NaN, so every scaler skips.
+    Gradient mode: the residuals (and local momenta) the exchange takes from are put back when the scaler skipped
+    the step. Update mode: the ranks agree on an overflow after the backward (one all-reduce of one number); on one
+    anywhere every gradient is made NaN, so every scaler skips.
 
     Args:
         scaler: the precision plugin's gradient scaler (``torch.amp.GradScaler``).
@@ -47,10 +47,10 @@ class SkippedSteps:
         self.scaler = scaler
         #: optimizer steps that every rank skipped because a gradient overflowed somewhere
         self.skipped = 0
-        self._scale: float | None = None
-        self._saved: dict[str, tuple[Tensor | None, Tensor | None]] = {}
         #: update mode: whether a gradient overflowed on some rank in this step (agreed by every rank)
         self.overflowed = False
+        self._scale: float | None = None
+        self._saved: dict[str, tuple[Tensor | None, Tensor | None]] = {}
         self._buffers: list[Tensor] = []  # update mode: this step's buffers
         self._local_overflow = False
 

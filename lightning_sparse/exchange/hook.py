@@ -42,18 +42,13 @@ class BackwardBatch:
         >>> batch = BackwardBatch()
         >>> g = [torch.ones(4), torch.full((4,), 2.0)]
         >>> futures = [batch.add(state, g[i], state.plan(g[i], [params[i]]), i == 1) for i in (0, 1)]
-        >>> [f.wait().as_dense().tolist() for f in futures], batch.pending, state.step
-        ([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]], 0, 1)
+        >>> [f.wait().as_dense().tolist() for f in futures], state.step
+        ([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]], 1)
     """
 
     def __init__(self) -> None:
         # per bucket: its rounds (None once they ran out), its average once they did, the future handed out
         self._buckets: list[tuple[Rounds[Future[Average]] | None, Future[Average] | None, Future[Average]]] = []
-
-    @property
-    def pending(self) -> int:
-        """Buckets handed over whose collectives have not been issued yet."""
-        return len(self._buckets)
 
     def add(self, state: SparseState, buffer: Tensor, plan: BucketPlan, last: bool) -> Future[Average]:
         """Take one bucket (``last``: the step's last); a future of its :class:`Average`."""

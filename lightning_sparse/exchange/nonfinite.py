@@ -30,10 +30,8 @@ class NonfiniteUpdates:
         self.pending.append(name)
 
     def settle(self, rank: int, steps: int, limit: int) -> list[str]:
-        """The names dropped since the last call; warns (and arms :attr:`stop`) where there are any.
-        ``steps``: the optimizer steps this rank has taken, which the messages name (an update is found
-        non-finite where its progress is folded in, at an exchange or before an evaluation, which under
-        ``sync_every`` can be several steps after it went so)."""
+        """The names dropped since the last call; warns (and arms :attr:`stop`) where there are any. ``steps``: this
+        rank's optimizer steps (under ``sync_every`` an update is found where it is folded in, steps later)."""
         names, self.pending = self.pending, []
         if not names:
             self.streak = 0
