@@ -70,7 +70,6 @@ class ReplicaCommit:
         self._quorum_at: int | None = None
         self._open = False  # a quorum waits for its should_commit
         self._awaiting: InFlight | None = None  # sync_delay: the quorum's exchange, committed on arrival
-        self._met = False
         self._guard: Guard | None = None
         self._where = (0, 1)  # this process's rank and size in its group
 
@@ -179,7 +178,8 @@ class ReplicaCommit:
         manager = self.manager
         began = time.perf_counter()
         self._update.land_due()  # before the process group reconfigures
-        patience = self.quorum_timeout if self._met else max(self.quorum_timeout, STARTUP_FLOOR_S)
+        first = not self.participants  # no quorum met yet
+        patience = max(self.quorum_timeout, STARTUP_FLOOR_S) if first else self.quorum_timeout
         deadline = time.monotonic() + patience
         with self._waiting("a quorum", patience + 2 * self.quorum_timeout):
             while True:
@@ -197,7 +197,6 @@ class ReplicaCommit:
                 self._commit()  # too few groups: commit nothing, ask again
                 time.sleep(0.1)
         self.quorum_seconds += time.perf_counter() - began
-        self._met = True
         self._open = True
         self.participants = manager.num_participants()
         rank = manager.participating_rank()
