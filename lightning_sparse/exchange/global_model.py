@@ -28,8 +28,7 @@ class GlobalModel:
         ['bias', 'weight']
     """
 
-    # the update exchange's: its parameters, their global copies, the names whose parameter holds this rank's
-    # view, each parameter's version when it last got its global value, and the exchanges in flight
+    # held by the update exchange (described where it sets them)
     state: Any
     outer_step: Any
     offload: bool
