@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["CHILD_GRACE_S", "WATCHDOG_GRACE_S", "Guard", "children", "end_children"]
+__all__ = ["CHILD_GRACE_S", "WATCHDOG_GRACE_S", "Guard"]
 
 #: a wait that outlives the bound torchft's own timeouts give it by this many seconds ends the process
 WATCHDOG_GRACE_S = 15.0
@@ -19,13 +19,8 @@ CHILD_GRACE_S = 3.0
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def children() -> list[int]:
-    """The process ids of this process's children, from ``/proc`` (Linux).
-
-    Example:
-        >>> all(isinstance(pid, int) for pid in children())
-        True
-    """
+def _children() -> list[int]:
+    """The process ids of this process's children, from ``/proc`` (Linux)."""
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{os.getpid()}/task"):
@@ -34,9 +29,9 @@ def children() -> list[int]:
     return sorted(found)
 
 
-def end_children(signum: int) -> None:
+def _end_children(signum: int) -> None:
     """Send this process's children ``signum``; kill those still there after :data:`CHILD_GRACE_S` seconds."""
-    pids = children()
+    pids = _children()
     _send(pids, signum)
     end = time.monotonic() + CHILD_GRACE_S
     while pids and time.monotonic() < end:
@@ -168,5 +163,5 @@ class Guard:
         line = f"lightning_sparse: {self.where()}: {why}\n"
         with contextlib.suppress(OSError):
             os.write(2, line.encode("utf-8", "replace"))
-        end_children(signum or signal.SIGTERM)
+        _end_children(signum or signal.SIGTERM)
         os._exit(128 + signum if signum else 1)

@@ -35,13 +35,8 @@ class ReplicaGroupError(ExchangeError):
         )
 
 
-def group_of(replica_id: str, exclude: int | None = None) -> int | None:
-    """The group number in a replica id ``lightning_sparse_{group}:{uuid}``; None for another job's, or ``exclude``.
-
-    Example:
-        >>> group_of("lightning_sparse_2:1271c17e"), group_of("other:1"), group_of("lightning_sparse_2:1", exclude=2)
-        (2, None, None)
-    """
+def _group_of(replica_id: str, exclude: int | None) -> int | None:
+    """The group number in a replica id ``lightning_sparse_{group}:{uuid}``; None for another job's, or ``exclude``."""
     found = re.match(r"lightning_sparse_(\d+)(?::|$)", replica_id)
     return int(found.group(1)) if found and int(found.group(1)) != exclude else None
 
@@ -75,7 +70,7 @@ def explain(page: str | None, group: int | None, num_groups: int, patience: floa
         )
     seen = re.findall(r"(\S+): seen ([\d.]+)(\D+?) ago", page)
     ages = {name: float(age) * _UNITS.get(unit, 1.0) for name, age, unit in seen}
-    alive = {g for name, age in ages.items() if age < HEARTBEAT_GONE_S and (g := group_of(name, group)) is not None}
+    alive = {g for name, age in ages.items() if age < HEARTBEAT_GONE_S and (g := _group_of(name, group)) is not None}
     need = re.search(r"need min_replicas (\d+)", page)
     needs = f" (--min_replicas {need.group(1)})" if need else ""
     if alive:
@@ -86,7 +81,7 @@ def explain(page: str | None, group: int | None, num_groups: int, patience: floa
         )
     quorum = re.search(r"Previous quorum id:\s*(\d+)", page)
     members = dict(re.findall(r"<b>([^<\s]+)</b>\s*<br/?>\s*Step:\s*(\d+)", page))  # replica id: its step
-    last = {g: int(step) for name, step in members.items() if (g := group_of(name, group)) is not None}
+    last = {g: int(step) for name, step in members.items() if (g := _group_of(name, group)) is not None}
     if quorum and last:
         return (
             f"{head}: the run is over: the last quorum (id {int(quorum.group(1))}) had groups {sorted(last)}, "
