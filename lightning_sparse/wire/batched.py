@@ -363,12 +363,21 @@ def select_values(e: Tensor, at: Tensor, vdtype: torch.dtype, keep: bool) -> tup
     return exact, sent
 
 
-def keep_unsent(e: Tensor, at: Tensor, exact: Tensor, sent: Tensor, coded: bool) -> None:
-    """After ``exact`` (``p`` at bucket offsets ``at``) travelled as ``sent``, keep the rest in the flat
-    residual ``e``, so that ``sent + e_new == p`` exactly (``coded``: ``sent`` is what codes stand for)."""
+def unsent(exact: Tensor, sent: Tensor, coded: bool) -> Tensor | None:
+    """What a residual keeps where ``exact`` (``p``) travelled as ``sent``, so that ``sent + e_new == p`` exactly
+    (``coded``: ``sent`` is what codes stand for); None: nothing."""
     if coded:
-        e.index_copy_(0, at, quant.remainder(exact, sent))
-    elif sent.dtype != exact.dtype:
-        e.index_copy_(0, at, exact - sent.to(exact.dtype))
-    else:
+        return quant.remainder(exact, sent)
+    return None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype)
+
+
+def keep_unsent(e: Tensor, at: Tensor, exact: Tensor, sent: Tensor, coded: bool, taken: Tensor | None = None) -> None:
+    """Keep :func:`unsent` in the flat residual ``e`` at bucket offsets ``at``; with ``taken``, only at the picks
+    where it holds (elsewhere ``e`` keeps all it had)."""
+    rest = unsent(exact, sent, coded)
+    if taken is not None:
+        rest = torch.where(taken, torch.zeros_like(exact) if rest is None else rest, e[at])
+    if rest is None:
         e.index_fill_(0, at, 0.0)
+    else:
+        e.index_copy_(0, at, rest)

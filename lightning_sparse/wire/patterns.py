@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.compressors import CompressContext
 from lightning_sparse.compressors.base import SketchCompressor
+from lightning_sparse.wire.batched import unsent
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
 from lightning_sparse.wire.context import BY_COUNT, BucketCall, Member, Pending, WireContext
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
@@ -284,9 +285,7 @@ class SketchPattern(WirePattern):
             for m, p, (idx, _) in zip(members, ps, pick(), strict=True):
                 if ctx.error_feedback and p is not None:  # p: the residual buffer, untouched since launch
                     exact = p[idx]
-                    sent = quantize(exact, vdtype)
-                    remainder = None if sent.dtype == exact.dtype else exact - sent.to(exact.dtype)
-                    ctx.memory.keep_unsent(m.name, idx, remainder)
+                    ctx.memory.keep_unsent(m.name, idx, unsent(exact, quantize(exact, vdtype), coded=False))
                 if ctx.momentum_correction and p is not None:
                     ctx.velocity.mask(m.name, idx)
 

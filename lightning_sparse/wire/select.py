@@ -130,7 +130,7 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
         q = quantize(values, vdtype)
         if settle:
             if ctx.error_feedback:
-                ctx.memory.keep_unsent(m.name, idx, None if q.dtype == values.dtype else values - q.to(values.dtype))
+                ctx.memory.keep_unsent(m.name, idx, batched.unsent(values, q, coded=False))
             if ctx.momentum_correction:
                 ctx.velocity.mask(m.name, idx)
         coords.append(idx + start if start else idx)
@@ -142,23 +142,17 @@ def select_sorted(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: tor
 
 def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selection, accepted: Tensor) -> None:
     """Take the coordinates at positions ``accepted`` of the selection out of the residuals."""
+    coded = ctx.value_bits is not None
     if sel.flat is not None and sel.at is not None:  # selected at once
-        exact, sent = sel.exact[accepted], sel.sent[accepted]
-        batched.keep_unsent(sel.flat, sel.at[accepted], exact, sent, coded=ctx.value_bits is not None)
+        batched.keep_unsent(sel.flat, sel.at[accepted], sel.exact[accepted], sel.sent[accepted], coded)
         return
-    coords = sel.coords[accepted]
-    for i, part, idx in space.by_member(coords):
+    for i, part, idx in space.by_member(sel.coords[accepted]):
         if sel.residual[i] is None and ctx.error_feedback:
             continue  # non-finite input: the residual keeps its previous value
         m = call.plan.sparse_members[space.members[i]]
         if ctx.error_feedback:
             exact, sent = sel.exact[accepted[part]], sel.sent[accepted[part]]
-            if ctx.value_bits is not None:
-                # a chunk made non-finite by another member's value: these coordinates keep what they had
-                ctx.memory.keep_unsent(m.name, idx, quant.remainder(exact, sent))
-            else:
-                rounded = sent.dtype != exact.dtype
-                ctx.memory.keep_unsent(m.name, idx, exact - sent.to(exact.dtype) if rounded else None)
+            ctx.memory.keep_unsent(m.name, idx, batched.unsent(exact, sent, coded))
         if ctx.momentum_correction:
             ctx.velocity.mask(m.name, idx)
 

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import scratch
-from lightning_sparse.wire import quant
+from lightning_sparse.wire.batched import keep_unsent
 from lightning_sparse.wire.comm import Rounds, futures, wait
 from lightning_sparse.wire.context import BY_COUNT, BucketCall, Pending, WireContext
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
-from lightning_sparse.wire.select import Selection, select_sorted, settle
+from lightning_sparse.wire.select import select_sorted, settle
 from lightning_sparse.wire.stats import ring_all_gather_bytes
 
 #: blocks of this many coordinates go to the ranks in turn (odd: a power-of-two row length does not
@@ -204,7 +204,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         taken = torch.zeros(picks + 1, dtype=torch.bool, device=device)
         taken = taken.index_put_((table.view(-1),), accepted.view(-1))[:picks]
         if sel.flat is not None and sel.at is not None:
-            _settle_flat(sel, taken, coded=bits is not None)
+            keep_unsent(sel.flat, sel.at, sel.exact, sel.sent, bits is not None, taken)
         else:
             settle(ctx, call, space, sel, taken.nonzero().squeeze(1))
         if rounding is not None:
@@ -229,17 +229,3 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
         out.index_add_(0, space.to_bucket(coords.view(-1)), vals.view(-1), alpha=alpha)
 
     return Pending(issued, apply, settle=settle_residuals, chosen=True)
-
-
-def _settle_flat(sel: Selection, taken: Tensor, coded: bool) -> None:
-    """:func:`~lightning_sparse.wire.select.settle` of the picks where ``taken``, on a selection made at
-    once: where taken the residual keeps what was not sent, elsewhere all it had."""
-    assert sel.flat is not None and sel.at is not None
-    exact, sent = sel.exact, sel.sent
-    if coded:
-        unsent = quant.remainder(exact, sent)
-    elif sent.dtype != exact.dtype:
-        unsent = exact - sent.to(exact.dtype)
-    else:
-        unsent = torch.zeros_like(exact)
-    sel.flat.index_copy_(0, sel.at, torch.where(taken, unsent, sel.flat[sel.at]))
