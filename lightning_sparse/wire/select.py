@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from lightning_sparse._utils import RegionViews, all_finite, scratch
+from lightning_sparse._utils import all_finite, scratch
 from lightning_sparse.wire import batched, quant
 from lightning_sparse.wire.comm import Issued, futures
 from lightning_sparse.wire.context import BucketCall, BucketPlan, Member, Pending, WireContext
@@ -162,19 +162,20 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
     """Flush the residuals of ``members`` (a sparse bucket's small tensors) into them and launch their send."""
     if not members:
         return Pending([], lambda out: None)
-    views = _member_views(call.plan, members)
-    bits = ctx.value_bits
-    world = ctx.world_size
-    coded = bits is not None and quant.coded_members_pay(world, views.numel, bits, call.buffer.element_size())
+    buffer, bits, world = call.buffer, ctx.value_bits, ctx.world_size
+    key = call.plan if members is call.plan.dense_members else members
+    views = _member_views(key, buffer.device)
+    at = views.positions
+    coded = bits is not None and quant.coded_members_pay(world, at.numel(), bits, buffer.element_size())
     if coded:
-        at_once = _launch_coded_at_once(ctx, call, members, views)
+        at_once = _launch_coded_at_once(ctx, call, members, at)
         if at_once is not None:
             return at_once
     flush_residuals(ctx, call, members)
-    buffer = call.buffer
-    # one operator for all of them, through their positions
-    at = views.positions(buffer.device)
-    values = torch.index_select(buffer, 0, at, out=views.message(buffer))
+    message = views.messages.get(buffer.dtype)
+    if message is None:
+        message = views.messages[buffer.dtype] = torch.empty(at.numel(), dtype=buffer.dtype, device=buffer.device)
+    values = torch.index_select(buffer, 0, at, out=message)  # one operator for all of them
     call.counters.sent_numel += values.numel()
     if coded:
         return _launch_coded_members(ctx, call, members, at, values.clone())
@@ -182,7 +183,7 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
 
     def apply(out: Tensor) -> None:
         values.div_(world)
-        at = views.positions(out.device)
+        at = _member_views(key, out.device).positions
         if out.dtype == values.dtype:
             out.index_add_(0, at, values)  # each position once: deterministic
         else:  # a bfloat16 model: the sum in the values' dtype, rounded once (as an add of mixed dtypes)
@@ -202,55 +203,29 @@ def all_gather_message(ctx: WireContext, call: BucketCall, message: Tensor, tag:
     return gathered, futures(ctx.comm.all_gather(gathered, message, call.counters))
 
 
+@dataclass
 class _MemberViews:
-    """A bucket's small tensors: their regions, their positions, and the message buffer (one per dtype,
-    reused: a bucket's exchange is applied before its next starts)."""
+    """A bucket's small tensors on one device: their coordinates in the bucket (int64, message order), and a
+    message buffer per dtype (reused: a bucket's exchange is applied before its next starts)."""
 
-    def __init__(self, members: tuple[Member, ...]) -> None:
-        self.bucket = RegionViews(tuple((m.offset, m.numel) for m in members))
-        self.numel = sum(m.numel for m in members)
-        self._messages: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self._positions: dict[torch.device, Tensor] = {}
-
-    def message(self, like: Tensor) -> Tensor:
-        key = (like.dtype, like.device)
-        buf = self._messages.get(key)
-        if buf is None:
-            buf = self._messages[key] = torch.empty(self.numel, dtype=like.dtype, device=like.device)
-        return buf
-
-    def positions(self, device: torch.device) -> Tensor:
-        """Their coordinates in the bucket, in message order (int64)."""
-        found = self._positions.get(device)
-        if found is None:
-            ranges = [torch.arange(a, a + n) for a, n in self.bucket.regions]
-            found = self._positions[device] = torch.cat(ranges).to(device)
-        return found
-
-
-def _member_views(plan: BucketPlan, members: tuple[Member, ...]) -> _MemberViews:
-    """The views of ``members``, cached by the plan where they are its small tensors (cheaper to hash)."""
-    if members is plan.dense_members:
-        return _plan_views(plan)
-    return _views_of(members)
+    positions: Tensor
+    messages: dict[torch.dtype, Tensor] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_views(plan: BucketPlan) -> _MemberViews:
-    return _MemberViews(plan.dense_members)
-
-
-@functools.lru_cache(maxsize=1024)
-def _views_of(members: tuple[Member, ...]) -> _MemberViews:
-    return _MemberViews(members)
+def _member_views(members: BucketPlan | tuple[Member, ...], device: torch.device) -> _MemberViews:
+    """The views of ``members``; a plan stands for its small tensors (cheaper to hash: its hash is cached)."""
+    if isinstance(members, BucketPlan):
+        members = members.dense_members
+    return _MemberViews(torch.cat([torch.arange(m.offset, m.offset + m.numel) for m in members]).to(device))
 
 
 def _launch_coded_at_once(
-    ctx: WireContext, call: BucketCall, members: tuple[Member, ...], views: _MemberViews
+    ctx: WireContext, call: BucketCall, members: tuple[Member, ...], at: Tensor
 ) -> Pending | None:
-    """:func:`_launch_coded_members` on the bucket's flat residual, to the same bits (``views``: the members');
-    None (nothing done) without error feedback, for a buffer that is not float32, offloaded residuals or a
-    non-finite value."""
+    """:func:`_launch_coded_members` on the bucket's flat residual, to the same bits (``at``: the members'
+    coordinates); None (nothing done) without error feedback, for a buffer that is not float32, offloaded
+    residuals or a non-finite value."""
     buffer = call.buffer
     if not ctx.error_feedback or buffer.dtype != torch.float32 or ctx.memory.home is not None:
         return None
@@ -258,7 +233,6 @@ def _launch_coded_at_once(
     named = {name for name, _ in layout if name is not None}
     if any(m.name not in named for m in members):
         return None
-    at = views.positions(buffer.device)
     values = buffer[at]
     if not call.inputs_finite and not all_finite(values):
         return None
