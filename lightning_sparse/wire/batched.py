@@ -11,6 +11,7 @@ A chunked compressor (``at_once = "chunk"``) needs neither: every member's rows 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import typing
 from dataclasses import dataclass
@@ -155,10 +156,6 @@ class BatchedLayout:
         order = [firsts[i] + j for i in space.members for j in range(ks[i])]
         starts = zip(space.members, space.starts, space.offsets, strict=True)
         shift = [s - o for i, s, o in starts for _ in range(ks[i])]
-        ends, pos = [], 0
-        for m in plan.members:
-            pos += m.numel
-            ends.append(pos)
 
         def long(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
@@ -171,7 +168,7 @@ class BatchedLayout:
             one_by_one_on_cpu=max(numels) >= CPU_ONE_BY_ONE,
             deepest=max(ranks) + 1,
             sizes=long([m.numel for m in plan.members]),
-            region_ends=long(ends),
+            region_ends=long(list(itertools.accumulate(m.numel for m in plan.members))),
             thresholds=torch.full((len(plan.members),), math.inf, dtype=torch.float32, device=device),
             sparse_regions=long(regions),
             ks=long(list(ks)),
