@@ -81,7 +81,7 @@ def _previous(config: SparseConfig, numels: list[int], world: int) -> tuple[floa
     wire = bucket_wire_bytes(ctx, ks, sparse, vbytes, world=world)
     if config.byte_rule and not sparse_pays(wire, world, sum(sparse) * 4):
         return dense, "dense"
-    how, wire = GATHER.choose(world, ks, vbytes, sparse, config.exchange, config.compact_indices)
+    how, wire = GATHER.choose(world, sum(ks), vbytes, sum(sparse), config.exchange, config.compact_indices)
     return wire + ring_all_reduce_bytes(world, small * 4), how
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from lightning_sparse.compressors import CompressContext
 from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.wire.batched import unsent
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
-from lightning_sparse.wire.context import BY_COUNT, BucketCall, Member, Pending, WireContext
+from lightning_sparse.wire.context import BY_COUNT, BucketCall, Pending, WireContext
 from lightning_sparse.wire.message import MessageLayout, SparseSpace, quantize
 from lightning_sparse.wire.select import all_gather_message, flush_residuals, launch_small, select_sorted, settle
 from lightning_sparse.wire.shared import select_shared
@@ -38,6 +39,7 @@ EXCHANGES = ("auto", "allgather", "split")
 #: ``exchange="auto"`` takes the split where it moves at most this fraction of the all-gather's wire bytes:
 #: it applies about k coordinates where the all-gather applies every rank's k, which costs accuracy
 SPLIT_AUTO_RATIO = 0.25
+_DTYPE_OF_SIZE = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 @dataclass(frozen=True)
@@ -102,50 +104,36 @@ class GatherPattern(WirePattern):
     split where it moves at most :data:`SPLIT_AUTO_RATIO` of the all-gather's bytes (sizes only: the same
     on every rank)."""
 
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def choose(
-        self,
-        world: int,
-        ks: list[int],
-        vbytes: int,
-        numels: list[int],
-        exchange: str,
-        compact: bool,
-        value_bits: int | None = None,
+        world: int, k: int, vbytes: int, n: int, exchange: str, compact: bool, bits: int | None = None
     ) -> tuple[str, float]:
-        """``(exchange, wire bytes per rank)`` for a bucket's sparse members (cached: sizes only)."""
-        return _choose(world, sum(ks), vbytes, sum(numels), exchange, compact, value_bits)
+        """``(exchange, wire bytes per rank)`` for ``k`` of a bucket's ``n`` sparse coordinates (sizes only)."""
+        vdtype = _DTYPE_OF_SIZE[vbytes]
+        gather = ring_all_gather_bytes(world, MessageLayout(n, k, vdtype, compact, value_bits=bits).size)
+        if exchange == "allgather" or world <= 1:
+            return "allgather", gather
+        split = split_wire_bytes(world, n, k, vdtype, compact, bits)
+        if exchange == "split" or split <= SPLIT_AUTO_RATIO * gather:
+            return "split", split
+        return "allgather", gather
 
-    def exchange_for(self, ctx: WireContext, ks: list[int], numels: list[int], vbytes: int) -> str:
+    def exchange_for(self, ctx: WireContext, ks: list[int], numels: Sequence[int], vbytes: int) -> str:
         """The exchange a bucket takes under ``ctx``'s settings (what the launch and the telemetry use)."""
-        return self.choose(ctx.world_size, ks, vbytes, numels, ctx.exchange, ctx.compact_indices, ctx.value_bits)[0]
+        return self.choose(
+            ctx.world_size, sum(ks), vbytes, sum(numels), ctx.exchange, ctx.compact_indices, ctx.value_bits
+        )[0]
 
     def cost(self, sizes: Sizes) -> float:
         s = sizes
-        return self.choose(s.world, list(s.ks), s.vbytes, list(s.numels), s.exchange, s.compact, s.value_bits)[1]
+        return self.choose(s.world, sum(s.ks), s.vbytes, sum(s.numels), s.exchange, s.compact, s.value_bits)[1]
 
     def launch_rounds(self, ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[Pending]:
         vdtype = ctx.vdtype(call.buffer)
-        numels = [m.numel for m in call.plan.sparse_members]
-        if self.exchange_for(ctx, ks, numels, vdtype.itemsize) == "split":
+        if self.exchange_for(ctx, ks, call.plan.sparse_numels, vdtype.itemsize) == "split":
             return (yield from launch_split(ctx, call, ks, vdtype))
         return _launch_allgather(ctx, call, ks, vdtype)
-
-
-_DTYPE_OF_SIZE = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-
-
-@functools.lru_cache(maxsize=4096)
-def _choose(
-    world: int, k: int, vbytes: int, n: int, exchange: str, compact: bool, bits: int | None
-) -> tuple[str, float]:
-    vdtype = _DTYPE_OF_SIZE[vbytes]
-    gather = ring_all_gather_bytes(world, MessageLayout(n, k, vdtype, compact, value_bits=bits).size)
-    if exchange == "allgather" or world <= 1:
-        return "allgather", gather
-    split = split_wire_bytes(world, n, k, vdtype, compact, bits)
-    if exchange == "split" or split <= SPLIT_AUTO_RATIO * gather:
-        return "split", split
-    return "allgather", gather
 
 
 def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torch.dtype) -> Pending:
@@ -269,16 +257,15 @@ class SketchPattern(WirePattern):
         counters.sent_numel += sum(ks)
         issued = futures(ctx.comm.all_reduce(values, counters))
 
-        picked: list[tuple[Tensor, Tensor]] = []  # per member: the k coordinates kept, their sums
-
+        @functools.cache
         def pick() -> list[tuple[Tensor, Tensor]]:
-            if not picked:
-                start = 0
-                for k, cand in zip(ks, cands, strict=True):
-                    sums = values[start : start + cand.numel()]
-                    start += cand.numel()
-                    chosen = compressor.pick(sums, k)
-                    picked.append((cand[chosen], sums[chosen]))
+            """Per member: the ``k`` coordinates kept, their sums."""
+            picked, start = [], 0
+            for k, cand in zip(ks, cands, strict=True):
+                sums = values[start : start + cand.numel()]
+                start += cand.numel()
+                chosen = compressor.pick(sums, k)
+                picked.append((cand[chosen], sums[chosen]))
             return picked
 
         def settle_residuals() -> None:  # what this rank contributed at the kept coordinates
@@ -318,8 +305,8 @@ class DensePattern(WirePattern):
 
         return Pending(issued, lambda out: out.add_(dense()), dense)
 
-    def launch_members(self, ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending:
-        return launch_small(ctx, call, members)
+    #: ``launch_members(ctx, call, members)``: the small tensors of a bucket sent sparse
+    launch_members = staticmethod(launch_small)
 
 
 #: the gather pattern (it also says which exchange a bucket takes: :meth:`GatherPattern.choose`)
