@@ -1,6 +1,4 @@
-"""Message coding: how a bucket's selected values and their coordinates are laid out on the wire.
-
-The sparse space a bucket's messages address, and fixed-size messages of (value, coordinate) pairs
+"""The sparse space a bucket's messages address, and fixed-size messages of (value, coordinate) pairs
 with int32 or Rice-coded indices (:mod:`lightning_sparse.wire.indexcode`)."""
 
 from __future__ import annotations
@@ -41,17 +39,9 @@ def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
     return values.to(dtype)
 
 
-@functools.lru_cache(maxsize=1024)
-def _uniform_shift(space: SparseSpace) -> int | None:
-    """The one shift from a space's coordinates to bucket offsets, if every member has the same."""
-    shifts = {o - s for o, s in zip(space.offsets, space.starts, strict=True)}
-    return shifts.pop() if len(shifts) == 1 else None
-
-
 @functools.lru_cache(maxsize=256)
 def _space_tensors(space: SparseSpace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """A space's member starts, their shifts to bucket offsets and its bounds (starts, then the end)
-    as int64 tensors on ``device``, made once (a copy from host memory makes the host wait)."""
+    """A space's member starts, shifts to bucket offsets and bounds on ``device``, made once (a host copy waits)."""
     shifts = [o - s for o, s in zip(space.offsets, space.starts, strict=True)]
     made = torch.tensor((*space.starts, space.numel, *shifts), dtype=torch.int64, device=device)
     n = len(space.starts)
@@ -84,9 +74,15 @@ class SparseSpace:
             pos += sparse[i].numel
         return SparseSpace(pos, tuple(order), tuple(starts), tuple(offsets))
 
+    @functools.cached_property
+    def _shift(self) -> int | None:
+        """The one shift from coordinates to bucket offsets, if every member has the same."""
+        shifts = {o - s for o, s in zip(self.offsets, self.starts, strict=True)}
+        return shifts.pop() if len(shifts) == 1 else None
+
     def to_bucket(self, coords: Tensor) -> Tensor:
         """Bucket offsets of sparse-space coordinates (int64)."""
-        shift = _uniform_shift(self)
+        shift = self._shift
         if shift is not None:
             return coords + shift if shift else coords
         starts, shifts_t, _ = _space_tensors(self, coords.device)
@@ -94,8 +90,8 @@ class SparseSpace:
         return coords + shifts_t[member]
 
     def by_member(self, coords: Tensor) -> list[tuple[int, slice, Tensor]]:
-        """Split ascending coordinates by member: ``(position in space order, slice of coords, member-local
-        indices)`` for each member that has any."""
+        """``(position in space order, slice of coords, member-local indices)`` of each member that ascending
+        ``coords`` reach."""
         bounds = _space_tensors(self, coords.device)[2]
         cuts = torch.searchsorted(coords, bounds).tolist()
         return [
@@ -152,23 +148,19 @@ class MessageLayout:
         return 8 if self.header else 0
 
     @functools.cached_property
-    def _value_bytes(self) -> int:
+    def _index(self) -> slice:
+        """Where the indices lie in a message."""
         if self.value_bits is None:
-            return self.capacity * self.value_dtype.itemsize
-        return quant.scale_bytes(self.capacity) + quant.code_bytes(self.capacity, self.value_bits)
-
-    @functools.cached_property
-    def _index_at(self) -> int:
-        return _align(self._values_at + self._value_bytes, 4)
-
-    @functools.cached_property
-    def _index_bytes(self) -> int:
-        return index_bytes(self.n, self.capacity, self.coding)
+            value_bytes = self.capacity * self.value_dtype.itemsize
+        else:
+            value_bytes = quant.scale_bytes(self.capacity) + quant.code_bytes(self.capacity, self.value_bits)
+        at = _align(self._values_at + value_bytes, 4)
+        return slice(at, at + index_bytes(self.n, self.capacity, self.coding))
 
     @functools.cached_property
     def size(self) -> int:
         """Bytes per message (8-byte aligned, so every rank's part of a gathered buffer is too)."""
-        return _align(self._index_at + self._index_bytes, 8)
+        return _align(self._index.stop, 8)
 
     def pack(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
         """Write sorted unique ``coords`` and their ``values`` (cast to ``value_dtype``) into a
@@ -197,7 +189,7 @@ class MessageLayout:
             at += quant.scale_bytes(self.capacity)
             quant.pack_codes(codes, bits, out[at : at + quant.code_bytes(count, bits)])
             arriving = quant.dequantize(codes, scales, bits)
-        index = self._index_part(out)
+        index = out[..., self._index]
         if self.coding == "rice":
             encode_indices(coords, self.n, self.capacity, out=index)
         else:
@@ -209,7 +201,7 @@ class MessageLayout:
         float32 (what the codes stand for) with ``value_bits``."""
         count = int(message[:4].view(torch.int32)) if self.header else self.capacity
         values = self._read_values(message, count)
-        index = self._index_part(message)
+        index = message[..., self._index]
         if self.coding == "rice":
             return decode_indices(index, self.n, self.capacity, count), values
         return self._int32_coords(index, count), values
@@ -229,7 +221,7 @@ class MessageLayout:
             raise ValueError("unpack_rows: messages with a header hold a count each; unpack them one at a time")
         count = self.capacity
         values = self._read_values(messages, count)
-        index = self._index_part(messages)
+        index = messages[..., self._index]
         if self.coding == "rice":
             return decode_index_rows(index, self.n, self.capacity, count), values
         return self._int32_coords(index, count), values
@@ -237,10 +229,9 @@ class MessageLayout:
     def pack_rows(
         self, coords: Tensor, values: Tensor, counts: Tensor, out: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`pack_arriving` of a batch of messages with a header, the counts on the device: row ``r``
-        of ``coords`` / ``values`` (``(rows, capacity)``) holds its ``counts[r]`` pairs first. Each
-        message is byte for byte what :meth:`pack` writes; the arriving values are zero past the counts.
-        ``out``: the ``(rows, size)`` uint8 buffer to write them into (or a new one).
+        """:meth:`pack_arriving` of messages with a header, a row each (``(rows, size)`` into ``out``, or new),
+        byte for byte; row ``r`` of ``coords`` / ``values`` (``(rows, capacity)``) holds ``counts[r]`` pairs
+        first (counts on the device); the arriving values are zero past the counts.
 
         Example:
             >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)
@@ -272,7 +263,7 @@ class MessageLayout:
             at += quant.scale_bytes(self.capacity)
             quant.pack_code_rows(codes, valid, bits, out[:, at : at + quant.code_bytes(width, bits)])
             arriving = torch.where(valid, quant.dequantize(codes, scales, bits), 0.0)
-        index = self._index_part(out)
+        index = out[..., self._index]
         if self.coding == "rice":
             encode_index_rows(coords, counts, self.n, self.capacity, out=index)
         else:
@@ -280,9 +271,8 @@ class MessageLayout:
         return out, arriving
 
     def unpack_counted_rows(self, messages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`unpack` of every row of ``messages`` (with a header), the counts left on the device:
-        ``(coordinates, values, counts)``; past its count a row holds coordinate :attr:`n` (rows stay
-        ascending) and value zero.
+        """``(coordinates, values, counts)`` of every row of ``messages`` (with a header), counts on the
+        device; past its count a row holds coordinate :attr:`n` (rows stay ascending) and value zero.
 
         Example:
             >>> layout = MessageLayout(n=1000, capacity=4, value_dtype=torch.float32, compact=True, header=True)
@@ -299,7 +289,7 @@ class MessageLayout:
         values = self._read_values(messages, count)
         if self.value_bits is not None:  # uncoded values are zero bytes past the count (pack zeroes the message)
             values = torch.where(valid, values, 0.0)
-        index = self._index_part(messages)
+        index = messages[..., self._index]
         if self.coding == "rice":
             coords = decode_counted_rows(index, self.n, self.capacity, counts, fill=self.n)
         else:
@@ -307,8 +297,7 @@ class MessageLayout:
         return coords, values, counts
 
     def _read_values(self, messages: Tensor, count: int) -> Tensor:
-        """The first ``count`` values of a message (or of each row): in ``value_dtype``, or float32
-        (what the codes stand for) with ``value_bits``."""
+        """The first ``count`` values of a message (or of each row), as :meth:`unpack` gives them."""
         at = self._values_at
         bits = self.value_bits
         if bits is None:
@@ -317,9 +306,6 @@ class MessageLayout:
         at += quant.scale_bytes(self.capacity)
         codes = quant.unpack_codes(messages[..., at : at + quant.code_bytes(count, bits)], count, bits)
         return quant.dequantize(codes, scales, bits)
-
-    def _index_part(self, messages: Tensor) -> Tensor:
-        return messages[..., self._index_at : self._index_at + self._index_bytes]
 
     @staticmethod
     def _int32_coords(index: Tensor, count: int) -> Tensor:
