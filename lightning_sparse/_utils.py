@@ -22,8 +22,12 @@ _MASK64 = (1 << 64) - 1
 
 
 def bad_argument(name: str, value: Any, allowed: str) -> ValueError:
-    """Build the package's standard error for a rejected argument."""
-    return ValueError(f"{name}={value!r} is not allowed: {allowed}.")
+    """The package's error for a rejected argument, describing a tensor by dtype, shape and device (not its values)."""
+    if isinstance(value, torch.Tensor):
+        shown = f"<{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}>"
+    else:
+        shown = repr(value)
+    return ValueError(f"{name}={shown} is not allowed: {allowed}.")
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -60,10 +64,9 @@ def check_density(name: str, value: Any) -> float:
     """Return ``value`` as a float if it lies in (0, 1], else raise ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_argument(name, value, "expected a number in (0, 1]")
-    value = float(value)
-    if not (0.0 < value <= 1.0):
-        raise bad_argument(name, value, "expected a number in (0, 1]")
-    return value
+    if not 0.0 < value <= 1.0:
+        raise bad_argument(name, float(value), "expected a number in (0, 1]")
+    return float(value)
 
 
 def stable_key(name: str) -> int:
@@ -185,15 +188,13 @@ def check_same_everywhere(settings: dict[str, Any], group: Any, world_size: int)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine, group=group)
     if any(g != gathered[0] for g in gathered):
-        first = json.loads(gathered[0])
-        diffs = []
-        for rank, g in enumerate(gathered):
-            other = json.loads(g)
-            diffs += [
-                f"{k}: rank 0 has {v!r}, rank {rank} has {other.get(k)!r}"
-                for k, v in first.items()
-                if other.get(k) != v
-            ]
+        first, *others = map(json.loads, gathered)
+        diffs = [
+            f"{k}: rank 0 has {v!r}, rank {rank} has {other.get(k)!r}"
+            for rank, other in enumerate(others, 1)
+            for k, v in first.items()
+            if other.get(k) != v
+        ]
         raise ValueError(
             "SparseDDPStrategy is configured differently across ranks; every rank must use the same "
             "settings or the collectives would hang or mix mismatched data. Differences: " + "; ".join(diffs)
@@ -231,10 +232,8 @@ def end_process_group_at_exit(created: bool) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     group = dist.group.WORLD
-    if group is not _EXIT.group:
-        _EXIT.group, _EXIT.created = group, created
-    else:
-        _EXIT.created = _EXIT.created or created
+    _EXIT.created = created or (_EXIT.created and group is _EXIT.group)  # the same group: created by any run
+    _EXIT.group = group
     if not _EXIT.registered:
         atexit.register(_end_at_exit)
         _EXIT.registered = True
@@ -277,9 +276,8 @@ def _ephemeral_low() -> int:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``.
 
-    Picked at random below the kernel's ephemeral ports where there are any: a port from the kernel
-    (bind to 0) is one it also gives outgoing connections, so another process's connection (a test's
-    process group running beside this one) could take it before the process group's store binds it.
+    Picked at random below the kernel's ephemeral ports where there are any: one the kernel gives (bind to 0)
+    may go to another process's outgoing connection before the process group's store binds it.
 
     Example:
         >>> 0 < free_port() < 65536

@@ -43,11 +43,6 @@ def rice_parameter(n: int, k: int) -> int:
     6
     """
     _check_sizes(n, k)
-    return _rice_parameter(n, k)
-
-
-@functools.lru_cache(maxsize=4096)  # sizes only: asked for every message layout at every step
-def _rice_parameter(n: int, k: int) -> int:
     if k == 0:
         return 0
     m = max(n - k, 0)
@@ -55,6 +50,7 @@ def _rice_parameter(n: int, k: int) -> int:
     return min(range(m.bit_length() + 1), key=lambda b: (k * (b + 1) + (m >> b), b))
 
 
+@functools.lru_cache(maxsize=4096)  # sizes only: asked for every message at every step
 def _stream_bytes(n: int, k: int) -> tuple[int, int, int]:
     """``(b, low stream bytes, unary stream bytes)`` for ``(n, k)``."""
     b = rice_parameter(n, k)
@@ -93,15 +89,6 @@ def _check_sizes(n: int, k: int, count: int | None = None) -> None:
         check_int("count", count, minimum=0, maximum=min(k, n))
 
 
-def _bad(name: str, value: object, allowed: str) -> ValueError:
-    """The package's argument error, describing a tensor by dtype, shape and device (never its values)."""
-    if isinstance(value, Tensor):
-        shown = f"<{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}>"
-    else:
-        shown = repr(value)
-    return ValueError(f"{name}={shown} is not allowed: {allowed}.")
-
-
 def _pack(bits: Tensor) -> Tensor:
     """Pack a uint8 0/1 tensor whose length is a multiple of 8 into bytes, MSB first."""
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)  # made there: no host copy
@@ -129,21 +116,21 @@ def encode_indices(idx: Tensor, n: int, k: int, out: Tensor | None = None, *, va
     """
     _check_sizes(n, k)
     if not isinstance(idx, Tensor) or idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
-        raise _bad("idx", idx, "expected a 1-D int64 or int32 tensor")
+        raise bad_argument("idx", idx, "expected a 1-D int64 or int32 tensor")
     c = idx.numel()
     if c > min(k, n):
-        raise _bad("idx", idx, f"expected at most min(k, n)={min(k, n)} indices")
+        raise bad_argument("idx", idx, f"expected at most min(k, n)={min(k, n)} indices")
     b, low_bytes, unary_bytes = _stream_bytes(n, k)
     dev = idx.device
     if out is None:
         out = torch.empty(low_bytes + unary_bytes, dtype=torch.uint8, device=dev)
     elif not isinstance(out, Tensor) or out.dtype != torch.uint8 or out.dim() != 1 or out.device != dev:
-        raise _bad("out", out, f"expected a 1-D uint8 tensor on {dev}")
+        raise bad_argument("out", out, f"expected a 1-D uint8 tensor on {dev}")
     elif out.numel() != low_bytes + unary_bytes:
-        raise _bad("out", out, f"expected rice_capacity_bytes(n, k)={low_bytes + unary_bytes}")
+        raise bad_argument("out", out, f"expected rice_capacity_bytes(n, k)={low_bytes + unary_bytes}")
     idx = idx.long()
     if validate and c and not (bool(idx[0] >= 0) and bool(idx[-1] < n) and bool((idx[1:] > idx[:-1]).all())):
-        raise _bad("idx", idx, f"expected strictly increasing values in [0, {n}) (validate=True)")
+        raise bad_argument("idx", idx, f"expected strictly increasing values in [0, {n}) (validate=True)")
     v = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
     low = torch.zeros(low_bytes * 8, dtype=torch.uint8, device=dev)
     if b:
@@ -170,7 +157,7 @@ def decode_indices(data: Tensor, n: int, k: int, count: int) -> Tensor:
     _check_sizes(n, k, count)
     size = rice_capacity_bytes(n, k)
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != size:
-        raise _bad("data", data, f"expected a 1-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes")
+        raise bad_argument("data", data, f"expected a 1-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes")
     # no host read: a message with fewer than ``count`` indices fails a device-side assertion
     return decode_index_rows(data.unsqueeze(0), n, k, count)[0]
 
@@ -188,7 +175,7 @@ def decode_index_rows(data: Tensor, n: int, k: int, count: int) -> Tensor:
     b, low_bytes, unary_bytes = _stream_bytes(n, k)
     size = low_bytes + unary_bytes
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != size:
-        raise _bad("data", data, f"expected a 2-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes a row")
+        raise bad_argument("data", data, f"expected a 2-D uint8 tensor of rice_capacity_bytes(n, k)={size} bytes a row")
     rows = data.shape[0]
     # every row's terminating one bits; a row holding fewer than ``count`` fails the assertion
     if not rows or not count:
