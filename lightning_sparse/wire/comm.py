@@ -38,7 +38,7 @@ def run(rounds: Rounds[T]) -> T:
 def run_together(launches: list[Rounds[T]]) -> list[T]:
     """Drive several launches in rounds in lock-step, in order (the same on every rank): each takes
     its first round, then each its second, ..."""
-    results: dict[int, T] = {}
+    results: list[T] = [None] * len(launches)  # type: ignore[list-item]  # each set before it is returned
     active = list(range(len(launches)))
     while active:
         going = []
@@ -49,19 +49,14 @@ def run_together(launches: list[Rounds[T]]) -> list[T]:
             except StopIteration as stop:
                 results[i] = stop.value
         active = going
-    return [results[i] for i in range(len(launches))]
-
-
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    return results
 
 
 @dataclass(frozen=True)
 class Issued:
     """A collective in flight: its future, and what it is (for the error that says where an exchange stalled).
-
-    For a call queued by :meth:`Collectives.coalescing`, :meth:`wait` issues the queue if needed and copies
-    the call's part of the result into its output, on the waiting thread (and CUDA stream)."""
+    ``queued``: a call inside :meth:`Collectives.coalescing`, whose :meth:`wait` issues the queue if needed and
+    copies the call's part of the result into its output, on the waiting thread (and CUDA stream)."""
 
     future: Future[list[Tensor]]
     what: str
@@ -197,13 +192,14 @@ class Collectives:
         tensor: Tensor,
         counters: Counters | None,
     ) -> Issued | None:
+        nbytes = tensor.numel() * tensor.element_size()
         if counters is not None:
-            count(counters, self.world, _nbytes(tensor))
+            count(counters, self.world, nbytes)
         if self.world <= 1:
             if name != "all-reduce":
                 output.copy_(tensor)  # one process: what it would receive is what it sends
             return None
-        what = f"{name} of {_nbytes(tensor):,} bytes"
+        what = f"{name} of {nbytes:,} bytes"
         if self.queue.depth:
             return self.queue.put(self, name, output, tensor, what, counters)
         self.queue.count(counters)
@@ -233,8 +229,9 @@ class _Queued:
         self._copied = False
 
     def ready(self) -> None:
-        if self.issued is None:
-            self.queue.flush_now()  # a round waited for inside the block: issue what is queued
+        if self.issued is None:  # a round waited for inside the block: issue what is queued
+            assert self.queue.comm is not None
+            self.queue.flush(self.queue.comm)
         assert self.issued is not None and self.merged is not None
         self.issued.wait()  # raises the collective's error; on CUDA, orders this stream after it
         if self._copied:
@@ -254,7 +251,7 @@ class _Queue:
         self.depth = 0
         self.issued = 0
         self.calls: list[_Queued] = []
-        self._comm: Collectives | None = None
+        self.comm: Collectives | None = None
         #: each coalesced collective's send and receive buffers, by its callers' outputs: callers that
         #: keep their outputs (a bucket's) find the same buffers at every step; a group is issued again
         #: only once its results were taken
@@ -270,7 +267,7 @@ class _Queue:
     def put(
         self, comm: Collectives, kind: str, output: Tensor, tensor: Tensor, what: str, counters: Counters | None
     ) -> Issued:
-        self._comm = comm
+        self.comm = comm
         key = (kind, tensor.dtype, tensor.device)
         if all((c.kind, c.tensor.dtype, c.tensor.device) != key for c in self.calls):
             self.count(counters)  # the first call of its kind in this batch: the collective it joins
@@ -278,13 +275,9 @@ class _Queue:
         self.calls.append(call)
         return Issued(call.future, what, call)
 
-    def flush_now(self) -> None:
-        assert self._comm is not None
-        self.flush(self._comm)
-
     def flush(self, comm: Collectives) -> None:
         """Issue the queued calls: one collective per kind, dtype and device, in first-call order."""
-        self._comm = comm
+        self.comm = comm
         calls, self.calls = self.calls, []
         self.flushes += 1
         for k, (_, _, used) in list(self.buffers.items()):
@@ -314,22 +307,21 @@ def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
     merged, output = _merged_buffers(kind, calls, rows, sum(widths), comm)
     future = _ISSUE[kind](output.view(-1), merged, comm.group)
     start = 0
+    placeholders = []
     for call, width in zip(calls, widths, strict=True):
         call.issued, call.merged, call.columns = future, output, slice(start, start + width)
         start += width
-    placeholders = [c.future for c in calls]
+        placeholders.append(call.future)
 
     def done(f: Future[list[Tensor]]) -> None:  # on the completing thread: no tensor is touched here
-        error = None
         try:
             f.value()
-        except Exception as e:  # the callers' futures fail alike
-            error = e
-        for p in placeholders:
-            if error is not None:
+        except Exception as error:  # the callers' futures fail alike
+            for p in placeholders:
                 p.set_exception(error)  # type: ignore[arg-type]  # torch types it as the result
-            else:
-                p.set_result([])
+            return
+        for p in placeholders:
+            p.set_result([])
 
     future.add_done_callback(done)
 
