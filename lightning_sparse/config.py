@@ -18,6 +18,7 @@ from lightning_sparse._utils import (
     check_choice,
     check_density,
     check_int,
+    check_number,
     describe_callable,
     resolve_value_dtype,
 )
@@ -244,8 +245,9 @@ class SparseConfig:
         byte_rule, timed = each(as_fallback, self.fallback_to_dense) or (True, None)
         each(check_density, "error_feedback_decay", self.error_feedback_decay)
         m = self.momentum_correction
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
-            errors.append(bad_argument("momentum_correction", m, "expected a number in [0, 1) (0 turns it off)"))
+        each(
+            check_number, "momentum_correction", m, "expected a number in [0, 1) (0 turns it off)", lambda v: 0 <= v < 1
+        )
         for name in ("sync_every", "fragments"):
             each(check_int, name, getattr(self, name), minimum=1)
         for name in ("batchnorm_batches", "batchnorm_warmup", "sync_delay", "max_nonfinite_steps"):
@@ -258,8 +260,7 @@ class SparseConfig:
         splits = ("strided", "contiguous")
         each(check_choice, "fragment_split", self.fragment_split, splits, "expected 'strided' or 'contiguous'")
         outer = each(resolve_outer_optimizer, self.outer_optimizer, self.outer_momentum)
-        if self.value_bits is not None and (isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS):
-            errors.append(bad_argument("value_bits", self.value_bits, "expected None, 2, 4 or 8"))
+        each(check_choice, "value_bits", self.value_bits, (None, *VALUE_BITS), "expected None, 2, 4 or 8")
         if len(errors) == 1:
             raise errors[0]
         if errors:
