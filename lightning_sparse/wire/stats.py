@@ -1,9 +1,7 @@
 """What each rank puts into its collectives, counted where they are issued, and what that moves.
 
-The counters and the telemetry that sums them; the ring models: through each rank, a ring all-gather of
-``m`` bytes per rank moves ``(W-1)*m`` bytes, a ring all-reduce of ``n`` bytes ``2*(W-1)/W*n``, an all-to-all
-of ``n`` bytes ``(W-1)/W*n``; and :func:`sparse_pays`, the byte rule that the hook, the density schedules and
-the telemetry all ask.
+The counters and the telemetry that sums them; the ring models of the bytes through each rank; and
+:func:`sparse_pays`, the byte rule that the hook, the density schedules and the telemetry all ask.
 """
 
 from __future__ import annotations
@@ -21,13 +19,12 @@ HAND_OVER = "hand-over"
 class Counters:
     """Additive compression figures of one rank (one step, one bucket, or a whole run).
 
-    ``sent_bytes``: what the strategy put into its collectives (values, indices, dense parts, padding),
-    counted from the tensors handed to ``torch.distributed``; ``dense_bytes``: what plain DDP would put
-    into its all-reduce. ``wire_bytes`` and ``dense_wire_bytes``: what those collectives, or a dense
-    all-reduce, move through this rank on a ring (:func:`ring_all_gather_bytes`;
-    0 at world size 1). ``dense_buckets``: buckets sent dense, ``fallback_buckets`` of them because sparse
-    would have moved more bytes; ``nonfinite_buckets``: those with a non-finite gradient on this rank;
-    ``collectives``: collectives issued (coalesced calls count once).
+    ``sent_bytes``: what the strategy put into its collectives (values, indices, dense parts, padding);
+    ``dense_bytes``: what plain DDP would put into its all-reduce. ``wire_bytes`` and ``dense_wire_bytes``:
+    what those collectives, or a dense all-reduce, move through this rank on a ring (0 at world size 1).
+    ``dense_buckets``: buckets sent dense, ``fallback_buckets`` of them because sparse would have moved more
+    bytes; ``nonfinite_buckets``: those with a non-finite gradient on this rank; ``collectives``: collectives
+    issued (coalesced calls count once).
 
     Example:
         >>> c = Counters(dense_bytes=4000, sent_bytes=80, numel=1000, sent_numel=10)
@@ -62,8 +59,8 @@ class Counters:
 
     @property
     def compression_ratio(self) -> float:
-        """Traffic ratio: dense wire bytes / wire bytes (1.0 when nothing crossed the wire); equal to
-        :attr:`message_ratio` at 2 ranks, below it at more when the messages are all-gathered."""
+        """Dense wire bytes / wire bytes (1.0 when nothing crossed the wire): :attr:`message_ratio` at 2 ranks,
+        below it at more when the messages are all-gathered."""
         return self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
     @property
@@ -140,13 +137,11 @@ class Telemetry:
         self.current = Counters()
 
     def end_step(self) -> None:
-        if self.label is not None:  # not an optimizer step
-            return self.fold_current()
-        self.peak_step_wire_bytes = max(self.peak_step_wire_bytes, self.current.wire_bytes)
-        self.total.add(self.current)
-        self.last = self.current
-        self.current = Counters()
-        self.steps += 1
+        if self.label is None:  # an optimizer step
+            self.peak_step_wire_bytes = max(self.peak_step_wire_bytes, self.current.wire_bytes)
+            self.last = self.current
+            self.steps += 1
+        self.fold_current()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -173,12 +168,12 @@ class Telemetry:
 
 
 def ring_all_reduce_bytes(world: int, nbytes: int) -> float:
-    """Bytes through each rank for a ring all-reduce of ``nbytes``."""
+    """Bytes through each rank for a ring all-reduce of ``nbytes``: ``2*(W-1)/W*nbytes``."""
     return 2.0 * (world - 1) / world * nbytes
 
 
 def ring_all_gather_bytes(world: int, nbytes: int) -> float:
-    """Bytes through each rank for a ring all-gather of ``nbytes`` per rank."""
+    """Bytes through each rank for a ring all-gather of ``nbytes`` per rank: ``(W-1)*nbytes``."""
     return float((world - 1) * nbytes)
 
 
@@ -189,13 +184,13 @@ def count_all_reduce(counters: Counters, world: int, nbytes: int) -> None:
 
 
 def count_all_gather(counters: Counters, world: int, nbytes: int) -> None:
-    """Count an all-gather of ``nbytes`` per rank this rank issued (see :func:`count_all_reduce`)."""
+    """Count an all-gather of ``nbytes`` per rank this rank issued."""
     counters.sent_bytes += nbytes
     counters.wire_bytes += ring_all_gather_bytes(world, nbytes)
 
 
 def count_all_to_all(counters: Counters, world: int, nbytes: int) -> None:
-    """Count an all-to-all of ``nbytes`` (all W chunks) this rank issued: every chunk but its own leaves."""
+    """Count an all-to-all of ``nbytes`` (all W chunks) this rank issued: ``(W-1)/W*nbytes`` leave."""
     counters.sent_bytes += nbytes
     counters.wire_bytes += (world - 1) / world * nbytes if world > 1 else 0.0
 
