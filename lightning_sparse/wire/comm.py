@@ -1,10 +1,5 @@
-"""The collectives the package issues, each counted where it is issued.
-
-:class:`Collectives` wraps ``torch.distributed``'s collectives for one process group: each call counts
-its bytes and ring traffic into the given :class:`~lightning_sparse.wire.stats.Counters` and
-returns its future (None at world size 1). Inside :meth:`Collectives.coalescing` the calls leave as one
-collective per kind and dtype: across data centres each collective costs a round trip.
-"""
+"""The collectives the package issues, each counted where it is issued (:class:`Collectives`), and the
+launches in rounds that issue them (:data:`Rounds`)."""
 
 from __future__ import annotations
 
@@ -28,11 +23,7 @@ Rounds = Generator[None, None, T]
 
 def run(rounds: Rounds[T]) -> T:
     """Drive a launch in rounds to its end, alone."""
-    while True:
-        try:
-            next(rounds)
-        except StopIteration as stop:
-            return stop.value
+    return run_together([rounds])[0]
 
 
 def run_together(launches: list[Rounds[T]]) -> list[T]:
@@ -100,7 +91,7 @@ def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future
 
 
 def all_gather(output: Tensor, tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future[list[Tensor]]:
-    """Concatenate every rank's ``tensor`` (same size on all ranks) into ``output``, asynchronously."""
+    """:meth:`Collectives.all_gather`, asynchronously."""
     if reconfigurable(group):
         assert group is not None
         opts = dist.distributed_c10d.AllgatherOptions()
@@ -110,14 +101,15 @@ def all_gather(output: Tensor, tensor: Tensor, group: dist.ProcessGroup | None =
 
 
 def all_to_all(output: Tensor, tensor: Tensor, group: dist.ProcessGroup | None = None) -> Future[list[Tensor]]:
-    """Send chunk ``j`` of ``tensor`` (split evenly along dim 0) to rank ``j``; chunk ``r`` of
-    ``output`` receives rank ``r``'s, asynchronously."""
+    """:meth:`Collectives.all_to_all`, asynchronously."""
     return dist.all_to_all_single(output, tensor, group=group, async_op=True).get_future()
 
 
 @dataclass(frozen=True)
 class Collectives:
-    """Asynchronous collectives over ``group`` (``world`` processes), counted into ``counters``.
+    """Asynchronous collectives over ``group`` (``world`` processes): each call counts its bytes and ring traffic
+    into the given :class:`~lightning_sparse.wire.stats.Counters` and returns what it issued (None at world size
+    1). Inside :meth:`coalescing` the calls leave as one collective per kind and dtype (each costs a round trip).
 
     Example:
         >>> import torch
@@ -156,8 +148,7 @@ class Collectives:
             self.release()
 
     def hold(self) -> None:
-        """Start queueing, as entering :meth:`coalescing` does (for a block spanning calls, e.g. one
-        backward pass's hooks)."""
+        """Start queueing, as entering :meth:`coalescing` does (for a block spanning calls: a backward pass's)."""
         self.queue.depth += 1
 
     def release(self, issue: bool = True) -> None:
