@@ -141,8 +141,7 @@ class RegionViews:
         self._views: list[torch.Tensor] = []
 
     def of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The views of ``flat`` (the same list while ``flat`` is the same memory of the same storage: a storage
-        moved elsewhere frees its address for another tensor)."""
+        """The views of ``flat``: the same list while it is the same memory of the same storage (addresses recur)."""
         key = (flat.untyped_storage()._cdata, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
         if key != self._key:
             views = [flat[a : a + n] for a, n in self.regions]
