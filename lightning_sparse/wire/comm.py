@@ -1,5 +1,6 @@
-"""The collectives the package issues, each counted where it is issued (:class:`Collectives`), and the
-launches in rounds that issue them (:data:`Rounds`)."""
+"""The collectives the package issues, each counted where it is issued (:class:`Collectives`).
+
+Launches in rounds (:data:`Rounds`) issue them; :func:`run_together` drives several in lock-step."""
 
 from __future__ import annotations
 

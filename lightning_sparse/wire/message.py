@@ -1,5 +1,6 @@
-"""The sparse space a bucket's messages address, and fixed-size messages of (value, coordinate) pairs
-with int32 or Rice-coded indices (:mod:`lightning_sparse.wire.indexcode`)."""
+"""A bucket's sparse space, and the fixed-size messages of (value, coordinate) pairs that address it.
+
+Indices travel as int32 or Rice-coded (:mod:`lightning_sparse.wire.indexcode`)."""
 
 from __future__ import annotations
 
