@@ -39,9 +39,8 @@ class OuterStep:
         """Restore what :meth:`state_dict` returned."""
 
     def hand_over(self, average: Average, target: Tensor) -> None:
-        """Apply an average of the end-of-fit hand-over's exchanges, which deliver what the processes have not
-        sent yet: added as it is, as the exact hand-over adds the mean residual (no outer learning rate, no
-        momentum carried past the last training exchange), the chosen coordinates scaled as :meth:`apply` would."""
+        """Add an average of the end-of-fit hand-over (what the processes had not sent) as it is, like the exact
+        hand-over's mean residual: no outer learning rate or momentum; chosen coordinates scaled as in :meth:`apply`."""
         average.add_to(target, chosen_scale_of(getattr(self, "chosen_scale", "parties"), average.parties))
 
 
@@ -120,7 +119,7 @@ class OptimizerStep(OuterStep):
         if entry is None:
             param = torch.nn.Parameter(target, requires_grad=True)
             optimizer = self.factory([param])
-            saved = self._pending.pop(_key(names), None)
+            saved = self._pending.pop("|".join(names), None)
             if saved is not None:
                 optimizer.load_state_dict(saved)
             entry = self._groups[names] = (param, optimizer)
@@ -134,7 +133,7 @@ class OptimizerStep(OuterStep):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state of every group, by the group's parameter names."""
-        return {**self._pending, **{_key(names): opt.state_dict() for names, (_, opt) in self._groups.items()}}
+        return {**self._pending, **{"|".join(names): opt.state_dict() for names, (_, opt) in self._groups.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (applied to each group when it is next used)."""
@@ -157,19 +156,11 @@ class StagedAverage:
         return out
 
 
-def _key(names: tuple[str, ...]) -> str:
-    return "|".join(names)
-
-
 def outer_step_for(setting: Callable[[Iterable[Any]], Optimizer] | OuterStep | None) -> OuterStep:
     """The outer step of a resolved ``outer_optimizer`` setting (None: :class:`AddAverage`)."""
     if isinstance(setting, OuterStep):
         return setting
     return AddAverage() if setting is None else OptimizerStep(setting)
-
-
-#: ``outer_optimizer="nesterov"``: DiLoCo's outer step (Douillard et al., 2023)
-NESTEROV: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 def resolve_outer_optimizer(
@@ -193,14 +184,11 @@ def resolve_outer_optimizer(
             )
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum < 1.0:
             raise ValueError(f"outer_momentum={momentum!r} is not allowed: expected None or a number in (0, 1).")
-    if value is None:
-        return None
-    if isinstance(value, OuterStep):
+    if value is None or isinstance(value, OuterStep):
         return value
-    if value == "nesterov":
-        return functools.partial(
-            torch.optim.SGD, **{**NESTEROV, "momentum": NESTEROV["momentum"] if momentum is None else float(momentum)}
-        )
+    if value == "nesterov":  # DiLoCo's outer step (Douillard et al., 2023)
+        momentum = 0.9 if momentum is None else float(momentum)
+        return functools.partial(torch.optim.SGD, lr=0.7, momentum=momentum, nesterov=True)
     allowed = (
         "expected None (add the average), 'nesterov' (SGD lr 0.7, momentum 0.9, Nesterov), a torch.optim.Optimizer "
         "class or a callable that makes one from a list of parameters, or an OuterStep instance"
