@@ -1,5 +1,5 @@
 """The bucket-at-once selection and residuals (``lightning_sparse.wire.batched``, ``ErrorFeedback.flat``,
-``Bucket.progress``): the same coordinates, values, residuals and models as the one-tensor-at-a-time
+``bucket_parts``): the same coordinates, values, residuals and models as the one-tensor-at-a-time
 path, to the bit, and conservation exactly."""
 
 from __future__ import annotations
@@ -150,15 +150,15 @@ def test_flat_residuals_are_the_residuals() -> None:
 def _update_worker(rank: int, world: int, at_once: bool, settings: dict[str, Any]) -> dict[str, Any]:
     from lightning_sparse.exchange import fragment
 
-    saved = batched.eligible, fragment.Bucket.progress, selection._launch_coded_at_once
+    saved = batched.eligible, fragment.Bucket.flat_params, selection._launch_coded_at_once
     if not at_once:  # the worker process outlives this test: put them back after it
         batched.eligible = lambda ctx, call: False  # type: ignore[assignment]
-        fragment.Bucket.progress = lambda self, *args: None  # type: ignore[assignment,method-assign]
+        fragment.Bucket.flat_params = lambda self: None  # type: ignore[assignment,method-assign]
         selection._launch_coded_at_once = lambda *args: None  # the small tensors' codes member by member
     try:
         return _update_run(rank, settings)
     finally:
-        batched.eligible, fragment.Bucket.progress, selection._launch_coded_at_once = saved  # type: ignore[method-assign]
+        batched.eligible, fragment.Bucket.flat_params, selection._launch_coded_at_once = saved  # type: ignore[method-assign]
 
 
 def _update_run(rank: int, settings: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -39,12 +40,11 @@ class Bucket:
         self.delta = torch.empty(numel, dtype=torch.float32, device=first.device)
         self.glob = torch.empty(numel, dtype=first.dtype, device=home, pin_memory=pin)
         self._pending: Tensor | None = None
-        self._regions: tuple[tuple[int, int], ...] = ()
-        self._delta_views: list[Tensor] | None = None
         self._flat_params: list[Tensor] | None = None
-        self._change_views: RegionViews | None = None
         self._cast: Tensor | None = None
-        self.views: list[Tensor] = []
+        self._regions: tuple[tuple[int, int], ...] = ()
+        self.views: list[Tensor] = []  # of the global values, shaped
+        self.delta_views: list[Tensor] = []
         pos = 0
         for name, p in zip(names, params, strict=True):
             view = self.glob[pos : pos + p.numel()].view(p.shape)
@@ -53,32 +53,10 @@ class Bucket:
                 view.copy_(old)
             globals_[name] = view
             self.views.append(view)
+            self.delta_views.append(self.delta[pos : pos + p.numel()])
             self._regions += ((pos, p.numel()),)
             pos += p.numel()
-
-    def progress(self, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> Tensor | None:
-        """``delta = p - (global + e)`` for the whole bucket, bit-identical to one tensor at a time; returns
-        the flat residual, or None (nothing done) where they are not flat or a parameter is not contiguous."""
-        params = self.flat_params()
-        if params is None:
-            return None
-        delta, glob = self.delta, self.glob
-        e = _flat_residual(memory, plan, layout, delta.device)
-        if e is None:
-            return None
-        if glob.device == delta.device:
-            torch.add(glob, e, out=delta)
-        else:  # offloaded global values: float32(global) + e on the device
-            delta.copy_(glob)
-            delta.add_(e)
-        delta.neg_()  # p + -(global + e) is p - (global + e), to the bit
-        torch._foreach_add_(self.delta_views(), params)
-        return e
-
-    def delta_views(self) -> list[Tensor]:
-        if self._delta_views is None:
-            self._delta_views = RegionViews(self._regions).of(self.delta)
-        return self._delta_views
+        self._change_views = RegionViews(self._regions, tuple(p.shape for p in params))
 
     def flat_params(self) -> list[Tensor] | None:
         """The parameters as flat views (kept while their memory stays), None where one is not contiguous."""
@@ -94,17 +72,6 @@ class Bucket:
         views = self._flat_params = [p.view(-1) for p in self.params]
         return views
 
-    def subtract_residuals(self, target: Tensor, memory: ErrorFeedback, plan: BucketPlan, layout: Layout) -> None:
-        """``target -= e`` (laid out like :attr:`delta`), in one operator where the residuals are flat."""
-        flat = _flat_residual(memory, plan, layout, target.device)
-        if flat is not None:
-            target.sub_(flat)
-            return
-        for (pos, numel), name in zip(self._regions, self.names, strict=True):
-            e = memory.get(name) if name in memory else None
-            if e is not None:
-                target[pos : pos + numel].sub_(e.to(target.device))
-
     def put_residuals(self, source: Tensor, memory: ErrorFeedback) -> None:
         """``e = source`` (laid out like :attr:`delta`) for each tensor that has a residual."""
         for (pos, numel), name in zip(self._regions, self.names, strict=True):
@@ -114,20 +81,15 @@ class Bucket:
 
     def add_change(self, change: Tensor) -> None:
         """Add ``change`` (float32, laid out like :attr:`delta`) to the parameters, in their dtype."""
-        if self.params[0].device == change.device:
-            torch._foreach_add_(self.params, self._change_views_of(change))
+        if self.params[0].device != change.device:
+            for (pos, numel), p in zip(self._regions, self.params, strict=True):
+                p.add_(change[pos : pos + numel].view_as(p).to(p.dtype))
             return
-        for (pos, numel), p in zip(self._regions, self.params, strict=True):
-            p.add_(change[pos : pos + numel].view_as(p).to(p.dtype))
-
-    def _change_views_of(self, change: Tensor) -> list[Tensor]:
         if change.dtype != self.glob.dtype:
             if self._cast is None:
                 self._cast = torch.empty(change.numel(), dtype=self.glob.dtype, device=change.device)
             change = self._cast.copy_(change)
-        if self._change_views is None:
-            self._change_views = RegionViews(self._regions, tuple(p.shape for p in self.params))
-        return self._change_views.of(change)
+        torch._foreach_add_(self.params, self._change_views.of(change))
 
     def pending_buffer(self) -> Tensor:
         """A buffer like :attr:`delta` for what this rank hands over while an exchange is in flight."""
@@ -142,7 +104,14 @@ class Bucket:
         unaveraged part: ``p += new - (old + sent)``."""
         average.settle()  # the residuals hold what this rank did not send (split: only now)
         target = self.pending_buffer()  # in place: u - e_new (what this rank sent), then + global_old
-        self.subtract_residuals(target, memory, plan, layout)
+        flat = _flat_residual(memory, plan, layout, target.device)
+        if flat is not None:
+            target.sub_(flat)
+        else:
+            for (pos, numel), name in zip(self._regions, self.names, strict=True):
+                e = memory.get(name) if name in memory else None
+                if e is not None:
+                    target[pos : pos + numel].sub_(e.to(target.device))
         target.add_(self.glob.to(target.device))
         apply(self, average)
         change = torch.sub(self.glob.to(target.device), target, out=target)  # 0 where nothing moved: bits kept
@@ -181,8 +150,7 @@ class Fragment:
 
     def __init__(self, names: list[str], start: int) -> None:
         self.names = names
-        #: its entry in the state's cycle (checkpointed)
-        self.key = "|".join(sorted(names))
+        self.key = "|".join(sorted(names))  # its entry in the state's cycle (checkpointed)
         self.start = start
         self.buckets: list[Bucket] = []
         self._ids: tuple[int, ...] = ()
@@ -225,18 +193,13 @@ def fragments_of(names: list[str], params: dict[str, Tensor], config: Any) -> li
         >>> [(f.names, f.start) for f in fragments_of(list(params), params, SparseConfig(fragments=2, sync_every=2))]
         [(['a', 'c'], 1), (['b', 'd'], 0)]
     """
-    count = config.fragments
-    if count == 1:
-        parts = [names]
-    else:
-        check_fragments(count, len(names), "an optimizer")
-        parts = split_fragments([(n, params[n].numel()) for n in names], count, config.fragment_split)
-    h = config.sync_every
-    return [Fragment(part, (len(parts) - 1 - f) * h // len(parts)) for f, part in enumerate(parts)]
+    check_fragments(config.fragments, len(names), "an optimizer")
+    parts = split_fragments([(n, params[n].numel()) for n in names], config.fragments, config.fragment_split)
+    return [Fragment(part, (len(parts) - 1 - f) * config.sync_every // len(parts)) for f, part in enumerate(parts)]
 
 
 def progress(p: Tensor, glob: Tensor, e: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """``p - (global + e)`` in float32, flat (into ``out``), to the bit as :meth:`Bucket.progress` makes it."""
+    """``p - (global + e)`` in float32, flat (into ``out``), to the bit as :func:`bucket_parts` makes it."""
     g = glob.reshape(-1)
     seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
     if e is not None and e.device != seg.device:
@@ -261,14 +224,14 @@ def _flat_residual(memory: ErrorFeedback, plan: BucketPlan, layout: Layout, devi
     return memory.flat(layout, device)
 
 
+@dataclass
 class InFlight:
     """An exchange launched and not applied yet (``left``: optimizer steps before it is)."""
 
-    def __init__(self, group: tuple[str, ...], buckets: list[Bucket], futures: list[Future[Average]], left: int):
-        self.group = group
-        self.buckets = buckets
-        self.futures = futures
-        self.left = left
+    group: tuple[str, ...]
+    buckets: list[Bucket]
+    futures: list[Future[Average]]
+    left: int
 
 
 class Commit(Protocol):
@@ -318,8 +281,7 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
             totals[f] += numel
         return parts
     parts = [[]]
-    closed = 0
-    current = 0
+    closed = current = 0
     total = sum(n for _, n in sizes)
     for i, (name, numel) in enumerate(sizes):
         left = len(sizes) - i
@@ -335,20 +297,31 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
 
 
 def bucket_parts(
-    bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: Any, progress: Callable[..., Any]
+    bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: Any
 ) -> tuple[list[tuple[str, Tensor, Tensor | None, int]], Tensor | None]:
     """``delta = p - (global + e)`` into the bucket's buffer: (name, progress, residual, offset) per
-    parameter, as :func:`drop_nonfinite` takes them, and the flat residual where there is one."""
-    flat = bucket.progress(memory, plan, residual_layout(wire, plan, bucket.delta))
-    if flat is not None:
-        return [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views(), strict=True)], flat
+    parameter, as :func:`drop_nonfinite` takes them, and the flat residual where there is one (then in a few
+    operators for the whole bucket, bit-identical to one tensor at a time)."""
+    delta, glob = bucket.delta, bucket.glob
+    layout = residual_layout(wire, plan, delta)
+    params = bucket.flat_params()
+    flat = None if params is None else _flat_residual(memory, plan, layout, delta.device)
+    if params is not None and flat is not None:
+        if glob.device == delta.device:
+            torch.add(glob, flat, out=delta)
+        else:  # offloaded global values: float32(global) + e on the device
+            delta.copy_(glob)
+            delta.add_(flat)
+        delta.neg_()  # p + -(global + e) is p - (global + e), to the bit
+        torch._foreach_add_(bucket.delta_views, params)
+        return [(n, seg, None, 0) for n, seg in zip(bucket.names, bucket.delta_views, strict=True)], flat
     parts: list[tuple[str, Tensor, Tensor | None, int]] = []
-    for (pos, numel), name in zip(bucket._regions, bucket.names, strict=True):
-        seg = bucket.delta[pos : pos + numel]
+    tensors = zip(bucket.names, bucket.params, bucket.views, bucket.delta_views, bucket._regions, strict=True)
+    for name, p, g, seg, (pos, _) in tensors:
         e = memory.get(name) if name in memory else None
         if e is not None and e.device != seg.device:
             e = e.to(seg.device)
-        progress(name, e, out=seg, check=False)
+        progress(p, g, e, out=seg)
         parts.append((name, seg, e, pos))
     return parts, None
 

@@ -77,16 +77,14 @@ class UpdateExchange(GlobalModel):
             commit.exchange = self
         self.bucket_bytes = int(bucket_bytes)
         self.outer_step = AddAverage() if outer_step is None else outer_step
-        #: the global copy lives in CPU memory (``offload_global``)
-        self.offload = bool(state.config.offload_global)
+        self.offload = bool(state.config.offload_global)  # the global copy lives in CPU memory
         #: called on entering a timed fallback's plain DDP steps (the strategy averages optimizer states)
         self.on_dense: Callable[[], None] | None = None
         self.nonfinite = NonfiniteUpdates()
         #: called with the names of dropped non-finite updates (the strategy resets their optimizer state)
         self.on_nonfinite: Callable[[list[str]], None] | None = None
         self.due_now = False  # every fragment is due at the next exchange (flush_in_rounds)
-        #: an optimizer step is under way (:meth:`step`): a forward in it is not an evaluation
-        self.stepping = False
+        self.stepping = False  # an optimizer step is under way (:meth:`step`): a forward in it is no evaluation
         self._unbind()
 
     def _unbind(self) -> None:
@@ -202,22 +200,16 @@ class UpdateExchange(GlobalModel):
         names = [n for n in self._names_of(params) if n in self._local]
         memory = self.state.memory
         for name in names:
-            e = memory.get(name) if name in memory else None
-            delta = self._progress(name, e)
+            delta = progress(self._params[name], self._global[name], memory.get(name) if name in memory else None)
+            if not all_finite(delta):
+                delta.zero_()
+                self.nonfinite.found(name)
             if delta.any():  # a backward without a step, or nothing stepped yet: nothing to fold
                 memory.accumulate(name, delta)
                 memory.unstage([name])
         self._hold_global(names)
         if self.nonfinite.pending:  # found in the fold: healed now, before the next step
             self._heal()
-
-    def _progress(self, name: str, e: Tensor | None, out: Tensor | None = None, check: bool = True) -> Tensor:
-        """``p - (global + e)`` in float32 (into ``out``); not finite: zeros and a warning, unless ``check=False``."""
-        seg = progress(self._params[name], self._global[name], e, out)
-        if check and not all_finite(seg):
-            seg.zero_()
-            self.nonfinite.found(name)
-        return seg
 
     def step(self, optimizer_step: Callable[[], _T], optimizer: Any) -> _T:
         """Run ``optimizer_step`` (a step of ``optimizer``) on this rank's view, then the exchange; its output."""
@@ -253,7 +245,6 @@ class UpdateExchange(GlobalModel):
             state.mark_end()
             return
         memory = state.memory
-        h = state.config.sync_every
         group = tuple(names)
         self.land_due(group)  # exchanges launched sync_delay steps ago arrive
         fragments = self._fragments.get(group)
@@ -261,7 +252,7 @@ class UpdateExchange(GlobalModel):
             fragments = self._fragments[group] = fragments_of(names, self._params, state.config)
         launch: list[Bucket] = []
         for fragment in fragments:
-            sync = fragment.tick(state.cycle, h, self.due_now)
+            sync = fragment.tick(state.cycle, state.config.sync_every, self.due_now)
             for bucket in fragment.buckets_of(self._params, self._global, self.bucket_bytes, self._place):
                 if sync:
                     launch.append(bucket)
@@ -275,9 +266,7 @@ class UpdateExchange(GlobalModel):
         with state.wire.comm.coalescing():  # one collective per kind and round: buckets bound buffers only
             for together in [[b] for b in launch] if self.offload else [launch]:  # offloaded: staged one at a time
                 plans = [state.plan(bucket.delta, bucket.params) for bucket in together]
-                prepared = [
-                    bucket_parts(b, p, memory, state.wire, self._progress) for b, p in zip(together, plans, strict=True)
-                ]
+                prepared = [bucket_parts(b, p, memory, state.wire) for b, p in zip(together, plans, strict=True)]
                 drop_nonfinite([part for parts, _ in prepared for part in parts], self.nonfinite.found)
                 if state.config.error_feedback_decay != 1.0 and not self.due_now:  # not in a hand-over
                     decay_residuals(memory, together, state.config.error_feedback_decay)
@@ -323,15 +312,12 @@ class UpdateExchange(GlobalModel):
         """The exchanges in flight of ``group`` that are due arrive (None: all; every rank at the same point)."""
         keep: list[InFlight] = []
         for flight in self._in_flight:
-            if group is not None:
-                if flight.group != group:
-                    keep.append(flight)
-                    continue
+            if group is not None and flight.group == group:
                 flight.left -= 1
-                if flight.left > 0:
-                    keep.append(flight)
-                    continue
-            self._land(flight)
+            if group is not None and (flight.group != group or flight.left > 0):
+                keep.append(flight)
+            else:
+                self._land(flight)
         self._in_flight = keep
 
     def _land(self, flight: InFlight) -> None:
