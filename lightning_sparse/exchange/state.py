@@ -48,8 +48,6 @@ class ExchangeError(RuntimeError):
 
 
 STATE_VERSION = 1
-#: the one setting whose default differs here: a state used with the hook alone compresses gradients
-HOOK_DEFAULTS: dict[str, Any] = {"compress": "gradient"}
 
 
 class SparseState:
@@ -72,14 +70,13 @@ class SparseState:
 
     def __init__(self, config: SparseConfig | None = None, **settings: Any) -> None:
         if config is None:
-            config = SparseConfig(**{**HOOK_DEFAULTS, **settings})
+            config = SparseConfig(**{"compress": "gradient", **settings})  # a state used with the hook alone
         elif settings:
             raise ValueError(f"SparseState takes a config or settings, not both (got settings {sorted(settings)}).")
         self.config = config
         self.compressor: Compressor = config.compressor  # type: ignore[assignment]
         self.memory = ErrorFeedback()
-        if config.offload_residual:
-            self.memory.home = torch.device("cpu")
+        self.memory.home = torch.device("cpu") if config.offload_residual else None
         self.velocity = LocalMomentum()
         self.telemetry = Telemetry()
         #: this rank's own copy of the config's ``density`` schedule (it learns as the run goes)
@@ -90,28 +87,22 @@ class SparseState:
         self.times_whole_steps = (
             self.timed_fallback is not None and config.compress == "update" and config.sync_every == 1
         )
-        #: optimizer steps this rank finished exchanging (saved in checkpoints)
-        self.step = 0
-        #: optimizer steps this rank finished, with or without an exchange
-        self.optimizer_step = 0
+        self.step = 0  # optimizer steps this rank finished exchanging (saved in checkpoints)
+        self.optimizer_step = 0  # optimizer steps this rank finished, with or without an exchange
         self.residual_norm_interval = 50  # steps between measurements of the residual norm (0: never)
         self.skips: SkippedSteps | None = None
         self.use_collectives(Collectives(), 0)  # the wire context: no process group until bind
         self.process_group: dist.ProcessGroup | None = None
-        #: update mode: optimizer steps since the last exchange, per group of parameters
-        self.cycle: dict[str, int] = {}
+        self.cycle: dict[str, int] = {}  # update mode: optimizer steps since the last exchange, per fragment
         self.backward: Any = None  # gradient mode: the hook's BackwardBatch of the backward pass under way
-        #: a step is open (begun, its last bucket not exchanged yet)
-        self.in_step = False
-        #: update mode with a timed fallback: this step is a plain DDP step
-        self.plain_ddp = False
+        self.in_step = False  # a step is open (begun, its last bucket not exchanged yet)
+        self.plain_ddp = False  # update mode with a timed fallback: this step is a plain DDP step
         self._loss_scale: Callable[[], float] | None = None
         self._last_loss_scale: float | None = None
         self._names: dict[int, str] = {}
         self._params: list[Tensor] = []
         self._plans: dict[tuple[int, ...], BucketPlan] = {}
-        #: the buckets' routes over the wire (sizes only), by plan, density, dtype and group size
-        self.routes: dict[tuple[Any, ...], Any] = {}
+        self.routes: dict[tuple[Any, ...], Any] = {}  # the buckets' routes, by plan, density, dtype and group size
 
     @property
     def step_exchange(self) -> SparseState:
@@ -140,12 +131,9 @@ class SparseState:
         return self._last_loss_scale
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
         unbound: dict[str, Any] = {"_names": {}, "_params": [], "_plans": {}, "routes": {}, "_loss_scale": None}
-        state.update(unbound, process_group=None, skips=None, backward=None)
-        state["wire"] = dataclasses.replace(self.wire, comm=Collectives())
-        state["world_size"] = 1
-        return state
+        unbound.update(process_group=None, skips=None, backward=None, world_size=1)
+        return {**self.__dict__, **unbound, "wire": dataclasses.replace(self.wire, comm=Collectives())}
 
     def bind(
         self,

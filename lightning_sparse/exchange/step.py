@@ -64,20 +64,11 @@ def bucket_rounds(
     start = time.perf_counter()
     if not state.in_step:
         state.begin()
-    config = state.config
-    ctx = state.wire
-    compressor = ctx.compressor
-    schedule = state.schedule
+    config, ctx, schedule = state.config, state.wire, state.schedule
     counters = Counters(numel=buffer.numel(), buckets=1)
     count_dense(counters, state.world_size, buffer.numel() * buffer.element_size())
-    call = BucketCall(
-        buffer,
-        plan,
-        state.step,
-        counters,
-        inputs_finite=inputs_finite,
-        observe=schedule.observe if schedule.observes else None,
-    )
+    observe = schedule.observe if schedule.observes else None
+    call = BucketCall(buffer, plan, state.step, counters, inputs_finite=inputs_finite, observe=observe)
     if state.skips is not None and config.compress == "gradient":  # restored if the scaler skips the step
         state.skips.keep(state.memory, state.velocity, [m.name for m in plan.members])
     if config.momentum_correction:
@@ -109,7 +100,7 @@ def bucket_rounds(
         where += f" (exchange {state.step})"
     try:
         if send_sparse:
-            rounds = PATTERNS[compressor.pattern].launch_rounds(ctx, call, ks)
+            rounds = PATTERNS[ctx.compressor.pattern].launch_rounds(ctx, call, ks)
             while True:
                 try:
                     next(rounds)
@@ -149,17 +140,11 @@ def sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member, 
 
 @dataclass(frozen=True)
 class Route:
-    """How a bucket's sparse members cross the wire at one density, from sizes and settings only.
+    """How a bucket's sparse members cross the wire at one density, from sizes and settings only."""
 
-    Args:
-        ks: the coordinates sent of each sparse member.
-        cheaper: whether that moves fewer bytes than sending them dense (True where the byte rule is off).
-        method: the compressor's name, and ``" (split)"`` where the split exchange carries it.
-    """
-
-    ks: list[int]
-    cheaper: bool
-    method: str
+    ks: list[int]  # the coordinates sent of each sparse member
+    cheaper: bool  # whether that moves fewer bytes than sending them dense (True where the byte rule is off)
+    method: str  # the compressor's name, and " (split)" where the split exchange carries it
 
 
 def _route(state: SparseState, buffer: Tensor, plan: BucketPlan, density: float) -> Route:
