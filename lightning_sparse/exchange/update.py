@@ -283,15 +283,12 @@ class UpdateExchange(GlobalModel):
         for bucket, future in zip(launch, futures, strict=True):
             self._apply_average(bucket, self._wait(future))
             memory.unstage(bucket.names)  # offloaded residuals go back to the CPU
-            self._hold_bucket(bucket)
+            torch._foreach_copy_(bucket.params, bucket.views)  # the global values back in the module
+            for name, p in zip(bucket.names, bucket.params, strict=True):
+                self._synced[name] = p._version
+                self._local.discard(name)
         self._heal()
         state.mark_end()
-
-    def _hold_bucket(self, bucket: Bucket) -> None:
-        torch._foreach_copy_(bucket.params, bucket.views)
-        for name, p in zip(bucket.names, bucket.params, strict=True):
-            self._synced[name] = p._version
-            self._local.discard(name)
 
     def _wait(self, future: Future[Average]) -> Any:
         waited = time.perf_counter()
@@ -346,12 +343,11 @@ class UpdateExchange(GlobalModel):
     def flush_residuals(self, rounds: int | None = None) -> None:
         """Add the mean of the processes' residuals to the global model, and empty them (``rounds``: in rounds)."""
         if self.commit is not None:
-            return self.commit.run_flush(rounds, self._flush_exactly)
-        if not self.active:
-            return
-        if rounds is not None:
-            return flush_in_rounds(self, rounds)
-        self._flush_exactly()
+            self.commit.run_flush(rounds, self._flush_exactly)
+        elif self.active and rounds is not None:
+            flush_in_rounds(self, rounds)
+        elif self.active:
+            self._flush_exactly()
 
     def _flush_exactly(self) -> None:
         self.hold_global()
