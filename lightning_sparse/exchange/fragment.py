@@ -6,6 +6,7 @@ An :class:`InFlight` is an exchange launched and not applied yet.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -129,10 +130,7 @@ class Bucket:
             torch.add(seg, e, out=u) if e is not None else u.copy_(seg)
 
     def owns(self, globals_: dict[str, Tensor]) -> bool:
-        for n, v in zip(self.names, self.views, strict=True):
-            if globals_.get(n) is not v:
-                return False
-        return True
+        return all(map(operator.is_, map(globals_.get, self.names), self.views))  # no generator: no Python call
 
 
 class Fragment:
