@@ -51,11 +51,9 @@ STATE_VERSION = 1
 
 
 class SparseState:
-    """Everything one rank's exchange keeps: settings, residuals, telemetry, the step counters, the density
-    schedule and timed fallback of this rank, the process group; :mod:`~lightning_sparse.exchange.step`
-    exchanges a bucket with it (one optimizer step: :meth:`begin`, its buckets, :meth:`close`).
-
-    It holds no process group until :meth:`bind`, so it pickles (``ddp_spawn``).
+    """Everything one rank's exchange keeps: settings, residuals, telemetry, the step counters, this rank's density
+    schedule and timed fallback, the process group (none until :meth:`bind`: it pickles for ``ddp_spawn``);
+    :mod:`~lightning_sparse.exchange.step` exchanges a bucket with it (a step: :meth:`begin`, buckets, :meth:`close`).
 
     Args:
         config: the settings (a :class:`~lightning_sparse.config.SparseConfig`); ``compress`` defaults to
@@ -162,9 +160,8 @@ class SparseState:
         first = trainable[0][1] if trainable else None
         device = first.device if first is not None else torch.device("cpu")
         self.schedule.setup(self.wire, device, first.dtype if first is not None else torch.float32)
-        timed = self.timed_fallback
-        if timed is not None:
-            timed.setup(process_group, self.world_size, self.config.warmup_steps, device)
+        if self.timed_fallback is not None:
+            self.timed_fallback.setup(process_group, self.world_size, self.config.warmup_steps, device)
 
     def use_collectives(self, comm: Collectives, rank: int) -> None:
         """Exchange through ``comm`` (this rank's counted collectives) as rank ``rank``."""
@@ -235,9 +232,8 @@ class SparseState:
 
     def mark_end(self) -> None:
         """The optimizer step's exchange is over (the timed fallback's window closes here)."""
-        timed = self.timed_fallback
-        if timed is not None and self.times_whole_steps:
-            timed.mark_end()
+        if self.times_whole_steps and self.timed_fallback is not None:
+            self.timed_fallback.mark_end()
 
     def error(self, where: str, what: str, cause: str) -> ExchangeError:
         return ExchangeError(self.rank, self.world_size, self.config.compress, where, what, cause)

@@ -5,6 +5,7 @@ Compression is per parameter (``k = round(density * numel)``, at least 1): resul
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,7 @@ def keep_gradient(state: SparseState, buffer: Tensor, last: bool) -> Future[Tens
         return completed(buffer)
     counters = Counters()
     where = f"the overflow check of optimizer step {state.optimizer_step}"
-    future = state.skips.agree(
-        state.wire.comm, buffer, last, counters, lambda what, cause: state.error(where, what, cause)
-    )
+    future = state.skips.agree(state.wire.comm, buffer, last, counters, functools.partial(state.error, where))
     if last:
         state.telemetry.record("overflow check", counters, "overflow check")
     return future
