@@ -73,15 +73,13 @@ def bucket_rounds(
     if config.momentum_correction:
         _apply_local_momentum(state, call)
     sparse = plan.sparse_members
-    ks: list[int] = []
-    send_sparse = False
+    ks: list[int] | None = None  # the counts of a bucket sent sparse
     method = "dense (warm-up)" if sparse else "dense (small tensors)"  # for telemetry
     timed = state.timed_fallback
     past_warmup = state.step >= config.warmup_steps
     if sparse and past_warmup:
         density = schedule.constant
         route = _route(state, buffer, plan, schedule.density(state.step) if density is None else density)
-        ks = route.ks
         kind = timed.kind(state.step) if timed is not None else SPARSE
         if kind == TRIAL_DENSE:
             method = "dense (timing trial)"
@@ -92,13 +90,12 @@ def bucket_rounds(
             counters.fallback_buckets = 1
             method = "dense (fallback)"
         else:
-            send_sparse = True
-            method = route.method
+            ks, method = route.ks, route.method
     where = f"the exchange of {plan.label} ({method}) at optimizer step {state.optimizer_step}"
     if state.optimizer_step != state.step:
         where += f" (exchange {state.step})"
     try:
-        if send_sparse:
+        if ks is not None:
             rounds = PATTERNS[ctx.compressor.pattern].launch_rounds(ctx, call, ks)
             while True:
                 try:
