@@ -249,11 +249,7 @@ class Commit(Protocol):
 
 
 def check_fragments(count: int, tensors: int, holder: str) -> None:
-    """Refuse more fragments than ``holder`` (a model, an optimizer) has parameter tensors.
-
-    Example:
-        >>> check_fragments(4, 6, "a model")
-    """
+    """Refuse more fragments than ``holder`` (a model, an optimizer) has parameter tensors."""
     if count > 1 and 0 < tensors < count:
         raise ValueError(
             f"fragments={count} is not allowed for {holder} of {tensors} trainable parameter tensors: expected at "

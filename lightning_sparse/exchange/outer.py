@@ -58,12 +58,7 @@ def chosen_scale_of(setting: float | str, parties: int) -> float | str:
 
 
 def check_chosen_scale(value: object) -> float | str:
-    """``value`` if it is a ``chosen_scale`` (``"parties"`` or a finite number > 0), else ValueError.
-
-    Example:
-        >>> check_chosen_scale("parties"), check_chosen_scale(2)
-        ('parties', 2)
-    """
+    """``value`` if it is a ``chosen_scale`` (``"parties"`` or a finite number > 0), else ValueError."""
     if value == "parties":
         return "parties"
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
