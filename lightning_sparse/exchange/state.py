@@ -167,8 +167,7 @@ class SparseState:
         """Exchange through ``comm`` (this rank's counted collectives) as rank ``rank``."""
         #: what the wire code works with on this rank (settings, stores, counted collectives)
         self.wire = wire_context(self.config, comm, rank, memory=self.memory, velocity=self.velocity)
-        #: this rank in the process group the state is bound to (0 before :meth:`bind`), and its processes
-        self.rank, self.world_size = rank, comm.world
+        self.rank, self.world_size = rank, comm.world  # in the group bound (0 and 1 before :meth:`bind`)
 
     def use_scaler(self, scaler: Any, rescale_residuals: bool) -> None:
         """fp16 AMP: ``scaler``'s skipped steps change nothing; ``rescale_residuals``: follow its loss scale."""

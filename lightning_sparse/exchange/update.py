@@ -161,10 +161,8 @@ class UpdateExchange(GlobalModel):
             self.commit.before_step()
         if self.nonfinite.stop is not None:  # max_nonfinite_steps consecutive non-finite exchanges: here
             raise self.nonfinite.stop
-        if not self.active:
-            return
-        if self._timed_dense():
-            return  # a plain DDP step: the module holds the replicas, identical on every rank
+        if not self.active or self._timed_dense():
+            return  # nothing to exchange, or a plain DDP step (the module holds the replicas, the same everywhere)
         names = [n for n in self._names_of(params) if n not in self._local]
         if not names:
             return  # the module holds the view already (the optimizer step's, after the forward's)
