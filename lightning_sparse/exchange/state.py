@@ -286,7 +286,6 @@ class SparseState:
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """This rank's state (``copy=False``: the residuals on the CPU themselves, not copies)."""
-        timed = self.timed_fallback
         return {
             "version": STATE_VERSION,
             "compress": self.config.compress,
@@ -304,7 +303,7 @@ class SparseState:
             "residuals": self.memory.state_dict(copy),
             "velocity": self.velocity.state_dict(copy),
             "telemetry": self.telemetry.state_dict(),
-            "timed_fallback": None if timed is None else timed.state_dict(),
+            "timed_fallback": None if self.timed_fallback is None else self.timed_fallback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -320,7 +319,5 @@ class SparseState:
         self.memory.load_state_dict(state["residuals"], device=device)
         self.velocity.load_state_dict(state.get("velocity", {}), device=device)
         self.telemetry.load_state_dict(state["telemetry"])
-        saved_timed = state.get("timed_fallback")
-        timed = self.timed_fallback
-        if timed is not None and saved_timed is not None:
-            timed.load_state_dict(saved_timed)
+        if self.timed_fallback is not None and state.get("timed_fallback") is not None:
+            self.timed_fallback.load_state_dict(state["timed_fallback"])

@@ -115,9 +115,7 @@ class UpdateExchange(GlobalModel):
         self._unbind()
         self._params = dict(named)
         self._names = {id(p): n for n, p in named}
-        for n, p in aliases:
-            if n in self._params:
-                self._names[id(p)] = n
+        self._names.update((id(p), n) for n, p in aliases if n in self._params)
 
     def __getstate__(self) -> dict[str, Any]:
         unbound = object.__new__(type(self))
