@@ -202,13 +202,12 @@ def progress(p: Tensor, glob: Tensor, e: Tensor | None, out: Tensor | None = Non
     seg = torch.empty(p.numel(), dtype=torch.float32, device=p.device) if out is None else out
     if e is not None and e.device != seg.device:
         e = e.to(seg.device)  # an offloaded residual
-    if e is None:
-        seg.copy_(g)
-    elif g.device == seg.device:
+    if e is not None and g.device == seg.device:
         torch.add(g, e, out=seg)
-    else:  # offloaded: the same sum, float32(g) + e, on the device
+    else:  # no residual, or offloaded global values: the same sum, float32(g) + e, on the device
         seg.copy_(g)
-        seg.add_(e)
+        if e is not None:
+            seg.add_(e)
     torch.sub(p.reshape(-1), seg, out=seg)
     return seg
 

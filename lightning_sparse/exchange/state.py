@@ -262,8 +262,7 @@ class SparseState:
                 raise RuntimeError(f"bucket buffer has {buffer.numel()} elements but its parameters have {offset}")
             names = [m.name for m in members]
             label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} tensors)"
-            plan = BucketPlan(tuple(members), offset, label)
-            self._plans[ids] = plan
+            plan = self._plans[ids] = BucketPlan(tuple(members), offset, label)
         return plan
 
     def measure_residual_norm(self) -> float:
