@@ -305,12 +305,15 @@ class UpdateExchange(GlobalModel):
         """The exchanges in flight of ``group`` that are due arrive (None: all; every rank at the same point)."""
         keep: list[InFlight] = []
         for flight in self._in_flight:
-            if group is not None and flight.group == group:
+            if group is not None:
+                if flight.group != group:
+                    keep.append(flight)
+                    continue
                 flight.left -= 1
-            if group is not None and (flight.group != group or flight.left > 0):
-                keep.append(flight)
-            else:
-                self._land(flight)
+                if flight.left > 0:
+                    keep.append(flight)
+                    continue
+            self._land(flight)
         self._in_flight = keep
 
     def _land(self, flight: InFlight) -> None:
@@ -340,9 +343,11 @@ class UpdateExchange(GlobalModel):
         """Add the mean of the processes' residuals to the global model, and empty them (``rounds``: in rounds)."""
         if self.commit is not None:
             self.commit.run_flush(rounds, self._flush_exactly)
-        elif self.active and rounds is not None:
+        elif not self.active:
+            return
+        elif rounds is not None:
             flush_in_rounds(self, rounds)
-        elif self.active:
+        else:
             self._flush_exactly()
 
     def _flush_exactly(self) -> None:

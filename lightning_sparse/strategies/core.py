@@ -38,19 +38,21 @@ from lightning_sparse.strategies.presets import PRESETS
 
 __all__ = ["FSDP_NAMES", "STRATEGY_NAMES", "SparseCore", "wrap_in_ddp"]
 
-_UNUSED = (" with find_unused_parameters=True", {"find_unused_parameters": True})
 #: the registered names, with their descriptions and fixed arguments (Trainer and Fabric registries)
 STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    *(
-        (f"sparse_ddp{suffix}", f"sparse DDP{what}, start_method {method!r}", {"start_method": method, **fixed})
-        for suffix, method, (what, fixed) in (
-            ("", "popen", (" (top-k 1% + error feedback)", {})),
-            ("_spawn", "spawn", ("", {})),
-            ("_fork", "fork", ("", {})),
-            ("_notebook", "fork", ("", {})),
-            ("_find_unused_parameters_true", "popen", _UNUSED),
-            ("_spawn_find_unused_parameters_true", "spawn", _UNUSED),
-        )
+    ("sparse_ddp", "sparse DDP (top-k 1% + error feedback), start_method 'popen'", {"start_method": "popen"}),
+    ("sparse_ddp_spawn", "sparse DDP, start_method 'spawn'", {"start_method": "spawn"}),
+    ("sparse_ddp_fork", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
+    ("sparse_ddp_notebook", "sparse DDP, start_method 'fork'", {"start_method": "fork"}),
+    (
+        "sparse_ddp_find_unused_parameters_true",
+        "sparse DDP with find_unused_parameters=True, start_method 'popen'",
+        {"start_method": "popen", "find_unused_parameters": True},
+    ),
+    (
+        "sparse_ddp_spawn_find_unused_parameters_true",
+        "sparse DDP with find_unused_parameters=True, start_method 'spawn'",
+        {"start_method": "spawn", "find_unused_parameters": True},
     ),
     # the presets: sparse_ddp_1000x, ... (strategies.presets.PRESETS)
     *(
