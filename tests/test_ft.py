@@ -172,7 +172,8 @@ def test_a_group_killed_inside_an_exchange_is_rolled_back_on_the_survivors(tmp_p
     """Blocking, the survivors roll the exchange back at once; with ``sync_delay=1`` where it arrives,
     a step later (its collectives overlap that step): nothing of it applied, the sent part back in
     the residuals."""
-    config = {**CONFIG, "max_steps": 160, "check_rollback": True, "sync_delay": delay}
+    # the third group must start and heal before the others end: slower steps, as for the restarted group above
+    config = {**CONFIG, "max_steps": 160, "step_sleep": 0.2, "check_rollback": True, "sync_delay": delay}
     groups = Groups(tmp_path, config, 3, min_replicas=2)
     try:
         groups.start(0)

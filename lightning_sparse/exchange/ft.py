@@ -144,6 +144,8 @@ class ReplicaCommit:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+        if self._pg is not None:  # gloo's context and threads end here, not in the interpreter's teardown
+            self._pg.shutdown()  # (the next quorum's configure() makes a new one)
         if self._guard is not None:
             self._guard.close()
             self._guard = None
