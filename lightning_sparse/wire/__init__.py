@@ -1,17 +1,7 @@
 """The wire: how a bucket's compressed contents cross between ranks, what that costs, and what it keeps.
 
-The core of the package, with the compressors below it: it imports neither Lightning nor the settings
-class. It sees the exchange's state only through :class:`WireContext` and :class:`BucketCall`.
-
-- :mod:`~lightning_sparse.wire.memory` - the error-feedback residuals (and DGC's local momenta);
-- :mod:`~lightning_sparse.wire.stats` - the counters every collective fills, the telemetry that sums them,
-  the ring byte models and the byte rule;
-- :mod:`~lightning_sparse.wire.comm` - the collectives, each counted where it is issued;
-- :mod:`~lightning_sparse.wire.context` - what the wire code is given, and the :class:`Average` it returns;
-- :mod:`~lightning_sparse.wire.message` / :mod:`~lightning_sparse.wire.indexcode` - message coding;
-- :mod:`~lightning_sparse.wire.select` - selection with error feedback, and the small tensors sent whole;
-- :mod:`~lightning_sparse.wire.split` - the split exchange;
-- :mod:`~lightning_sparse.wire.patterns` - the patterns (gather, shared, sketch, dense).
+It imports neither Lightning nor the settings class, and sees the exchange's state only through :class:`WireContext`
+and :class:`BucketCall`.
 """
 
 from lightning_sparse.wire.comm import Collectives

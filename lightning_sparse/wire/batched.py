@@ -1,11 +1,8 @@
 """Top-k of every sparse member of a bucket at once, in a fixed number of operators and one host read.
 
-On the bucket's flat residual ``p = g + e``: a threshold per member from a uniform sample of its
-magnitudes, set low enough that at least ``k`` entries pass; those in a fixed-capacity shortlist sorted
-by (member, magnitude descending); each member's first ``k`` there. Where one host read finds a member
-short or the shortlist full, the members are selected one by one: either way each member's exact top-``k``.
-A chunked compressor (``at_once = "chunk"``) needs neither: every member's rows in one ``torch.topk``
-(:class:`ChunkRows`), no host read.
+A threshold per member from a uniform sample of its ``|p|`` lets at least ``k`` entries into a shortlist sorted by
+(member, magnitude); where the host read finds a member short or the shortlist full, the members are selected one by
+one. A chunked compressor's rows take one ``torch.topk`` (:class:`ChunkRows`), no host read.
 """
 
 from __future__ import annotations
@@ -25,16 +22,6 @@ from lightning_sparse.compressors.topk import sample_rank
 from lightning_sparse.wire import quant
 from lightning_sparse.wire.context import BucketCall, BucketPlan, WireContext
 from lightning_sparse.wire.message import SparseSpace, quantize
-
-__all__ = [
-    "BatchedLayout",
-    "ChunkRows",
-    "batched_topk",
-    "eligible",
-    "rank_shortlist",
-    "residual_layout",
-    "shortlist_sizes",
-]
 
 #: draws per member for its threshold; aim for ``_ABOVE`` draws above the true threshold
 _DRAWS = (256, 4096)
@@ -74,11 +61,10 @@ def residual_layout(ctx: WireContext, plan: BucketPlan, buffer: Tensor) -> tuple
         (('w', 64), (None, 4))
     """
     bits = ctx.value_bits
-    if bits is None or not plan.dense_members:
-        return plan.residual_layout
-    small = sum(m.numel for m in plan.dense_members)
-    if quant.coded_members_pay(ctx.world_size, small, bits, buffer.element_size()):
-        return tuple((m.name, m.numel) for m in plan.members)
+    if bits is not None and plan.dense_members:
+        small = sum(m.numel for m in plan.dense_members)
+        if quant.coded_members_pay(ctx.world_size, small, bits, buffer.element_size()):
+            return tuple((m.name, m.numel) for m in plan.members)
     return plan.residual_layout
 
 
@@ -86,14 +72,8 @@ def eligible(ctx: WireContext, call: BucketCall) -> str | None:
     """The rule (``"topk"``, ``"chunk"``) by which ``call``'s sparse members can be selected at once, with plain
     error feedback on residuals that live with the bucket (no momentum correction, observer, sources or
     offloading); None where they cannot."""
-    if not (
-        ctx.error_feedback
-        and not ctx.momentum_correction
-        and call.observe is None
-        and not call.sources
-        and ctx.memory.home is None
-        and call.plan.sparse_members
-    ):
+    plain = ctx.error_feedback and not ctx.momentum_correction and ctx.memory.home is None
+    if not plain or call.observe is not None or call.sources or not call.plan.sparse_members:
         return None
     rule = ctx.at_once
     return rule if rule in ("topk", "chunk") else None
@@ -101,15 +81,7 @@ def eligible(ctx: WireContext, call: BucketCall) -> str | None:
 
 @dataclass
 class BatchedLayout:
-    """What the batched selection of one bucket needs, made once per (plan, ks, device).
-
-    Example:
-        >>> from lightning_sparse.wire.context import BucketPlan, Member
-        >>> plan = BucketPlan((Member("w", 1, 0, 64, True), Member("b", 2, 64, 4, False)), 68, "w, b")
-        >>> layout = BatchedLayout.of(plan, (3,), torch.device("cpu"))
-        >>> layout.numel, layout.k
-        (68, 3)
-    """
+    """What the batched selection of one bucket needs, made once per (plan, ks, device)."""
 
     numel: int
     k: int
@@ -226,21 +198,17 @@ def batched_topk(ctx: WireContext, call: BucketCall, ks: list[int], rule: str = 
     gen = make_generator(buffer.device, mix_seed(ctx.seed, 0xBA7C, ctx.rank, call.step, layout.numel, layout.k))
     draws = torch.randint(0, 1 << 62, (layout.draw_numel.numel(), layout.draws), generator=gen, device=buffer.device)
     draws.remainder_(layout.draw_numel).add_(layout.draw_offset)
-    sample = a[draws]
-    top = torch.topk(sample, layout.deepest, dim=1).values
+    top = torch.topk(a[draws], layout.deepest, dim=1).values
     threshold = top.gather(1, layout.rank_col).squeeze(1)
     # zeros never pass (fewer than k non-zeros: the per-tensor path); k >= numel: all
     threshold = torch.where(layout.take_all, -1.0, threshold.clamp_min(torch.finfo(torch.float32).tiny))
     layout.thresholds.index_copy_(0, layout.sparse_regions, threshold)
-    over = layout.thresholds.index_select(0, layout.member_of)
-    mask = torch.ge(a[:n], over)
+    mask = torch.ge(a[:n], layout.thresholds.index_select(0, layout.member_of))
     ranked, starts, counts, passed = rank_shortlist(a, mask, layout.capacity, layout.region_ends, layout.sparse_regions)
-    short = (counts < layout.ks).any() | (passed > layout.capacity)
-    if bool(short):  # the one host read; rare
+    if bool((counts < layout.ks).any() | (passed > layout.capacity)):  # the one host read; rare
         at = _one_by_one(ctx, call, layout, e)
     else:
-        picked = ranked[starts.index_select(0, layout.pick_member).add_(layout.local_k)]
-        at = picked.sort().values[layout.space_order]
+        at = ranked[starts.index_select(0, layout.pick_member).add_(layout.local_k)].sort().values[layout.space_order]
     return BatchedSelection(at, at + layout.space_shift, e)
 
 

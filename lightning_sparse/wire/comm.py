@@ -28,8 +28,7 @@ def run(rounds: Rounds[T]) -> T:
 
 
 def run_together(launches: list[Rounds[T]]) -> list[T]:
-    """Drive several launches in rounds in lock-step, in order (the same on every rank): each takes
-    its first round, then each its second, ..."""
+    """Drive several launches in rounds in lock-step, in order (the same on every rank)."""
     results: list[T] = [None] * len(launches)  # type: ignore[list-item]  # each set before it is returned
     active = list(range(len(launches)))
     while active:
@@ -48,7 +47,7 @@ def run_together(launches: list[Rounds[T]]) -> list[T]:
 class Issued:
     """A collective in flight: its future, and what it is (for the error that says where an exchange stalled).
     ``queued``: a call inside :meth:`Collectives.coalescing`, whose :meth:`wait` issues the queue if needed and
-    copies the call's part of the result into its output, on the waiting thread (and CUDA stream)."""
+    copies the call's part of the result, on the waiting thread (and CUDA stream)."""
 
     future: Future[list[Tensor]]
     what: str
@@ -149,7 +148,7 @@ class Collectives:
             self.release()
 
     def hold(self) -> None:
-        """Start queueing, as entering :meth:`coalescing` does (for a block spanning calls: a backward pass's)."""
+        """Enter :meth:`coalescing` (for a block spanning calls: a backward pass's)."""
         self.queue.depth += 1
 
     def release(self, issue: bool = True) -> None:
@@ -221,7 +220,7 @@ class _Queued:
         self._copied = False
 
     def ready(self) -> None:
-        if self.issued is None:  # a round waited for inside the block: issue what is queued
+        if self.issued is None:  # waited for inside the block: issue what is queued
             assert self.queue.comm is not None
             self.queue.flush(self.queue.comm)
         assert self.issued is not None and self.merged is not None
@@ -232,8 +231,7 @@ class _Queued:
         if self.kind == "all-reduce":
             self.output.copy_(self.merged[self.columns].view_as(self.output))
         else:  # rows: one per rank (the source of an all-gather's part, of an all-to-all's chunk)
-            world = self.merged.shape[0]
-            self.output.view(world, -1).copy_(self.merged[:, self.columns])
+            self.output.view(self.merged.shape[0], -1).copy_(self.merged[:, self.columns])
 
 
 class _Queue:
@@ -244,14 +242,12 @@ class _Queue:
         self.issued = 0
         self.calls: list[_Queued] = []
         self.comm: Collectives | None = None
-        #: each coalesced collective's send and receive buffers, by its callers' outputs: callers that
-        #: keep their outputs (a bucket's) find the same buffers at every step; a group is issued again
-        #: only once its results were taken
+        #: each coalesced collective's send and receive buffers, by its callers' outputs (a bucket's keep theirs, so
+        #: find the same buffers at every step; a group is issued again only once its results were taken)
         self.buffers: dict[tuple[object, ...], tuple[Tensor, Tensor, int]] = {}
         self.flushes = 0
 
     def count(self, counters: Counters | None) -> None:
-        """Count one collective issued (into ``counters`` too, where given)."""
         self.issued += 1
         if counters is not None:
             counters.collectives += 1
@@ -287,16 +283,38 @@ _KEEP_FLUSHES = 16
 
 
 def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
-    world = comm.world
+    """Issue ``calls`` as one collective. What it sends is flat (one bucket's message goes as it did alone); it
+    receives into what it sends (an all-reduce) or ``(world, width)``, both made once per group of callers' outputs."""
+    queue = comm.queue
     # all-gather: each rank's parts side by side, one row per rank after the collective; all-to-all: chunk j
     # of every call side by side in row j (what goes to rank j); all-reduce: the parts end to end, in place
-    height = world if kind == "all-to-all" else 1
+    height = comm.world if kind == "all-to-all" else 1
     rows: list[Tensor] = []
     widths: list[int] = []
     for c in calls:
         rows.append(c.tensor.reshape(height, -1))
         widths.append(rows[-1].shape[1])
-    merged, output = _merged_buffers(kind, calls, rows, sum(widths), comm)
+    first, width = rows[0], sum(widths)
+    if kind == "all-reduce" and len(rows) == 1:
+        merged, output = first.reshape(-1), first.reshape(-1)  # in place
+    else:
+        parts: list[object] = [kind]
+        for c in calls:  # a loop, not a generator: no Python call per caller
+            out = c.output
+            parts += (out.data_ptr(), out.numel(), out.dtype, out.device)
+        key = tuple(parts)
+        found = queue.buffers.get(key)
+        if found is None:
+            # several callers' tensors are joined into a buffer; one caller's goes as it is
+            joined = first.new_empty(first.shape[0] * width) if len(rows) > 1 else first.reshape(-1)
+            found = (joined, joined if kind == "all-reduce" else first.new_empty(comm.world, width), 0)
+        joined, output, _ = found
+        queue.buffers[key] = (joined, output, queue.flushes)
+        if len(rows) == 1:
+            merged = first.reshape(-1)
+        else:
+            merged = joined
+            torch.cat(rows, dim=1, out=joined.view(-1, width))
     future = _ISSUE[kind](output.view(-1), merged, comm.group)
     start = 0
     placeholders = []
@@ -316,33 +334,6 @@ def _issue_merged(kind: str, calls: list[_Queued], comm: Collectives) -> None:
             p.set_result([])
 
     future.add_done_callback(done)
-
-
-def _merged_buffers(
-    kind: str, calls: list[_Queued], rows: list[Tensor], width: int, comm: Collectives
-) -> tuple[Tensor, Tensor]:
-    """What a coalesced collective sends (flat: one bucket's message goes as it did alone) and receives into
-    (an all-reduce: what it sends; else ``(world, width)``), made once per group of callers' outputs."""
-    queue = comm.queue
-    first = rows[0]
-    if kind == "all-reduce" and len(rows) == 1:
-        return first.reshape(-1), first.reshape(-1)  # in place
-    parts: list[object] = [kind]
-    for c in calls:  # a loop, not a generator: no Python call per caller
-        out = c.output
-        parts += (out.data_ptr(), out.numel(), out.dtype, out.device)
-    key = tuple(parts)
-    found = queue.buffers.get(key)
-    if found is None:
-        # several callers' tensors are joined into a buffer; one caller's goes as it is
-        joined = first.new_empty(first.shape[0] * width) if len(rows) > 1 else first.reshape(-1)
-        found = (joined, joined if kind == "all-reduce" else first.new_empty(comm.world, width), 0)
-    joined, receive, _ = found
-    queue.buffers[key] = (joined, receive, queue.flushes)
-    if len(rows) == 1:
-        return first.reshape(-1), receive
-    torch.cat(rows, dim=1, out=joined.view(-1, width))
-    return joined, receive
 
 
 def completed(value: T) -> Future[T]:

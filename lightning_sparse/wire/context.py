@@ -1,12 +1,10 @@
-"""What the wire code is given: a bucket's layout, the settings it needs, and one call's inputs.
-
-:class:`WireContext` and :class:`BucketCall` live here, below the wire: nothing in it imports the state above."""
+"""What the wire code is given (a bucket's layout, its settings, a call's inputs), and the :class:`Average` back."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -54,7 +52,6 @@ class BucketPlan:
 
     @functools.cached_property
     def sparse_numels(self) -> tuple[int, ...]:
-        """The sparse members' sizes, in buffer order."""
         return tuple(m.numel for m in self.sparse_members)
 
     @functools.cached_property
@@ -99,7 +96,7 @@ class WireContext:
         (1, torch.bfloat16)
     """
 
-    # no defaults: they are the config's
+    # no defaults: they are the config's settings of the same names (:data:`_SETTINGS`)
     compressor: Compressor
     error_feedback: bool
     momentum_correction: float
@@ -127,13 +124,13 @@ class WireContext:
 
     def vdtype(self, buffer: Tensor) -> torch.dtype:
         """The dtype the values of ``buffer`` are selected in (float32 under ``value_bits``)."""
-        if self.value_bits is not None:
-            return torch.float32
-        return self.value_dtype or buffer.dtype
+        return torch.float32 if self.value_bits is not None else self.value_dtype or buffer.dtype
 
     def compress_context(self, step: int, m: Member) -> CompressContext:
         return CompressContext(step=step, key=m.key, rank=self.rank, world_size=self.world_size, seed=self.seed)
 
+
+_SETTINGS = tuple(f.name for f in fields(WireContext) if f.default is MISSING and f.default_factory is MISSING)
 
 #: ``observe(step, bucket label, parameter name, p)``: a density schedule's view of ``p = g + e``
 Observer = Callable[[int, str, str, Tensor], None]
@@ -277,15 +274,7 @@ def wire_context(
         ('allgather', 1)
     """
     return WireContext(
-        compressor=config.compressor,
-        error_feedback=config.error_feedback,
-        momentum_correction=config.momentum_correction,
-        value_dtype=config.value_dtype,
-        seed=config.seed,
-        exchange=config.exchange,
-        compact_indices=config.compact_indices,
-        value_bits=config.value_bits,
-        byte_rule=config.byte_rule,
+        **{name: getattr(config, name) for name in _SETTINGS},
         memory=ErrorFeedback() if memory is None else memory,
         velocity=LocalMomentum() if velocity is None else velocity,
         comm=Collectives() if comm is None else comm,

@@ -30,7 +30,7 @@ class ErrorFeedback:
         self._flats: dict[tuple[tuple[str | None, int], ...], tuple[Tensor, list[tuple[str, Tensor]]]] = {}
 
     def _buffer(self, name: str) -> Tensor | None:
-        """The residual of ``name`` as the exchange sees it: its device copy while staged."""
+        """The residual of ``name``: its device copy while staged."""
         staged = self._staged.get(name)
         return staged if staged is not None else self._residuals.get(name)
 
@@ -39,14 +39,7 @@ class ErrorFeedback:
         return name in self._residuals and name not in self._zero
 
     def held(self, names: Iterable[str]) -> dict[str, Tensor]:
-        """The residuals of those of ``names`` that may be non-zero, by name, in one call.
-
-        Example:
-            >>> ef = ErrorFeedback()
-            >>> _ = ef.accumulate("w", torch.ones(2))
-            >>> ef.held(["w", "b"])
-            {'w': tensor([1., 1.])}
-        """
+        """The residuals of those of ``names`` that may be non-zero, by name, in one call."""
         residuals, zero, staged = self._residuals, self._zero, self._staged
         return {n: staged.get(n, residuals[n]) for n in names if n in residuals and n not in zero}
 
@@ -54,7 +47,6 @@ class ErrorFeedback:
         return len(self._residuals)
 
     def names(self) -> list[str]:
-        """Names that have a residual buffer."""
         return list(self._residuals)
 
     def get(self, name: str) -> Tensor | None:
@@ -139,10 +131,8 @@ class ErrorFeedback:
             e.index_copy_(0, indices, remainder.to(torch.float32))
 
     def flush(self, name: str, sent_as: torch.dtype) -> Tensor | None:
-        """Hand the whole residual over for a dense send, cast to ``sent_as``; only the rounding error stays.
-
-        In float32 it is the residual's own buffer, valid until the next :meth:`accumulate` of ``name``.
-        """
+        """Hand the whole residual over for a dense send, cast to ``sent_as``; only the rounding error stays (in
+        float32: the residual's own buffer, valid until the next :meth:`accumulate` of ``name``)."""
         e = self._buffer(name)
         if e is None or name in self._zero:
             return None
@@ -208,9 +198,7 @@ class ErrorFeedback:
         return {n: torch.zeros(e.numel()) if n in zero else _on_cpu(e, copy) for n, e in self._residuals.items()}
 
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
-        self._zero.clear()
-        self._staged.clear()
-        self._flats.clear()
+        self.clear()
         self._residuals = _loaded(state, self.home if self.home is not None else device)
 
 
@@ -279,8 +267,6 @@ def sum_of_squares(tensors: list[Tensor]) -> float:
     for t in tensors:
         if t.numel():
             groups.setdefault((t.dtype, t.device), []).append(t.detach())
-    if not groups:
-        return 0.0
     total = 0.0
     for (dtype, _), ts in groups.items():
         wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32

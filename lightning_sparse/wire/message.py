@@ -1,6 +1,4 @@
-"""A bucket's sparse space, and the fixed-size messages of (value, coordinate) pairs that address it.
-
-Indices travel as int32 or Rice-coded (:mod:`lightning_sparse.wire.indexcode`)."""
+"""A bucket's sparse space, and the fixed-size messages of (value, coordinate) pairs that address it."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def _align(nbytes: int, to: int) -> int:
 
 
 def quantize(values: Tensor, dtype: torch.dtype) -> Tensor:
-    """Cast values for the wire; float16 saturates instead of overflowing to inf, so the part above
-    its largest value stays in the residual rather than poisoning it."""
+    """Cast values for the wire; float16 saturates instead of overflowing to inf (the rest stays in the residual)."""
     if dtype == values.dtype:
         return values
     if dtype == torch.float16:
@@ -150,7 +147,6 @@ class MessageLayout:
 
     @functools.cached_property
     def _index(self) -> slice:
-        """Where the indices lie in a message."""
         if self.value_bits is None:
             value_bytes = self.capacity * self.value_dtype.itemsize
         else:
@@ -164,8 +160,7 @@ class MessageLayout:
         return _align(self._index.stop, 8)
 
     def pack(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
-        """Write sorted unique ``coords`` and their ``values`` (cast to ``value_dtype``) into a
-        zeroed uint8 message (``out``: a view of :attr:`size` bytes, or a new tensor)."""
+        """Write sorted unique ``coords`` and their ``values`` into a zeroed uint8 message (``out``, or new)."""
         return self.pack_arriving(coords, values, out)[0]
 
     def pack_arriving(self, coords: Tensor, values: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -298,7 +293,7 @@ class MessageLayout:
         return coords, values, counts
 
     def _read_values(self, messages: Tensor, count: int) -> Tensor:
-        """The first ``count`` values of a message (or of each row), as :meth:`unpack` gives them."""
+        """The first ``count`` values of a message (or of each row)."""
         at = self._values_at
         bits = self.value_bits
         if bits is None:

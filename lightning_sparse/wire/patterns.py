@@ -1,12 +1,7 @@
 """Wire patterns: how the coordinates a compressor chose cross the wire, and what that costs.
 
-:data:`PATTERNS` maps a compressor's ``pattern`` to a :class:`WirePattern`, which compresses a bucket's
-sparse members, launches the collectives and returns a :class:`~lightning_sparse.wire.context.Pending`:
-
-- :class:`GatherPattern` - each rank's own ``k`` (value, index) pairs, all-gathered or split;
-- :class:`SharedPattern` - every rank picks the same coordinates (shared seed), values all-reduced;
-- :class:`SketchPattern` - count-sketch tables all-reduced, then exact values at the candidates;
-- :class:`DensePattern` - the tensors sent whole (warm-up, fallback, small tensors), all-reduced.
+:data:`PATTERNS` maps a compressor's ``pattern`` (gather, shared, sketch) to a :class:`WirePattern`, which compresses
+a bucket's sparse members, launches the collectives and returns a :class:`~lightning_sparse.wire.context.Pending`.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import torch
 from torch import Tensor
 
 from lightning_sparse._utils import all_finite, scratch
-from lightning_sparse.compressors import CompressContext
 from lightning_sparse.compressors.base import SketchCompressor
 from lightning_sparse.wire.batched import unsent
 from lightning_sparse.wire.comm import Rounds, futures, run, wait
@@ -97,7 +91,6 @@ def bucket_wire_bytes(
     return pattern.wire_bytes(w, ks, vbytes, numels, ctx.compressor, ctx.exchange, ctx.compact_indices, ctx.value_bits)
 
 
-# --------------------------------------------------------------------------- gather
 class GatherPattern(WirePattern):
     """Each rank selects its own ``k`` coordinates per tensor, then ``"allgather"`` (every rank sums every
     rank's pairs, in rank order) or ``"split"`` (:mod:`~lightning_sparse.wire.split`); ``"auto"`` takes the
@@ -158,17 +151,15 @@ def _launch_allgather(ctx: WireContext, call: BucketCall, ks: list[int], vdtype:
         if scale == BY_COUNT:  # each value / max(c, 2): 0.5 exactly where one or two parties chose it
             chose = scratch(f"gather.count.{call.plan.label}", out.numel(), out.dtype, out.device).zero_()
             chose.index_add_(0, at.view(-1), torch.ones((), dtype=out.dtype, device=out.device).expand(at.numel()))
-            values = values * chose[at].clamp_(min=2.0).reciprocal_()
-            for r in range(world):
-                out.index_add_(0, at[r], values[r])
-            return
+            values, alpha = values * chose[at].clamp_(min=2.0).reciprocal_(), 1.0
+        else:
+            alpha = float(scale) / world
         for r in range(world):
-            out.index_add_(0, at[r], values[r], alpha=float(scale) / world)
+            out.index_add_(0, at[r], values[r], alpha=alpha)
 
     return Pending(issued, apply, chosen=True)
 
 
-# --------------------------------------------------------------------------- shared
 class SharedPattern(WirePattern):
     """Every rank picks the same coordinates (shared seed): only values are all-reduced."""
 
@@ -189,7 +180,6 @@ class SharedPattern(WirePattern):
         return Pending(issued, apply)
 
 
-# --------------------------------------------------------------------------- sketch
 class SketchPattern(WirePattern):
     """Count-sketch (Sketched SGD): round 1 all-reduces the sparse members' float32 tables, round 2 this
     rank's ``p`` at the candidates every rank finds in the sums; each member keeps its ``k`` largest sums.
@@ -219,13 +209,12 @@ class SketchPattern(WirePattern):
         # reused (no page faults of a fresh allocation); one per bucket, as update mode's rounds overlap
         size = sum(r * c for r, c in shapes)
         tables = scratch(f"patterns.sketch_tables.{plan.label}", size, torch.float32, buffer.device).zero_()
+        ctxs = [ctx.compress_context(call.step, m) for m in members]
         ps: list[Tensor | None] = []
-        ctxs: list[CompressContext] = []
         views: list[Tensor] = []
         pos = 0
-        for m, k, (rows, cols) in zip(members, ks, shapes, strict=True):
+        for m, k, cctx, (rows, cols) in zip(members, ks, ctxs, shapes, strict=True):
             g = call.input_of(m)
-            cctx = ctx.compress_context(call.step, m)
             view = tables[pos : pos + rows * cols].view(rows, cols)
             p: Tensor | None = None
             if call.inputs_finite or all_finite(g):
@@ -236,7 +225,6 @@ class SketchPattern(WirePattern):
             if call.observe is not None:  # as in select_sorted: every rank observes every member
                 call.observe(call.step, plan.label, m.name, p if p is not None else g)
             ps.append(p)
-            ctxs.append(cctx)
             views.append(view)
             pos += rows * cols
         first_round = ctx.comm.all_reduce(tables, counters)
@@ -283,7 +271,6 @@ class SketchPattern(WirePattern):
         return Pending(issued, apply, settle=settle_residuals)
 
 
-# --------------------------------------------------------------------------- dense
 class DensePattern(WirePattern):
     """Tensors sent whole, their residuals flushed into them: the whole bucket (:meth:`launch`), or the
     small tensors of a bucket sent sparse (:meth:`launch_members`)."""

@@ -1,9 +1,6 @@
 """What a bucket's members send: the coordinates a compressor picks, and the small tensors whole.
 
-Selection with error feedback serves every pattern that picks coordinates. The small tensors (below
-``min_numel``) of a sparse bucket go in one message: all-reduced as they are or, with ``value_bits``, coded
-and all-gathered where that moves fewer bytes (:func:`~lightning_sparse.wire.quant.coded_members_pay`).
-"""
+Selection with error feedback serves every pattern that picks coordinates; the small tensors go in one message."""
 
 from __future__ import annotations
 
@@ -24,12 +21,8 @@ from lightning_sparse.wire.message import SparseSpace, quantize
 
 def flush_residuals(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> None:
     """Add any residual into the bucket before a dense send, so nothing stays behind unsent."""
-    if not ctx.error_feedback:
-        return
     memory = ctx.memory
-    held = memory.held([m.name for m in members])
-    if not held:
-        return
+    held = memory.held([m.name for m in members]) if ctx.error_feedback else {}
     for m in members:
         if m.name in held:
             segment = call.segment(m)
@@ -157,7 +150,6 @@ def settle(ctx: WireContext, call: BucketCall, space: SparseSpace, sel: Selectio
             ctx.velocity.mask(m.name, idx)
 
 
-# --------------------------------------------------------------------------- the small tensors
 def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]) -> Pending:
     """Flush the residuals of ``members`` (a sparse bucket's small tensors) into them and launch their send."""
     if not members:
@@ -178,7 +170,21 @@ def launch_small(ctx: WireContext, call: BucketCall, members: tuple[Member, ...]
     values = torch.index_select(buffer, 0, at, out=message)  # one operator for all of them
     call.counters.sent_numel += values.numel()
     if coded:
-        return _launch_coded_members(ctx, call, members, at, values.clone())
+        # coded, all-gathered (codes of different scales do not add up in an all-reduce), each rank keeping its
+        # rounding error in its residuals: sent + e_new == g + e_old exactly; a non-finite member keeps its residual
+        values = values.clone()
+
+        def keep(sent: Tensor) -> None:
+            if not ctx.error_feedback:
+                return
+            pos = 0
+            for m in members:
+                exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
+                pos += m.numel
+                if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
+                    ctx.memory.accumulate(m.name, quant.remainder(exact, got))
+
+        return _launch_coded(ctx, call, at, values, keep)
     issued = futures(ctx.comm.all_reduce(values, call.counters))
 
     def apply(out: Tensor) -> None:
@@ -223,9 +229,8 @@ def _member_views(members: BucketPlan | tuple[Member, ...], device: torch.device
 def _launch_coded_at_once(
     ctx: WireContext, call: BucketCall, members: tuple[Member, ...], at: Tensor
 ) -> Pending | None:
-    """:func:`_launch_coded_members` on the bucket's flat residual, to the same bits (``at``: the members'
-    coordinates); None (nothing done) without error feedback, for a buffer that is not float32, offloaded
-    residuals or a non-finite value."""
+    """The small tensors' coded send (``at``: their coordinates) on the bucket's flat residual; None (nothing done)
+    without error feedback, for a buffer that is not float32, offloaded residuals or a non-finite value."""
     buffer = call.buffer
     if not ctx.error_feedback or buffer.dtype != torch.float32 or ctx.memory.home is not None:
         return None
@@ -244,27 +249,6 @@ def _launch_coded_at_once(
 
     def keep(sent: Tensor) -> None:
         e.index_copy_(0, at, quant.remainder(values, sent))  # sent + e_new == g + e_old, exactly
-
-    return _launch_coded(ctx, call, at, values, keep)
-
-
-def _launch_coded_members(
-    ctx: WireContext, call: BucketCall, members: tuple[Member, ...], at: Tensor, values: Tensor
-) -> Pending:
-    """The small tensors of a sparse send with ``value_bits`` (``values``, at the bucket's coordinates ``at``):
-    coded, all-gathered (codes of different scales do not add up in an all-reduce), each rank keeping its
-    rounding error in its residuals (``sent + e_new == g + e_old`` exactly). A non-finite member keeps its
-    residual."""
-
-    def keep(sent: Tensor) -> None:
-        if not ctx.error_feedback:
-            return
-        pos = 0
-        for m in members:
-            exact, got = values[pos : pos + m.numel].float(), sent[pos : pos + m.numel]
-            pos += m.numel
-            if call.inputs_finite or all_finite(exact):  # else flush_residuals kept the residual as it was
-                ctx.memory.accumulate(m.name, quant.remainder(exact, got))
 
     return _launch_coded(ctx, call, at, values, keep)
 

@@ -1,8 +1,6 @@
-"""What each rank puts into its collectives, counted where they are issued, and what that moves.
+"""The counters every collective fills, the telemetry that sums them, the ring byte models and the byte rule.
 
-The counters and the telemetry that sums them; the ring models of the bytes through each rank; and
-:func:`sparse_pays`, the byte rule that the hook, the density schedules and the telemetry all ask.
-"""
+:func:`sparse_pays` is the byte rule the hook, the density schedules and the telemetry all ask."""
 
 from __future__ import annotations
 
@@ -52,7 +50,7 @@ class Counters:
 
     def __sub__(self, other: Counters) -> Counters:
         """The figures accumulated since ``other`` was a snapshot of these counters."""
-        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+        return Counters(**{name: getattr(self, name) - getattr(other, name) for name in _COUNTER_NAMES})
 
     def copy(self) -> Counters:
         return Counters(**asdict(self))
