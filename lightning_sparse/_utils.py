@@ -42,12 +42,7 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
 
 
 def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is ``True`` or ``False``, else ValueError naming ``name``.
-
-    Example:
-        >>> check_bool("static_graph", False)
-        False
-    """
+    """``value`` if it is ``True`` or ``False``, else ValueError naming ``name``."""
     if not isinstance(value, bool):
         raise bad_argument(name, value, "expected True or False")
     return value
@@ -98,15 +93,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def resolve_value_dtype(value: Any) -> torch.dtype | None:
     """Map ``value_dtype`` (None, a name or a torch dtype) to a torch dtype, else raise ValueError."""
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype):
-        if value in _DTYPES.values():
-            return value
-    elif isinstance(value, str):
-        key = value.removeprefix("torch.")
-        if key in _DTYPES:
-            return _DTYPES[key]
+    if value is None or (isinstance(value, torch.dtype) and value in _DTYPES.values()):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
     raise bad_argument("value_dtype", value, f"expected None or one of {sorted(_DTYPES)}")
 
 
@@ -263,26 +253,17 @@ def _end_at_exit() -> None:
 _FIXED_PORTS = 20000
 
 
-def _ephemeral_low() -> int:
-    """The lowest port the kernel gives outgoing connections (Linux's default where it is not readable)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that no socket holds right now, e.g. for ``MASTER_PORT``.
 
     Picked at random below the kernel's ephemeral ports where there are any: one the kernel gives (bind to 0)
     may go to another process's outgoing connection before the process group's store binds it.
-
-    Example:
-        >>> 0 < free_port() < 65536
-        True
     """
-    low = _ephemeral_low()
+    try:  # the lowest port the kernel gives outgoing connections
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
     pick = random.SystemRandom()  # not the seeded global generator: two processes seeded alike pick alike
     for _ in range(64 if low - _FIXED_PORTS > 1000 else 0):
         port = pick.randrange(_FIXED_PORTS, low)

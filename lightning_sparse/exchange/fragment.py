@@ -1,7 +1,4 @@
-"""Update mode's fragments (torchft's streaming fragments): a :class:`Fragment` owns its parameters' buckets.
-
-An :class:`InFlight` is an exchange launched and not applied yet.
-"""
+"""Update mode's fragments (torchft's streaming fragments): a :class:`Fragment` owns its parameters' buckets."""
 
 from __future__ import annotations
 
@@ -98,14 +95,13 @@ class Bucket:
             self._pending = torch.empty_like(self.delta)
         return self._pending
 
-    def land(
-        self, average: Average, memory: ErrorFeedback, plan: BucketPlan, layout: Layout, apply: Callable[..., None]
-    ) -> None:
+    def land(self, average: Average, state: SparseState, apply: Callable[..., None]) -> None:
         """Its exchange in flight arrives (``apply(bucket, average)``: the outer step); the view keeps its
         unaveraged part: ``p += new - (old + sent)``."""
         average.settle()  # the residuals hold what this rank did not send (split: only now)
         target = self.pending_buffer()  # in place: u - e_new (what this rank sent), then + global_old
-        flat = _flat_residual(memory, plan, layout, target.device)
+        memory = state.memory
+        flat = _flat_residual(memory, state.wire, state.plan(self.delta, self.params), self.delta)
         if flat is not None:
             target.sub_(flat)
         else:
@@ -212,13 +208,12 @@ def progress(p: Tensor, glob: Tensor, e: Tensor | None, out: Tensor | None = Non
     return seg
 
 
-Layout = tuple[tuple[str | None, int], ...]
-
-
-def _flat_residual(memory: ErrorFeedback, plan: BucketPlan, layout: Layout, device: torch.device) -> Tensor | None:
+def _flat_residual(memory: ErrorFeedback, wire: Any, plan: BucketPlan, delta: Tensor) -> Tensor | None:
+    """The bucket's residuals as one flat tensor (None: offloaded, or a tensor left out of it has one)."""
+    layout = residual_layout(wire, plan, delta)
     if memory.held([m.name for (name, _), m in zip(layout, plan.members, strict=True) if name is None]):
         return None
-    return memory.flat(layout, device)
+    return memory.flat(layout, delta.device)
 
 
 @dataclass
@@ -277,10 +272,9 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
     closed = current = 0
     total = sum(n for _, n in sizes)
     for i, (name, numel) in enumerate(sizes):
-        left = len(sizes) - i
         unopened = count - len(parts)
         target = (total - closed) / (unopened + 1)
-        if parts[-1] and unopened and (current + numel / 2 > target or left == unopened):
+        if parts[-1] and unopened and (current + numel / 2 > target or len(sizes) - i == unopened):
             parts.append([])
             closed += current
             current = 0
@@ -296,9 +290,8 @@ def bucket_parts(
     parameter, as :func:`drop_nonfinite` takes them, and the flat residual where there is one (then in a few
     operators for the whole bucket, bit-identical to one tensor at a time)."""
     delta, glob = bucket.delta, bucket.glob
-    layout = residual_layout(wire, plan, delta)
     params = bucket.flat_params()
-    flat = None if params is None else _flat_residual(memory, plan, layout, delta.device)
+    flat = None if params is None else _flat_residual(memory, wire, plan, delta)
     if params is not None and flat is not None:
         if glob.device == delta.device:
             torch.add(glob, flat, out=delta)

@@ -46,12 +46,7 @@ class OuterStep:
 
 def chosen_scale_of(setting: float | str, parties: int) -> float | str:
     """What :meth:`Average.add_to <lightning_sparse.wire.Average.add_to>` takes for a ``chosen_scale`` setting
-    in an exchange among ``parties`` processes: ``"parties"`` is the count rule above 2 parties, 1 at 2.
-
-    Example:
-        >>> chosen_scale_of("parties", 2), chosen_scale_of("parties", 4), chosen_scale_of(3, 4)
-        (1.0, 'count', 3.0)
-    """
+    in an exchange among ``parties`` processes: ``"parties"`` is the count rule above 2 parties, 1 at 2."""
     if setting == "parties":
         return BY_COUNT if parties > 2 else 1.0
     return float(setting)
@@ -162,14 +157,7 @@ def resolve_outer_optimizer(
     value: Any, momentum: float | None = None
 ) -> Callable[[Iterable[Any]], Optimizer] | OuterStep | None:
     """``outer_optimizer`` as a factory of optimizers or an outer step, else ValueError (a factory is tried
-    once here, rather than failing at the first exchange); ``momentum``: ``outer_momentum``, for ``"nesterov"``.
-
-    Example:
-        >>> resolve_outer_optimizer("nesterov")([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
-        0.7
-        >>> resolve_outer_optimizer("nesterov", 0.8)([torch.nn.Parameter(torch.zeros(1))]).defaults["momentum"]
-        0.8
-    """
+    once here, rather than failing at the first exchange); ``momentum``: ``outer_momentum``, for ``"nesterov"``."""
     if momentum is not None:
         if value != "nesterov":
             raise ValueError(

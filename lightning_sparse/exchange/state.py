@@ -19,7 +19,7 @@ from lightning_sparse._utils import check_same_everywhere, stable_key
 from lightning_sparse.compressors import Compressor
 from lightning_sparse.config import SparseConfig
 from lightning_sparse.exchange.amp import SkippedSteps
-from lightning_sparse.exchange.fallback import DENSE, TRIAL_DENSE, TimedFallback
+from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.schedules import DensitySchedule
 from lightning_sparse.wire import BucketPlan, Collectives, Member, count_all_gather, count_all_reduce
 from lightning_sparse.wire.context import wire_context
@@ -141,10 +141,8 @@ class SparseState:
         trainable_only: bool = True,
     ) -> None:
         """Attach to the parameters (names for residuals) and the process group; every rank at the same point.
-
-        ``check_consistency``: compare every rank's settings (a mismatch raises, rather than hang later).
-        ``trainable_only``: skip parameters that do not require gradients.
-        """
+        ``check_consistency``: compare every rank's settings (a mismatch raises, rather than hang later);
+        ``trainable_only``: skip parameters that do not require gradients."""
         trainable = [(name, p) for name, p in named_parameters if p.requires_grad or not trainable_only]
         self._names = {id(p): name for name, p in trainable}
         self._params = [p for _, p in trainable]
@@ -193,17 +191,6 @@ class SparseState:
                 counters = Counters()
                 count_all_reduce(counters, self.world_size, sent)
                 self.telemetry.record("timed fallback", counters, "timed fallback")
-
-    def begin_timed(self) -> tuple[bool, bool]:
-        """Open the step before its forward (timed, update mode): whether it is plain DDP, and the first of them."""
-        if self.in_step:
-            return self.plain_ddp, False
-        self.begin()
-        timed = self.timed_fallback
-        dense = timed is not None and timed.kind(self.step) in (DENSE, TRIAL_DENSE)
-        entering = dense and not self.plain_ddp
-        self.plain_ddp = dense
-        return dense, entering
 
     def close(self) -> None:
         """Close the open step after its last bucket: the schedule's and telemetry's end, the counters on."""

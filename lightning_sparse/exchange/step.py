@@ -127,10 +127,8 @@ def bucket_rounds(
 
 def sparse_is_cheaper(state: SparseState, buffer: Tensor, sparse: tuple[Member, ...], ks: list[int]) -> bool:
     """The byte rule: whether sparse moves fewer (ring-model) bytes than dense for the ``sparse`` members."""
-    ctx = state.wire
-    vbytes = ctx.vdtype(buffer).itemsize
     numels = [m.numel for m in sparse]
-    wire = bucket_wire_bytes(ctx, ks, numels, vbytes, world=state.world_size)
+    wire = bucket_wire_bytes(state.wire, ks, numels, state.wire.vdtype(buffer).itemsize, world=state.world_size)
     return sparse_pays(wire, state.world_size, sum(numels) * buffer.element_size())
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_sparse._utils import all_finite
+from lightning_sparse.exchange.fallback import DENSE, TRIAL_DENSE
 from lightning_sparse.exchange.fragment import (
     Bucket,
     Commit,
@@ -37,7 +38,6 @@ from lightning_sparse.exchange.outer import AddAverage, OuterStep, StagedAverage
 from lightning_sparse.exchange.state import SparseState
 from lightning_sparse.exchange.step import bucket_rounds
 from lightning_sparse.wire import Average
-from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.comm import Rounds, run_together
 from lightning_sparse.wire.memory import ShapedResiduals
 
@@ -313,25 +313,21 @@ class UpdateExchange(GlobalModel):
                 if flight.left > 0:
                     keep.append(flight)
                     continue
-            self._land(flight)
+            if self.commit is None or self.commit.commits_flight(flight):
+                for bucket, future in zip(flight.buckets, flight.futures, strict=True):
+                    bucket.land(self._wait(future), self.state, self._apply_average)
         self._in_flight = keep
 
-    def _land(self, flight: InFlight) -> None:
-        """Apply an exchange in flight (:meth:`Bucket.land <lightning_sparse.exchange.fragment.Bucket.land>`)."""
-        if self.commit is not None and not self.commit.commits_flight(flight):
-            return
-        for bucket, future in zip(flight.buckets, flight.futures, strict=True):
-            average = self._wait(future)
-            plan = self.state.plan(bucket.delta, bucket.params)
-            layout = residual_layout(self.state.wire, plan, bucket.delta)
-            bucket.land(average, self.state.memory, plan, layout, self._apply_average)
-
     def _timed_dense(self) -> bool:
-        """Whether this is a timed fallback's plain DDP step; entering them flushes the residuals."""
-        state = self.state
-        if not state.times_whole_steps:
+        """Whether this is a timed fallback's plain DDP step (opened here); entering them flushes the residuals."""
+        state, timed = self.state, self.state.timed_fallback
+        if not state.times_whole_steps or timed is None:
             return False
-        dense, entering = state.begin_timed()
+        if state.in_step:
+            return state.plain_ddp
+        state.begin()
+        dense = timed.kind(state.step) in (DENSE, TRIAL_DENSE)
+        entering, state.plain_ddp = dense and not state.plain_ddp, dense
         if entering:
             self.flush_residuals()
             if self.on_dense is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -79,13 +80,10 @@ class FabricHooks(SparseShell):
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The optimizer step, then (update mode) the exchange."""
-        strategy, core = super(), self._core
+        core = self._core
         if core.replicas is not None and core.state.shares_gradients:  # (inline: the step's path stays short)
             core.replicas.gradients_ready(core.state)
-
-        def step() -> Any:
-            return strategy.optimizer_step(optimizer, **kwargs)  # type: ignore[attr-defined]
-
+        step = functools.partial(super().optimizer_step, optimizer, **kwargs)  # type: ignore[misc]
         output = self._gradient_step(step) if core.update is None else core.update.step(step, optimizer)
         self._graph_pending = False
         return output
