@@ -66,10 +66,9 @@ class SkippedSteps:
     def keep(self, memory: ErrorFeedback, velocity: LocalMomentum, names: list[str]) -> None:
         """Copy the residuals (and local momenta) of ``names`` before the exchange takes from them."""
         for name in names:
-            if name in self._saved:
-                continue
-            v = velocity.get(name)
-            self._saved[name] = (memory.copy(name), None if v is None else v.clone())
+            if name not in self._saved:
+                v = velocity.get(name)
+                self._saved[name] = (memory.copy(name), None if v is None else v.clone())
 
     def after_step(self, memory: ErrorFeedback, velocity: LocalMomentum) -> bool:
         """After the optimizer step: whether the scaler skipped it (its scale went down); then put the copies back."""

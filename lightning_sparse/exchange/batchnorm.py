@@ -107,8 +107,7 @@ class GlobalBatchNorm:
             handle.remove()
         self._module, self._norms = module, {m: n for n, m in named}
         self._passes.clear()
-        self._stack, self._active, self._ended = [], 0, False
-        self._reached = set()
+        self._stack, self._active, self._ended, self._reached = [], 0, False, set()
         self._fallback_step = step
         # the root, every ancestor of a BatchNorm layer, and the layers themselves
         prefixes = {".".join(n.split(".")[:i]) for n, _ in named for i in range(n.count(".") + 2)}

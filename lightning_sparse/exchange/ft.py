@@ -175,13 +175,11 @@ class ReplicaCommit:
                 self._open = False
 
     def _quorum(self) -> None:
-        """A quorum of at least ``min_replicas`` live groups within ``quorum_timeout``; then the collectives
-        go through torchft's process group among them."""
+        """A quorum of at least ``min_replicas`` live groups; the collectives then go over torchft's process group."""
         manager = self.manager
         began = time.perf_counter()
         self._update.land_due()  # before the process group reconfigures
-        first = not self.participants  # no quorum met yet
-        patience = max(self.quorum_timeout, STARTUP_FLOOR_S) if first else self.quorum_timeout
+        patience = self.quorum_timeout if self.participants else max(self.quorum_timeout, STARTUP_FLOOR_S)
         deadline = time.monotonic() + patience
         with self._waiting("a quorum", patience + 2 * self.quorum_timeout):
             while True:
@@ -235,8 +233,7 @@ class ReplicaCommit:
         self._settle(error, lambda: self._rollback(saved), "residuals, global model and outer step as before it")
 
     def _attempt(self, what: str, action: Callable[[], Any]) -> Exception | None:
-        """Run ``action``, its wait bounded by ``quorum_timeout``; a failure (a group died or stalled) is
-        reported to torchft and returned."""
+        """Run ``action`` within ``quorum_timeout``; a failure (a group died or stalled) is reported and returned."""
         try:
             with self._waiting(what, self.quorum_timeout):
                 action()
@@ -262,8 +259,7 @@ class ReplicaCommit:
         return False
 
     def commits_flight(self, flight: InFlight) -> bool:
-        """An exchange in flight arrives: whether it is applied (committed), or nothing of it is and ``e = u``
-        (conserved)."""
+        """An exchange in flight arrives: whether it is applied (committed), or nothing of it is and ``e = u``."""
         if flight is not self._awaiting:
             return True
         self._awaiting = None
@@ -281,8 +277,7 @@ class ReplicaCommit:
 
     @torch.no_grad()
     def run_flush(self, rounds: int | None, flush: Callable[[], None]) -> None:
-        """The exact hand-over (``flush``) among the live groups, committed or rolled back (the residuals then
-        kept)."""
+        """The exact hand-over (``flush``) among the live groups, committed or rolled back (residuals then kept)."""
         if rounds is not None:
             raise ValueError(
                 f"flush_residuals(rounds={rounds!r}) is not allowed with fault_tolerant=True: expected rounds=None "
@@ -352,11 +347,8 @@ class ReplicaCommit:
 
     def replica_figures(self) -> dict[str, float]:
         """``sparse/replica_groups`` (groups in the last quorum), ``sparse/rollbacks``, ``sparse/heals``."""
-        return {
-            "sparse/replica_groups": float(self.participants),
-            "sparse/rollbacks": float(self.rollbacks),
-            "sparse/heals": float(self.heals),
-        }
+        counts = {"replica_groups": self.participants, "rollbacks": self.rollbacks, "heals": self.heals}
+        return {f"sparse/{name}": float(count) for name, count in counts.items()}
 
     def _group_id(self) -> int | None:
         return None if self.env is None else self.env.group_id

@@ -43,8 +43,7 @@ class ReplicaGroupEnv:
 
     @classmethod
     def read(cls, environ: Any = None) -> ReplicaGroupEnv:
-        """The variables from ``environ`` (default: ``os.environ``); a missing or bad one raises
-        ValueError naming it and what to set."""
+        """The variables from ``environ`` (default ``os.environ``); a missing or bad one raises ValueError naming it."""
         env = os.environ if environ is None else environ
         lighthouse = env.get("TORCHFT_LIGHTHOUSE", "")
         if not lighthouse:
@@ -98,9 +97,8 @@ def check_fault_tolerance(
             f"min_replicas={min_replicas!r} is not allowed: expected a whole number >= 1 (the fewest replica groups "
             "an exchange may run with)."
         )
-    t = quorum_timeout
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        raise ValueError(f"quorum_timeout={t!r} is not allowed: expected a number of seconds > 0.")
+    if isinstance(quorum_timeout, bool) or not isinstance(quorum_timeout, (int, float)) or not quorum_timeout > 0:
+        raise ValueError(f"quorum_timeout={quorum_timeout!r} is not allowed: expected a number of seconds > 0.")
     if not fault_tolerant:
         return
     if compress != "update":

@@ -115,8 +115,7 @@ class Guard:
 
     @contextlib.contextmanager
     def waiting(self, what: str, bound: float) -> Iterator[None]:
-        """The process waits for ``what`` at most ``bound`` seconds (torchft's timeouts), then
-        :data:`WATCHDOG_GRACE_S` more."""
+        """Waits for ``what`` at most ``bound`` seconds (torchft's timeouts) plus :data:`WATCHDOG_GRACE_S`."""
         outer = (self._what, self._deadline)
         self._what, self._deadline = what, time.monotonic() + bound + WATCHDOG_GRACE_S
         try:

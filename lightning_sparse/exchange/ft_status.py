@@ -42,8 +42,7 @@ def _group_of(replica_id: str, exclude: int | None) -> int | None:
 
 
 def status_page(address: str) -> str | None:
-    """The text of the status page of the Lighthouse at ``address`` (``http://host:port``); None where it does not
-    answer."""
+    """The text of the Lighthouse's status page at ``address`` (``http://host:port``); None where it does not answer."""
     try:
         with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=3.0) as response:
             return str(response.read().decode("utf-8", "replace"))
@@ -109,8 +108,7 @@ def gist(error: BaseException) -> str:
 
 
 def no_quorum(env: ReplicaGroupEnv | None, step: int, patience: float, error: Exception) -> ReplicaGroupError:
-    """The error of a group that found no quorum within ``patience`` seconds, with what the Lighthouse's
-    status page says of the other groups."""
+    """A group's error for no quorum in ``patience`` seconds, with what the Lighthouse's status page says."""
     page = status_page(env.lighthouse) if env is not None else None
     group, num_groups = (env.group_id, env.num_groups) if env is not None else (None, 1)
     cause, advice = explain(page, group, num_groups, patience)

@@ -22,7 +22,6 @@ class NonfiniteUpdates:
         self.streak = 0
         self.exchanges = 0
         self.pending: list[str] = []
-        #: raised before the next step once ``limit`` exchanges in a row dropped an update
         self.stop: FloatingPointError | None = None
 
     def found(self, name: str) -> None:

@@ -108,8 +108,7 @@ class Replicas(torch.nn.Module):
             flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket])
             futures.append(communicate(state, flat, bucket, is_last=i == len(buckets) - 1))
         for bucket, future in zip(buckets, futures, strict=True):
-            average = future.wait()
-            for p, value in zip(bucket, average.split([p.numel() for p in bucket]), strict=True):
+            for p, value in zip(bucket, future.wait().split([p.numel() for p in bucket]), strict=True):
                 if p.grad is None:
                     p.grad = value.view_as(p).clone()
                 else:
