@@ -154,7 +154,7 @@ def test_the_candidates_are_each_members_top_c_estimates_and_the_picks_its_k_lar
         assert int((sent != 0).sum()) == k
         assert torch.equal(sent[sent != 0].abs().sort().values, sums.abs().topk(k).values.sort().values)
         pos, q0 = pos + c, q0 + m.numel
-    assert pos == values.numel() == layout.candidates
+    assert pos == values.numel() == layout.cand_member.numel()
 
 
 @pytest.mark.parametrize("value_dtype", [None, torch.bfloat16])
@@ -218,7 +218,7 @@ def test_a_shortlist_that_overflows_finds_the_same_candidates_one_member_at_a_ti
     fast, _ = _exchange(_ctx(CountSketch()), plan, buffer, 2, ks)
     assert calls == []
     layout = sketch.SketchLayout.of(plan, tuple(ks), CountSketch(), CPU)
-    monkeypatch.setattr(layout, "capacity", layout.candidates // 2)
+    monkeypatch.setattr(layout, "capacity", layout.cand_member.numel() // 2)
     slow, _ = _exchange(_ctx(CountSketch()), plan, buffer, 2, ks)
     assert calls == [1]
     assert torch.equal(fast, slow)
@@ -238,7 +238,7 @@ def test_an_idle_member_takes_k_coordinates_without_the_fallback(monkeypatch: An
     handed = _recorded(ctx, monkeypatch)
     out, _ = _exchange(ctx, plan, buffer, 1, ks)
     assert calls == []
-    assert handed[1].numel() == sketch.SketchLayout.of(plan, tuple(ks), CountSketch(), CPU).candidates
+    assert handed[1].numel() == sketch.SketchLayout.of(plan, tuple(ks), CountSketch(), CPU).cand_member.numel()
     after = _residuals(ctx, plan)
     for m in plan.sparse_members:
         seg = slice(m.offset, m.offset + m.numel)

@@ -1,8 +1,6 @@
-"""Compressors and their name registry.
+"""Compressors and their name registry (``COMPRESSORS``: each name ``compressor=`` accepts, to its class).
 
-``COMPRESSORS`` maps each name ``compressor=`` accepts to its class; a new one subclasses :class:`Compressor`
-and joins with ``@register_compressor``.
-"""
+A new compressor subclasses :class:`Compressor` and joins with ``@register_compressor``."""
 
 from lightning_sparse.compressors.base import (
     COMPRESSORS,

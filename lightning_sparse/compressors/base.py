@@ -1,10 +1,4 @@
-"""The compressor interface and the name registry.
-
-A compressor decides *which* coordinates of a flat tensor ``p`` (gradient plus residual) are sent; its
-``pattern`` fixes what crosses the wire: ``"gather"`` (each rank's own ``k`` values and indices all-gathered),
-``"shared"`` (the same coordinates on every rank, from ``ctx.shared_generator``: values all-reduced) or
-``"sketch"`` (linear sketches all-reduced, then the exact values at the candidates).
-"""
+"""The compressor interface (which coordinates of ``p``, gradient plus residual, are sent) and the name registry."""
 
 from __future__ import annotations
 
@@ -19,7 +13,8 @@ from torch import Tensor
 
 from lightning_sparse._utils import make_generator, mix_seed
 
-#: the communication patterns the hook knows (``lightning_sparse.wire.PATTERNS``)
+#: ``"gather"`` (each rank's ``k`` values and indices all-gathered), ``"shared"`` (the same coordinates on every
+#: rank: values all-reduced) or ``"sketch"`` (sketches all-reduced, then the values at the candidates)
 Pattern = str
 
 #: name -> compressor class; a compressor joins with ``@register_compressor``.
@@ -99,8 +94,7 @@ class Compressor(ABC):
         unique indices; ``"shared"``: the same on every rank (from ``ctx.shared_generator`` and the sizes only)."""
 
     def k_for(self, numel: int, density: float) -> int:
-        """How many of ``numel`` coordinates this compressor sends at ``density``: from the sizes and settings only,
-        so every rank sends the same number."""
+        """How many of ``numel`` coordinates it sends at ``density`` (from sizes and settings: alike on every rank)."""
         return k_for(numel, density)
 
     def ks_for(self, numels: tuple[int, ...], density: float) -> list[int]:

@@ -94,10 +94,9 @@ class ChunkTopK(Compressor):
         self.chunk = check_int("chunk", chunk, minimum=2)
 
     def k_for(self, numel: int, density: float) -> int:
-        chunk = self.chunk
-        if numel <= chunk:
+        if numel <= self.chunk:
             return super().k_for(numel, density)
-        return _sent(numel, chunk, max(1, min(chunk, round(density * chunk))))
+        return _sent(numel, self.chunk, super().k_for(self.chunk, density))
 
     def row_picks(self, numel: int, k: int) -> tuple[int, ...]:
         """:class:`~lightning_sparse.compressors.base.ChunkedCompressor`: the picks of each row of :meth:`select`."""

@@ -46,5 +46,4 @@ class DGC(Compressor):
         threshold = sample_threshold(p, k, n, ctx.local_generator(p.device), margin=2.0)
         if not (math.isfinite(threshold) and threshold > 0):
             return torch.topk(p.abs(), k, sorted=False).indices
-        candidates = indices_at_least(p, threshold)
-        return finish_exactly_k(p, k, threshold, candidates, lower=self.lower, tries=self.rounds)
+        return finish_exactly_k(p, k, threshold, indices_at_least(p, threshold), lower=self.lower, tries=self.rounds)

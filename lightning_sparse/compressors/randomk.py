@@ -1,9 +1,6 @@
 """Random-k: k coordinates drawn uniformly with a seed shared by all ranks; values all-reduced.
 
-A tensor's coordinates are a function of (seed, step, key, numel, k) alone, from a counter-based hash on its
-device (:func:`draw_subsets`), whatever its bucket's layout: the distinct values among the ``k`` smallest random
-priorities of ``m`` uniform draws (:func:`draws_needed`); should fewer be distinct, the ``k`` lowest coordinates.
-"""
+A tensor's coordinates are a function of (seed, step, key, numel, k) alone (:func:`draw_subsets`)."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ def random_subset(d: int, k: int, generator: torch.Generator, device: torch.devi
     while True:
         distinct = torch.randint(0, d, (draws,), generator=generator, device=device).unique()
         if distinct.numel() >= k:
-            pick = torch.randperm(distinct.numel(), generator=generator, device=device)[:k]
-            return distinct[pick]
+            return distinct[torch.randperm(distinct.numel(), generator=generator, device=device)[:k]]
         draws *= 2
 
 
@@ -107,11 +103,10 @@ class SubsetLayout:
 
     Example:
         >>> layout = SubsetLayout.of(((7, 0, 1000, 10), (8, 1000, 50, 40)), torch.device("cpu"))
-        >>> layout.count, layout.member_of.numel()  # 10 + 40 picks from 19 draws and 50 candidates
+        >>> layout.picks.numel(), layout.member_of.numel()  # 10 + 40 picks from 19 draws and 50 candidates
         (50, 69)
     """
 
-    count: int  # the picks, all tensors together
     keys: Tensor  # (3, S): each tensor's key, salted per lane
     member_of: Tensor  # (C,): each candidate's tensor
     counter: Tensor  # (C,): its counter j within its tensor, times _WEYL (mod 2**32)
@@ -151,7 +146,6 @@ class SubsetLayout:
         member_of = long(member)
         keys = [[(key & _M32) ^ salt for key, _, _, _ in members] for salt in _LANE_SALTS]
         return SubsetLayout(
-            count=sum(p.size for p in picks),
             keys=torch.tensor(keys, dtype=torch.int64, device=device),
             member_of=member_of,
             counter=long(counter),
@@ -165,7 +159,9 @@ class SubsetLayout:
 
 
 def draw_subsets(layout: SubsetLayout, seed: int, step: int) -> Tensor:
-    """Every tensor's ``k`` distinct coordinates (as offsets, ascending), drawn at once with no host read."""
+    """Every tensor's ``k`` distinct coordinates (as offsets, ascending), drawn at once by a counter-based hash on its
+    device with no host read: the distinct values among the ``k`` smallest random priorities of
+    :func:`draws_needed` uniform draws (should fewer be distinct, the ``k`` lowest coordinates)."""
     # the hash of (seed, step, key) per tensor and lane, then of that and the counter per candidate
     h = torch.bitwise_xor(layout.keys, mix_seed(seed, _TAG, step) & _M32)
     h = mix32_(h).index_select(1, layout.member_of).add_(layout.counter).bitwise_and_(_M32)

@@ -83,16 +83,14 @@ def median_of_rows(values: list[Tensor]) -> Tensor:
 
 
 def _majority(rows: int) -> tuple[int, int]:
-    """``(bits, base)``: counting from ``base``, a count of a majority of ``rows`` or more is the ``bits`` bit set
-    (a shift, not a compare)."""
+    """``(bits, base)``: counting from ``base``, a majority of ``rows`` sets the ``bits`` bit (a shift, no compare)."""
     bits = rows.bit_length()
     return bits, (1 << bits) - ((rows - 1) // 2 + 1)
 
 
 def heavy_blocks(table: Tensor, magnitude: Tensor, h: SketchHashes, tau: float) -> Iterator[Heavy]:
-    """The coordinates that may have ``|median estimate| >= tau``, block by block (shifted slices), with their
-    rows' values: that needs ``|table| >= tau`` in a majority of rows, so counting heavy buckets shortlists a
-    superset; only it gets estimates."""
+    """The coordinates that may have ``|median estimate| >= tau`` (``|table| >= tau`` in a majority of rows), block by
+    block (shifted slices), with their rows' values."""
     rows, cols = magnitude.shape
     bits, base = _majority(rows)
     heavy = scratch("countsketch.heavy", magnitude.numel(), torch.bool, magnitude.device).view(rows, cols)

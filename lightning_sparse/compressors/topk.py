@@ -1,7 +1,4 @@
-"""Top-k: the k coordinates of largest magnitude, found fast and exactly.
-
-Also the threshold machinery the other magnitude selectors share.
-"""
+"""Top-k: the k coordinates of largest magnitude, found fast and exactly; and the shared threshold machinery."""
 
 from __future__ import annotations
 
@@ -81,8 +78,7 @@ def sample_threshold(p: Tensor, k: int, n: int, generator: torch.Generator | Non
     deviations of the sampled count lower (so that ``k`` pass almost always)."""
     d = p.numel()
     sample = p[torch.randint(0, d, (n,), generator=generator, device=p.device)].abs()
-    j = sample_rank(n, k, d, margin)
-    return float(torch.topk(sample, j, sorted=False).values.min())
+    return float(torch.topk(sample, sample_rank(n, k, d, margin), sorted=False).values.min())
 
 
 def sample_rank(n: int, k: int, d: int, margin: float) -> int:

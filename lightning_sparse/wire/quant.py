@@ -1,11 +1,7 @@
 """Low-bit values (``value_bits``): a bfloat16 scale per chunk of 64 values and a signed code per value.
 
-A chunk's scale ``m`` is its largest magnitude; a value ``v`` travels as ``c = round(v / (m / L))`` in
-``[-L, L]`` (``L = 2**(bits-1) - 1``; 2 bits is ternary, as in TernGrad) and stands for ``c * (m / L)``.
-The grid holds zero and is uniform, so ``v - dequantized`` is exact in float32 (Sterbenz) and a rank
-that keeps it in its residual conserves ``sent + e_new == e_old + delta`` bit for bit. A non-finite
-value makes its whole chunk arrive non-finite on every rank.
-"""
+``v`` travels as ``c = round(v / (m / L))`` in ``[-L, L]`` (``m``: its chunk's largest magnitude, ``L``:
+``2**(bits-1) - 1``); the grid holds zero and is uniform, so ``v - c * (m / L)`` is exact in float32 (Sterbenz)."""
 
 from __future__ import annotations
 
@@ -138,7 +134,7 @@ def unpack_codes(data: Tensor, count: int, bits: int) -> Tensor:
     """The int8 codes :func:`pack_codes` wrote (``data`` 2-D: one message per row, ``count`` a row)."""
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)
     u = (data.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # every code of a byte at once
-    u = u.reshape(-1)[:count] if data.dim() == 1 else u.reshape(data.shape[0], -1)[:, :count]
+    u = u.reshape(*data.shape[:-1], -1)[..., :count]
     return (u.to(torch.int16) - levels(bits)).to(torch.int8)
 
 

@@ -1,11 +1,6 @@
 """Random-k of every sparse member of a bucket at once, in a fixed number of operators, no host read.
 
-Every sparse member's ``k`` coordinates come from one draw
-(:func:`~lightning_sparse.compressors.randomk.draw_subsets`) of (seed, step, parameter key, numel, k)
-alone: the same on every rank and as :meth:`RandomK.select <lightning_sparse.compressors.RandomK.select>`,
-whatever the bucket's layout. ``p = g + e`` and ``sent + e_new == p`` run on the bucket's flat residual
-(offloaded residuals member by member). A non-finite input sends NaN and keeps its residual.
-"""
+Each member gets the coordinates :meth:`RandomK.select <lightning_sparse.compressors.RandomK.select>` draws for it."""
 
 from __future__ import annotations
 
@@ -32,7 +27,7 @@ class SharedLayout:
     Example:
         >>> from lightning_sparse.wire.context import Member
         >>> plan = BucketPlan((Member("w", 1, 0, 64, True), Member("b", 2, 64, 4, False)), 68, "w, b")
-        >>> SharedLayout.of(plan, (3,), torch.device("cpu")).subsets.count
+        >>> SharedLayout.of(plan, (3,), torch.device("cpu")).subsets.picks.numel()
         3
     """
 
@@ -169,8 +164,7 @@ def _local(layout: SharedLayout, at: Tensor) -> list[Tensor]:
 def _keep_unsent(
     ctx: WireContext, layout: SharedLayout, local: list[Tensor], exact: Tensor, sent: Tensor, bad: list[bool] | None
 ) -> None:
-    """After ``exact`` travelled as ``sent``, each finite member's residual keeps the rest, member by member
-    (a non-finite member keeps all of it)."""
+    """After ``exact`` travelled as ``sent``, each finite member's residual keeps the rest."""
     parts = zip(layout.space_members, local, exact.split(layout.space_ks), sent.split(layout.space_ks), strict=True)
     for i, idx, values, q in parts:
         if not (bad and bad[i]):

@@ -1,11 +1,6 @@
 """Count-sketch (Sketched SGD) of every sparse member of a bucket at once, in a fixed number of operators.
 
-Round 1 all-reduces every member's ``rows x cols`` table of its pre-truncated ``p = g + e``; each member's
-``c = ceil(p2 * k)`` largest estimates are its candidates, and round 2 all-reduces ``p`` there; per member the
-``k`` largest ``|sums|`` are applied and the residual keeps the rest (``sent + e_new == p``). The hashes are
-drawn per bucket from (seed, step, the bucket's members): the same on every rank, not the per-tensor draws.
-A member whose input is not finite sketches nothing and sends NaN; its residual keeps its old value.
-"""
+The hashes are drawn per bucket from (seed, step, the bucket's members), not as the per-tensor draws."""
 
 from __future__ import annotations
 
@@ -56,14 +51,12 @@ class SketchLayout:
         >>> from lightning_sparse.wire.context import BucketPlan, Member
         >>> plan = BucketPlan((Member("w", 1, 0, 1000, True), Member("b", 2, 1000, 4, False)), 1004, "w, b")
         >>> layout = SketchLayout.of(plan, (10,), CountSketch(rows=3), torch.device("cpu"))
-        >>> layout.numel, layout.tables, layout.candidates, tuple(layout.block_cols.tolist())
+        >>> layout.numel, layout.tables, layout.cand_member.numel(), tuple(layout.block_cols.tolist())
         (1000, 300, 40, (100, 100, 100, 100, 100, 100, 100, 100, 100, 100))
     """
 
     numel: int  # sparse coordinates
     tables: int  # rows * sum of cols: the round-1 message
-    k: int
-    candidates: int  # sum of c: the round-2 message
     capacity: int
     draws: int
     deepest: int
@@ -85,7 +78,7 @@ class SketchLayout:
     head_end: Tensor  # (S,) member start + c
     cut_rank_col: Tensor  # (S, 1) the sample rank that estimates the (p1 * k)-th largest |p|, minus 1
     cut_all: Tensor  # (S,) nothing to truncate
-    cand_member: Tensor  # (C,) each candidate slot's member
+    cand_member: Tensor  # (C,) each candidate slot's member: C is the round-2 message
     cand_local: Tensor  # (C,) its rank within the member
     cand_shift: Tensor  # (C,) bucket offset minus sparse coordinate, of its member
     cand_base: Tensor  # (C,) its sort key's member part, plus _BITS
@@ -135,20 +128,17 @@ class SketchLayout:
         firsts = [sum(cs[:i]) for i in range(len(cs))]
         tiled = all(m.offset == sum(o.numel for o in plan.members[:i]) for i, m in enumerate(plan.members))
         long = functools.partial(torch.tensor, dtype=torch.int64, device=device)
-        blocks = long(list(range(len(block_cols))))
         cand_member = [i for i, c in enumerate(cs) for _ in range(c)]
         return SketchLayout(
             numel=n,
             tables=table,
-            k=sum(ks),
-            candidates=sum(cs),
             capacity=capacity,
             draws=draws,
             deepest=max(ranks) + 1,
             cut_draws=cut_draws,
             cut_deepest=max(cut_ranks) + 1,
             seed_key=mix_seed(len(sparse), *(m.key for m in sparse)),
-            block_of=torch.repeat_interleave(blocks, long(block_sizes), output_size=n).to(torch.int32),
+            block_of=torch.repeat_interleave(long(block_sizes), output_size=n).to(torch.int32),
             block_cols=long(block_cols),
             block_wide=long(block_wide).t().contiguous(),
             unfold=unfold.to(device=device, dtype=torch.int32),
@@ -177,9 +167,8 @@ class SketchLayout:
 
 
 def eligible(ctx: WireContext, call: BucketCall) -> bool:
-    """Whether ``call``'s sparse members can be sketched at once: a count-sketch compressor, fixed buckets
-    (the hashes are drawn per bucket), no momentum correction or substituted inputs, residuals that live
-    with the bucket, and the size limits :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`."""
+    """Whether ``call``'s sparse members can be sketched at once (fixed buckets: the hashes are drawn per bucket;
+    residuals that live with the bucket; within :data:`AT_ONCE_ENTRIES` and :data:`CPU_ONE_BY_ONE`)."""
     sparse = call.plan.sparse_members
     if ctx.at_once != "countsketch" or not sparse or not ctx.fixed_buckets or ctx.momentum_correction:
         return False
@@ -288,10 +277,9 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
         for m, pm in zip(plan.sparse_members, ps, strict=True):
             call.observe(call.step, plan.label, m.name, pm)
     x = torch.cat(views).to(torch.float32)
-    if bad is not None:  # sketch nothing there: the summed tables stay finite, every rank agrees
-        for (q0, d, _, _, _), b in zip(layout.spans, bad, strict=True):
-            if b:
-                x[q0 : q0 + d].zero_()
+    skipped = [span for span, b in zip(layout.spans, bad, strict=True) if b] if bad is not None else []
+    for q0, d, _, _, _ in skipped:  # sketch nothing there: the summed tables stay finite, every rank agrees
+        x[q0 : q0 + d].zero_()
     # reused (no page faults of a fresh allocation); one per bucket, as update mode's rounds overlap
     tables = scratch(f"patterns.sketch_tables.{plan.label}", layout.tables, torch.float32, buffer.device).zero_()
     hashes, gen = sketch_tables(ctx, call, layout, x, tables)
@@ -312,11 +300,9 @@ def launch_sketch(ctx: WireContext, call: BucketCall, ks: list[int]) -> Rounds[P
     q = torch.arange(n, dtype=torch.int32, device=buffer.device)
     cand = _candidates(layout, a, q, gen).add_(layout.cand_shift)  # bucket offsets
     values = quantize(p[cand], vdtype)
-    if bad is not None:  # NaN from a non-finite input: every rank skips the step alike
-        for (_, _, c, first, _), b in zip(layout.spans, bad, strict=True):
-            if b:
-                values[first : first + c].fill_(float("nan"))
-    counters.sent_numel += layout.k
+    for _, _, c, first, _ in skipped:  # NaN from a non-finite input: every rank skips the step alike
+        values[first : first + c].fill_(float("nan"))
+    counters.sent_numel += sum(ks)
     issued = futures(ctx.comm.all_reduce(values, counters))
 
     @functools.cache

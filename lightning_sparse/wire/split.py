@@ -1,11 +1,7 @@
 """The split exchange, after Ok-Topk's sparse all-reduce (Li and Hoefler, PPoPP 2022).
 
-The ranks own block-cyclic regions of a bucket's sparse space; each rank sends each owner its pairs
-there (one all-to-all), every owner sums them in rank order and keeps the largest sums (ties to the
-smaller coordinate), and the owners' choices are all-gathered. What did not reach the global selection
-stays in its rank's residual and a sum's rounding in its owner's, so sent plus residuals is conserved.
-Every tensor has a fixed size and the counts stay on the device: no host read.
-"""
+Each rank sends the owner of each block-cyclic region of the sparse space its pairs there (one all-to-all), every
+owner keeps the largest sums, and the owners' choices are all-gathered; no host read."""
 
 from __future__ import annotations
 
@@ -29,6 +25,7 @@ from lightning_sparse.wire.stats import ring_all_gather_bytes
 SPLIT_BLOCK = 127
 #: each rank may send an owner up to this many times its fair share (k / W) of coordinates
 SPLIT_SLACK = 2.0
+_MAGNITUDE_BITS = 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -52,8 +49,7 @@ class Regions:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        cycle = self.block * self.world
-        full, rest = divmod(self.n, cycle)
+        full, rest = divmod(self.n, self.block * self.world)
         return tuple(full * self.block + min(max(rest - j * self.block, 0), self.block) for j in range(self.world))
 
     @property
@@ -98,9 +94,6 @@ def split_wire_bytes(
         return 0.0
     first, second = split_layouts(n, k, world, vdtype, compact, value_bits)
     return (world - 1) * first.size + ring_all_gather_bytes(world, second.size)
-
-
-_MAGNITUDE_BITS = 0x7FFFFFFF
 
 
 def _keep_largest_per_owner(owner: Tensor, magnitude: Tensor, world: int, cap: int) -> Tensor:
@@ -148,7 +141,6 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     magnitude = sel.exact.abs().nan_to_num(nan=math.inf)
     table = _keep_largest_per_owner(regions.owner(sel.coords), magnitude, world, first.capacity)
     placed = table < picks
-    per_owner = placed.sum(1)
 
     # stage 1: each owner gets this rank's pairs in its region (fixed-size chunks, one all-to-all)
     at = table.clamp(max=picks - 1)  # the padding reads the last pick; pack_rows ignores it
@@ -156,7 +148,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
     # the bucket's buffers, made once (its exchange is applied before its next starts)
     label = call.plan.label
     outgoing = scratch(f"split.outgoing.{label}", world * first.size, torch.uint8, device).view(world, first.size)
-    outgoing, arriving = first.pack_rows(sending, sel.sent[at], per_owner, outgoing)
+    outgoing, arriving = first.pack_rows(sending, sel.sent[at], placed.sum(1), outgoing)
     if bits is not None:  # what the owner receives is what the codes stand for
         padded = torch.cat([sel.sent, sel.sent.new_zeros(1)])  # the padding writes zeros to the spare
         sel.sent = padded.index_put_((table.view(-1),), arriving.view(-1))[:picks]
@@ -187,8 +179,7 @@ def launch_split(ctx: WireContext, call: BucketCall, ks: list[int], vdtype: torc
 
     @functools.cache
     def receive() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Every owner's choice, decoded once: positions in its region (``largest`` past the count),
-        coordinates and values (0 there), and which are real."""
+        """Every owner's choice, decoded once: positions in its region, coordinates, values, which are real."""
         loc, vals, counts = second.unpack_counted_rows(gathered)
         real = torch.arange(second.capacity, device=device) < counts.unsqueeze(1)
         coords = torch.where(real, regions.to_space(loc, torch.arange(world, device=device).unsqueeze(1)), 0)
