@@ -217,23 +217,12 @@ class SparseConfig:
 
         for name in ("find_unused_parameters", "static_graph", "compact_indices", "error_feedback"):
             each(check_bool, name, getattr(self, name))
-        each(
-            check_choice,
-            "gradient_as_bucket_view",
-            self.gradient_as_bucket_view,
-            (None, True, False),
-            "expected None (True with compress='update', False with compress='gradient'), True or False",
-        )
+        view = "expected None (True with compress='update', False with compress='gradient'), True or False"
+        each(check_choice, "gradient_as_bucket_view", self.gradient_as_bucket_view, (None, True, False), view)
         each(check_bucket_cap, self.bucket_cap_mb)
         each(check_choice, "start_method", self.start_method, START_METHODS, f"expected one of {list(START_METHODS)}")
-        each(
-            check_choice,
-            "compress",
-            self.compress,
-            COMPRESS_MODES,
-            "expected 'update' (compress each rank's optimizer update, after its step) or 'gradient' (compress the "
-            "gradient, before the step)",
-        )
+        modes = "expected 'update' (compress each rank's optimizer update, after its step) or 'gradient' (compress the "
+        each(check_choice, "compress", self.compress, COMPRESS_MODES, modes + "gradient, before the step)")
         compressor = each(get_compressor, self.compressor)
         choices = f"expected one of {list(EXCHANGES)} ('auto': per bucket, the split where it moves at most a quarter "
         each(check_choice, "exchange", self.exchange, EXCHANGES, choices + "of the all-gather's bytes)")
@@ -244,10 +233,8 @@ class SparseConfig:
         each(check_int, "seed", self.seed, minimum=0)
         byte_rule, timed = each(as_fallback, self.fallback_to_dense) or (True, None)
         each(check_density, "error_feedback_decay", self.error_feedback_decay)
-        m = self.momentum_correction
-        each(
-            check_number, "momentum_correction", m, "expected a number in [0, 1) (0 turns it off)", lambda v: 0 <= v < 1
-        )
+        in_range = "expected a number in [0, 1) (0 turns it off)"
+        momentum = each(check_number, "momentum_correction", self.momentum_correction, in_range, lambda v: 0 <= v < 1)
         for name in ("sync_every", "fragments"):
             each(check_int, name, getattr(self, name), minimum=1)
         for name in ("batchnorm_batches", "batchnorm_warmup", "sync_delay", "max_nonfinite_steps"):
@@ -267,7 +254,7 @@ class SparseConfig:
             raise ValueError(f"{len(errors)} arguments are not allowed:\n" + "\n".join(f"- {e}" for e in errors))
         self._check_together(compressor, timed, outer)
         normalised = dict(compressor=compressor, density=schedule, value_dtype=value_dtype, outer_factory=outer)
-        normalised.update(momentum_correction=float(m), byte_rule=byte_rule, timed_fallback=timed)
+        normalised.update(momentum_correction=momentum, byte_rule=byte_rule, timed_fallback=timed)
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
@@ -341,14 +328,12 @@ class SparseConfig:
     def ddp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``DistributedDataParallel`` these settings fix."""
         view = self.gradient_as_bucket_view
-        kwargs: dict[str, Any] = {
+        return {
             "find_unused_parameters": self.find_unused_parameters,
             "static_graph": self.static_graph,
             "gradient_as_bucket_view": self.compress == "update" if view is None else view,
+            **({} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}),
         }
-        if self.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-        return kwargs
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that must agree on every rank (compared when the hook is bound)."""

@@ -1,9 +1,7 @@
 """The checkpoint payload: each process's sparse state, written by that process beside the checkpoint.
 
-Every process writes its state (update mode: with its optimizer states) to
-``<checkpoint>.sparse/rank00001-of-00004.pt``; the checkpoint holds an entry under :data:`CHECKPOINT_KEY` naming the
-folder. Another number of processes reads the mean of the saved states, a file at a time.
-"""
+``<checkpoint>.sparse/rank00001-of-00004.pt`` (update mode: with its optimizer states), named by the checkpoint's entry
+under :data:`CHECKPOINT_KEY`; another number of processes reads the mean of the saved states, a file at a time."""
 
 from __future__ import annotations
 
@@ -178,16 +176,12 @@ class CheckpointPayload:
         self, read: Callable[[int], dict[str, Any]], saved_world: int, world_size: int
     ) -> tuple[dict[str, Any], Any]:
         # every new process takes the mean of the old residuals: their total is kept
+        delayed = "update" if self.update is not None else "gradient"
+        also = ", and from the mean of the saved ranks' optimizer states" if self.update is not None else ""
         rank_zero_warn(
-            f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on "
-            f"{world_size}; each rank starts from the mean of the saved error-feedback residuals, "
-            "which keeps the total delayed "
-            + (
-                "update (nothing is dropped) but not each rank's share of it, and from the mean of the "
-                "saved ranks' optimizer states."
-                if self.update is not None
-                else "gradient (nothing is dropped) but not each rank's share of it."
-            )
+            f"lightning_sparse: the checkpoint was written by {saved_world} processes and is resumed on {world_size}; "
+            f"each rank starts from the mean of the saved error-feedback residuals, which keeps the total delayed "
+            f"{delayed} (nothing is dropped) but not each rank's share of it{also}."
         )
         first: dict[str, Any] = {}
         # local momenta are summed like residuals, in their own dtype

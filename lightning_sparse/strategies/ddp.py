@@ -76,10 +76,8 @@ class SparseDDPStrategy(TrainerHooks, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # on every process: each writes its own sparse state, no gather
-        optimizer_states = (
-            {"optimizer_states": checkpoint["optimizer_states"]} if "optimizer_states" in checkpoint else None
-        )
-        checkpoint[CHECKPOINT_KEY] = self._save_sparse(filepath, optimizer_states, storage_options)
+        states = {"optimizer_states": checkpoint["optimizer_states"]} if "optimizer_states" in checkpoint else None
+        checkpoint[CHECKPOINT_KEY] = self._save_sparse(filepath, states, storage_options)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -140,13 +140,12 @@ class SparseFSDPStrategy(ShardedFront, TrainerHooks, ModelParallelStrategy):
 
         self._core.hold_global()  # the module's parameters become the checkpoint's global model
         path = Path(self.broadcast(checkpoint_path))
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.model is not None
         strict = self.lightning_module.strict_loading
         checkpoint = _load_checkpoint(
             path=path, state={"state_dict": self.model}, strict=strict, weights_only=weights_only
         )
         self._restore_shards(checkpoint, path, weights_only)
-        assert self.model is not None
         states = checkpoint.pop("optimizer_states", [])
         load_local_optimizer_states(self.model, list(zip(self.optimizers, states, strict=False)))
         return checkpoint

@@ -33,9 +33,7 @@ def compression_figures(
     group_bytes: float | None = None,
 ) -> dict[str, float]:
     """The logged figures for ``steps`` optimizer steps whose counters add up to ``interval`` (``total``: the whole
-    run's): compression ratio (dense wire bytes / wire bytes, ring model), message ratio (dense bytes / bytes sent),
-    density, bytes sent and wire bytes per step and in total, residual norm, unsent ratio (update mode),
-    milliseconds in the hook and collectives per step, and ``sparse/group_bytes`` (``sparse_fsdp``)."""
+    run's); compression ratio: dense wire bytes / wire bytes (ring model), message ratio: dense bytes / bytes sent."""
     steps = max(steps, 1)
     return {
         "sparse/compression_ratio": interval.compression_ratio,

@@ -1,9 +1,7 @@
-"""Named points of the compression frontier: a bandwidth budget instead of five arguments.
+"""Named points of the compression frontier, each named by its byte reduction against dense DDP.
 
-Each preset exchanges the top of each tensor (1 % to 0.8 %) in 2-bit values every ``sync_every`` steps with a
-Nesterov outer step and decayed error feedback (SparseLoCo's), and hands over in a few exchanges at the end of fit.
-The name is its byte reduction against dense DDP (``docs/results.md``, "Presets").
-"""
+Each exchanges the top 1 % to 0.8 % of each tensor in 2-bit values every ``sync_every`` steps, with SparseLoCo's outer
+step and decayed error feedback, and hands over in a few exchanges at the end of fit."""
 
 from __future__ import annotations
 

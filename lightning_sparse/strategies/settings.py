@@ -1,8 +1,4 @@
-"""The settings as the front ends' flat keyword arguments, declared once in ``SparseConfig``.
-
-:func:`with_settings` writes them into a front end's signature and ``Args:`` (what the Lightning CLI reads),
-:func:`take_settings` splits the arguments it was given.
-"""
+"""The settings as the front ends' flat keyword arguments (signature, ``Args:``), declared once in ``SparseConfig``."""
 
 from __future__ import annotations
 

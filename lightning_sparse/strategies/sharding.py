@@ -46,13 +46,7 @@ def with_fsdp_settings(base: type) -> Callable[[T], T]:
 
 
 class ShardedFront(SparseShell):
-    """What both ``sparse_fsdp`` front ends share: their name, sharding arguments, mesh, binding and checkpoints.
-
-    Example:
-        >>> from lightning_sparse import FabricSparseFSDPStrategy, SparseFSDPStrategy
-        >>> issubclass(SparseFSDPStrategy, ShardedFront) and issubclass(FabricSparseFSDPStrategy, ShardedFront)
-        True
-    """
+    """What both ``sparse_fsdp`` front ends share: their name, sharding arguments, mesh, binding and checkpoints."""
 
     strategy_name = "sparse_fsdp"
     _names = FSDP_NAMES
@@ -62,35 +56,31 @@ class ShardedFront(SparseShell):
 
     def _take_sharding(self, settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
         """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode; keep them."""
-        defaults = {name: field.default for name, field in SparseConfig.__dataclass_fields__.items()}
+        fields = SparseConfig.__dataclass_fields__
         compress, fallback_to_dense, momentum_correction, fault_tolerant = (
-            {**defaults, **settings}[n]
+            settings.get(n, fields[n].default)
             for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
         )
-        if fault_tolerant is True and shard_size is not None:
-            raise ValueError(
-                f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
-                "one job, sharded across all its processes; the exchange runs across the jobs)"
-            )
-        if compress != "update":
-            raise ValueError(
-                f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process "
-                "steps on its shards, then the exchange runs across groups); gradient mode needs DDP's hook"
-            )
-        if fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback):
-            raise ValueError(
-                f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, "
-                "'bytes' or False (a timed fallback switches to DDP's plain steps)"
-            )
-        if momentum_correction:
-            raise ValueError(
-                f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 "
-                "(it is a gradient-mode setting)"
-            )
-        if shard_size is not None and (
-            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
-        ):
-            raise ValueError(f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None")
+        rules = (
+            (fault_tolerant is True and shard_size is not None,
+             f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
+             "one job, sharded across all its processes; the exchange runs across the jobs)"),
+            (compress != "update",
+             f"compress={compress!r} is not allowed with SparseFSDPStrategy: expected 'update' (each process steps on "
+             "its shards, then the exchange runs across groups); gradient mode needs DDP's hook"),
+            (fallback_to_dense == "time" or isinstance(fallback_to_dense, TimedFallback),
+             f"fallback_to_dense={fallback_to_dense!r} is not allowed with SparseFSDPStrategy: expected True, 'bytes' "
+             "or False (a timed fallback switches to DDP's plain steps)"),
+            (momentum_correction,
+             f"momentum_correction={momentum_correction!r} is not allowed with SparseFSDPStrategy: expected 0 (it is "
+             "a gradient-mode setting)"),
+            (shard_size is not None
+             and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1),
+             f"shard_size={shard_size!r} is not allowed: expected an int >= 1 or None"),
+        )  # fmt: skip
+        for broken, message in rules:
+            if broken:
+                raise ValueError(message)
         if sharded_modules is not None and (
             isinstance(sharded_modules, str)
             or not all(isinstance(m, str) and m for m in sharded_modules)

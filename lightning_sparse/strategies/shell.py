@@ -136,8 +136,7 @@ class SparseShell:
 
     def _bind(self, model: Any) -> None:
         """Bind the exchange to the model :meth:`SparseCore.wrap` made (and register DDP's hook in gradient mode)."""
-        core = self._core
-        core.register_hook(model, self.global_rank, self.world_size, self.root_device, *self._binding())
+        self._core.register_hook(model, self.global_rank, self.world_size, self.root_device, *self._binding())
 
     #: the gradient scaler, the optimizers and the front end's part of a healing group's state (Trainer or Fabric)
     _binding: Callable[..., tuple[Any, Callable[[], list[Any]], Any]]
@@ -151,7 +150,6 @@ class SparseShell:
         )
 
     def _restore_sparse(self, checkpoint: dict[str, Any], path: _PATH, now: bool, weights_only: bool | None) -> None:
-        """Restore this process's sparse state from a loaded ``checkpoint``."""
         self._core.checkpoint.restore(
             checkpoint, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device, now, weights_only
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,14 +22,7 @@ __all__ = ["FlushResiduals", "GlobalModelFirst", "TrainerHooks"]
 
 class GlobalModelFirst(pl.Callback):
     """Puts the global model in the module before any other callback sees the start of validation, testing,
-    prediction or the end of fit; first among the Trainer's callbacks, in update mode.
-
-    Example:
-        >>> from lightning_sparse.strategies.core import SparseCore
-        >>> from lightning_sparse.config import SparseConfig
-        >>> isinstance(GlobalModelFirst(SparseCore(SparseConfig())), pl.Callback)
-        True
-    """
+    prediction or the end of fit; first among the Trainer's callbacks, in update mode."""
 
     def __init__(self, core: Any) -> None:
         self.core = core
@@ -109,7 +103,7 @@ class TrainerHooks(SparseShell):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        strategy, core = super(), self._core
+        core = self._core
 
         def ready() -> Any:
             output = closure()
@@ -117,9 +111,7 @@ class TrainerHooks(SparseShell):
                 core.replicas.gradients_ready(core.state)
             return output
 
-        def step() -> Any:
-            return strategy.optimizer_step(optimizer, ready, model, **kwargs)  # type: ignore[attr-defined]
-
+        step = functools.partial(super().optimizer_step, optimizer, ready, model, **kwargs)  # type: ignore[misc]
         return self._gradient_step(step) if core.update is None else core.update.step(step, optimizer)
 
     # every rank is at these points together
