@@ -1,8 +1,5 @@
-"""Small, download-free training tasks: digits, text, GPT and vision.
-
-Digits (an MLP) and vision (a ResNet-18 on the digits at 32x32) need ``pip install "lightning_sparse[examples]"``;
-text and GPT predict the next character of the running Python's standard-library source.
-"""
+"""Small, download-free training tasks: digits (an MLP), vision (a ResNet-18 on the digits at 32x32), text and GPT.
+Digits and vision need ``pip install "lightning_sparse[examples]"``; text and GPT read Python's standard library."""
 
 from lightning_sparse.demos.digits import DigitsClassifier, DigitsDataModule, accuracy, load_digits_tensors
 from lightning_sparse.demos.gpt import GPTDataModule, TinyGPT, load_gpt_tensors, warmup_cosine

@@ -48,8 +48,7 @@ def stdlib_source(files: Sequence[str], stdlib: str | None = None) -> str:
 def encode_text(text: str) -> Tensor:
     """Characters -> class indices (``TEXT_CHARS`` positions; anything else -> ``TEXT_VOCAB - 1``), int64."""
     table = {c: i for i, c in enumerate(TEXT_CHARS)}
-    other = TEXT_VOCAB - 1
-    return torch.tensor([table.get(c, other) for c in text], dtype=torch.long)
+    return torch.tensor([table.get(c, TEXT_VOCAB - 1) for c in text], dtype=torch.long)
 
 
 def char_windows(codes: Tensor, positions: Tensor, context: int) -> TensorDataset:

@@ -99,18 +99,9 @@ class AdaptiveDensity(DensitySchedule):
         self._density = self.initial_density
         self._decided_step: int | None = None
         self._measured: dict[str, float] | None = None
-        # replaced by setup() (the wire's settings and process group); a pickled copy keeps no group
-        self._ctx = WireContext(
-            compressor=TopK(),
-            error_feedback=True,
-            momentum_correction=0.0,
-            value_dtype=None,
-            seed=0,
-            exchange="allgather",
-            compact_indices=False,
-            value_bits=None,
-            byte_rule=True,
-        )
+        # until setup() gives the wire's settings and process group (a pickled copy keeps no group): top-k with
+        # error feedback, all-gathered as int32 indices and values of the buffer's dtype, under the byte rule
+        self._ctx = WireContext(TopK(), True, 0.0, None, 0, "allgather", False, None, True)
         self._grad_dtype = torch.float32
         self._rows: dict[str, Tensor] = {}
         self._sizes: dict[str, list[int]] = {}
@@ -120,8 +111,7 @@ class AdaptiveDensity(DensitySchedule):
     def __getstate__(self) -> dict[str, Any]:
         self._resolve()
         state = self.__dict__.copy()
-        state.update(_rows={}, _sizes={}, _pending=None)
-        state["_ctx"] = dataclasses.replace(self._ctx, comm=Collectives())
+        state.update(_rows={}, _sizes={}, _pending=None, _ctx=dataclasses.replace(self._ctx, comm=Collectives()))
         return state
 
     def density(self, step: int) -> float:
@@ -169,8 +159,7 @@ class AdaptiveDensity(DensitySchedule):
         d = p.numel()
         ks = self._ks.get(d)
         if ks is None:
-            k_for = self._ctx.compressor.k_for
-            ks = self._ks[d] = [k_for(d, x) for x in self.grid]
+            ks = self._ks[d] = [self._ctx.compressor.k_for(d, x) for x in self.grid]
         e = topk_energy(p, ks)
         if bucket in self._rows:
             self._rows[bucket].add_(e)
@@ -201,11 +190,9 @@ class AdaptiveDensity(DensitySchedule):
             return
         step, layout, gathered, future = self._pending
         self._pending = None
-        if future is not None:
-            wait(future)
+        wait(future)
         g = len(self.grid) + 1
-        world = gathered.numel() // (len(layout) * g)
-        per_rank = gathered.reshape(world, len(layout), g).cpu().tolist()
+        per_rank = gathered.reshape(-1, len(layout), g).cpu().tolist()
         energy = [[0.0] * g for _ in layout]
         for rank_rows in per_rank:  # summed in rank order: identical bits on every rank
             for total, row in zip(energy, rank_rows, strict=True):

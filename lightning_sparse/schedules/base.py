@@ -132,6 +132,4 @@ class WarmupDensity(DensitySchedule):
 
 def as_schedule(density: float | DensitySchedule) -> DensitySchedule:
     """Accept a plain density or a schedule; a plain number becomes :class:`ConstantDensity`."""
-    if isinstance(density, DensitySchedule):
-        return density
-    return ConstantDensity(check_density("density", density))
+    return density if isinstance(density, DensitySchedule) else ConstantDensity(density)

@@ -1,8 +1,5 @@
 """What one exchange of one bucket costs on the wire, and how it is sent, from its sizes alone.
-
-Built from the exchange's own pieces, so :func:`exchange_cost` gives the telemetry's ``wire_bytes``;
-:func:`exchange_time` adds a round trip per collective (:func:`exchange_collectives`).
-"""
+Built from the exchange's own pieces, so :func:`exchange_cost` gives the telemetry's ``wire_bytes``."""
 
 from __future__ import annotations
 
@@ -60,8 +57,7 @@ def exchange_cost(
         >>> exchange_cost(config, [1_000_000], world_size=8, step=0)  # warm-up
         (7000000.0, 'dense')
     """
-    wire, how, _ = _exchange(config, numels, world_size, dtype, step)
-    return wire, how
+    return _exchange(config, numels, world_size, dtype, step)[:2]
 
 
 def exchange_collectives(
@@ -116,7 +112,6 @@ def exchange_time(
 def _exchange(
     config: SparseConfig, numels: Sequence[int], world_size: int, dtype: torch.dtype, step: int | None
 ) -> tuple[float, str, int]:
-    """:func:`exchange_cost`'s bytes and way of sending, and :func:`exchange_collectives`."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not allowed: expected an int >= 1.")
     sizes = [int(n) for n in numels]

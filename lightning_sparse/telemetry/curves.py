@@ -43,17 +43,9 @@ def loss_against_bytes(
         records = list(rows)
     if records and not any(loss in r for r in records):
         raise ValueError(f"loss={loss!r} is not among the logged columns: expected one of {sorted(records[0])}.")
-    sent: list[tuple[float, float]] = []  # (step, bytes)
-    losses: list[tuple[float, float]] = []  # (step, loss)
-    for r in records:
-        step = _number(r.get("step"))
-        if step is None:
-            continue
-        b, value = _number(r.get(bytes_column)), _number(r.get(loss))
-        if b is not None:
-            sent.append((step, b))
-        if value is not None:
-            losses.append((step, value))
+    points = [(_number(r.get("step")), _number(r.get(bytes_column)), _number(r.get(loss))) for r in records]
+    sent = [(step, b) for step, b, _ in points if step is not None and b is not None]
+    losses = [(step, value) for step, _, value in points if step is not None and value is not None]
     out = []
     for step, value in sorted(losses, key=lambda sv: sv[0]):
         before = [b for s, b in sent if s <= step]

@@ -16,7 +16,7 @@ __all__ = ["BytesSent", "CompressTime", "CompressionRatio", "Density", "MessageR
 
 
 class _CounterMetric(Metric):
-    """A metric over additive counters, summed over updates and over ranks."""
+    """A metric of int64 and float64 scalar states, summed over ranks (and by ``_add`` over updates)."""
 
     is_differentiable = False
     full_state_update = False
@@ -155,7 +155,7 @@ class CompressTime(_PerStepMetric):
     _scale = 1000.0
 
 
-class ResidualNorm(Metric):
+class ResidualNorm(_CounterMetric):
     """L2 norm of the error-feedback residuals of all ranks together: ``sqrt(sum over ranks of norm**2)`` of each
     rank's latest update.
 
@@ -167,13 +167,9 @@ class ResidualNorm(Metric):
         4.0
     """
 
-    is_differentiable = False
     higher_is_better = False
     full_state_update = True  # update() replaces the state; forward() must not add batch states up
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("norm_sq", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+    _float_states = ("norm_sq",)
 
     def update(self, norm: float | Tensor) -> None:
         """Set this rank's residual norm (e.g. ``sparse_state.measure_residual_norm()``)."""

@@ -46,9 +46,8 @@ def changed_settings(config: SparseConfig) -> dict[str, str]:
         if not f.init or f.name in _TITLE_SETTINGS:
             continue
         value = getattr(config, f.name)
-        default = f.default
-        if f.name == "value_dtype":  # normalised to a torch dtype: compare with the default's
-            default = resolve_value_dtype(default)
+        # value_dtype is normalised to a torch dtype: compare with the default's
+        default = resolve_value_dtype(f.default) if f.name == "value_dtype" else f.default
         if default is dataclasses.MISSING or type(value) is not type(default) or value != default:
             # classes and factories by their import path
             out[f.name] = str(describe_callable(value)) if callable(value) else repr(value)
@@ -208,10 +207,9 @@ class CompressionSummary:
         # figures never wrap (a narrow terminal folds the long bucket-group names instead)
         table.add_column("", overflow="fold", min_width=16)
         for i, h in enumerate(COLUMNS):
-            header = "\n".join(h.rsplit(" ", 1))  # two lines keep the table within 80 columns
-            widths = [len(c[i]) for _, rows in sections for _, c in rows]
-            width = max([len(part) for part in header.split("\n")] + widths)
-            table.add_column(header, justify="right", no_wrap=True, min_width=width)
+            header = h.rsplit(" ", 1)  # two lines keep the table within 80 columns
+            width = max(len(text) for text in [*header, *(c[i] for _, rows in sections for _, c in rows)])
+            table.add_column("\n".join(header), justify="right", no_wrap=True, min_width=width)
         for i, (heading, rows) in enumerate(sections):
             if i:
                 table.add_section()
