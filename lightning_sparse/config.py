@@ -221,8 +221,11 @@ class SparseConfig:
         each(check_choice, "gradient_as_bucket_view", self.gradient_as_bucket_view, (None, True, False), view)
         each(check_bucket_cap, self.bucket_cap_mb)
         each(check_choice, "start_method", self.start_method, START_METHODS, f"expected one of {list(START_METHODS)}")
-        modes = "expected 'update' (compress each rank's optimizer update, after its step) or 'gradient' (compress the "
-        each(check_choice, "compress", self.compress, COMPRESS_MODES, modes + "gradient, before the step)")
+        modes = (
+            "expected 'update' (compress each rank's optimizer update, after its step) or 'gradient' (compress the "
+            "gradient, before the step)"
+        )
+        each(check_choice, "compress", self.compress, COMPRESS_MODES, modes)
         compressor = each(get_compressor, self.compressor)
         choices = f"expected one of {list(EXCHANGES)} ('auto': per bucket, the split where it moves at most a quarter "
         each(check_choice, "exchange", self.exchange, EXCHANGES, choices + "of the all-gather's bytes)")

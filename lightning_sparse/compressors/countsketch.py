@@ -1,6 +1,9 @@
 """Count-sketch (Sketched SGD, Ivkin et al.): heavy hitters of the summed gradient from summed sketches.
 
-Row ``r`` sends coordinate ``j = b * cols + o`` (block ``b``) to bucket ``(o + shift[r, b]) mod cols``, signed."""
+Row ``r`` sends coordinate ``j = b * cols + o`` (block ``b``) to bucket ``(o + shift[r, b]) mod cols`` with sign
+``sign[r, b]``, drawn per (row, block) from the shared generator: unbiased estimates, sketched by a few shifted
+slice-adds per block. The exchange (:mod:`lightning_sparse.wire.sketch`) draws its hashes per bucket.
+"""
 
 from __future__ import annotations
 

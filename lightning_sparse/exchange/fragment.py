@@ -14,7 +14,7 @@ from torch.futures import Future
 
 from lightning_sparse._utils import RegionViews
 from lightning_sparse.exchange.state import SparseState
-from lightning_sparse.wire import Average, BucketPlan, count_dense
+from lightning_sparse.wire import Average, BucketPlan, WireContext, count_dense
 from lightning_sparse.wire.batched import residual_layout
 from lightning_sparse.wire.memory import ErrorFeedback
 from lightning_sparse.wire.stats import Counters
@@ -208,7 +208,7 @@ def progress(p: Tensor, glob: Tensor, e: Tensor | None, out: Tensor | None = Non
     return seg
 
 
-def _flat_residual(memory: ErrorFeedback, wire: Any, plan: BucketPlan, delta: Tensor) -> Tensor | None:
+def _flat_residual(memory: ErrorFeedback, wire: WireContext, plan: BucketPlan, delta: Tensor) -> Tensor | None:
     """The bucket's residuals as one flat tensor (None: offloaded, or a tensor left out of it has one)."""
     layout = residual_layout(wire, plan, delta)
     if memory.held([m.name for (name, _), m in zip(layout, plan.members, strict=True) if name is None]):
@@ -284,7 +284,7 @@ def split_fragments(sizes: list[tuple[str, int]], count: int, how: str = "stride
 
 
 def bucket_parts(
-    bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: Any
+    bucket: Bucket, plan: BucketPlan, memory: ErrorFeedback, wire: WireContext
 ) -> tuple[list[tuple[str, Tensor, Tensor | None, int]], Tensor | None]:
     """``delta = p - (global + e)`` into the bucket's buffer: (name, progress, residual, offset) per
     parameter, as :func:`drop_nonfinite` takes them, and the flat residual where there is one (then in a few

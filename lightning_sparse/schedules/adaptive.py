@@ -99,9 +99,18 @@ class AdaptiveDensity(DensitySchedule):
         self._density = self.initial_density
         self._decided_step: int | None = None
         self._measured: dict[str, float] | None = None
-        # until setup() gives the wire's settings and process group (a pickled copy keeps no group): top-k with
-        # error feedback, all-gathered as int32 indices and values of the buffer's dtype, under the byte rule
-        self._ctx = WireContext(TopK(), True, 0.0, None, 0, "allgather", False, None, True)
+        # until setup() gives the wire's settings and process group (a pickled copy keeps no group)
+        self._ctx = WireContext(
+            compressor=TopK(),
+            error_feedback=True,
+            momentum_correction=0.0,
+            value_dtype=None,
+            seed=0,
+            exchange="allgather",
+            compact_indices=False,
+            value_bits=None,
+            byte_rule=True,
+        )
         self._grad_dtype = torch.float32
         self._rows: dict[str, Tensor] = {}
         self._sizes: dict[str, list[int]] = {}

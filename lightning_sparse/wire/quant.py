@@ -1,7 +1,11 @@
 """Low-bit values (``value_bits``): a bfloat16 scale per chunk of 64 values and a signed code per value.
 
-``v`` travels as ``c = round(v / (m / L))`` in ``[-L, L]`` (``m``: its chunk's largest magnitude, ``L``:
-``2**(bits-1) - 1``); the grid holds zero and is uniform, so ``v - c * (m / L)`` is exact in float32 (Sterbenz)."""
+A chunk's scale ``m`` is its largest magnitude; a value ``v`` travels as ``c = round(v / (m / L))`` in
+``[-L, L]`` (``L = 2**(bits-1) - 1``; 2 bits is ternary, as in TernGrad) and stands for ``c * (m / L)``.
+The grid holds zero and is uniform, so ``v - dequantized`` is exact in float32 (Sterbenz) and a rank
+that keeps it in its residual conserves ``sent + e_new == e_old + delta`` bit for bit. A non-finite
+value makes its whole chunk arrive non-finite on every rank.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,11 @@
 """Random-k of every sparse member of a bucket at once, in a fixed number of operators, no host read.
 
-Each member gets the coordinates :meth:`RandomK.select <lightning_sparse.compressors.RandomK.select>` draws for it."""
+Every sparse member's ``k`` coordinates come from one draw
+(:func:`~lightning_sparse.compressors.randomk.draw_subsets`) of (seed, step, parameter key, numel, k)
+alone: the same on every rank and as :meth:`RandomK.select <lightning_sparse.compressors.RandomK.select>`,
+whatever the bucket's layout. ``p = g + e`` and ``sent + e_new == p`` run on the bucket's flat residual
+(offloaded residuals member by member). A non-finite input sends NaN and keeps its residual.
+"""
 
 from __future__ import annotations
 

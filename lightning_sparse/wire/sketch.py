@@ -1,6 +1,11 @@
 """Count-sketch (Sketched SGD) of every sparse member of a bucket at once, in a fixed number of operators.
 
-The hashes are drawn per bucket from (seed, step, the bucket's members), not as the per-tensor draws."""
+Round 1 all-reduces every member's ``rows x cols`` table of its pre-truncated ``p = g + e``; each member's
+``c = ceil(p2 * k)`` largest estimates are its candidates, and round 2 all-reduces ``p`` there; per member the
+``k`` largest ``|sums|`` are applied and the residual keeps the rest (``sent + e_new == p``). The hashes are
+drawn per bucket from (seed, step, the bucket's members): the same on every rank, not the per-tensor draws.
+A member whose input is not finite sketches nothing and sends NaN; its residual keeps its old value.
+"""
 
 from __future__ import annotations
 
