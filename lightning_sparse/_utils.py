@@ -11,6 +11,7 @@ import random
 import socket
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -195,12 +196,24 @@ def end_process_group(exit_code: int | None = None) -> None:
     interpreter shutdown can abort a gloo thread (docs/guarantees.md, "Exit code"); with ``exit_code``, then flush
     stdout and stderr and leave at once (``os._exit``: call it last)."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        _barrier_and_settle()
         dist.destroy_process_group()
     if exit_code is not None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+#: after the barrier, how long the main thread sleeps (the interpreter lock released) for gloo's worker threads
+#: to drop the last collectives they ran: a work completes a moment before its thread releases it
+_SETTLE_SECONDS = 0.05
+
+
+def _barrier_and_settle() -> None:
+    """A barrier of every rank (every collective issued before it completes), then a pause in which the worker
+    threads that ran them free what they held while the interpreter is whole."""
+    dist.barrier()
+    time.sleep(_SETTLE_SECONDS)
 
 
 class _ExitPlan:
@@ -240,7 +253,7 @@ def _end_at_exit() -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.group.WORLD is not _EXIT.group:
         return
     try:
-        dist.barrier()
+        _barrier_and_settle()
         if _EXIT.created:
             dist.destroy_process_group()
     except Exception:  # a rank is gone or failed: there is nothing to end together
