@@ -13,9 +13,32 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 from lightning_sparse._utils import free_port
+
+#: ``sparse_fsdp`` runs here: FSDP2 on CPUs needs torch 2.7 (the strategies refuse older ones at construction)
+FSDP2 = torch.torch_version.TorchVersion(torch.__version__) >= "2.7"
+needs_fsdp2 = pytest.mark.skipif(not FSDP2, reason="sparse_fsdp needs torch >= 2.7")
+#: ``sparse_fsdp`` under fault tolerance: a healing group's streaming load takes an empty shard from torch 2.10
+FSDP2_FT = torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
+
+
+def skip_without_ft() -> None:
+    """Skip (a test, or a module where called at import) without torchft or with a torch it cannot run on."""
+    pytest.importorskip("torchft")
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
+        pytest.skip("fault_tolerant=True needs torch >= 2.8", allow_module_level=True)
+
+
+try:  # FSDP2's collectives can be wrapped, so the bytes moved inside a group are counted (torch 2.9 and newer)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather  # noqa: F401
+
+    GROUP_BYTES = True
+except ImportError:
+    GROUP_BYTES = False
 
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import DistPool
+from _dist import DistPool, needs_fsdp2
+
+pytestmark = needs_fsdp2
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import FSDP2_FT, skip_without_ft  # noqa: E402
 
-pytest.importorskip("torchft")
+skip_without_ft()
 
 from lightning_sparse._utils import free_port  # noqa: E402
 
@@ -295,6 +296,7 @@ def test_a_group_whose_update_went_nonfinite_once_heals(tmp_path: Path) -> None:
     assert all(torch.isfinite(v).all() for v in results[0]["params"].values()) and _identical(results)
 
 
+@pytest.mark.skipif(not FSDP2_FT, reason="sparse_fsdp under fault tolerance needs torch >= 2.10")
 @pytest.mark.parametrize("front", ["trainer", pytest.param("fabric", marks=pytest.mark.slow)])
 def test_sparse_fsdp_groups_of_two_processes_heal_and_end_identical(tmp_path: Path, front: str) -> None:
     """Each group shards its model across its two processes (FSDP2); process r of a group exchanges

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _dist import skip_without_ft  # noqa: E402
 
-pytest.importorskip("torchft")
+skip_without_ft()
 
 from test_ft import CONFIG, Groups  # noqa: E402
 

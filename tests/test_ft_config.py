@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+from _dist import FSDP2_FT, skip_without_ft
 
 from lightning_sparse import SparseDDPStrategy
 from lightning_sparse.config import SparseConfig
@@ -41,7 +42,7 @@ def test_the_environment_is_read_and_every_missing_variable_is_named() -> None:
 
 @pytest.mark.parametrize("shell", [SparseDDPStrategy, FabricSparseDDPStrategy], ids=["trainer", "fabric"])
 def test_a_missing_variable_fails_at_construction(shell: type, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("torchft")
+    skip_without_ft()
     for key in ENV:
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE"):
@@ -60,6 +61,13 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
         SparseConfig(fault_tolerant=True)
 
 
+def test_a_torch_before_2_8_is_refused(monkeypatch: pytest.MonkeyPatch, ft_env: None) -> None:
+    pytest.importorskip("torchft")  # on any torch: the version is set below
+    monkeypatch.setattr("torch.__version__", "2.7.1+cu126")  # torchft 0.2 sets gloo options 2.7 lacks
+    with pytest.raises(RuntimeError, match=r"fault_tolerant=True needs torch >= 2\.8 .*this is torch 2\.7\.1\+cu126"):
+        SparseConfig(fault_tolerant=True)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -74,11 +82,12 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
     ],
 )
 def test_bad_settings_are_refused_naming_the_argument(kwargs: dict, message: str, ft_env: None) -> None:
-    pytest.importorskip("torchft")
+    skip_without_ft()
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         SparseConfig(**kwargs)
 
 
+@pytest.mark.skipif(not FSDP2_FT, reason="sparse_fsdp under fault tolerance needs torch >= 2.10")
 @pytest.mark.parametrize("shell", [SparseFSDPStrategy, FabricSparseFSDPStrategy], ids=["trainer", "fabric"])
 def test_sparse_fsdp_under_fault_tolerance_refuses_a_shard_size(shell: type) -> None:
     with pytest.raises(ValueError, match=r"shard_size=2 is not allowed with fault_tolerant=True: expected None"):
@@ -86,10 +95,11 @@ def test_sparse_fsdp_under_fault_tolerance_refuses_a_shard_size(shell: type) -> 
 
 
 def test_fault_tolerant_strategies_build_their_exchange_on_torchft(ft_env: None) -> None:
-    pytest.importorskip("torchft")
+    skip_without_ft()
     from lightning_sparse.exchange.ft import ReplicaCommit
 
-    for shell in (SparseDDPStrategy, FabricSparseDDPStrategy, SparseFSDPStrategy, FabricSparseFSDPStrategy):
+    fsdp = (SparseFSDPStrategy, FabricSparseFSDPStrategy) if FSDP2_FT else ()
+    for shell in (SparseDDPStrategy, FabricSparseDDPStrategy, *fsdp):
         strategy = shell(fault_tolerant=True, sync_every=4, value_bits=2, min_replicas=2, quorum_timeout=5.0)
         update = strategy.update_exchange
         assert type(update) is UpdateExchange and isinstance(update.commit, ReplicaCommit)

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from _dist import FSDP2
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_sparse
@@ -85,6 +86,35 @@ def test_update_mode_takes_the_ddp_arguments_its_replicas_honour() -> None:
     assert not SparseDDPStrategy(compress="gradient", check_reduction=True)._core.replicated  # DDP's there
 
 
+def test_update_mode_takes_init_sync_where_ddp_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sparse.strategies import ddp_args
+
+    class OlderDDP(DistributedDataParallel):  # torch before 2.5: no init_sync
+        def __init__(self, module: torch.nn.Module, broadcast_buffers: bool = True) -> None:
+            super().__init__(module, broadcast_buffers=broadcast_buffers)
+
+    monkeypatch.setattr(ddp_args, "DistributedDataParallel", OlderDDP)
+    assert SparseDDPStrategy(init_sync=False)._ddp_kwargs["init_sync"] is False  # the replicas take it
+    with pytest.raises(ValueError, match=r"init_sync=False is not allowed: .*which takes broadcast_buffers\."):
+        SparseDDPStrategy(compress="gradient", init_sync=False)  # DDP would get it
+
+
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_a_torch_before_2_7_is_refused_at_construction(front: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_sparse import FabricSparseFSDPStrategy, SparseFSDPStrategy
+
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")  # FSDP2 public, but not on CPUs yet
+    strategy = SparseFSDPStrategy if front == "trainer" else FabricSparseFSDPStrategy
+    with pytest.raises(RuntimeError, match=r"SparseFSDPStrategy needs torch >= 2\.7 .*this is torch 2\.6\.0\+cpu"):
+        strategy()
+    monkeypatch.setattr(torch, "__version__", "2.7.0")
+    strategy()
+    with pytest.raises(RuntimeError, match=r">= 2\.10 with fault_tolerant=True .*this is torch 2\.7\.0"):
+        strategy(fault_tolerant=True)
+
+
 def test_none_for_a_conflicting_ddp_argument_means_none() -> None:
     # the Lightning CLI passes DDPStrategy's own arguments, None when not given
     s = SparseDDPStrategy(ddp_comm_hook=None, ddp_comm_state=None, model_averaging_period=None)
@@ -126,12 +156,12 @@ def test_presets_by_name_and_by_call_in_every_front_end() -> None:
             got = {k: getattr(config, k) for k in settings if k not in ("outer_optimizer", "density")}
             assert got == {k: v for k, v in settings.items() if k not in ("outer_optimizer", "density")}
             assert config.schedule.density(0) == settings.get("density", 0.01)
-    # a preset with arguments on top, in the FSDP2 front ends too
-    strategy = lightning_sparse.SparseFSDPStrategy.preset("4000x", shard_size=2, density=0.02)
-    config = strategy.sparse_state.config
-    assert (config.sync_every, config.value_bits, config.flush_at_end) == (16, 2, 4)
-    assert config.schedule.density(0) == 0.02
-    assert lightning_sparse.FabricSparseFSDPStrategy.preset("1000x").sparse_state.config.sync_every == 4
+    if FSDP2:  # a preset with arguments on top, in the FSDP2 front ends too
+        strategy = lightning_sparse.SparseFSDPStrategy.preset("4000x", shard_size=2, density=0.02)
+        config = strategy.sparse_state.config
+        assert (config.sync_every, config.value_bits, config.flush_at_end) == (16, 2, 4)
+        assert config.schedule.density(0) == 0.02
+        assert lightning_sparse.FabricSparseFSDPStrategy.preset("1000x").sparse_state.config.sync_every == 4
     with pytest.raises(
         ValueError,
         match=r"preset='10x' is not allowed: expected one of \['1000x', '2000x', '4000x', '8000x', '10000x'\]",

@@ -40,6 +40,17 @@ def _step(model: Any, opt: Any, exchange: Any, x: Any, y: Any) -> None:
     opt.zero_grad(set_to_none=False)
 
 
+def _ddp(module: Any, **kwargs: Any) -> Any:
+    """DDP without its initial broadcast (the models start equal), where this torch's DDP can skip it (2.5+)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        kwargs["init_sync"] = False
+    return DistributedDataParallel(module, **kwargs)
+
+
 def _update_model(module: Any, strategy: Any) -> Any:
     """Update mode's model, bound to the strategy's exchange, as the package at hand builds it:
     ``Replicas``, or DDP with ``update_comm_hook`` (which kept each rank's own gradient) at the
@@ -47,11 +58,9 @@ def _update_model(module: Any, strategy: Any) -> Any:
     try:
         from lightning_sparse.exchange.replicas import Replicas
     except ImportError:
-        from torch.nn.parallel import DistributedDataParallel
-
         from lightning_sparse.exchange.hook import update_comm_hook  # removed with Replicas
 
-        model = DistributedDataParallel(module, init_sync=False, **strategy._ddp_kwargs)
+        model = _ddp(module, **strategy._ddp_kwargs)
         strategy.update_exchange.bind(model.module.named_parameters(), process_group=model.process_group)
         model.register_comm_hook(strategy.sparse_state, update_comm_hook)
         return model
@@ -73,7 +82,6 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
 
     from benchmarks.compressors import parse_compressor
     from lightning_sparse import SparseDDPStrategy, sparse_comm_hook
@@ -99,7 +107,7 @@ def worker(args: argparse.Namespace) -> int:
     runs: list[tuple[str, nn.Module, Any]] = []
     exchanges: list[Any] = []  # per run: its UpdateExchange (update mode), else None
     if not args.no_dense:
-        runs.append((DENSE, DistributedDataParallel(make_model(), init_sync=False), None))
+        runs.append((DENSE, _ddp(make_model()), None))
         exchanges.append(None)
     gather_exchanges: list[Exchange] = args.exchanges  # top-k-type compressors: each one asked for
     other_exchanges: list[Exchange] = ["auto"]
@@ -138,7 +146,7 @@ def worker(args: argparse.Namespace) -> int:
             if exchange is not None:
                 model = _update_model(make_model(), strategy)
             else:
-                model = DistributedDataParallel(make_model(), init_sync=False, **strategy._ddp_kwargs)
+                model = _ddp(make_model(), **strategy._ddp_kwargs)
                 state.bind(model.module.named_parameters(), process_group=model.process_group)
                 model.register_comm_hook(state, sparse_comm_hook)
             extra = ("" if how == "auto" else ", " + how) + ("" if sync == 1 else f", every {sync} steps")
@@ -156,7 +164,7 @@ def worker(args: argparse.Namespace) -> int:
     peer_bytes: dict[int, int] = {}  # run index -> bytes its timed steps handed to collectives
     for name in args.peers:
         peer = Peer.parse(name)
-        model = DistributedDataParallel(make_model(), init_sync=False)
+        model = _ddp(make_model())
         model.register_comm_hook(*peer.registered_hook())
         peer_bytes[len(runs)] = 0
         runs.append((peer.label, model, None))

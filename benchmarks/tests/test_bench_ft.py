@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
+if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
+    pytest.skip("fault_tolerant=True needs torch >= 2.8", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,13 +6,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["ReplicaGroupEnv", "check_fault_tolerance", "group_store", "require_torchft", "shard_across_groups"]
 
 
 def require_torchft() -> None:
-    """Import torchft; without it, ImportError naming the extra that installs it."""
+    """Import torchft; without it, ImportError naming the extra that installs it. A torch before 2.8 is refused
+    (RuntimeError): torchft 0.2's gloo groups set an option field that 2.7 lacks."""
     try:
         import torchft  # noqa: F401
     except ImportError as error:
@@ -20,6 +22,10 @@ def require_torchft() -> None:
             f"fault_tolerant=True needs torchft (torchft>=0.2, Linux), which is not installed ({error}); "
             "install the optional extra: pip install 'lightning_sparse[ft]'"
         ) from error
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
+        raise RuntimeError(
+            f"fault_tolerant=True needs torch >= 2.8 (torchft's process groups); this is torch {torch.__version__}."
+        )
 
 
 @dataclass(frozen=True)

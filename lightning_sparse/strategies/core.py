@@ -88,7 +88,9 @@ class SparseCore:
     """
 
     def __init__(self, config: SparseConfig, ddp_kwargs: dict[str, Any] | None = None) -> None:
-        extra = check_ddp_kwargs(ddp_kwargs)
+        # update mode's replicas take some of DDP's arguments themselves (init_sync too, where DDP lacks it)
+        replicated = config.compress == "update" and not config.fault_tolerant
+        extra = check_ddp_kwargs(ddp_kwargs, REPLICA_ARGS if replicated else frozenset())
         self.config = config
         self.state = SparseState(config)
         self.update: UpdateExchange | None = None
@@ -101,7 +103,7 @@ class SparseCore:
             self.update = UpdateExchange(self.state, bucket_bytes=cap, outer_step=outer, commit=commit)
         self.ddp_kwargs: dict[str, Any] = {**extra, **config.ddp_kwargs}
         #: update mode builds no DistributedDataParallel (but for a fault-tolerant group's own average)
-        self.replicated = self.update is not None and not config.fault_tolerant
+        self.replicated = replicated
         others = sorted(set(extra) - REPLICA_ARGS) if self.replicated else []
         if others:
             raise ValueError(

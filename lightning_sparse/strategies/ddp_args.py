@@ -20,15 +20,16 @@ _CONFLICTING_DDP_ARGS = {
 }
 
 
-def check_ddp_kwargs(ddp_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def check_ddp_kwargs(ddp_kwargs: dict[str, Any] | None, honoured: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The further ``DistributedDataParallel`` arguments, checked: ValueError for one that would install a second
-    communication hook or that DDP does not take; one given as None is dropped."""
+    communication hook or that neither DDP (this torch's) nor ``honoured`` (what update mode's replicas take in
+    DDP's place) takes; one given as None is dropped."""
     extra = dict(ddp_kwargs or {})
     for name, why in _CONFLICTING_DDP_ARGS.items():
         if extra.get(name) is not None:
             raise ValueError(f"{name}={extra[name]!r} is not allowed with SparseDDPStrategy: {why}.")
         extra.pop(name, None)  # None: none of it (what the Lightning CLI passes)
-    allowed = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    allowed = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"} | honoured
     for name in extra:
         if name not in allowed:
             raise ValueError(

@@ -55,12 +55,21 @@ class ShardedFront(SparseShell):
     num_processes: int
 
     def _take_sharding(self, settings: dict[str, Any], shard_size: Any, sharded_modules: Any) -> None:
-        """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode; keep them."""
+        """Refuse (ValueError) bad sharding arguments and, among the ``settings``, those of gradient mode; keep them.
+        A torch before 2.7 is refused (RuntimeError): FSDP2 is public from 2.6, and runs on CPUs from 2.7; with
+        ``fault_tolerant=True``, before 2.10, whose streaming load of a healing group's state refuses an empty shard."""
         fields = SparseConfig.__dataclass_fields__
         compress, fallback_to_dense, momentum_correction, fault_tolerant = (
             settings.get(n, fields[n].default)
             for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
         )
+        version = torch.torch_version.TorchVersion(torch.__version__)
+        if version < "2.7" or (fault_tolerant is True and version < "2.10"):
+            raise RuntimeError(
+                f"{type(self).__name__} needs torch >= 2.7 (FSDP2's torch.distributed.fsdp.fully_shard, on CPUs and "
+                "GPUs), and >= 2.10 with fault_tolerant=True (a healing group loads shards that may be empty); this "
+                f"is torch {torch.__version__}. Upgrade torch, or use SparseDDPStrategy."
+            )
         rules = (
             (fault_tolerant is True and shard_size is not None,
              f"shard_size={shard_size!r} is not allowed with fault_tolerant=True: expected None (a replica group is "
