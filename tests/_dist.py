@@ -6,6 +6,7 @@ reused; a test that fails or hangs (a collective that never completes) restarts 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import traceback
@@ -24,6 +25,10 @@ FSDP2 = torch.torch_version.TorchVersion(torch.__version__) >= "2.7"
 needs_fsdp2 = pytest.mark.skipif(not FSDP2, reason="sparse_fsdp needs torch >= 2.7")
 #: ``sparse_fsdp`` under fault tolerance: a healing group's streaming load takes an empty shard from torch 2.10
 FSDP2_FT = torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
+
+
+#: torchft is installed and this torch runs it (2.8 and newer)
+FT = importlib.util.find_spec("torchft") is not None and torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 
 
 def skip_without_ft() -> None:

