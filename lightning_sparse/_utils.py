@@ -191,6 +191,20 @@ def check_same_everywhere(settings: dict[str, Any], group: Any, world_size: int)
         )
 
 
+#: the oldest torch each part runs on (docs/getting-started.md, "Versions"): FSDP2 on CPUs, torchft 0.2's process
+#: groups, and a healing ``sparse_fsdp`` group's streaming load of shards that may be empty
+TORCH_FOR_FSDP2, TORCH_FOR_FT, TORCH_FOR_FSDP2_FT = "2.7", "2.8", "2.10"
+
+
+def torch_at_least(version: str) -> bool:
+    """Whether the torch at hand is ``version`` or newer (read at each call).
+
+    >>> torch_at_least("2.0")
+    True
+    """
+    return torch.torch_version.TorchVersion(torch.__version__) >= version
+
+
 def end_process_group(exit_code: int | None = None) -> None:
     """End the default process group on every rank together (a barrier, then destroy), if one exists, before
     interpreter shutdown can abort a gloo thread (docs/guarantees.md, "Exit code"); with ``exit_code``, then flush

@@ -18,24 +18,21 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lightning_sparse._utils import free_port
+from lightning_sparse._utils import TORCH_FOR_FSDP2, TORCH_FOR_FSDP2_FT, TORCH_FOR_FT, free_port, torch_at_least
 
-#: ``sparse_fsdp`` runs here: FSDP2 on CPUs needs torch 2.7 (the strategies refuse older ones at construction)
-FSDP2 = torch.torch_version.TorchVersion(torch.__version__) >= "2.7"
-needs_fsdp2 = pytest.mark.skipif(not FSDP2, reason="sparse_fsdp needs torch >= 2.7")
-#: ``sparse_fsdp`` under fault tolerance: a healing group's streaming load takes an empty shard from torch 2.10
-FSDP2_FT = torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
-
-
-#: torchft is installed and this torch runs it (2.8 and newer)
-FT = importlib.util.find_spec("torchft") is not None and torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
+#: what the torch at hand runs (the strategies refuse the rest at construction)
+FSDP2 = torch_at_least(TORCH_FOR_FSDP2)
+needs_fsdp2 = pytest.mark.skipif(not FSDP2, reason=f"sparse_fsdp needs torch >= {TORCH_FOR_FSDP2}")
+FSDP2_FT = torch_at_least(TORCH_FOR_FSDP2_FT)
+#: torchft is installed and this torch runs it
+FT = importlib.util.find_spec("torchft") is not None and torch_at_least(TORCH_FOR_FT)
 
 
 def skip_without_ft() -> None:
     """Skip (a test, or a module where called at import) without torchft or with a torch it cannot run on."""
     pytest.importorskip("torchft")
-    if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
-        pytest.skip("fault_tolerant=True needs torch >= 2.8", allow_module_level=True)
+    if not torch_at_least(TORCH_FOR_FT):
+        pytest.skip(f"fault_tolerant=True needs torch >= {TORCH_FOR_FT}", allow_module_level=True)
 
 
 try:  # FSDP2's collectives can be wrapped, so the bytes moved inside a group are counted (torch 2.9 and newer)
@@ -47,7 +44,6 @@ except ImportError:
 
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from lightning_sparse._utils import TORCH_FOR_FT, torch_at_least
 
 pytest.importorskip("torchft")
-if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
-    pytest.skip("fault_tolerant=True needs torch >= 2.8", allow_module_level=True)
+if not torch_at_least(TORCH_FOR_FT):
+    pytest.skip(f"fault_tolerant=True needs torch >= {TORCH_FOR_FT}", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from benchmarks.parties import format_table
+from lightning_sparse._utils import TORCH_FOR_FT, torch_at_least
 from lightning_sparse.demos.gpt import TinyGPT
 
 
@@ -21,9 +21,7 @@ from lightning_sparse.demos.gpt import TinyGPT
 def test_parties_bench_runs_dense_and_sparse_rows(tmp_path: Path) -> None:
     out = tmp_path / "parties.json"
     # its row where torchft is installed and this torch runs it (2.8 and newer)
-    diloco = (
-        importlib.util.find_spec("torchft") is not None and torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
-    )
+    diloco = importlib.util.find_spec("torchft") is not None and torch_at_least(TORCH_FOR_FT)
     cmd = [sys.executable, "-m", "benchmarks", "parties", "--parties", "2", "--samples", "320", "--width", "32",
            "--layers", "1", "--variants", 'outer2={"outer_lr": 2.0}', *(['diloco={"diloco": 4}'] * diloco),
            "--timeout", "300", "--json", str(out)]  # fmt: skip

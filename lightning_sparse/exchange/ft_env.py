@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_sparse._utils import TORCH_FOR_FT, torch_at_least
+
 __all__ = ["ReplicaGroupEnv", "check_fault_tolerance", "group_store", "require_torchft", "shard_across_groups"]
 
 
@@ -22,9 +24,10 @@ def require_torchft() -> None:
             f"fault_tolerant=True needs torchft (torchft>=0.2, Linux), which is not installed ({error}); "
             "install the optional extra: pip install 'lightning_sparse[ft]'"
         ) from error
-    if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
+    if not torch_at_least(TORCH_FOR_FT):
         raise RuntimeError(
-            f"fault_tolerant=True needs torch >= 2.8 (torchft's process groups); this is torch {torch.__version__}."
+            f"fault_tolerant=True needs torch >= {TORCH_FOR_FT} (torchft's process groups); this is torch "
+            f"{torch.__version__}."
         )
 
 

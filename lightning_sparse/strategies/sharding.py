@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 
+from lightning_sparse._utils import TORCH_FOR_FSDP2, TORCH_FOR_FSDP2_FT, torch_at_least
 from lightning_sparse.config import SparseConfig, setting_names
 from lightning_sparse.exchange.fallback import TimedFallback
 from lightning_sparse.strategies.checkpoint import CHECKPOINT_KEY, map_leaves
@@ -63,12 +64,12 @@ class ShardedFront(SparseShell):
             settings.get(n, fields[n].default)
             for n in ("compress", "fallback_to_dense", "momentum_correction", "fault_tolerant")
         )
-        version = torch.torch_version.TorchVersion(torch.__version__)
-        if version < "2.7" or (fault_tolerant is True and version < "2.10"):
+        if not torch_at_least(TORCH_FOR_FSDP2_FT if fault_tolerant is True else TORCH_FOR_FSDP2):
             raise RuntimeError(
-                f"{type(self).__name__} needs torch >= 2.7 (FSDP2's torch.distributed.fsdp.fully_shard, on CPUs and "
-                "GPUs), and >= 2.10 with fault_tolerant=True (a healing group loads shards that may be empty); this "
-                f"is torch {torch.__version__}. Upgrade torch, or use SparseDDPStrategy."
+                f"{type(self).__name__} needs torch >= {TORCH_FOR_FSDP2} (FSDP2's torch.distributed.fsdp.fully_shard, "
+                f"on CPUs and GPUs), and >= {TORCH_FOR_FSDP2_FT} with fault_tolerant=True (a healing group loads "
+                f"shards that may be empty); this is torch {torch.__version__}. Upgrade torch, or use "
+                "SparseDDPStrategy."
             )
         rules = (
             (fault_tolerant is True and shard_size is not None,
